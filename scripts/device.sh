@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (DESIGN.md section 7): configure + build, `ctest -L gpu`, compute-sanitizer
+# (memcheck, racecheck) on a 2-rank case, the EP benchmarks; logs under $OUT, a summary table last.
+#   OUT=/tmp/out scripts/device.sh            # everything (LibTorch found -> model/rl/cli built too)
+#   MOERL_DEVICE_TORCH=OFF scripts/device.sh  # only the EP library and the gpu tests (fast)
+# Keeps within ~8 minutes: each step has its own timeout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-gpu}
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+declare -A STATUS
+step() { STATUS[$1]=$2; echo "== $1: $2"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+echo "GPUs: $NGPU"; cat "$OUT/gpu.txt"
+
+# --- configure ------------------------------------------------------------------------------------
+ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOERL_WITH_CUDA=ON -DMOERL_WITH_FABRIC=OFF -DMOERL_WITH_REDIS=OFF
+      -DCMAKE_CUDA_ARCHITECTURES=90
+      -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
+TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+if [ "${MOERL_DEVICE_TORCH:-ON}" = ON ] && [ -n "$TORCH_PREFIX" ]; then
+  ARGS+=(-DMOERL_WITH_TORCH=ON "-DCMAKE_PREFIX_PATH=$TORCH_PREFIX")
+else
+  ARGS+=(-DMOERL_WITH_TORCH=OFF)
+fi
+# NCCL: the toolkit's copy if present, else the one inside PyTorch's nvidia-nccl wheel.
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+if [ -f "$CUDA_HOME/include/nccl.h" ] && ls "$CUDA_HOME"/lib64/libnccl.so* >/dev/null 2>&1; then
+  echo "NCCL from $CUDA_HOME"
+else
+  NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null ||
+             python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
+  NCCL_LIB=$(ls "$NCCL_DIR"/lib/libnccl.so* 2>/dev/null | head -1)
+  if [ -n "$NCCL_LIB" ] && [ -f "$NCCL_DIR/include/nccl.h" ]; then
+    echo "NCCL from the wheel: $NCCL_DIR"
+    ARGS+=("-DNCCL_LIBRARY=$NCCL_LIB" "-DCMAKE_CXX_FLAGS=-I$NCCL_DIR/include")
+    export LD_LIBRARY_PATH="$NCCL_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  else
+    echo "NCCL not found: the nccl engine is built as a stub"
+  fi
+fi
+if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step configure ok; else
+  step configure FAILED; tail -30 "$OUT/configure.log"; fi
+
+# --- build: the gpu tests first, then everything else within a time budget -------------------------
+if timeout 300 cmake --build "$BUILD" -j16 --target ep_cuda_test >"$OUT/build.log" 2>&1; then step build_ep ok; else
+  step build_ep FAILED; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
+if timeout 200 cmake --build "$BUILD" -j16 >>"$OUT/build.log" 2>&1; then step build_all ok; else
+  step build_all "FAILED (see build.log)"; grep -E "error:|FAILED" "$OUT/build.log" | head -10; fi
+
+# --- tests --------------------------------------------------------------------------------------------
+(cd "$BUILD" && timeout 360 ctest -L gpu --output-on-failure --timeout 300 -j1) >"$OUT/ctest.log" 2>&1
+grep -E "tests passed|Failed|\*\*\*|Not Run|Passed|Skipped" "$OUT/ctest.log" | tail -40
+step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
+
+# --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
+TEST_BIN=$BUILD/tests/gpu/ep_cuda_test
+CASE='Engines/DeviceConformance.MatchesHostReference/cuda_w2_bf16_e8_k4_h72_t40'
+if [ -x "$TEST_BIN" ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $tool --target-processes all --print-limit 20 \
+      "$TEST_BIN" --gtest_filter="$CASE" >"$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?
+    step "sanitizer_$tool" "rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-$tool.log" | sort | uniq -c | tr '\n' ' ')"
+  done
+else
+  step sanitizer "skipped (no test binary or compute-sanitizer)"
+fi
+
+# --- benchmarks (the lead's CLI) ----------------------------------------------------------------------
+MOERL=$BUILD/src/cli/moerl
+if [ -x "$MOERL" ]; then
+  export MOERL_EP_CUDA_ASYNC=1  # no end-of-call synchronisation inside the engine while timing
+  timeout 120 "$MOERL" bench ep --transport cuda >"$OUT/bench-cuda.log" 2>&1
+  step bench_cuda "rc=$?"
+  if [ "$NGPU" -ge 2 ]; then
+    timeout 120 "$MOERL" bench ep --transport nccl >"$OUT/bench-nccl.log" 2>&1
+    step bench_nccl "rc=$?"
+  else
+    step bench_nccl "skipped (one GPU)"
+  fi
+  tail -30 "$OUT"/bench-*.log
+else
+  step bench "skipped ($MOERL not built)"
+fi
+
+echo
+echo "| step | result |"
+echo "|---|---|"
+for k in configure build_ep build_all ctest_gpu sanitizer sanitizer_memcheck sanitizer_racecheck bench bench_cuda bench_nccl; do
+  [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
+done

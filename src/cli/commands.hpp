@@ -1,0 +1,18 @@
+// Each layer adds its subcommands to the one `moerl` binary through these functions.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace moerl::cli {
+
+// launch, worker plumbing and `bench ep` (cmd_launch.cpp, cmd_bench_ep.cpp).
+void register_launch_command(CLI::App& app);
+void register_bench_ep(CLI::App& bench);
+// `model init`, `ckpt inspect`, `bench model` (cmd_model.cpp).
+void register_model_commands(CLI::App& app, CLI::App& bench);
+// `run`, `worker`, `bench rollout` (cmd_run.cpp).
+void register_run_commands(CLI::App& app, CLI::App& bench);
+// `worker --role ...` (cmd_worker.cpp).
+void register_worker_commands(CLI::App& app);
+
+}  // namespace moerl::cli

@@ -1,0 +1,157 @@
+#include "launch.hpp"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <thread>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "moerl/core/env.hpp"
+#include "moerl/core/error.hpp"
+
+namespace moerl::cli {
+
+namespace {
+
+class TcpStoreAdapter final : public ep::Store {
+public:
+    explicit TcpStoreAdapter(c10::intrusive_ptr<c10d::TCPStore> store) : store_(std::move(store)) {}
+    void set(const std::string& key, const std::vector<uint8_t>& value) override { store_->set(key, value); }
+    std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
+        try {
+            store_->wait({key}, timeout);
+        } catch (const std::exception& e) {
+            throw TimeoutError("TCPStore: key '" + key + "' did not appear within " +
+                                   std::to_string(timeout.count()) + " ms (" + e.what() + ")",
+                               __FILE__, __LINE__);
+        }
+        return store_->get(key);
+    }
+
+private:
+    c10::intrusive_ptr<c10d::TCPStore> store_;
+};
+
+volatile sig_atomic_t g_forward_signal = 0;
+void on_signal(int sig) { g_forward_signal = sig; }
+
+}  // namespace
+
+RankEnv rank_env_from_environment() {
+    RankEnv e;
+    e.rank = static_cast<int>(env::get_int("RANK", 0));
+    e.world_size = static_cast<int>(env::get_int("WORLD_SIZE", 1));
+    e.local_rank = static_cast<int>(env::get_int("LOCAL_RANK", e.rank));
+    e.local_world_size = static_cast<int>(env::get_int("LOCAL_WORLD_SIZE", e.world_size));
+    e.master_addr = env::get_string("MASTER_ADDR", "127.0.0.1");
+    e.master_port = static_cast<int>(env::get_int("MASTER_PORT", 29500));
+    MOERL_CHECK(e.world_size >= 1 && e.rank >= 0 && e.rank < e.world_size, "RANK=", e.rank, " WORLD_SIZE=",
+                e.world_size, ": expected 0 <= RANK < WORLD_SIZE");
+    return e;
+}
+
+std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s) {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(env.master_port);
+    const bool agent = env::get_string("TORCHELASTIC_USE_AGENT_STORE", "") == "True";
+    o.isServer = !agent && env.rank == 0;
+    o.numWorkers = env.world_size;
+    o.waitWorkers = false;
+    o.timeout = std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
+    try {
+        return std::make_unique<TcpStoreAdapter>(c10::make_intrusive<c10d::TCPStore>(env.master_addr, o));
+    } catch (const std::exception& e) {
+        MOERL_FAIL("cannot reach the rendezvous store at ", env.master_addr, ":", env.master_port, ": ", e.what());
+    }
+}
+
+std::shared_ptr<void> host_tcp_store(int& port, int world_size) {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(port);
+    o.isServer = true;
+    o.numWorkers = world_size;
+    o.waitWorkers = false;
+    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+    port = store->getPort();
+    auto holder = std::make_shared<c10::intrusive_ptr<c10d::TCPStore>>(std::move(store));
+    return std::static_pointer_cast<void>(holder);
+}
+
+int launch_local(int num_ranks, const std::vector<std::string>& argv, int master_port, double grace_s) {
+    MOERL_CHECK(num_ranks >= 1, "launch: -n ", num_ranks, ", expected >= 1");
+    MOERL_CHECK(!argv.empty(), "launch: no command given (usage: moerl launch -n N -- command args...)");
+    int port = master_port;
+    auto server = host_tcp_store(port, num_ranks);
+    std::vector<pid_t> pids;
+    for (int r = 0; r < num_ranks; ++r) {
+        pid_t pid = fork();
+        MOERL_CHECK(pid >= 0, "launch: fork failed: ", std::strerror(errno));
+        if (pid == 0) {
+            setenv("RANK", std::to_string(r).c_str(), 1);
+            setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+            setenv("WORLD_SIZE", std::to_string(num_ranks).c_str(), 1);
+            setenv("LOCAL_WORLD_SIZE", std::to_string(num_ranks).c_str(), 1);
+            setenv("GROUP_RANK", "0", 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+            setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+            std::vector<char*> args;
+            for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+            args.push_back(nullptr);
+            execvp(args[0], args.data());
+            std::cerr << "moerl launch: cannot run '" << argv[0] << "': " << std::strerror(errno) << "\n";
+            _exit(127);
+        }
+        pids.push_back(pid);
+    }
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    int result = 0;
+    int alive = num_ranks;
+    bool stopping = false;
+    auto stop_deadline = std::chrono::steady_clock::time_point::max();
+    auto stop_all = [&](int sig) {
+        for (pid_t p : pids)
+            if (p > 0) kill(p, sig);
+    };
+    while (alive > 0) {
+        if (g_forward_signal != 0 && !stopping) {
+            stop_all(g_forward_signal);
+            stopping = true;
+            result = 128 + g_forward_signal;
+            stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(long(grace_s * 1000));
+        }
+        int status = 0;
+        pid_t done = waitpid(-1, &status, WNOHANG);
+        if (done > 0) {
+            for (int r = 0; r < num_ranks; ++r) {
+                if (pids[r] != done) continue;
+                pids[r] = -1;
+                --alive;
+                int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+                if (code != 0 && !stopping) {
+                    std::cerr << "moerl launch: rank " << r << " exited with status " << code
+                              << "; stopping the other ranks\n";
+                    result = code;
+                    stopping = true;
+                    stop_all(SIGTERM);
+                    stop_deadline =
+                        std::chrono::steady_clock::now() + std::chrono::milliseconds(long(grace_s * 1000));
+                }
+            }
+            continue;
+        }
+        if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+            stop_all(SIGKILL);
+            stop_deadline = std::chrono::steady_clock::time_point::max();
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return result;
+}
+
+}  // namespace moerl::cli

@@ -1,0 +1,156 @@
+// Checkpoint publish and fetch through a CheckpointStore: files first, manifest.json last;
+// readers verify every file's sha256 against the manifest.
+#include <openssl/evp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "moerl/control/control.hpp"
+#include "moerl/core/error.hpp"
+
+namespace moerl::control {
+
+namespace {
+
+namespace fs = std::filesystem;
+constexpr const char* kManifest = "manifest.json";
+
+std::string manifest_to_json(const Manifest& m) {
+    nlohmann::json j;
+    j["version"] = m.version;
+    j["step"] = m.step;
+    j["files"] = nlohmann::json::object();
+    for (const auto& [name, f] : m.files) j["files"][name] = {{"sha256", f.first}, {"bytes", f.second}};
+    return j.dump(2);
+}
+
+Manifest manifest_from_json(const std::string& text, const std::string& source) {
+    Manifest m;
+    try {
+        auto j = nlohmann::json::parse(text);
+        m.version = j.at("version").get<int64_t>();
+        m.step = j.at("step").get<int64_t>();
+        for (const auto& [name, f] : j.at("files").items())
+            m.files[name] = {f.at("sha256").get<std::string>(), f.at("bytes").get<uint64_t>()};
+    } catch (const nlohmann::json::exception& e) {
+        MOERL_FAIL(source, ": not a valid checkpoint manifest: ", e.what());
+    }
+    return m;
+}
+
+std::string read_text(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    MOERL_CHECK(in, "cannot read ", path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A private scratch file name, unique per process and call.
+std::string scratch_path(const std::string& tag) {
+    static std::atomic<uint64_t> counter{0};
+    return (fs::temp_directory_path() /
+            ("moerl-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + "-" + tag))
+        .string();
+}
+
+void verify(const std::string& path, const std::string& what, const std::pair<std::string, uint64_t>& expect) {
+    const uint64_t bytes = fs::file_size(path);
+    MOERL_CHECK(bytes == expect.second, what, " has ", bytes, " bytes, but the manifest says ", expect.second);
+    const std::string sha = sha256_file(path);
+    MOERL_CHECK(sha == expect.first, what, " has sha256 ", sha, ", but the manifest says ", expect.first,
+                " (corrupt or partially written)");
+}
+
+}  // namespace
+
+std::string sha256_file(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    MOERL_CHECK(in, "sha256: cannot open ", path);
+    std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+    MOERL_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1, "sha256: OpenSSL init failed");
+    std::vector<char> buf(1 << 20);
+    while (in) {
+        in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+        if (in.gcount() > 0) MOERL_CHECK(EVP_DigestUpdate(ctx.get(), buf.data(), in.gcount()) == 1, "sha256 failed");
+    }
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    MOERL_CHECK(EVP_DigestFinal_ex(ctx.get(), md, &len) == 1, "sha256: OpenSSL final failed");
+    static const char* hex = "0123456789abcdef";
+    std::string out;
+    for (unsigned i = 0; i < len; ++i) {
+        out += hex[md[i] >> 4];
+        out += hex[md[i] & 15];
+    }
+    return out;
+}
+
+Manifest publish_checkpoint(CheckpointStore& store, const std::string& local_dir, const std::string& name,
+                            int64_t version, int64_t step) {
+    MOERL_CHECK(fs::is_directory(local_dir), "publish_checkpoint: ", local_dir, " is not a directory");
+    MOERL_CHECK(!name.empty(), "publish_checkpoint: empty checkpoint name");
+    Manifest m;
+    m.version = version;
+    m.step = step;
+    std::vector<std::string> rels;
+    for (const auto& e : fs::recursive_directory_iterator(local_dir)) {
+        if (!e.is_regular_file()) continue;
+        std::string rel = fs::relative(e.path(), local_dir).generic_string();
+        if (rel != kManifest) rels.push_back(rel);
+    }
+    std::sort(rels.begin(), rels.end());
+    for (const auto& rel : rels) {
+        const std::string path = (fs::path(local_dir) / rel).string();
+        m.files[rel] = {sha256_file(path), fs::file_size(path)};
+        store.put_file(name + "/" + rel, path);
+    }
+    // The manifest goes last: until it exists, readers ignore the checkpoint.
+    const std::string tmp = scratch_path(kManifest);
+    {
+        std::ofstream out(tmp, std::ios::binary);
+        out << manifest_to_json(m);
+        MOERL_CHECK(out.good(), "publish_checkpoint: cannot write ", tmp);
+    }
+    store.put_file(name + "/" + kManifest, tmp);
+    fs::remove(tmp);
+    return m;
+}
+
+Manifest fetch_checkpoint(CheckpointStore& store, const std::string& name, const std::string& local_dir,
+                          const std::string& cache_dir) {
+    const std::string key = name + "/" + kManifest;
+    MOERL_CHECK(store.exists(key), "checkpoint '", name, "' in ", store.uri(),
+                " has no manifest.json (not published, or still being written)");
+    const std::string tmp = scratch_path(kManifest);
+    store.get_file(key, tmp);
+    const std::string text = read_text(tmp);
+    fs::remove(tmp);
+    Manifest m = manifest_from_json(text, store.uri() + "/" + key);
+    fs::create_directories(local_dir);
+    for (const auto& [rel, expect] : m.files) {
+        const std::string dst = (fs::path(local_dir) / rel).string();
+        const std::string what = "checkpoint '" + name + "' file " + rel;
+        if (fs::path(dst).has_parent_path()) fs::create_directories(fs::path(dst).parent_path());
+        if (!cache_dir.empty()) {
+            const fs::path cached = fs::path(cache_dir) / name / rel;
+            bool hit = fs::is_regular_file(cached) && fs::file_size(cached) == expect.second &&
+                       sha256_file(cached.string()) == expect.first;
+            if (!hit) {
+                fs::create_directories(cached.parent_path());
+                store.get_file(name + "/" + rel, cached.string());
+                verify(cached.string(), what, expect);
+            }
+            fs::copy_file(cached, dst, fs::copy_options::overwrite_existing);
+        } else {
+            store.get_file(name + "/" + rel, dst);
+            verify(dst, what, expect);
+        }
+    }
+    std::ofstream(fs::path(local_dir) / kManifest, std::ios::binary) << text;
+    return m;
+}
+
+}  // namespace moerl::control

@@ -1,0 +1,288 @@
+#include "redis_client.hpp"
+
+#include <openssl/sha.h>
+
+#include <algorithm>
+#include <charconv>
+#include <thread>
+
+#include "moerl/core/env.hpp"
+
+namespace moerl::control::redis {
+
+namespace {
+
+int parse_int(const std::string& text, const char* what, const std::string& url) {
+    int value = 0;
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    MOERL_CHECK(ec == std::errc() && end == text.data() + text.size() && !text.empty(), "redis URL '", url,
+                "': ", what, " '", text, "' is not a number; expected redis://[:password@]host:port[/db]");
+    return value;
+}
+
+timeval to_timeval(std::chrono::milliseconds ms) {
+    timeval tv{};
+    tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
+    tv.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
+    return tv;
+}
+
+std::string sha1_hex(const std::string& text) {
+    unsigned char digest[SHA_DIGEST_LENGTH];
+    SHA1(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
+    static const char* kHex = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : digest) {
+        out += kHex[c >> 4];
+        out += kHex[c & 15];
+    }
+    return out;
+}
+
+// Errors after which the connection is unusable and a fresh one may succeed.
+bool is_connection_error(int err) {
+    return err == REDIS_ERR_IO || err == REDIS_ERR_EOF || err == REDIS_ERR_OTHER;
+}
+
+}  // namespace
+
+Address parse_url(const std::string& url) {
+    Address a;
+    std::string rest;
+    if (url.rfind("redis://", 0) == 0) {
+        rest = url.substr(8);
+    } else if (url.rfind("rediss://", 0) == 0) {
+        rest = url.substr(9);
+        a.tls = true;
+    } else {
+        MOERL_FAIL("redis URL '", url, "': expected redis://[:password@]host:port[/db] or rediss://...");
+    }
+    auto at = rest.rfind('@');
+    if (at != std::string::npos) {
+        std::string userinfo = rest.substr(0, at);
+        rest = rest.substr(at + 1);
+        // "user:password" (ACL) is not supported; ":password" and "password" are.
+        auto colon = userinfo.find(':');
+        a.password = colon == std::string::npos ? userinfo : userinfo.substr(colon + 1);
+        MOERL_CHECK(colon == std::string::npos || colon == 0, "redis URL '", url,
+                    "': a user name is not supported; expected redis://:password@host:port");
+    }
+    auto slash = rest.find('/');
+    if (slash != std::string::npos) {
+        std::string db = rest.substr(slash + 1);
+        if (!db.empty()) a.db = parse_int(db, "database", url);
+        rest = rest.substr(0, slash);
+    }
+    auto colon = rest.rfind(':');
+    if (colon != std::string::npos && rest.find(']') == std::string::npos) {
+        a.host = rest.substr(0, colon);
+        a.port = parse_int(rest.substr(colon + 1), "port", url);
+    } else {
+        a.host = rest;
+    }
+    if (!a.host.empty() && a.host.front() == '[' && a.host.back() == ']')
+        a.host = a.host.substr(1, a.host.size() - 2);
+    MOERL_CHECK(!a.host.empty(), "redis URL '", url, "': no host; expected redis://host:port");
+    MOERL_CHECK(a.port > 0 && a.port < 65536, "redis URL '", url, "': port ", a.port,
+                " is out of range 1..65535");
+    return a;
+}
+
+Options Options::from_env() {
+    Options o;
+    o.retry_budget = std::chrono::milliseconds(env::get_int("MOERL_REDIS_RETRY_MS", o.retry_budget.count()));
+    o.backoff = std::chrono::milliseconds(env::get_int("MOERL_REDIS_BACKOFF_MS", o.backoff.count()));
+    o.io_timeout = std::chrono::milliseconds(env::get_int("MOERL_REDIS_TIMEOUT_MS", o.io_timeout.count()));
+    MOERL_CHECK(
+        o.backoff.count() > 0 && o.io_timeout.count() > 0 && o.retry_budget.count() >= 0,
+        "MOERL_REDIS_BACKOFF_MS and MOERL_REDIS_TIMEOUT_MS must be > 0 and MOERL_REDIS_RETRY_MS >= 0");
+    return o;
+}
+
+std::string as_string(const redisReply* r, const char* what) {
+    MOERL_CHECK(r != nullptr && (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS),
+                "redis reply for ", what, ": expected a string, got type ", r ? r->type : -1);
+    return std::string(r->str, r->len);
+}
+
+long long as_integer(const redisReply* r, const char* what) {
+    MOERL_CHECK(r != nullptr, "redis reply for ", what, ": expected an integer, got nothing");
+    if (r->type == REDIS_REPLY_INTEGER) return r->integer;
+    MOERL_CHECK(r->type == REDIS_REPLY_STRING, "redis reply for ", what, ": expected an integer, got type ",
+                r->type);
+    return std::stoll(std::string(r->str, r->len));
+}
+
+bool is_nil(const redisReply* r) { return r == nullptr || r->type == REDIS_REPLY_NIL; }
+
+std::string field(const redisReply* fields, const std::string& name) {
+    if (fields == nullptr || fields->type != REDIS_REPLY_ARRAY) return "";
+    for (size_t i = 0; i + 1 < fields->elements; i += 2) {
+        const redisReply* k = fields->element[i];
+        if (k->type == REDIS_REPLY_STRING && name.size() == k->len &&
+            name.compare(0, k->len, k->str, k->len) == 0)
+            return as_string(fields->element[i + 1], name.c_str());
+    }
+    return "";
+}
+
+std::string run_key(const std::string& run_id, const std::string& name) {
+    MOERL_CHECK(!run_id.empty(),
+                "run id is empty; expected a name for the run (keys are moerl:{run_id}:...)");
+    return "moerl:{" + run_id + "}:" + name;
+}
+
+Client::Client(const std::string& url, Options options, std::function<void(Client&)> on_connect)
+    : url_(url), address_(parse_url(url)), options_(options), on_connect_(std::move(on_connect)) {
+    // hiredis 1.x ships TLS as a separate library (hiredis_ssl); the 0.14 one this is built against has none.
+    MOERL_CHECK(!address_.tls, "redis URL '", url,
+                "': TLS (rediss://) needs hiredis >= 1.0 with hiredis_ssl, which this build does not have;"
+                " expected redis://");
+    std::lock_guard lock(mutex_);
+    connect_locked();
+}
+
+Client::~Client() { disconnect_locked(); }
+
+uint64_t Client::generation() const {
+    std::lock_guard lock(mutex_);
+    return generation_;
+}
+
+void Client::disconnect_locked() {
+    if (context_ != nullptr) redisFree(context_);
+    context_ = nullptr;
+}
+
+void Client::connect_locked() {
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + options_.retry_budget;
+    auto backoff = options_.backoff;
+    int attempts = 0;
+    std::string last_error;
+    for (;;) {
+        ++attempts;
+        disconnect_locked();
+        context_ =
+            redisConnectWithTimeout(address_.host.c_str(), address_.port, to_timeval(options_.io_timeout));
+        if (context_ == nullptr) {
+            last_error = "cannot allocate a hiredis context";
+        } else if (context_->err != 0) {
+            last_error = context_->errstr;
+        } else {
+            redisSetTimeout(context_, to_timeval(options_.io_timeout));
+            try {
+                if (!address_.password.empty()) {
+                    Reply r(static_cast<redisReply*>(
+                        redisCommand(context_, "AUTH %s", address_.password.c_str())));
+                    if (r == nullptr) throw std::runtime_error(context_->errstr);
+                    MOERL_REDIS_CHECK(r.get(), "AUTH");
+                }
+                if (address_.db != 0) {
+                    Reply r(static_cast<redisReply*>(redisCommand(context_, "SELECT %d", address_.db)));
+                    if (r == nullptr) throw std::runtime_error(context_->errstr);
+                    MOERL_REDIS_CHECK(r.get(), "SELECT " + std::to_string(address_.db));
+                }
+                ++generation_;
+                if (on_connect_ && !in_on_connect_) {
+                    in_on_connect_ = true;
+                    try {
+                        on_connect_(*this);
+                    } catch (...) {
+                        in_on_connect_ = false;
+                        throw;
+                    }
+                    in_on_connect_ = false;
+                }
+                return;
+            } catch (const moerl::Error&) {
+                disconnect_locked();
+                throw;  // wrong password, bad database: retrying does not help
+            } catch (const std::exception& e) {
+                last_error = e.what();
+            }
+        }
+        disconnect_locked();
+        auto now = Clock::now();
+        MOERL_CHECK(now < deadline, "redis server ", address_.host, ":", address_.port, " (", url_,
+                    ") is unreachable: ", last_error, " after ", attempts, " connection attempts in ",
+                    options_.retry_budget.count(), " ms (MOERL_REDIS_RETRY_MS); expected a running Redis 7");
+        std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+    }
+}
+
+Reply Client::command(const std::vector<std::string>& args, std::chrono::milliseconds extra_timeout) {
+    MOERL_CHECK(!args.empty(), "redis command with no arguments");
+    std::lock_guard lock(mutex_);
+    return command_locked(args, extra_timeout, args[0]);
+}
+
+Reply Client::command_locked(const std::vector<std::string>& args, std::chrono::milliseconds extra_timeout,
+                             const std::string& what) {
+    std::vector<const char*> argv;
+    std::vector<size_t> argvlen;
+    for (const auto& a : args) {
+        argv.push_back(a.data());
+        argvlen.push_back(a.size());
+    }
+    bool regrouped = false;
+    int lost = 0;
+    for (int round = 0;; ++round) {
+        if (context_ == nullptr) connect_locked();
+        redisSetTimeout(context_, to_timeval(options_.io_timeout + extra_timeout));
+        Reply reply(static_cast<redisReply*>(
+            redisCommandArgv(context_, static_cast<int>(argv.size()), argv.data(), argvlen.data())));
+        if (reply == nullptr) {
+            // The connection is gone (server restart, network): reconnect within the budget and retry.
+            // A command whose reply was lost may have run; every caller's command is idempotent or
+            // tolerates that (see the backends).
+            std::string error = context_->errstr;
+            MOERL_CHECK(is_connection_error(context_->err), "redis ", what, " failed: ", error);
+            disconnect_locked();
+            MOERL_CHECK(++lost <= 3, "redis ", what, " failed ", lost, " times on fresh connections to ",
+                        url_, ": ", error, "; expected a reply within ",
+                        (options_.io_timeout + extra_timeout).count(), " ms");
+            continue;
+        }
+        if (reply->type == REDIS_REPLY_ERROR && !regrouped && on_connect_ && !in_on_connect_ &&
+            std::string(reply->str, reply->len).rfind("NOGROUP", 0) == 0) {
+            // The server lost its data (restart without persistence): recreate the groups once.
+            regrouped = true;
+            in_on_connect_ = true;
+            try {
+                on_connect_(*this);
+            } catch (...) {
+                in_on_connect_ = false;
+                throw;
+            }
+            in_on_connect_ = false;
+            continue;
+        }
+        if (reply->type == REDIS_REPLY_ERROR && round < 50 &&
+            std::string(reply->str, reply->len).rfind("LOADING", 0) == 0) {
+            std::this_thread::sleep_for(options_.backoff);
+            continue;
+        }
+        MOERL_REDIS_CHECK(reply.get(), what);
+        return reply;
+    }
+}
+
+Reply Client::eval(const std::string& script, const std::string& name, const std::vector<std::string>& keys,
+                   const std::vector<std::string>& args) {
+    std::vector<std::string> argv{"EVALSHA", sha1_hex(script), std::to_string(keys.size())};
+    argv.insert(argv.end(), keys.begin(), keys.end());
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::lock_guard lock(mutex_);
+    try {
+        return command_locked(argv, std::chrono::milliseconds(0), "script " + name);
+    } catch (const moerl::Error& e) {
+        if (e.message().find("NOSCRIPT") == std::string::npos) throw;
+    }
+    argv[0] = "EVAL";
+    argv[1] = script;
+    return command_locked(argv, std::chrono::milliseconds(0), "script " + name);
+}
+
+}  // namespace moerl::control::redis

@@ -1,0 +1,477 @@
+// The cuda engine: each rank's symmetric region is cudaMalloc'd and mapped by every peer of the node
+// through CUDA IPC; kernels write rows straight into the peers' receive slots (NVLink between GPUs,
+// plain stores when ranks share one) and signal with release/acquire flags (kernels/kernels.hpp).
+//
+// Streams and synchronisation. Work goes on cuda::current_stream() (stream.hpp; default: the legacy
+// stream 0). Normal dispatch without a reused handle synchronises once after the count exchange, since
+// the caller must learn R. By default every call also synchronises at its end, fills the host vectors
+// of the handle and reports device errors at once; MOERL_EP_CUDA_ASYNC=1 drops those end-of-call
+// synchronisations (host vectors other than the counts then stay empty, errors surface at the next
+// call). While the stream is being captured nothing synchronises, so these pairs can be captured in a
+// CUDA graph (host vectors empty, device state used):
+//   - low_latency_dispatch + low_latency_combine (fixed shapes, counts travel with the data);
+//   - dispatch(..., &reused_handle) + combine: the static layout of an earlier eager dispatch.
+// A LowLatencyHandle is valid until the next low_latency_dispatch (its state lives in fixed buffers).
+#include <cstring>
+
+#include "builtin.hpp"
+#include "engine_common.hpp"
+#include "moerl/core/env.hpp"
+#include "moerl/core/error.hpp"
+#include "stream.hpp"
+
+namespace moerl::ep {
+
+namespace {
+
+using namespace cuda;
+
+// Byte offsets in the symmetric region: flags, then per channel W receive slots.
+struct SymmetricLayout {
+    size_t flags_bytes = 0;
+    size_t slot_bytes[kNumDeviceChannels] = {};
+    size_t recv_base[kNumDeviceChannels] = {};
+    size_t ll_header_bytes = 0;
+    size_t total = 0;
+
+    explicit SymmetricLayout(const Config& c) {
+        const size_t W = c.world_size;
+        const size_t ll_rows = static_cast<size_t>(c.max_tokens_per_rank) * c.top_k;
+        ll_header_bytes = align16(c.num_local_experts() * sizeof(int32_t));
+        flags_bytes = align256(2 * kNumDeviceChannels * W * sizeof(uint64_t));
+        slot_bytes[kChCount] = align16((1 + c.num_local_experts()) * sizeof(int32_t));
+        slot_bytes[kChDispatch] = align256(c.max_tokens_per_rank * c.dispatch_row_bytes());
+        slot_bytes[kChCombine] = align256(c.max_tokens_per_rank * c.combine_row_bytes());
+        slot_bytes[kChLLDispatch] = align256(ll_header_bytes + ll_rows * c.dispatch_row_bytes());
+        slot_bytes[kChLLCombine] = align256(ll_rows * c.combine_row_bytes());
+        total = flags_bytes;
+        for (int ch = 0; ch < kNumDeviceChannels; ++ch) {
+            recv_base[ch] = total;
+            total += align256(slot_bytes[ch] * W);
+        }
+    }
+};
+
+class CudaEngine final : public Engine {
+  public:
+    CudaEngine(const Config& config, Store* store)
+        : c_(config), store_(store), sym_(config), row_(make_row_layout(config)), rt_(make_routing(config)) {
+        check_device_limits(c_, "cuda");
+        const int W = c_.world_size;
+        MOERL_CHECK(W == 1 || store_ != nullptr, "the cuda EP engine needs a bootstrap store for world_size ",
+                    W);
+        device_ = select_device(c_, "cuda");
+        int sms = 0;
+        MOERL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+        blocks_ = std::max(1, std::min(c_.num_sms, sms));
+        async_ = env::get_int("MOERL_EP_CUDA_ASYNC", 0) != 0;
+
+        region_ = DeviceMemory(sym_.total);
+        ctrl_ = DeviceMemory(align256(kNumDeviceChannels * 8) + align256(kNumDeviceChannels * 4) +
+                             sizeof(DeviceError));
+        const size_t summary = static_cast<size_t>(W) * (1 + c_.num_local_experts());
+        summaries_ = DeviceMemory(2 * summary * sizeof(int));
+        host_summaries_ = PinnedMemory(2 * summary * sizeof(int));
+        host_error_ = PinnedMemory(sizeof(DeviceError));
+        ll_ = std::make_unique<LowLatencyState>(c_);
+        tables_ = DeviceMemory((1 + 4) * W * sizeof(uint8_t*));
+
+        // Exchange IPC handles; a rank publishes its handle only after its region was zeroed.
+        peers_.assign(W, nullptr);
+        peers_[c_.rank] = region_.get<uint8_t>();
+        MOERL_CUDA_CHECK(cudaDeviceSynchronize());
+        if (W > 1) {
+            cudaIpcMemHandle_t mine;
+            MOERL_CUDA_CHECK(cudaIpcGetMemHandle(&mine, region_.get()));
+            std::vector<uint8_t> bytes(sizeof(mine));
+            std::memcpy(bytes.data(), &mine, sizeof(mine));
+            auto all = all_gather(*store_, c_.job_id + "/cuda/ipc", c_.rank, W, bytes, timeout_ms());
+            for (int r = 0; r < W; ++r) {
+                if (r == c_.rank) continue;
+                MOERL_CHECK(all[r].size() == sizeof(cudaIpcMemHandle_t), "cuda engine: rank ", r,
+                            " published a bad IPC handle");
+                cudaIpcMemHandle_t h;
+                std::memcpy(&h, all[r].data(), sizeof(h));
+                void* p = nullptr;
+                MOERL_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+                peers_[r] = static_cast<uint8_t*>(p);
+            }
+        }
+        // Pointer tables: peers, then per data channel where this rank's rows for rank r start.
+        std::vector<uint8_t*> tables((1 + 4) * W);
+        const int channels[4] = {kChDispatch, kChCombine, kChLLDispatch, kChLLCombine};
+        for (int r = 0; r < W; ++r) {
+            tables[r] = peers_[r];
+            for (int i = 0; i < 4; ++i) {
+                const int ch = channels[i];
+                tables[(1 + i) * W + r] = peers_[r] + sym_.recv_base[ch] + c_.rank * sym_.slot_bytes[ch];
+            }
+        }
+        MOERL_CUDA_CHECK(cudaMemcpy(tables_.get(), tables.data(), tables.size() * sizeof(uint8_t*),
+                                    cudaMemcpyHostToDevice));
+        auto* tbl = tables_.get<uint8_t*>();
+        dst_dispatch_ = tbl + W;
+        dst_combine_ = tbl + 2 * W;
+        dst_ll_ = tbl + 3 * W;
+        dst_llc_ = tbl + 4 * W;
+
+        auto* ctrl = ctrl_.get<uint8_t>();
+        sig_.peers = tbl;
+        sig_.epoch = reinterpret_cast<unsigned long long*>(ctrl);
+        sig_.done = reinterpret_cast<unsigned int*>(ctrl + align256(kNumDeviceChannels * 8));
+        sig_.error = reinterpret_cast<DeviceError*>(ctrl + align256(kNumDeviceChannels * 8) +
+                                                    align256(kNumDeviceChannels * 4));
+        sig_.flags_offset = 0;
+        sig_.rank = c_.rank;
+        sig_.world = W;
+        sig_.timeout_ns = static_cast<unsigned long long>(c_.timeout_s * 1e9);
+    }
+
+    ~CudaEngine() override {
+        try {
+            destroy();
+        } catch (...) {
+        }
+    }
+
+    std::string name() const override { return "cuda"; }
+    bool on_device() const override { return true; }
+
+    void destroy() override {
+        if (destroyed_) return;
+        destroyed_ = true;
+        cudaSetDevice(device_);
+        const cudaError_t sync = cudaDeviceSynchronize();
+        const int W = c_.world_size;
+        if (W > 1) {
+            // Nobody writes into a region after the first barrier; nobody maps one after the second.
+            all_gather(*store_, c_.job_id + "/cuda/destroy1", c_.rank, W, {1}, timeout_ms());
+            for (int r = 0; r < W; ++r)
+                if (r != c_.rank && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
+            all_gather(*store_, c_.job_id + "/cuda/destroy2", c_.rank, W, {1}, timeout_ms());
+        }
+        ll_.reset();
+        region_ = DeviceMemory();
+        ctrl_ = DeviceMemory();
+        MOERL_CUDA_CHECK(sync);
+    }
+
+    Handle dispatch(View<const void> x, View<const int64_t> topk_idx, View<const float> topk_weights,
+                    const DispatchOutput& out, const Handle* reuse) override {
+        const cudaStream_t stream = begin("dispatch");
+        const int W = c_.world_size, L = c_.num_local_experts();
+        const int T = static_cast<int>(x.rows);
+        check_alignment(x.data, "dispatch: x");
+        Handle h;
+        std::string bad_input;
+        if (reuse != nullptr) {
+            MOERL_CHECK(reuse->num_tokens == T, "dispatch: the reused handle was made for ",
+                        reuse->num_tokens, " tokens, but x has ", T, " rows");
+            normal_state(*reuse, this, "dispatch");
+            h = *reuse;
+        } else {
+            MOERL_CHECK(!capturing(stream),
+                        "dispatch without a handle to reuse synchronises with the host and "
+                        "cannot be captured in a CUDA graph; capture low_latency_dispatch or reuse a handle");
+            auto state = std::make_shared<NormalState>(this, stream, T, W, c_.max_recv_tokens());
+            const size_t summary = static_cast<size_t>(W) * (1 + L);
+            int* send_summary = summaries_.get<int>();
+            int* recv_summary = send_summary + summary;
+            LayoutArgs a{};
+            a.rt = rt_;
+            a.topk_idx = topk_idx.data;
+            a.num_tokens = T;
+            a.send_pos = state->send_pos;
+            a.send_summary = send_summary;
+            a.count_offset = sym_.recv_base[kChCount];
+            a.count_slot_bytes = sym_.slot_bytes[kChCount];
+            a.recv_summary = recv_summary;
+            a.recv_src_offset = state->recv_src_offset;
+            a.sig = sig_;
+            launch_layout(a, stream);
+            MOERL_CUDA_CHECK(cudaGetLastError());
+            h.send_pos.resize(static_cast<size_t>(T) * W);
+            if (T > 0)
+                MOERL_CUDA_CHECK(cudaMemcpyAsync(h.send_pos.data(), state->send_pos,
+                                                 h.send_pos.size() * sizeof(int), cudaMemcpyDeviceToHost,
+                                                 stream));
+            MOERL_CUDA_CHECK(cudaMemcpyAsync(host_summaries_.get(), send_summary, 2 * summary * sizeof(int),
+                                             cudaMemcpyDeviceToHost, stream));
+            const DeviceError err = sync_error(stream);
+            throw_if_error(err, c_, "cuda");
+            if (has_bad_input(err)) {
+                bad_input = bad_input_message(err, c_);
+                clear_bad_input(stream);
+            }
+            const int* sent = host_summaries_.get<int>();
+            const int* got = sent + summary;
+            h.num_tokens = T;
+            h.num_send_per_rank.resize(W);
+            h.num_recv_per_src.resize(W);
+            h.num_recv_tokens_per_expert.assign(L, 0);
+            h.recv_src_offset.assign(W + 1, 0);
+            for (int r = 0; r < W; ++r) {
+                h.num_send_per_rank[r] = sent[r * (1 + L)];
+                h.num_recv_per_src[r] = got[r * (1 + L)];
+                h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
+                for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
+            }
+            h.device_state = state;
+        }
+        NormalState& st = normal_state(h, this, "dispatch");
+        const int R = h.num_recv_tokens();
+
+        DispatchSendArgs s{};
+        s.rt = rt_;
+        s.row = row_;
+        s.x = x.data;
+        s.topk_idx = topk_idx.data;
+        s.topk_weights = topk_weights.data;
+        s.send_pos = st.send_pos;
+        s.num_tokens = T;
+        s.dst = dst_dispatch_;
+        s.sig = sig_;
+        launch_dispatch_send(s, blocks_, stream);
+        DispatchRecvArgs r{};
+        r.rt = rt_;
+        r.row = row_;
+        r.rank = c_.rank;
+        r.src = region_.get<uint8_t>() + sym_.recv_base[kChDispatch];
+        r.src_stride = sym_.slot_bytes[kChDispatch];
+        r.recv_src_offset = st.recv_src_offset;
+        r.recv_x = out.recv_x.data;
+        r.recv_x_scales = out.recv_x_scales.data;
+        r.recv_topk_idx = out.recv_topk_idx.data;
+        r.recv_topk_weights = out.recv_topk_weights.data;
+        r.recv_src_token = st.recv_src_token;
+        r.max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
+        r.send_blocks = blocks_;
+        r.sig = sig_;
+        launch_dispatch_recv(r, blocks_, stream);
+        MOERL_CUDA_CHECK(cudaGetLastError());
+        if (reuse == nullptr) h.recv_src_token.assign(R, -1);
+        if (!async_ && !capturing(stream)) {
+            if (reuse == nullptr && R > 0)
+                MOERL_CUDA_CHECK(cudaMemcpyAsync(h.recv_src_token.data(), st.recv_src_token, R * sizeof(int),
+                                                 cudaMemcpyDeviceToHost, stream));
+            throw_if_error(sync_error(stream), c_, "cuda");
+        } else {
+            if (reuse == nullptr) h.recv_src_token.clear();  // device copy only (MOERL_EP_CUDA_ASYNC)
+            if (!capturing(stream)) mirror_error(stream);
+        }
+        MOERL_CHECK(out.recv_x.rows >= R, "dispatch: recv_x has ", out.recv_x.rows, " rows, but ", R,
+                    " arrive");
+        if (!bad_input.empty()) MOERL_FAIL("dispatch: ", bad_input);
+        return h;
+    }
+
+    void combine(View<const void> y, const Handle& h, View<void> out) override {
+        const cudaStream_t stream = begin("combine");
+        NormalState& st = normal_state(h, this, "combine");
+        MOERL_CHECK(y.rows >= h.num_recv_tokens(), "combine: y has ", y.rows,
+                    " rows, but the handle received ", h.num_recv_tokens());
+        MOERL_CHECK(out.rows >= h.num_tokens, "combine: out has ", out.rows,
+                    " rows, but the handle dispatched ", h.num_tokens, " tokens");
+        CombineSendArgs s{};
+        s.rt = rt_;
+        s.y = y.data;
+        s.recv_src_offset = st.recv_src_offset;
+        s.dst = dst_combine_;
+        s.row_stride = c_.combine_row_bytes();
+        s.sig = sig_;
+        launch_combine_send(s, blocks_, stream);
+        CombineRecvArgs r{};
+        r.rt = rt_;
+        r.src = region_.get<uint8_t>() + sym_.recv_base[kChCombine];
+        r.src_stride = sym_.slot_bytes[kChCombine];
+        r.row_stride = c_.combine_row_bytes();
+        r.send_pos = st.send_pos;
+        r.num_tokens = h.num_tokens;
+        r.out = out.data;
+        r.send_blocks = blocks_;
+        r.sig = sig_;
+        launch_combine_recv(r, blocks_, stream);
+        MOERL_CUDA_CHECK(cudaGetLastError());
+        finish(stream);
+    }
+
+    LowLatencyHandle low_latency_dispatch(View<const void> x, View<const int64_t> topk_idx,
+                                          const LowLatencyOutput& out) override {
+        const cudaStream_t stream = begin("low_latency_dispatch");
+        check_alignment(x.data, "low_latency_dispatch: x");
+        const int T = static_cast<int>(x.rows);
+        LowLatencyHandle h;
+        h.num_tokens = T;
+        LLLayoutArgs a{};
+        a.rt = rt_;
+        a.topk_idx = topk_idx.data;
+        a.num_tokens = T;
+        a.topk32 = ll_->topk32;
+        a.pos_in_expert = ll_->pos_in_expert;
+        a.expert_count = ll_->expert_count;
+        a.expert_offset = ll_->expert_offset;
+        a.send_rows = ll_->send_rows;
+        a.error = sig_.error;
+        launch_ll_layout(a, stream);
+        LLSendArgs s{};
+        s.rt = rt_;
+        s.row = row_;
+        s.x = x.data;
+        s.num_tokens = T;
+        s.topk32 = ll_->topk32;
+        s.pos_in_expert = ll_->pos_in_expert;
+        s.expert_count = ll_->expert_count;
+        s.expert_offset = ll_->expert_offset;
+        s.dst = dst_ll_;
+        s.header_bytes = sym_.ll_header_bytes;
+        s.sig = sig_;
+        launch_ll_send(s, blocks_, stream);
+        LLRecvArgs r{};
+        r.rt = rt_;
+        r.row = row_;
+        r.src = region_.get<uint8_t>() + sym_.recv_base[kChLLDispatch];
+        r.src_stride = sym_.slot_bytes[kChLLDispatch];
+        r.header_bytes = sym_.ll_header_bytes;
+        r.rows_per_expert = c_.low_latency_rows_per_expert();
+        r.recv_x = out.recv_x.data;
+        r.recv_x_scales = out.recv_x_scales.data;
+        r.out_recv_count = out.recv_count;
+        r.recv_count = ll_->recv_count;
+        r.recv_range = ll_->recv_range;
+        r.slot_base = ll_->slot_base;
+        r.recv_src_token = ll_->recv_src_token;
+        r.send_blocks = blocks_;
+        r.sig = sig_;
+        launch_ll_recv(r, blocks_, stream);
+        MOERL_CUDA_CHECK(cudaGetLastError());
+        h.device_state = std::shared_ptr<void>(ll_.get(), [](void*) {});
+        if (!async_ && !capturing(stream)) {
+            copy_low_latency_handle(c_, *ll_, topk_idx.data, T, h, stream);
+            const DeviceError err = sync_error(stream);
+            throw_if_error(err, c_, "cuda");
+            if (has_bad_input(err)) {
+                clear_bad_input(stream);
+                MOERL_FAIL("low_latency_dispatch: ", bad_input_message(err, c_));
+            }
+        } else if (!capturing(stream)) {
+            mirror_error(stream);
+        }
+        return h;
+    }
+
+    void low_latency_combine(View<const void> y, View<const int64_t> /*topk_idx*/,
+                             View<const float> topk_weights, const LowLatencyHandle& h,
+                             View<void> out) override {
+        const cudaStream_t stream = begin("low_latency_combine");
+        MOERL_CHECK(h.device_state.get() == ll_.get(),
+                    "low_latency_combine: the handle is not from a low_latency_dispatch of this buffer");
+        LLCombineSendArgs s{};
+        s.rt = rt_;
+        s.y = y.data;
+        s.rows_per_expert = c_.low_latency_rows_per_expert();
+        s.recv_count = ll_->recv_count;
+        s.recv_range = ll_->recv_range;
+        s.slot_base = ll_->slot_base;
+        s.dst = dst_llc_;
+        s.row_stride = c_.combine_row_bytes();
+        s.sig = sig_;
+        launch_ll_combine_send(s, blocks_, stream);
+        LLCombineRecvArgs r{};
+        r.rt = rt_;
+        r.src = region_.get<uint8_t>() + sym_.recv_base[kChLLCombine];
+        r.src_stride = sym_.slot_bytes[kChLLCombine];
+        r.row_stride = c_.combine_row_bytes();
+        r.topk32 = ll_->topk32;
+        r.topk_weights = topk_weights.data;
+        r.pos_in_expert = ll_->pos_in_expert;
+        r.expert_offset = ll_->expert_offset;
+        r.num_tokens = h.num_tokens;
+        r.out = out.data;
+        r.send_blocks = blocks_;
+        r.sig = sig_;
+        launch_ll_combine_recv(r, blocks_, stream);
+        MOERL_CUDA_CHECK(cudaGetLastError());
+        finish(stream);
+    }
+
+  private:
+    std::chrono::milliseconds timeout_ms() const {
+        return std::chrono::milliseconds(static_cast<long>(c_.timeout_s * 1000));
+    }
+
+    // Common start of every call: the stream, and any error an earlier asynchronous call left behind.
+    cudaStream_t begin(const char* what) {
+        MOERL_CHECK(!destroyed_, what, ": EP buffer used after destroy()");
+        MOERL_CUDA_CHECK(cudaSetDevice(device_));
+        const cudaStream_t stream = current_stream();
+        const auto* err = host_error_.get<DeviceError>();
+        throw_if_error(*err, c_, "cuda");
+        return stream;
+    }
+
+    static bool capturing(cudaStream_t stream) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        MOERL_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+        return status != cudaStreamCaptureStatusNone;
+    }
+
+    static void check_alignment(const void* p, const char* what) {
+        MOERL_CHECK((reinterpret_cast<uintptr_t>(p) & 15) == 0, what,
+                    " must be 16-byte aligned on the device");
+    }
+
+    void mirror_error(cudaStream_t stream) {
+        MOERL_CUDA_CHECK(cudaMemcpyAsync(host_error_.get(), sig_.error, sizeof(DeviceError),
+                                         cudaMemcpyDeviceToHost, stream));
+    }
+
+    DeviceError sync_error(cudaStream_t stream) {
+        mirror_error(stream);
+        MOERL_CUDA_CHECK(cudaStreamSynchronize(stream));
+        return *host_error_.get<DeviceError>();
+    }
+
+    void clear_bad_input(cudaStream_t stream) {
+        MOERL_CUDA_CHECK(cudaMemsetAsync(&sig_.error->bad_input, 0, sizeof(int), stream));
+        host_error_.get<DeviceError>()->bad_input = 0;
+    }
+
+    void finish(cudaStream_t stream) {
+        if (capturing(stream)) return;
+        if (async_)
+            mirror_error(stream);
+        else
+            throw_if_error(sync_error(stream), c_, "cuda");
+    }
+
+    Config c_;
+    Store* store_;
+    SymmetricLayout sym_;
+    RowLayout row_;
+    Routing rt_;
+    int device_ = 0;
+    int blocks_ = 1;
+    bool async_ = false;
+    bool destroyed_ = false;
+    DeviceMemory region_;     // the symmetric region (IPC-exported)
+    DeviceMemory ctrl_;       // epoch[kNumDeviceChannels], done[kNumDeviceChannels], DeviceError
+    DeviceMemory summaries_;  // send then receive summaries [W, 1+L]
+    DeviceMemory tables_;     // peers [W], then dst pointers of the 4 data channels [W] each
+    PinnedMemory host_summaries_;
+    PinnedMemory host_error_;
+    std::unique_ptr<LowLatencyState> ll_;
+    std::vector<uint8_t*> peers_;
+    uint8_t* const* dst_dispatch_ = nullptr;
+    uint8_t* const* dst_combine_ = nullptr;
+    uint8_t* const* dst_ll_ = nullptr;
+    uint8_t* const* dst_llc_ = nullptr;
+    Signals sig_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_cuda_engine(const Config& config, Store* store) {
+    return std::make_unique<CudaEngine>(config, store);
+}
+
+}  // namespace moerl::ep

@@ -1,0 +1,129 @@
+#include "engine_common.hpp"
+
+#include "moerl/core/env.hpp"
+#include "moerl/core/error.hpp"
+
+namespace moerl::ep::cuda {
+
+void check_device_limits(const Config& c, const char* engine) {
+    const int slots = c.world_size * c.num_local_experts();
+    MOERL_CHECK(c.world_size <= kMaxRanks, "the ", engine, " EP engine supports at most ", kMaxRanks,
+                " ranks, Config.world_size = ", c.world_size);
+    MOERL_CHECK(slots <= kMaxExperts, "the ", engine, " EP engine supports at most ", kMaxExperts,
+                " experts (world_size x local experts), got ", slots);
+    MOERL_CHECK(slots <= kMaxExpertSlots, "the ", engine,
+                " EP engine supports world_size x local experts <= ", kMaxExpertSlots,
+                " in low-latency mode, got ", slots);
+}
+
+int select_device(const Config& c, const char* engine) {
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    MOERL_CHECK(err == cudaSuccess && count > 0, "the ", engine, " EP engine needs a CUDA device, but ",
+                err == cudaSuccess ? std::string("none is visible") : std::string(cudaGetErrorString(err)));
+    long dev = env::get_int("MOERL_EP_DEVICE", -1);
+    if (dev < 0) dev = env::get_int("LOCAL_RANK", c.rank);
+    const int device = static_cast<int>(dev % count);
+    MOERL_CUDA_CHECK(cudaSetDevice(device));
+    return device;
+}
+
+NormalState::NormalState(const void* o, cudaStream_t s, int num_tokens, int world, int max_recv)
+    : owner(o), stream(s) {
+    const size_t pos_bytes = align256(static_cast<size_t>(std::max(num_tokens, 1)) * world * sizeof(int));
+    const size_t off_bytes = align256((world + 1) * sizeof(int));
+    const size_t tok_bytes = align256(static_cast<size_t>(std::max(max_recv, 1)) * sizeof(int));
+    MOERL_CUDA_CHECK(cudaMallocAsync(&block_, pos_bytes + off_bytes + tok_bytes, stream));
+    auto* base = static_cast<uint8_t*>(block_);
+    send_pos = reinterpret_cast<int*>(base);
+    recv_src_offset = reinterpret_cast<int*>(base + pos_bytes);
+    recv_src_token = reinterpret_cast<int*>(base + pos_bytes + off_bytes);
+}
+
+NormalState::~NormalState() {
+    if (block_ != nullptr) cudaFreeAsync(block_, stream);  // after the work queued on its stream
+}
+
+NormalState& normal_state(const Handle& h, const void* owner, const char* what) {
+    auto* s = static_cast<NormalState*>(h.device_state.get());
+    MOERL_CHECK(s != nullptr && s->owner == owner, what,
+                ": the handle was not made by a dispatch of this buffer");
+    return *s;
+}
+
+LowLatencyState::LowLatencyState(const Config& c) {
+    const size_t W = c.world_size, L = c.num_local_experts(),
+                 TK = static_cast<size_t>(c.max_tokens_per_rank) * c.top_k;
+    const size_t rows = L * c.low_latency_rows_per_expert();
+    const size_t sizes[] = {TK, TK, W * L, W * L, W, L, L * W * 2, L * W, rows};
+    size_t total = 0;
+    for (size_t n : sizes) total += align256(n * sizeof(int));
+    memory = DeviceMemory(total);
+    int** fields[] = {&topk32,     &pos_in_expert, &expert_count, &expert_offset, &send_rows,
+                      &recv_count, &recv_range,    &slot_base,    &recv_src_token};
+    auto* base = memory.get<uint8_t>();
+    for (int i = 0; i < 9; ++i) {
+        *fields[i] = reinterpret_cast<int*>(base);
+        base += align256(sizes[i] * sizeof(int));
+    }
+}
+
+void copy_low_latency_handle(const Config& c, const LowLatencyState& s, const int64_t* topk_idx,
+                             int num_tokens, LowLatencyHandle& h, cudaStream_t stream) {
+    const int W = c.world_size, L = c.num_local_experts(), K = c.top_k;
+    h.recv_count.resize(L);
+    h.recv_range.resize(static_cast<size_t>(L) * W * 2);
+    h.recv_src_token.resize(static_cast<size_t>(L) * c.low_latency_rows_per_expert());
+    h.topk_idx.resize(static_cast<size_t>(num_tokens) * K);
+    MOERL_CUDA_CHECK(
+        cudaMemcpyAsync(h.recv_count.data(), s.recv_count, L * sizeof(int), cudaMemcpyDeviceToHost, stream));
+    MOERL_CUDA_CHECK(cudaMemcpyAsync(h.recv_range.data(), s.recv_range, h.recv_range.size() * sizeof(int),
+                                     cudaMemcpyDeviceToHost, stream));
+    MOERL_CUDA_CHECK(cudaMemcpyAsync(h.recv_src_token.data(), s.recv_src_token,
+                                     h.recv_src_token.size() * sizeof(int), cudaMemcpyDeviceToHost, stream));
+    if (num_tokens > 0)
+        MOERL_CUDA_CHECK(cudaMemcpyAsync(h.topk_idx.data(), topk_idx, h.topk_idx.size() * sizeof(int64_t),
+                                         cudaMemcpyDeviceToHost, stream));
+}
+
+namespace {
+const char* channel_name(int ch) {
+    switch (ch) {
+        case kChCount:
+            return "dispatch/notify";
+        case kChDispatch:
+            return "dispatch/data";
+        case kChCombine:
+            return "combine/data";
+        case kChLLDispatch:
+            return "low_latency_dispatch/data";
+        case kChLLCombine:
+            return "low_latency_combine/data";
+    }
+    return "?";
+}
+}  // namespace
+
+bool has_bad_input(const DeviceError& e) { return e.bad_input != 0; }
+
+std::string bad_input_message(const DeviceError& e, const Config& c) {
+    return detail::concat("topk_idx[", e.bad_token, ",", e.bad_k, "] = ", e.bad_value,
+                          ", but num_experts = ", c.num_experts, " (valid: -1..", c.num_experts - 1,
+                          "); the entry was dropped on the device");
+}
+
+void throw_if_error(const DeviceError& e, const Config& c, const char* engine) {
+    if (e.code == kErrTimeout) {
+        const int ch = e.phase / 2;
+        const bool slot = e.phase % 2 == 1;
+        throw TimeoutError(
+            detail::concat("rank ", c.rank, ": timed out in ", channel_name(ch), " after ", c.timeout_s,
+                           " s ", slot ? "waiting for rank " : "waiting for data from rank ", e.peer,
+                           slot ? " to release its receive slot" : "", " (", engine, ", signal ", e.observed,
+                           " of ", e.target, "); this buffer is unusable now, destroy it"),
+            __FILE__, __LINE__);
+    }
+    if (e.code != 0) MOERL_FAIL("rank ", c.rank, ": ", engine, " engine device error code ", e.code);
+}
+
+}  // namespace moerl::ep::cuda

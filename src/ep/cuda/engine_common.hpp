@@ -1,0 +1,148 @@
+// Internal: host-side pieces shared by the cuda and nccl engines: RAII device and pinned memory,
+// row layouts, device selection, and the device state behind Handle / LowLatencyHandle.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "kernels/kernels.hpp"
+#include "moerl/ep/buffer.hpp"
+
+namespace moerl::ep::cuda {
+
+inline size_t align16(size_t n) { return (n + 15) & ~size_t{15}; }
+inline size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
+
+// cudaMalloc'd bytes, zeroed; freed with the owner.
+class DeviceMemory {
+  public:
+    DeviceMemory() = default;
+    explicit DeviceMemory(size_t bytes) : bytes_(bytes) {
+        MOERL_CUDA_CHECK(cudaMalloc(&ptr_, bytes == 0 ? 16 : bytes));
+        MOERL_CUDA_CHECK(cudaMemset(ptr_, 0, bytes == 0 ? 16 : bytes));
+    }
+    ~DeviceMemory() {
+        if (ptr_ != nullptr) cudaFree(ptr_);
+    }
+    DeviceMemory(DeviceMemory&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+    DeviceMemory& operator=(DeviceMemory&& o) noexcept {
+        std::swap(ptr_, o.ptr_);
+        std::swap(bytes_, o.bytes_);
+        return *this;
+    }
+    template <typename T = void>
+    T* get() const {
+        return static_cast<T*>(ptr_);
+    }
+    size_t bytes() const { return bytes_; }
+
+  private:
+    void* ptr_ = nullptr;
+    size_t bytes_ = 0;
+};
+
+// Page-locked host memory for device-to-host copies of counts and the error word.
+class PinnedMemory {
+  public:
+    PinnedMemory() = default;
+    explicit PinnedMemory(size_t bytes) {
+        MOERL_CUDA_CHECK(cudaMallocHost(&ptr_, bytes == 0 ? 16 : bytes));
+        std::memset(ptr_, 0, bytes == 0 ? 16 : bytes);
+    }
+    ~PinnedMemory() {
+        if (ptr_ != nullptr) cudaFreeHost(ptr_);
+    }
+    PinnedMemory(PinnedMemory&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
+    PinnedMemory& operator=(PinnedMemory&& o) noexcept {
+        std::swap(ptr_, o.ptr_);
+        return *this;
+    }
+    template <typename T = void>
+    T* get() const {
+        return static_cast<T*>(ptr_);
+    }
+
+  private:
+    void* ptr_ = nullptr;
+};
+
+inline RowLayout make_row_layout(const Config& c) {
+    RowLayout r{};
+    r.data_bytes = static_cast<int>(c.fp8_dispatch ? c.hidden : c.hidden * c.element_bytes());
+    r.scales_off = r.data_bytes;
+    r.ids_off = r.scales_off + (c.fp8_dispatch ? (c.hidden / kFp8BlockCols) * 4 : 0);
+    r.weights_off = r.ids_off + c.top_k * 4;
+    r.token_off = r.weights_off + c.top_k * 4;
+    r.row_bytes = static_cast<int>(c.dispatch_row_bytes());
+    return r;
+}
+
+inline Routing make_routing(const Config& c) {
+    Routing r{};
+    r.world = c.world_size;
+    r.num_experts = c.num_experts;
+    r.num_local_experts = c.num_local_experts();
+    r.top_k = c.top_k;
+    r.hidden = c.hidden;
+    r.dtype = c.dtype == DType::kFloat32 ? 0 : 1;
+    r.fp8 = c.fp8_dispatch;
+    return r;
+}
+
+// Limits of the device kernels; throws naming the field.
+void check_device_limits(const Config& c, const char* engine);
+
+// The device this rank uses: MOERL_EP_DEVICE, else LOCAL_RANK, else the rank, modulo the device count.
+int select_device(const Config& c, const char* engine);
+
+// Device state of a normal-mode Handle (owned by the handle; freed stream-ordered).
+struct NormalState {
+    const void* owner = nullptr;  // the engine that made it
+    cudaStream_t stream = nullptr;
+    int* send_pos = nullptr;         // [T, W]
+    int* recv_src_offset = nullptr;  // [W+1]
+    int* recv_src_token = nullptr;   // [W * max_tokens_per_rank]
+    NormalState(const void* owner, cudaStream_t stream, int num_tokens, int world, int max_recv);
+    ~NormalState();
+    NormalState(const NormalState&) = delete;
+    NormalState& operator=(const NormalState&) = delete;
+
+  private:
+    void* block_ = nullptr;
+};
+
+// Looks up the NormalState of a handle made by `owner`; throws when it is not one.
+NormalState& normal_state(const Handle& h, const void* owner, const char* what);
+
+// Routing state of the last low-latency dispatch, in engine-owned fixed buffers so a captured graph
+// replays with the same pointers. A LowLatencyHandle is valid until the next low_latency_dispatch.
+struct LowLatencyState {
+    DeviceMemory memory;
+    int* topk32 = nullptr;          // [maxT, K]
+    int* pos_in_expert = nullptr;   // [maxT, K]
+    int* expert_count = nullptr;    // [W*L]
+    int* expert_offset = nullptr;   // [W*L]
+    int* send_rows = nullptr;       // [W]
+    int* recv_count = nullptr;      // [L]
+    int* recv_range = nullptr;      // [L, W, 2]
+    int* slot_base = nullptr;       // [L, W]
+    int* recv_src_token = nullptr;  // [L, W*maxT]
+    explicit LowLatencyState(const Config& c);
+};
+
+// Fills the host vectors of a handle from the device state (one synchronisation by the caller).
+void copy_low_latency_handle(const Config& c, const LowLatencyState& s, const int64_t* topk_idx,
+                             int num_tokens, LowLatencyHandle& h, cudaStream_t stream);
+
+// Turns a fatal device error (a timeout) into TimeoutError naming phase and peer. Bad input is not
+// fatal: the caller reports it with bad_input_message() after finishing the collective call.
+void throw_if_error(const DeviceError& e, const Config& c, const char* engine);
+bool has_bad_input(const DeviceError& e);
+std::string bad_input_message(const DeviceError& e, const Config& c);
+
+}  // namespace moerl::ep::cuda

@@ -1,0 +1,94 @@
+// Normal-mode dispatch: send (rows written into every destination's slot, in send_pos order) and
+// receive (slot rows unpacked into the caller's outputs in source-rank order).
+#include "common.cuh"
+
+namespace moerl::ep::cuda {
+
+namespace {
+
+__global__ void __launch_bounds__(kDataThreads) dispatch_send_kernel(DispatchSendArgs a) {
+    const Routing rt = a.rt;
+    const RowLayout rl = a.row;
+    const int W = rt.world, K = rt.top_k, lane = threadIdx.x & 31;
+    const unsigned long long epoch = current_epoch(a.sig, kChDispatch);
+    if (!block_wait_slots_free(a.sig, kChDispatch, epoch)) return;
+    for (int t = global_warp(); t < a.num_tokens; t += num_warps()) {
+        // Lane k holds entry k: the global expert id (-1 when none or out of range) and its weight.
+        int id = -1;
+        float w = 0.0f;
+        if (lane < K) {
+            if (a.topk_idx != nullptr) {
+                const long long e = a.topk_idx[static_cast<size_t>(t) * K + lane];
+                id = e >= 0 && e < rt.num_experts ? static_cast<int>(e) : -1;
+            }
+            if (a.topk_weights != nullptr) w = a.topk_weights[static_cast<size_t>(t) * K + lane];
+        }
+        for (int base = 0; base < W; base += 32) {
+            const int r = base + lane;
+            const int pos = r < W ? a.send_pos[static_cast<size_t>(t) * W + r] : -1;
+            unsigned dests = __ballot_sync(kFullMask, pos >= 0);
+            while (dests != 0) {
+                const int j = __ffs(dests) - 1;
+                dests &= dests - 1;
+                const int p = __shfl_sync(kFullMask, pos, j);
+                // dst[r]: rows of this rank at rank r, row p at + p * row_bytes
+                uint8_t* row = a.dst[base + j] + static_cast<size_t>(p) * rl.row_bytes;
+                warp_write_row_data(row, rl, rt, a.x, t, lane);
+                if (lane < K) {
+                    reinterpret_cast<int*>(row + rl.ids_off)[lane] = id;
+                    reinterpret_cast<float*>(row + rl.weights_off)[lane] = w;
+                }
+                if (lane == 0) *reinterpret_cast<int*>(row + rl.token_off) = t;
+            }
+        }
+    }
+    block_signal_data(a.sig, kChDispatch);
+}
+
+__global__ void __launch_bounds__(kDataThreads) dispatch_recv_kernel(DispatchRecvArgs a) {
+    const Routing rt = a.rt;
+    const RowLayout rl = a.row;
+    const int W = rt.world, K = rt.top_k, L = rt.num_local_experts, lane = threadIdx.x & 31;
+    const unsigned long long epoch = current_epoch(a.sig, kChDispatch);
+    if (!block_wait_data(a.sig, kChDispatch, epoch, a.send_blocks)) return;
+    const int first_local = a.rank * L;
+    const int R = a.recv_src_offset[W];
+    const int num_scales = rt.hidden / kFp8Cols;
+    for (int i = global_warp(); i < R; i += num_warps()) {
+        const int s = warp_find_source(a.recv_src_offset, W, i, lane);
+        if (i >= a.max_rows) continue;  // the host reports the short output
+        // src + s * src_stride: slot of source s; its rows in send order
+        const uint8_t* row =
+            a.src + s * a.src_stride + static_cast<size_t>(i - a.recv_src_offset[s]) * rl.row_bytes;
+        warp_copy(static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(i) * rl.data_bytes, row,
+                  rl.data_bytes, lane);
+        if (rt.fp8 && a.recv_x_scales != nullptr)
+            for (int b = lane; b < num_scales; b += 32)
+                a.recv_x_scales[static_cast<size_t>(i) * num_scales + b] =
+                    reinterpret_cast<const float*>(row + rl.scales_off)[b];
+        if (lane < K) {
+            const int id = reinterpret_cast<const int*>(row + rl.ids_off)[lane];
+            const int local = id - first_local;
+            const bool mine = id >= 0 && local >= 0 && local < L;
+            if (a.recv_topk_idx != nullptr)
+                a.recv_topk_idx[static_cast<size_t>(i) * K + lane] = mine ? local : -1;
+            if (a.recv_topk_weights != nullptr)
+                a.recv_topk_weights[static_cast<size_t>(i) * K + lane] =
+                    mine ? reinterpret_cast<const float*>(row + rl.weights_off)[lane] : 0.0f;
+        }
+        if (lane == 0) a.recv_src_token[i] = *reinterpret_cast<const int*>(row + rl.token_off);
+    }
+    block_finish_recv(a.sig, kChDispatch, epoch);
+}
+
+}  // namespace
+
+void launch_dispatch_send(const DispatchSendArgs& a, int blocks, cudaStream_t stream) {
+    dispatch_send_kernel<<<blocks, kDataThreads, 0, stream>>>(a);
+}
+
+void launch_dispatch_recv(const DispatchRecvArgs& a, int blocks, cudaStream_t stream) {
+    dispatch_recv_kernel<<<blocks, kDataThreads, 0, stream>>>(a);
+}
+
+}  // namespace moerl::ep::cuda

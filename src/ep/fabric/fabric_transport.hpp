@@ -1,0 +1,27 @@
+// Internal: provider selection of the fabric transport, shared by the transport and its tests
+// (the factory itself is declared in builtin.hpp).
+#pragma once
+
+#include <string>
+
+#include "fabric/fi_check.hpp"
+
+namespace moerl::ep {
+
+namespace fabric {
+
+// What the transport asks every provider for.
+constexpr uint64_t kMrModes =
+    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_RAW;
+
+// The first fi_info of `provider` (matched by prefix: "tcp" accepts "tcp;ofi_rxm") with an FI_EP_RDM
+// endpoint, RMA writes and at least 4 bytes of remote CQ data; the environment variable
+// MOERL_FABRIC_DOMAIN picks a domain (NIC) by name. Throws moerl::Error explaining why none fits.
+Info select_info(const std::string& provider);
+
+}  // namespace fabric
+
+// True when select_info finds a match; otherwise false, with the reason in *why when why is not null.
+bool fabric_provider_available(const std::string& provider, std::string* why = nullptr);
+
+}  // namespace moerl::ep

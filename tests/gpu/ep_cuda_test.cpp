@@ -1,0 +1,492 @@
+// The cuda and nccl EP engines against the host reference: every rank runs the same calls on a host
+// Buffer and a device Buffer with the same inputs and compares outputs and handles. Ranks are forked
+// processes sharing one GPU (cuda) or one GPU each (nccl). The parent never initialises CUDA.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "cuda/stream.hpp"
+#include "moerl/core/error.hpp"
+#include "moerl/ep/buffer.hpp"
+#include "ranks.hpp"
+#include "reference.hpp"
+
+namespace moerl::test {
+namespace {
+
+#define CK(call) \
+    MOERL_CHECK((call) == cudaSuccess, #call, " failed: ", cudaGetErrorString(cudaGetLastError()))
+
+// Visible devices, probed in a child so the parent stays free of CUDA.
+int device_count() {
+    static int count = -1;
+    if (count >= 0) return count;
+    count = 0;
+    for (int n = 1; n <= 8; ++n) {
+        auto r = run_ranks(1, [n](int) {
+            int c = 0;
+            if (cudaGetDeviceCount(&c) != cudaSuccess || c < n) throw std::runtime_error("fewer");
+        });
+        if (r[0].exit_code != 0) break;
+        count = n;
+    }
+    return count;
+}
+
+class Mismatches {
+  public:
+    explicit Mismatches(std::string what) : what_(std::move(what)) {}
+    void expect(bool ok, const std::string& where) {
+        if (ok) return;
+        if (count_++ < 5) first_ += "\n  " + where;
+    }
+    void done() const { MOERL_CHECK(count_ == 0, what_, ": ", count_, " wrong elements", first_); }
+
+  private:
+    std::string what_;
+    long count_ = 0;
+    std::string first_;
+};
+
+// Device memory filled from / read back to host vectors.
+struct Dev {
+    void* p = nullptr;
+    size_t bytes = 0;
+    explicit Dev(size_t n, int poison = 0) : bytes(std::max<size_t>(n, 16)) {
+        CK(cudaMalloc(&p, bytes));
+        CK(cudaMemset(p, poison, bytes));
+    }
+    template <typename T>
+    Dev(const std::vector<T>& v) : Dev(v.size() * sizeof(T)) {
+        if (!v.empty()) CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    }
+    ~Dev() { cudaFree(p); }
+    template <typename T>
+    T* as() const {
+        return static_cast<T*>(p);
+    }
+    template <typename T>
+    std::vector<T> read(size_t n) const {
+        std::vector<T> out(n);
+        CK(cudaDeviceSynchronize());
+        if (n) CK(cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+        return out;
+    }
+    void poison(int v) { CK(cudaMemset(p, v, bytes)); }
+};
+
+struct Case {
+    std::string transport;
+    int world;
+    ep::DType dtype;
+    int num_experts;
+    int top_k;
+    bool fp8 = false;
+    int hidden = 72;
+    int max_tokens = 40;
+    int num_sms = 8;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+    *os << c.transport << " world=" << c.world << " " << ep::dtype_name(c.dtype) << (c.fp8 ? "+fp8" : "")
+        << " experts=" << c.num_experts << " top_k=" << c.top_k << " hidden=" << c.hidden
+        << " max_tokens=" << c.max_tokens;
+}
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+    const Case& c = info.param;
+    return c.transport + "_w" + std::to_string(c.world) + "_" + ep::dtype_name(c.dtype) +
+           (c.fp8 ? "_fp8" : "") + "_e" + std::to_string(c.num_experts) + "_k" + std::to_string(c.top_k) +
+           "_h" + std::to_string(c.hidden) + "_t" + std::to_string(c.max_tokens);
+}
+
+ep::Config make_config(const Case& tc, int rank, const std::string& transport) {
+    ep::Config c;
+    c.world_size = tc.world;
+    c.rank = rank;
+    c.num_experts = tc.num_experts;
+    c.hidden = tc.hidden;
+    c.top_k = tc.top_k;
+    c.max_tokens_per_rank = tc.max_tokens;
+    c.dtype = tc.dtype;
+    c.fp8_dispatch = tc.fp8;
+    c.timeout_s = 30;
+    c.num_sms = tc.num_sms;
+    c.job_id = "gpu";
+    c.transport = transport;
+    return c;
+}
+
+// Dequantized value j of an fp8 row, or the plain value.
+float value_at(const ep::Config& c, const uint8_t* row, const float* scales, int j) {
+    if (!c.fp8_dispatch) return ep::load_as_float(row, j, c.dtype);
+    return ep::e4m3_to_float(row[j]) * scales[j / ep::kFp8BlockCols];
+}
+
+// Data rows: bit-identical, or with fp8 within one e4m3 step of the host's quantization.
+void compare_rows(Mismatches& m, const ep::Config& c, const std::string& what, const uint8_t* got,
+                  const float* got_scales, const uint8_t* want, const float* want_scales) {
+    const int H = c.hidden;
+    if (!c.fp8_dispatch) {
+        m.expect(std::memcmp(got, want, H * c.element_bytes()) == 0, what + ": data differs");
+        return;
+    }
+    const int nb = H / ep::kFp8BlockCols;
+    for (int b = 0; b < nb; ++b)
+        m.expect(std::fabs(got_scales[b] - want_scales[b]) <= 1e-6f * std::fabs(want_scales[b]),
+                 what + ": scale " + std::to_string(b));
+    for (int j = 0; j < H; ++j) {
+        const float g = value_at(c, got, got_scales, j), w = value_at(c, want, want_scales, j);
+        m.expect(std::fabs(g - w) <= 0.07f * std::fabs(w) + want_scales[j / ep::kFp8BlockCols] * 1.01f,
+                 what + " col " + std::to_string(j) + ": got " + std::to_string(g) + ", want " +
+                     std::to_string(w));
+    }
+}
+
+void compare_floats(Mismatches& m, const ep::Config& c, const std::string& what, const uint8_t* got,
+                    const uint8_t* want, int rows) {
+    const float tol = 3 * tolerance(c.dtype);
+    for (int t = 0; t < rows; ++t)
+        for (int j = 0; j < c.hidden; ++j) {
+            const size_t i = static_cast<size_t>(t) * c.hidden + j;
+            const float g = ep::load_as_float(got, i, c.dtype), w = ep::load_as_float(want, i, c.dtype);
+            m.expect(std::fabs(g - w) <= tol * (std::fabs(w) + 1e-2f),
+                     what + " row " + std::to_string(t) + " col " + std::to_string(j) + ": got " +
+                         std::to_string(g) + ", want " + std::to_string(w));
+        }
+}
+
+// One rank: for several rounds of fresh data, every call on the host reference and on the device
+// engine, outputs poisoned first, results compared.
+void conformance(const Case& tc, int rank, uint64_t seed, const std::string& dir) {
+    auto store = ep::make_file_store(dir);
+    const ep::Config hc = make_config(tc, rank, "host");
+    const ep::Config dc = make_config(tc, rank, tc.transport);
+    ep::Buffer host(hc, store.get());
+    ep::Buffer dev(dc, store.get());
+    MOERL_CHECK(dev.on_device(), "the ", tc.transport, " buffer is not on the device");
+    const ep::Config& c = hc;
+    const int W = c.world_size, K = c.top_k, H = c.hidden, L = c.num_local_experts();
+    const int max_recv = c.max_recv_tokens();
+    const int nb = std::max(1, H / ep::kFp8BlockCols);
+    const size_t out_row = c.fp8_dispatch ? H : H * c.element_bytes();
+    const size_t y_row = H * c.element_bytes();
+    const int rows_per_expert = c.low_latency_rows_per_expert();
+    const int ll_rows = L * rows_per_expert;
+
+    for (int round = 0; round < 3; ++round) {
+        const std::string tag = " (rank " + std::to_string(rank) + ", round " + std::to_string(round) + ")";
+        const RankInput in = make_input(c, seed + round, rank, W > 1 ? (round % W) : -1);
+        const int T = in.num_tokens;
+        Dev x(in.x), idx(in.topk_idx), w(in.topk_weights);
+
+        // --- normal dispatch ---
+        std::vector<uint8_t> h_x(static_cast<size_t>(max_recv) * out_row);
+        std::vector<float> h_scales(static_cast<size_t>(max_recv) * nb);
+        std::vector<int64_t> h_idx(static_cast<size_t>(max_recv) * K);
+        std::vector<float> h_w(static_cast<size_t>(max_recv) * K);
+        ep::DispatchOutput h_out{{h_x.data(), max_recv, H},
+                                 {h_scales.data(), max_recv, nb},
+                                 {h_idx.data(), max_recv, K},
+                                 {h_w.data(), max_recv, K}};
+        ep::Handle hh = host.dispatch(x_view(c, in), idx_view(c, in), weights_view(c, in), h_out);
+        const int R = hh.num_recv_tokens();
+
+        Dev d_x(h_x.size(), 0xAB), d_scales(h_scales.size() * 4, 0xC7), d_idx(h_idx.size() * 8, 0x5A),
+            d_w(h_w.size() * 4, 0x6B);
+        ep::DispatchOutput d_out{{d_x.p, max_recv, H},
+                                 {d_scales.as<float>(), max_recv, nb},
+                                 {d_idx.as<int64_t>(), max_recv, K},
+                                 {d_w.as<float>(), max_recv, K}};
+        ep::View<const void> dxv{x.p, T, H};
+        ep::View<const int64_t> div{idx.as<int64_t>(), T, K};
+        ep::View<const float> dwv{w.as<float>(), T, K};
+        ep::Handle dh = dev.dispatch(dxv, div, dwv, d_out);
+
+        auto check_dispatch = [&](const std::string& what, const ep::Handle& got) {
+            Mismatches m(what + tag);
+            m.expect(got.num_tokens == hh.num_tokens, "num_tokens");
+            m.expect(got.num_recv_per_src == hh.num_recv_per_src, "num_recv_per_src");
+            m.expect(got.recv_src_offset == hh.recv_src_offset, "recv_src_offset");
+            m.expect(got.num_send_per_rank == hh.num_send_per_rank, "num_send_per_rank");
+            m.expect(got.send_pos == hh.send_pos, "send_pos");
+            m.expect(got.recv_src_token == hh.recv_src_token, "recv_src_token");
+            m.expect(got.num_recv_tokens_per_expert == hh.num_recv_tokens_per_expert,
+                     "num_recv_tokens_per_expert");
+            m.done();
+            const auto gx = d_x.read<uint8_t>(static_cast<size_t>(R) * out_row);
+            const auto gs = d_scales.read<float>(static_cast<size_t>(R) * nb);
+            const auto gi = d_idx.read<int64_t>(static_cast<size_t>(R) * K);
+            const auto gw = d_w.read<float>(static_cast<size_t>(R) * K);
+            for (int i = 0; i < R; ++i) {
+                const std::string where = "row " + std::to_string(i);
+                compare_rows(m, c, where, gx.data() + i * out_row, gs.data() + static_cast<size_t>(i) * nb,
+                             h_x.data() + i * out_row, h_scales.data() + static_cast<size_t>(i) * nb);
+                for (int k = 0; k < K; ++k) {
+                    m.expect(gi[i * K + k] == h_idx[i * K + k], where + ": topk id k=" + std::to_string(k));
+                    m.expect(gw[i * K + k] == h_w[i * K + k], where + ": weight k=" + std::to_string(k));
+                }
+            }
+            m.done();
+        };
+        check_dispatch(tc.transport + " dispatch", dh);
+
+        // A reused handle: no count exchange, same result.
+        d_x.poison(0xCD);
+        d_idx.poison(0x33);
+        dh = dev.dispatch(dxv, div, dwv, d_out, &dh);
+        check_dispatch(tc.transport + " dispatch with a reused handle", dh);
+
+        // --- normal combine: y = recv rows scaled by the sum of their local weights ---
+        if (!c.fp8_dispatch) {
+            std::vector<uint8_t> y(static_cast<size_t>(std::max(R, 1)) * y_row);
+            for (int i = 0; i < R; ++i) {
+                float scale = 0.0f;
+                for (int k = 0; k < K; ++k) scale += h_w[static_cast<size_t>(i) * K + k];
+                for (int j = 0; j < H; ++j)
+                    ep::store_from_float(
+                        y.data() + i * y_row, j,
+                        (1.0f + scale) * ep::load_as_float(h_x.data() + i * out_row, j, c.dtype), c.dtype);
+            }
+            std::vector<uint8_t> h_comb(static_cast<size_t>(std::max(T, 1)) * y_row);
+            host.combine({y.data(), R, H}, hh, {h_comb.data(), T, H});
+            Dev d_y(y), d_comb(h_comb.size(), 0xEE);
+            dev.combine({d_y.p, R, H}, dh, {d_comb.p, T, H});
+            Mismatches m(tc.transport + " combine" + tag);
+            compare_floats(m, c, "combine", d_comb.read<uint8_t>(static_cast<size_t>(T) * y_row).data(),
+                           h_comb.data(), T);
+            m.done();
+        }
+
+        // --- low-latency dispatch and combine ---
+        std::vector<uint8_t> hl_x(static_cast<size_t>(ll_rows) * out_row);
+        std::vector<float> hl_scales(static_cast<size_t>(ll_rows) * nb);
+        std::vector<int> hl_count(L);
+        ep::LowLatencyHandle hl = host.low_latency_dispatch(
+            x_view(c, in), idx_view(c, in),
+            {{hl_x.data(), ll_rows, H}, {hl_scales.data(), ll_rows, nb}, hl_count.data()});
+        Dev dl_x(hl_x.size(), 0x5A), dl_scales(hl_scales.size() * 4, 0xC3), dl_count(L * 4, 0xFF);
+        ep::LowLatencyOutput dl_out{
+            {dl_x.p, ll_rows, H}, {dl_scales.as<float>(), ll_rows, nb}, dl_count.as<int>()};
+        ep::LowLatencyHandle dl = dev.low_latency_dispatch(dxv, div, dl_out);
+        {
+            Mismatches m(tc.transport + " low_latency_dispatch" + tag);
+            m.expect(dl.num_tokens == hl.num_tokens, "num_tokens");
+            m.expect(dl.recv_count == hl.recv_count, "handle recv_count");
+            m.expect(dl.recv_range == hl.recv_range, "recv_range");
+            m.expect(dl.recv_src_token == hl.recv_src_token, "recv_src_token");
+            m.expect(dl.topk_idx == hl.topk_idx, "topk_idx");
+            m.expect(dl_count.read<int>(L) == hl_count, "recv_count output");
+            const auto gx = dl_x.read<uint8_t>(hl_x.size());
+            const auto gs = dl_scales.read<float>(hl_scales.size());
+            for (int l = 0; l < L; ++l)
+                for (int i = 0; i < hl_count[l]; ++i) {
+                    const size_t row = static_cast<size_t>(l) * rows_per_expert + i;
+                    compare_rows(m, c, "expert " + std::to_string(l) + " row " + std::to_string(i),
+                                 gx.data() + row * out_row, gs.data() + row * nb, hl_x.data() + row * out_row,
+                                 hl_scales.data() + row * nb);
+                }
+            m.done();
+        }
+        if (!c.fp8_dispatch) {
+            std::vector<uint8_t> h_comb(static_cast<size_t>(std::max(T, 1)) * y_row);
+            host.low_latency_combine({hl_x.data(), ll_rows, H}, idx_view(c, in), weights_view(c, in), hl,
+                                     {h_comb.data(), T, H});
+            Dev d_comb(h_comb.size(), 0x11);
+            dev.low_latency_combine({dl_x.p, ll_rows, H}, div, dwv, dl, {d_comb.p, T, H});
+            Mismatches m(tc.transport + " low_latency_combine" + tag);
+            compare_floats(m, c, "low_latency_combine",
+                           d_comb.read<uint8_t>(static_cast<size_t>(T) * y_row).data(), h_comb.data(), T);
+            m.done();
+        }
+    }
+    CK(cudaDeviceSynchronize());
+    dev.destroy();
+    host.destroy();
+}
+
+class DeviceConformance : public testing::TestWithParam<Case> {};
+
+TEST_P(DeviceConformance, MatchesHostReference) {
+    const Case tc = GetParam();
+    const int devices = device_count();
+    if (devices == 0) GTEST_SKIP() << "no CUDA device";
+    if (tc.transport == "nccl" && devices < tc.world)
+        GTEST_SKIP() << "nccl needs one GPU per rank: " << tc.world << " ranks, " << devices << " GPUs";
+    const uint64_t seed = std::random_device{}();
+    const std::string dir = unique_dir("gpu");
+    auto results = run_ranks(
+        tc.world, [&](int rank) { conformance(tc, rank, seed, dir); }, std::chrono::seconds(240));
+    for (int r = 0; r < tc.world; ++r)
+        EXPECT_EQ(results[r].exit_code, 0)
+            << "rank " << r << " (seed " << seed << "): " << results[r].message;
+    std::filesystem::remove_all(dir);
+}
+
+std::vector<Case> cases() {
+    using ep::DType;
+    std::vector<Case> out = {
+        {"cuda", 1, DType::kFloat32, 4, 2},
+        {"cuda", 2, DType::kFloat32, 8, 4},
+        {"cuda", 2, DType::kBFloat16, 8, 4},
+        {"cuda", 3, DType::kBFloat16, 10, 3},
+        {"cuda", 4, DType::kFloat32, 16, 8},
+        {"cuda", 4, DType::kBFloat16, 16, 8},
+        {"cuda", 8, DType::kBFloat16, 64, 8},
+        {"cuda", 8, DType::kFloat32, 32, 6},
+        {"cuda", 3, DType::kBFloat16, 12, 4, true, 256},
+        {"cuda", 8, DType::kBFloat16, 64, 8, true, 384},
+        {"cuda", 2, DType::kBFloat16, 8, 2, false, 70},              // rows not 16-byte multiples
+        {"cuda", 2, DType::kBFloat16, 16, 8, false, 512, 1500, 24},  // several layout chunks
+        {"nccl", 2, DType::kBFloat16, 8, 4},
+        {"nccl", 2, DType::kFloat32, 8, 4},
+        {"nccl", 2, DType::kBFloat16, 16, 4, true, 256},
+    };
+    return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, DeviceConformance, testing::ValuesIn(cases()), case_name);
+
+// A low-latency dispatch + combine captured in a CUDA graph and replayed equals the eager calls.
+TEST(CudaGraph, LowLatencyReplayMatchesEager) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    const Case tc{"cuda", 2, ep::DType::kBFloat16, 8, 4, false, 128, 64};
+    const uint64_t seed = std::random_device{}();
+    const std::string dir = unique_dir("graph");
+    auto results = run_ranks(2, [&](int rank) {
+        auto store = ep::make_file_store(dir);
+        const ep::Config c = make_config(tc, rank, "cuda");
+        ep::Buffer dev(c, store.get());
+        const int K = c.top_k, H = c.hidden, L = c.num_local_experts();
+        const int ll_rows = L * c.low_latency_rows_per_expert();
+        const size_t row = H * c.element_bytes();
+        cudaStream_t stream;
+        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        ep::cuda::StreamGuard guard(stream);
+        const RankInput in = make_input(c, seed, rank);
+        const int T = in.num_tokens;
+        Dev x(in.x), idx(in.topk_idx), w(in.topk_weights);
+        Dev recv(static_cast<size_t>(ll_rows) * row, 0x5A), count(L * 4), out_eager(T * row),
+            out_graph(T * row, 0x77);
+        ep::View<const void> xv{x.p, T, H};
+        ep::View<const int64_t> iv{idx.as<int64_t>(), T, K};
+        ep::View<const float> wv{w.as<float>(), T, K};
+        ep::LowLatencyOutput lo{{recv.p, ll_rows, H}, {}, count.as<int>()};
+        // The expert output is the received rows themselves (y = recv_x).
+        ep::LowLatencyHandle h = dev.low_latency_dispatch(xv, iv, lo);
+        dev.low_latency_combine({recv.p, ll_rows, H}, iv, wv, h, {out_eager.p, T, H});
+        CK(cudaStreamSynchronize(stream));
+        const auto eager = out_eager.read<uint8_t>(T * row);
+        const auto eager_recv = recv.read<uint8_t>(static_cast<size_t>(ll_rows) * row);
+
+        cudaGraph_t graph;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        ep::LowLatencyHandle gh = dev.low_latency_dispatch(xv, iv, lo);
+        dev.low_latency_combine({recv.p, ll_rows, H}, iv, wv, gh, {out_graph.p, T, H});
+        CK(cudaStreamEndCapture(stream, &graph));
+        cudaGraphExec_t exec;
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int replay = 0; replay < 3; ++replay) {
+            recv.poison(0x5A);
+            out_graph.poison(0x77);
+            CK(cudaGraphLaunch(exec, stream));
+            CK(cudaStreamSynchronize(stream));
+            MOERL_CHECK(out_graph.read<uint8_t>(T * row) == eager, "replay ", replay,
+                        ": the captured combine differs from the eager one");
+            const auto got_recv = recv.read<uint8_t>(static_cast<size_t>(ll_rows) * row);
+            for (int l = 0; l < L; ++l) {
+                const size_t n = static_cast<size_t>(h.recv_count[l]) * row;
+                const size_t off = static_cast<size_t>(l) * c.low_latency_rows_per_expert() * row;
+                MOERL_CHECK(std::memcmp(got_recv.data() + off, eager_recv.data() + off, n) == 0, "replay ",
+                            replay, ": the captured dispatch differs for expert ", l);
+            }
+        }
+        // Eager calls still work after the replays (epochs stayed in step).
+        dev.low_latency_dispatch(xv, iv, lo);
+        CK(cudaGraphExecDestroy(exec));
+        CK(cudaGraphDestroy(graph));
+        dev.destroy();
+    });
+    for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(results[r].exit_code, 0)
+            << "rank " << r << " (seed " << seed << "): " << results[r].message;
+    std::filesystem::remove_all(dir);
+}
+
+// An expert id out of range on one rank: that rank gets an error naming the entry; the peer completes;
+// both keep working afterwards.
+TEST(BadInput, ExpertIdOutOfRangeIsReported) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    const Case tc{"cuda", 2, ep::DType::kFloat32, 8, 2, false, 16, 8};
+    const std::string dir = unique_dir("gpubad");
+    auto results = run_ranks(2, [&](int rank) {
+        auto store = ep::make_file_store(dir);
+        const ep::Config c = make_config(tc, rank, "cuda");
+        ep::Buffer dev(c, store.get());
+        std::vector<float> xs(8 * 16, 1.0f);
+        std::vector<int64_t> ids(8 * 2, 1);
+        if (rank == 0) ids[3 * 2 + 1] = 300;  // topk_idx[3,1]
+        Dev x(xs), idx(ids), recv(2 * 8 * 16 * 4), ll(4 * 2 * 8 * 16 * 4);
+        ep::DispatchOutput out{{recv.p, 16, 16}};
+        std::string msg;
+        try {
+            dev.dispatch({x.p, 8, 16}, {idx.as<int64_t>(), 8, 2}, {}, out);
+        } catch (const Error& e) {
+            msg = e.what();
+        }
+        if (rank == 0)
+            MOERL_CHECK(msg.find("topk_idx[3,1] = 300") != std::string::npos,
+                        "dispatch: expected an error naming "
+                        "topk_idx[3,1] = 300, got '",
+                        msg, "'");
+        else
+            MOERL_CHECK(msg.empty(), "rank 1 had valid input but got: ", msg);
+        msg.clear();
+        try {
+            dev.low_latency_dispatch({x.p, 8, 16}, {idx.as<int64_t>(), 8, 2}, {{ll.p, 4 * 16, 16}});
+        } catch (const Error& e) {
+            msg = e.what();
+        }
+        if (rank == 0)
+            MOERL_CHECK(msg.find("topk_idx[3,1] = 300") != std::string::npos,
+                        "low_latency_dispatch: expected an error naming topk_idx[3,1] = 300, got '", msg,
+                        "'");
+        // Valid input afterwards: counts as expected (expert 1 lives on rank 0: 8 tokens from each rank).
+        std::vector<int64_t> good(8 * 2, 1);
+        Dev gidx(good);
+        ep::Handle h = dev.dispatch({x.p, 8, 16}, {gidx.as<int64_t>(), 8, 2}, {}, out);
+        MOERL_CHECK(h.num_recv_tokens() == (rank == 0 ? 16 : 0), "after bad input: rank ", rank, " received ",
+                    h.num_recv_tokens(), " rows");
+        dev.destroy();
+    });
+    for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
+    std::filesystem::remove_all(dir);
+}
+
+// The nccl engine refuses two ranks on one GPU with a clear error.
+TEST(Nccl, RefusesTwoRanksOnOneGpu) {
+    const int devices = device_count();
+    if (devices != 1) GTEST_SKIP() << "needs exactly one GPU, found " << devices;
+    const std::string dir = unique_dir("ncclone");
+    auto results = run_ranks(2, [&](int rank) {
+        auto store = ep::make_file_store(dir);
+        const ep::Config c = make_config({"nccl", 2, ep::DType::kFloat32, 8, 2}, rank, "nccl");
+        try {
+            ep::Buffer dev(c, store.get());
+        } catch (const Error& e) {
+            MOERL_CHECK(std::string(e.what()).find("one GPU per rank") != std::string::npos,
+                        "unexpected error: ", e.what());
+            return;
+        }
+        MOERL_FAIL("the nccl engine accepted two ranks on one GPU");
+    });
+    for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
+    std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moerl::test
