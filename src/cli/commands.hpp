@@ -8,6 +8,8 @@ namespace moerl::cli {
 // launch, worker plumbing and `bench ep` (cmd_launch.cpp, cmd_bench_ep.cpp).
 void register_launch_command(CLI::App& app);
 void register_bench_ep(CLI::App& bench);
+// `ep check` (cmd_ep_check.cpp).
+void register_ep_commands(CLI::App& app);
 // `model init`, `ckpt inspect`, `bench model` (cmd_model.cpp).
 void register_model_commands(CLI::App& app, CLI::App& bench);
 // `run`, `worker`, `bench rollout` (cmd_run.cpp).

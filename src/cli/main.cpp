@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
     bench->require_subcommand(1);
     moerl::cli::register_launch_command(app);
     moerl::cli::register_bench_ep(*bench);
+    moerl::cli::register_ep_commands(app);
 #ifdef MOERL_HAVE_CMD_MODEL
     moerl::cli::register_model_commands(app, *bench);
 #endif

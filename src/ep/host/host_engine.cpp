@@ -24,6 +24,26 @@ constexpr int kUsedChannels = 5;
 
 size_t align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
+// acc[j] += w * row[j]; the dtype branch sits outside the loop so it vectorizes.
+void accumulate_row(float* acc, const std::byte* row, int n, DType t, float w) {
+    if (t == DType::kFloat32) {
+        const auto* v = reinterpret_cast<const float*>(row);
+        for (int j = 0; j < n; ++j) acc[j] += w * v[j];
+    } else {
+        const auto* v = reinterpret_cast<const uint16_t*>(row);
+        for (int j = 0; j < n; ++j) acc[j] += w * bf16_to_float(v[j]);
+    }
+}
+
+void store_row(std::byte* dst, const float* acc, int n, DType t) {
+    if (t == DType::kFloat32) {
+        std::memcpy(dst, acc, n * sizeof(float));
+    } else {
+        auto* v = reinterpret_cast<uint16_t*>(dst);
+        for (int j = 0; j < n; ++j) v[j] = float_to_bf16(acc[j]);
+    }
+}
+
 // Byte layout of the symmetric region: per channel, W receive slots then W send slots.
 struct RegionLayout {
     size_t slot_bytes[kUsedChannels] = {};
@@ -173,16 +193,13 @@ public:
             for (int t = 0; t < T; ++t) {
                 int pos = h.send_pos[static_cast<size_t>(t) * W + src];
                 if (pos < 0) continue;
-                const std::byte* row = slot + pos * row_bytes;
-                float* a = acc.data() + static_cast<size_t>(t) * H;
-                for (int j = 0; j < H; ++j) a[j] += load_as_float(row, j, c_.dtype);
+                accumulate_row(acc.data() + static_cast<size_t>(t) * H, slot + pos * row_bytes, H, c_.dtype, 1.0f);
             }
         });
         // Sources are accumulated in rank order, so the sum is the same on every transport.
-        for (int t = 0; t < T; ++t) {
-            void* dst = static_cast<std::byte*>(out.data) + t * elem_row;
-            for (int j = 0; j < H; ++j) store_from_float(dst, j, acc[static_cast<size_t>(t) * H + j], c_.dtype);
-        }
+        for (int t = 0; t < T; ++t)
+            store_row(static_cast<std::byte*>(out.data) + t * elem_row, acc.data() + static_cast<size_t>(t) * H, H,
+                      c_.dtype);
     }
 
     LowLatencyHandle low_latency_dispatch(View<const void> x, View<const int64_t> topk_idx,
@@ -263,15 +280,13 @@ public:
                         if (h.topk_idx[static_cast<size_t>(t) * K + k] != e) continue;
                         const std::byte* row = slot + n++ * row_bytes;
                         const float w = topk_weights.data ? topk_weights.data[static_cast<size_t>(t) * K + k] : 1.0f;
-                        float* a = acc.data() + static_cast<size_t>(t) * H;
-                        for (int j = 0; j < H; ++j) a[j] += w * load_as_float(row, j, c_.dtype);
+                        accumulate_row(acc.data() + static_cast<size_t>(t) * H, row, H, c_.dtype, w);
                     }
             }
         });
-        for (int t = 0; t < T; ++t) {
-            void* dst = static_cast<std::byte*>(out.data) + t * elem_row;
-            for (int j = 0; j < H; ++j) store_from_float(dst, j, acc[static_cast<size_t>(t) * H + j], c_.dtype);
-        }
+        for (int t = 0; t < T; ++t)
+            store_row(static_cast<std::byte*>(out.data) + t * elem_row, acc.data() + static_cast<size_t>(t) * H, H,
+                      c_.dtype);
     }
 
 private:

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <random>
 
 #include "builtin.hpp"
 #include "moerl/core/error.hpp"
@@ -23,11 +24,11 @@ size_t counters_bytes(int world_size) {
     return (n + kPage - 1) / kPage * kPage;
 }
 
-std::string segment_name(const std::string& job, int rank) {
-    std::string name = "/moerl-" + job + "-" + std::to_string(rank);
-    for (size_t i = 1; i < name.size(); ++i)
-        if (name[i] == '/') name[i] = '_';
-    return name;
+// Unique on the machine (process id and a random tag): peers learn the name through the store, so
+// concurrent groups with the same job id never collide.
+std::string segment_name(int rank) {
+    std::random_device rd;
+    return "/moerl-ep-" + std::to_string(getpid()) + "-" + std::to_string(rank) + "-" + std::to_string(rd());
 }
 
 class Mapping {
@@ -87,7 +88,7 @@ public:
         const size_t seg_bytes = counters_bytes(world_size_) + region_bytes_;
         prefix_ = o.job_id + "/host";
         const auto timeout = std::chrono::milliseconds(static_cast<long>(o.timeout_s * 1000));
-        const std::string name = segment_name(o.job_id, rank_);
+        const std::string name = segment_name(rank_);
         maps_.resize(world_size_);
         maps_[rank_] = map_segment(name, seg_bytes, true);
         std::memset(maps_[rank_].get(), 0, counters_bytes(world_size_));

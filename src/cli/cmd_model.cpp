@@ -1,0 +1,333 @@
+// `moerl model init`, `moerl ckpt inspect` and `moerl bench model`.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "commands.hpp"
+#include "moerl/core/error.hpp"
+#include "moerl/model/config.hpp"
+#include "moerl/model/model.hpp"
+#include "moerl/model/safetensors.hpp"
+
+namespace moerl::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A subcommand other layers may also extend (e.g. `ckpt`).
+CLI::App* subcommand(CLI::App& parent, const std::string& name, const std::string& description) {
+    for (CLI::App* sub : parent.get_subcommands([](CLI::App*) { return true; })) {
+        if (sub->get_name() == name) return sub;
+    }
+    CLI::App* sub = parent.add_subcommand(name, description);
+    sub->require_subcommand(1);
+    return sub;
+}
+
+at::ScalarType dtype_of(const std::string& name) {
+    if (name == "float32" || name == "fp32") return at::kFloat;
+    if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
+    if (name == "float16" || name == "fp16") return at::kHalf;
+    MOERL_FAIL("dtype \"", name, "\" is not supported, expected float32, bfloat16 or float16");
+}
+
+std::string dtype_name(at::ScalarType t) {
+    return t == at::kFloat ? "float32" : (t == at::kBFloat16 ? "bfloat16" : "float16");
+}
+
+std::string human_bytes(double b) {
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (b >= 1024 && u < 4) b /= 1024, ++u;
+    char buf[32];
+    std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", b, units[u]);
+    return buf;
+}
+
+std::string human_count(double n) {
+    char buf[32];
+    if (n >= 1e9)
+        std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
+    else if (n >= 1e6)
+        std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
+    else
+        std::snprintf(buf, sizeof buf, "%.0f", n);
+    return buf;
+}
+
+void model_init(const std::string& config_path, const std::string& out, uint64_t seed, int shard_mb,
+                const std::string& dtype) {
+    model::ModelConfig config = model::ModelConfig::load(config_path);
+    const std::string stored = dtype_name(dtype_of(dtype.empty() ? config.torch_dtype : dtype));
+    MOERL_CHECK(shard_mb >= 0, "--shard-mb ", shard_mb, " must be >= 0");
+    model::MoeModel m(config, {at::kCPU, dtype_of(stored)});
+    m.init_random(seed);
+    m.save_pretrained(out, static_cast<uint64_t>(shard_mb) << 20, stored);
+    std::printf("wrote %s: %s parameters (%s active per token), %s, %s\n", out.c_str(),
+                human_count(static_cast<double>(config.num_parameters())).c_str(),
+                human_count(static_cast<double>(config.num_active_parameters())).c_str(), stored.c_str(),
+                human_bytes(static_cast<double>(m.weight_bytes())).c_str());
+}
+
+void ckpt_inspect(const std::string& dir) {
+    model::ModelConfig c = model::ModelConfig::load(dir);
+    model::CheckpointReader reader(dir);
+    std::printf("checkpoint %s\n", dir.c_str());
+    std::printf("  architecture  Qwen3-MoE: %d layers (%d MoE), hidden %d, vocab %d\n", c.num_hidden_layers,
+                c.num_moe_layers(), c.hidden_size, c.vocab_size);
+    std::printf("  attention     %d query heads, %d key/value heads, head_dim %d, rope_theta %g\n",
+                c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rope_theta);
+    std::printf("  experts       %d per MoE layer, top-%d%s, expert width %d; dense MLP width %d\n",
+                c.num_experts, c.num_experts_per_tok, c.norm_topk_prob ? " (renormalised)" : "",
+                c.moe_intermediate_size, c.intermediate_size);
+    std::printf("  parameters    %s total, %s active per token (%lld / %lld)\n",
+                human_count(static_cast<double>(c.num_parameters())).c_str(),
+                human_count(static_cast<double>(c.num_active_parameters())).c_str(),
+                static_cast<long long>(c.num_parameters()),
+                static_cast<long long>(c.num_active_parameters()));
+
+    std::map<std::string, std::pair<int64_t, uint64_t>> by_dtype;  // dtype -> (tensors, bytes)
+    uint64_t total = 0;
+    std::vector<std::string> problems;
+    std::set<std::string> expected;
+    for (const auto& [name, shape] : c.tensor_shapes()) {
+        expected.insert(name);
+        if (!reader.contains(name)) {
+            problems.push_back("missing " + name);
+            continue;
+        }
+        const model::TensorInfo& t = reader.info(name);
+        if (t.shape != shape) problems.push_back("shape of " + name + " does not match config.json");
+    }
+    int64_t unexpected = 0;
+    for (const auto& name : reader.names()) {
+        const model::TensorInfo& t = reader.info(name);
+        auto& entry = by_dtype[model::st_dtype_name(t.dtype)];
+        entry.first += 1;
+        entry.second += t.nbytes;
+        total += t.nbytes;
+        unexpected += expected.count(name) == 0;
+    }
+    std::printf("  files         %zu:", reader.files().size());
+    for (const auto& f : reader.files()) std::printf(" %s", f.c_str());
+    std::printf("\n  tensors       %zu, %s", reader.names().size(),
+                human_bytes(static_cast<double>(total)).c_str());
+    for (const auto& [dt, e] : by_dtype)
+        std::printf("; %s: %lld (%s)", dt.c_str(), static_cast<long long>(e.first),
+                    human_bytes(static_cast<double>(e.second)).c_str());
+    std::printf("\n");
+    if (unexpected > 0)
+        std::printf("  note          %lld tensors not used by the model\n",
+                    static_cast<long long>(unexpected));
+    if (problems.empty()) {
+        std::printf("  check         every tensor config.json implies is present with its shape\n");
+        return;
+    }
+    for (size_t i = 0; i < problems.size() && i < 20; ++i)
+        std::printf("  problem       %s\n", problems[i].c_str());
+    MOERL_FAIL("checkpoint ", dir, ": ", problems.size(), " problem(s), first: ", problems.front());
+}
+
+// Built-in benchmark shapes, the same as examples/models/small.json and medium.json.
+model::ModelConfig bench_config(int hidden, int layers, int heads, int kv_heads, int head_dim, int moe_width,
+                                int experts, int top_k, int vocab) {
+    model::ModelConfig c;
+    c.vocab_size = vocab;
+    c.hidden_size = hidden;
+    c.num_hidden_layers = layers;
+    c.num_attention_heads = heads;
+    c.num_key_value_heads = kv_heads;
+    c.head_dim = head_dim;
+    c.intermediate_size = 3 * hidden;
+    c.moe_intermediate_size = moe_width;
+    c.num_experts = experts;
+    c.num_experts_per_tok = top_k;
+    c.norm_topk_prob = true;
+    c.rope_theta = 1e6;
+    c.validate();
+    return c;
+}
+
+struct BenchArgs {
+    std::string device = "cpu";
+    std::string dtype;
+    std::vector<std::string> configs;
+    int batch = 8;
+    int prompt = 128;
+    int decode = 32;
+    int reps = 3;
+    uint64_t seed = 1;
+};
+
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// Device copy bandwidth, counted as bytes read + written per second (how HBM figures are quoted).
+double copy_bandwidth(const at::Device& device) {
+    const int64_t n = int64_t{1} << 28;  // 1 GiB of fp32 per buffer
+    at::Tensor a = at::empty({n}, at::TensorOptions().device(device).dtype(at::kFloat)).fill_(1.0);
+    at::Tensor b = at::empty_like(a);
+    b.copy_(a);
+    (void)b[0].item<float>();
+    std::vector<double> times;
+    for (int i = 0; i < 5; ++i) {
+        auto t0 = Clock::now();
+        for (int j = 0; j < 10; ++j) b.copy_(a);
+        (void)b[0].item<float>();  // synchronises the device
+        times.push_back(seconds_since(t0) / 10);
+    }
+    return 2.0 * n * 4 / median(times);
+}
+
+void bench_one(const std::string& name, const model::ModelConfig& c, const BenchArgs& a,
+               const at::Device& device, at::ScalarType dtype, double copy_bw) {
+    model::MoeModel m(c, {device, dtype});
+    m.set_requires_grad(false);
+    m.init_random(a.seed);
+    c10::NoGradGuard no_grad;
+    const int64_t B = a.batch, P = a.prompt, D = a.decode;
+    at::Tensor prompt = at::randint(1, c.vocab_size, {B, P}, at::TensorOptions().dtype(at::kLong)).to(device);
+    std::vector<double> prefill_s, decode_s;
+    double bytes_per_step = 0;
+    const double elem = static_cast<double>(at::elementSize(dtype));
+    const double expert_bytes = static_cast<double>(c.expert_parameters()) * elem;
+    const double all_expert_bytes = static_cast<double>(c.num_moe_layers()) * c.num_experts * expert_bytes;
+    // Weights every decode step reads besides the routed experts: all but the embedding table
+    // (only B rows of it are read).
+    const double dense_bytes =
+        static_cast<double>(m.weight_bytes()) - all_expert_bytes -
+        static_cast<double>(c.vocab_size) * c.hidden_size * elem * (c.tie_word_embeddings ? 0 : 1);
+    for (int rep = 0; rep <= a.reps; ++rep) {  // rep 0 warms up
+        model::KvCache cache = m.new_cache(B, P + D + 1);
+        auto t0 = Clock::now();
+        at::Tensor logits = m.prefill(cache, prompt, at::Tensor()).logits;
+        at::Tensor next = logits.argmax(-1);
+        (void)next[0].item<int64_t>();
+        const double tp = seconds_since(t0);
+        double experts_read = 0;
+        t0 = Clock::now();
+        for (int64_t s = 0; s < D; ++s) {
+            model::StepOutput o = m.decode(cache, next, /*record_routing=*/s == 0);
+            if (s == 0 && o.routing.defined() && o.routing.numel() > 0) {
+                // Distinct experts per MoE layer in one step = expert weights read.
+                at::Tensor r = o.routing.to(at::kCPU)
+                                   .to(at::kLong)
+                                   .permute({2, 0, 1, 3})
+                                   .reshape({c.num_moe_layers(), -1});
+                for (int64_t l = 0; l < r.size(0); ++l)
+                    experts_read += at::bincount(r[l], {}, c.num_experts).gt(0).sum().item<int64_t>();
+            }
+            next = o.logits.argmax(-1);
+        }
+        (void)next[0].item<int64_t>();
+        const double td = seconds_since(t0);
+        if (rep == 0) continue;
+        prefill_s.push_back(tp);
+        decode_s.push_back(td / static_cast<double>(D));
+        bytes_per_step = dense_bytes + experts_read * expert_bytes;
+    }
+    const double tp = median(prefill_s), td = median(decode_s);
+    std::printf("| %-8s | %8s | %8s | %5lld | %6lld | %6lld | %12.0f | %10.2f | %11.0f |", name.c_str(),
+                human_count(static_cast<double>(c.num_parameters())).c_str(),
+                human_count(static_cast<double>(c.num_active_parameters())).c_str(),
+                static_cast<long long>(B), static_cast<long long>(P), static_cast<long long>(D), B * P / tp,
+                td * 1e3, B / td);
+    if (copy_bw > 0) {
+        const double bw = bytes_per_step / td;
+        std::printf(" %9s | %8.1f | %5.1f%% |", human_bytes(bytes_per_step).c_str(), bw / 1e9,
+                    100.0 * bw / copy_bw);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+}
+
+void bench_model(const BenchArgs& a) {
+    const at::Device device(a.device);
+    MOERL_CHECK(device.is_cpu() || device.is_cuda(), "--device ", a.device,
+                " is not supported, expected cpu or cuda");
+    MOERL_CHECK(device.is_cpu() || at::hasCUDA(), "--device cuda: no CUDA device is available");
+    const at::ScalarType dtype =
+        a.dtype.empty() ? (device.is_cuda() ? at::kBFloat16 : at::kFloat) : dtype_of(a.dtype);
+    std::vector<std::pair<std::string, model::ModelConfig>> configs;
+    if (a.configs.empty()) {
+        configs.push_back({"small", bench_config(256, 4, 8, 2, 32, 128, 16, 4, 8192)});
+        configs.push_back({"medium", bench_config(768, 8, 12, 4, 64, 384, 32, 4, 32000)});
+    } else {
+        for (const auto& path : a.configs) {
+            std::string base = path.substr(path.find_last_of('/') + 1);
+            configs.push_back({base.substr(0, base.find('.')), model::ModelConfig::load(path)});
+        }
+    }
+    const double copy_bw = device.is_cuda() ? copy_bandwidth(device) : 0.0;
+    std::printf(
+        "moerl bench model: device %s, dtype %s, intra-op threads %d, median of %d runs after 1 warm-up\n",
+        a.device.c_str(), c10::toString(dtype), at::get_num_threads(), a.reps);
+    if (copy_bw > 0)
+        std::printf(
+            "device copy bandwidth (read + write): %.0f GB/s; decode bandwidth = weight bytes read per step "
+            "(all non-expert weights but the embedding, plus the distinct experts routed to) / step time\n",
+            copy_bw / 1e9);
+    std::printf(
+        "\n| config   |   params |   active | batch | prompt | decode | prefill tok/s | step ms    | decode "
+        "tok/s |");
+    if (copy_bw > 0) std::printf(" bytes/step | GB/s     | util   |");
+    std::printf("\n|---|---|---|---|---|---|---|---|---|%s\n", copy_bw > 0 ? "---|---|---|" : "");
+    for (const auto& [name, c] : configs) bench_one(name, c, a, device, dtype, copy_bw);
+}
+
+}  // namespace
+
+void register_model_commands(CLI::App& app, CLI::App& bench) {
+    CLI::App* model_cmd = subcommand(app, "model", "Model checkpoints (Qwen3-MoE, Hugging Face layout)");
+    struct InitArgs {
+        std::string config, out, dtype;
+        uint64_t seed = 0;
+        int shard_mb = 0;
+    };
+    auto init = std::make_shared<InitArgs>();
+    CLI::App* init_cmd = model_cmd->add_subcommand("init", "Write a randomly initialised checkpoint");
+    init_cmd->add_option("--config", init->config, "config.json (file or directory)")->required();
+    init_cmd->add_option("--out", init->out, "Output directory")->required();
+    init_cmd->add_option("--seed", init->seed, "Random seed");
+    init_cmd->add_option("--shard-mb", init->shard_mb, "Largest shard in MiB (0: one model.safetensors)");
+    init_cmd->add_option("--dtype", init->dtype,
+                         "Stored dtype: bfloat16, float16, float32 (default: torch_dtype)");
+    init_cmd->callback(
+        [init] { model_init(init->config, init->out, init->seed, init->shard_mb, init->dtype); });
+
+    CLI::App* ckpt = subcommand(app, "ckpt", "Checkpoint tools");
+    auto dir = std::make_shared<std::string>();
+    CLI::App* inspect =
+        ckpt->add_subcommand("inspect", "Summarise a checkpoint and check it against config.json");
+    inspect->add_option("dir", *dir, "Checkpoint directory")->required();
+    inspect->callback([dir] { ckpt_inspect(*dir); });
+
+    auto args = std::make_shared<BenchArgs>();
+    CLI::App* b =
+        bench.add_subcommand("model", "Prefill and decode throughput of the model runtime (random weights)");
+    b->add_option("--device", args->device, "cpu or cuda (cuda:N)");
+    b->add_option("--dtype", args->dtype,
+                  "float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)");
+    b->add_option("--config", args->configs, "config.json files (default: built-in small and medium)");
+    b->add_option("--batch", args->batch, "Sequences per batch");
+    b->add_option("--prompt", args->prompt, "Prompt tokens per sequence");
+    b->add_option("--decode", args->decode, "Decode steps");
+    b->add_option("--reps", args->reps, "Timed repetitions (median reported)");
+    b->add_option("--seed", args->seed, "Weight seed");
+    b->callback([args] { bench_model(*args); });
+}
+
+}  // namespace moerl::cli
