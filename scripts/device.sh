@@ -20,6 +20,7 @@ echo "GPUs: $NGPU"; cat "$OUT/gpu.txt"
 
 # --- configure ------------------------------------------------------------------------------------
 ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOERL_WITH_CUDA=ON -DMOERL_WITH_FABRIC=OFF -DMOERL_WITH_REDIS=OFF
+      -DMOERL_WITH_RL=${MOERL_DEVICE_RL:-OFF}
       -DCMAKE_CUDA_ARCHITECTURES=90
       -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
 TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
@@ -47,51 +48,62 @@ fi
 if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step configure ok; else
   step configure FAILED; tail -30 "$OUT/configure.log"; fi
 
-# --- build: the gpu tests first, then everything else within a time budget -------------------------
-if timeout 300 cmake --build "$BUILD" -j16 --target ep_cuda_test >"$OUT/build.log" 2>&1; then step build_ep ok; else
-  step build_ep FAILED; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
-if timeout 200 cmake --build "$BUILD" -j16 >>"$OUT/build.log" 2>&1; then step build_all ok; else
-  step build_all "FAILED (see build.log)"; grep -E "error:|FAILED" "$OUT/build.log" | head -10; fi
+# --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
+TARGETS=(ep_cuda_test moerl)
+grep -q "model_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_test)
+if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
+  step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 
 # --- tests --------------------------------------------------------------------------------------------
-(cd "$BUILD" && timeout 360 ctest -L gpu --output-on-failure --timeout 300 -j1) >"$OUT/ctest.log" 2>&1
+(cd "$BUILD" && timeout 150 ctest -L gpu --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*|Not Run|Passed|Skipped" "$OUT/ctest.log" | tail -40
 step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
+
+# --- benchmarks ---------------------------------------------------------------------------------------
+MOERL=$BUILD/src/cli/moerl
+if [ -x "$MOERL" ]; then
+  # The engine skips its end-of-call synchronisation; the benchmark synchronises around each call itself.
+  export MOERL_EP_CUDA_ASYNC=1
+  timeout 60 "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 --iters 20 >"$OUT/bench-cuda.log" 2>&1
+  timeout 60 "$MOERL" bench ep --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
+  step bench_cuda "rc=$?"
+  if [ "$NGPU" -ge 2 ]; then
+    timeout 100 "$MOERL" bench ep --transport nccl --ranks 2 --tokens 4096 --iters 20 >"$OUT/bench-nccl.log" 2>&1
+    step bench_nccl "rc=$?"
+  else
+    step bench_nccl "skipped (one GPU)"
+  fi
+  timeout 70 "$MOERL" bench model --device cuda --batch 32 --prompt 256 --decode 64 >"$OUT/bench-model.log" 2>&1
+  step bench_model "rc=$?"
+  tail -40 "$OUT"/bench-*.log
+else
+  step bench "skipped ($MOERL not built)"
+fi
+
+# --- the model layer on CUDA (bf16 against CPU fp32) and its parity with Hugging Face transformers ----
+if [ -x "$BUILD/tests/model/model_test" ]; then
+  (cd "$BUILD" && timeout 100 ctest -L model -R "Cuda|hf_parity" --output-on-failure --timeout 90) >"$OUT/ctest-model.log" 2>&1
+  grep -E "tests passed|Failed|Passed" "$OUT/ctest-model.log" | tail -12
+  step ctest_model_cuda "$(grep -E 'tests passed' "$OUT/ctest-model.log" | tail -1)"
+fi
 
 # --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
 TEST_BIN=$BUILD/tests/gpu/ep_cuda_test
 CASE='Engines/DeviceConformance.MatchesHostReference/cuda_w2_bf16_e8_k4_h72_t40'
 if [ -x "$TEST_BIN" ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $tool --target-processes all --print-limit 20 \
+    timeout 75 compute-sanitizer --tool $tool --target-processes all --print-limit 20 \
       "$TEST_BIN" --gtest_filter="$CASE" >"$OUT/sanitizer-$tool.log" 2>&1
     rc=$?
-    step "sanitizer_$tool" "rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-$tool.log" | sort | uniq -c | tr '\n' ' ')"
+    step "sanitizer_$tool" "rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | sort | uniq -c | tr '\n' ' ')"
   done
 else
   step sanitizer "skipped (no test binary or compute-sanitizer)"
 fi
 
-# --- benchmarks (the lead's CLI) ----------------------------------------------------------------------
-MOERL=$BUILD/src/cli/moerl
-if [ -x "$MOERL" ]; then
-  export MOERL_EP_CUDA_ASYNC=1  # no end-of-call synchronisation inside the engine while timing
-  timeout 120 "$MOERL" bench ep --transport cuda >"$OUT/bench-cuda.log" 2>&1
-  step bench_cuda "rc=$?"
-  if [ "$NGPU" -ge 2 ]; then
-    timeout 120 "$MOERL" bench ep --transport nccl >"$OUT/bench-nccl.log" 2>&1
-    step bench_nccl "rc=$?"
-  else
-    step bench_nccl "skipped (one GPU)"
-  fi
-  tail -30 "$OUT"/bench-*.log
-else
-  step bench "skipped ($MOERL not built)"
-fi
-
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build_ep build_all ctest_gpu sanitizer sanitizer_memcheck sanitizer_racecheck bench bench_cuda bench_nccl; do
+for k in configure build ctest_gpu bench bench_cuda bench_nccl bench_model ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done

@@ -13,7 +13,10 @@
 #include <random>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#if __has_include(<gloo/algorithm.h>)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#define MOERL_HAVE_GLOO 1
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
@@ -42,6 +45,7 @@ struct BenchOpts {
     int big_tokens = 512;
     bool baseline = true;
     bool low_latency = true;
+    int num_sms = 0;  // 0: the Config default
 };
 
 double median(std::vector<double> v) {
@@ -82,6 +86,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     c.dtype = ep::parse_dtype(o.dtype);
     c.low_latency = o.low_latency && bc.tokens <= 128;
     c.timeout_s = 120;
+    if (o.num_sms > 0) c.num_sms = o.num_sms;
     c.job_id = "bench";
     auto slash = transport.find('/');
     c.transport = transport.substr(0, slash);
@@ -174,6 +179,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         }
         r["baseline_us"] = median(t_copy);
     }
+#ifdef MOERL_HAVE_GLOO
     if (o.baseline && world > 1 && !buffer.on_device()) {
         // The same bytes through Gloo's all-to-all: rows this rank sends to each peer.
         auto opts = c10d::ProcessGroupGloo::Options::create();
@@ -199,6 +205,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         }
         r["baseline_us"] = median(t_a2a);
     }
+#endif
     buffer.destroy();
     return r;
 }
@@ -248,7 +255,9 @@ void run_config(const BenchOpts& o, const std::string& transport, const BenchCas
         ld += j.value("ll_dispatch_us", 0.0);
         lc += j.value("ll_combine_us", 0.0);
     }
-    std::filesystem::remove_all(dir);
+    // One file per rank, then the folder (remove_all is avoided: some LibTorch builds export a broken copy).
+    for (int r = 0; r < world; ++r) std::remove((dir + "/" + std::to_string(r)).c_str());
+    ::rmdir(dir.c_str());
     if (!error.empty()) {
         std::printf("| %-11s | %2d | %-9s | error: %s\n", transport.c_str(), world, bc.name.c_str(), error.c_str());
         return;
@@ -276,7 +285,8 @@ void register_bench_ep(CLI::App& bench) {
     cmd->add_option("--dtype", o->dtype, "bf16 or fp32");
     cmd->add_option("--iters", o->iters, "timed iterations (median reported)");
     cmd->add_option("--tokens", o->big_tokens, "tokens per rank of the DeepSeek-V3-shaped case");
-    cmd->add_flag("!--no-baseline", o->baseline, "skip the Gloo all-to-all baseline");
+    cmd->add_flag("!--no-baseline", o->baseline, "skip the baseline (Gloo all-to-all, or device copy for cuda)");
+    cmd->add_option("--sms", o->num_sms, "SMs for the cuda kernels (Config.num_sms; 0 = default)");
     cmd->callback([o] {
         const std::vector<BenchCase> cases = {{"decode", 128, 7168, 8, 256}, {"dsv3", o->big_tokens, 7168, 8, 256}};
         std::printf("dtype %s, %d timed iterations, median; GB/s = received rows x hidden x element size / time, "

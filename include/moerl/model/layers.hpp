@@ -1,0 +1,81 @@
+// The building blocks of the Qwen3-MoE forward pass as plain functions on ATen tensors. The model
+// (model.hpp) composes them; tests and the RL layer may call them directly. Every function is
+// differentiable through autograd and runs on any device and floating dtype.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+
+namespace moerl::ep {
+class Buffer;
+}
+
+namespace moerl::model {
+
+// HF Qwen3RMSNorm: normalise in fp32 over the last dim, cast back, scale by weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// cos and sin for rotary embeddings at `positions` [B, S] (int64): each [B, 1, S, head_dim] of dtype.
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64_t head_dim, double theta,
+                                              at::ScalarType dtype);
+// x [B, heads, S, head_dim] rotated by the half-split (rotate_half) convention of HF.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// Grouped-query attention. q [B, Hq, S, D], k and v [B, Hkv, L, D] with Hq a multiple of Hkv,
+// allowed [B, S, L] bool (true = query may attend to key). Softmax in fp32. Returns [B, S, Hq*D].
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& allowed);
+
+// down(silu(gate(x)) * up(x)) with HF weight layouts gate/up [I, H], down [H, I].
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down);
+
+struct Routing {
+    at::Tensor probs;         // [T, E] fp32 softmax of the router logits
+    at::Tensor topk_idx;      // [T, K] int64 global expert ids; -1 = no expert (masked token)
+    at::Tensor topk_weights;  // [T, K] fp32, differentiable w.r.t. the router and x
+};
+
+// Softmax top-k router (HF Qwen3MoeSparseMoeBlock). x [T, H], router_weight [E, H].
+// token_valid [T] bool (optional): tokens marked false get topk_idx -1 and weight 0, so they are
+// neither sent to an expert nor counted by the load-balancing loss.
+// replay [T, K] (optional): routing replay. Rows without a -1 use exactly these experts; rows
+// with any -1 use the router's own top-k. Weights always come from the current router
+// probabilities (renormalised when norm_topk_prob), so gradients flow to it.
+Routing route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k, bool norm_topk_prob,
+              const at::Tensor& token_valid = {}, const at::Tensor& replay = {});
+
+// y[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]). idx [N, K] holds local expert ids in [0, L) or -1,
+// w [N, K] fp32; stacked expert weights gate/up [L, I, H], down [L, H, I].
+at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down);
+
+// The routed experts of one MoE layer for tokens x [T, H]. Without a buffer this process holds
+// every expert (gate/up/down stacked over all E). With one, this rank holds experts
+// [rank*L, rank*L + local) and tokens travel through the buffer's dispatch and combine, wrapped as
+// autograd functions (dispatch's backward is a combine, combine's backward a dispatch reusing the
+// handle). Collective: every rank of the group calls it in the same order, and backward runs the
+// same collectives on every rank. T must not exceed the buffer's max_tokens_per_rank.
+at::Tensor moe_forward(const at::Tensor& x, const Routing& routing, const at::Tensor& gate,
+                       const at::Tensor& up, const at::Tensor& down, ep::Buffer* buffer);
+
+// Accumulates the Switch-style load-balancing statistics of HF Qwen3-MoE over the MoE layers of
+// one forward (HF concatenates all layers' router logits before averaging; so does this).
+class LoadBalanceLoss {
+  public:
+    // probs and topk_idx from route(); tokens with topk_idx -1 are skipped.
+    void add_layer(const Routing& routing);
+    // E * sum_e f_e * P_e with f_e the fraction of (token, slot) choices naming expert e and P_e
+    // the mean router probability of e, both over all (layer, valid token) pairs. The experts
+    // counted are the ones actually used (the replayed ones under routing replay). A zero scalar
+    // when nothing was added.
+    at::Tensor value() const;
+
+  private:
+    at::Tensor counts_;      // [E] fp32
+    at::Tensor prob_sum_;    // [E] fp32, differentiable
+    at::Tensor num_tokens_;  // fp32 scalar: valid (layer, token) pairs
+};
+
+}  // namespace moerl::model

@@ -1,0 +1,134 @@
+// A Qwen3-MoE causal language model on LibTorch: training forward/backward through autograd,
+// batched prefill and decode with a KV cache, routing record and replay, expert parallelism.
+//
+// Padding convention. forward() takes any attention_mask (left or right padding, 1 = token):
+// positions are cumsum(mask) - 1, padded keys are masked, padded tokens use no expert. For
+// generation, prompts are LEFT-padded so every sequence's last prompt token sits in the last
+// column; prefill() returns the logits of that column and decode() appends one column for all.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moerl/model/config.hpp"
+
+namespace moerl::ep {
+class Buffer;
+}
+
+namespace moerl::model {
+
+struct ModelOptions {
+    at::Device device = at::kCPU;
+    at::ScalarType dtype = at::kFloat;  // compute and parameter dtype: fp32, bf16 or fp16
+    // Expert parallelism: this rank holds experts [rank*L, rank*L + L) of the buffer's group and
+    // every MoE layer dispatches through it (collective). nullptr: every expert lives here.
+    ep::Buffer* ep = nullptr;
+};
+
+struct ForwardOptions {
+    bool return_logits = true;  // [B, S, V] in the model dtype
+    bool compute_logprobs = true;
+    bool record_routing = false;
+    // Routing replay [B, S, num_moe_layers, K] (any integer dtype): rows without -1 force those
+    // experts; rows with a -1 are routed by the router. Router weights stay differentiable.
+    at::Tensor replay_routing;
+};
+
+struct ForwardOutput {
+    at::Tensor logits;          // [B, S, V] model dtype (when return_logits)
+    at::Tensor token_logprobs;  // [B, S] fp32: [b, t] = log p(ids[b, t] | ids[b, <t]); column 0 is 0
+    at::Tensor aux_loss;        // fp32 scalar, HF load-balancing loss before router_aux_loss_coef
+    at::Tensor routing;         // [B, S, num_moe_layers, K] int16 experts used, -1 for padding
+};
+
+struct KvCache {
+    std::vector<at::Tensor> keys, values;  // per layer [B, num_key_value_heads, capacity, head_dim]
+    at::Tensor key_valid;                  // [B, capacity] bool: column holds a real token
+    at::Tensor next_position;              // [B] int64 RoPE position of each sequence's next token
+    int64_t length = 0;                    // columns written
+    int64_t capacity = 0;
+
+    int64_t batch_size() const { return key_valid.defined() ? key_valid.size(0) : 0; }
+    // Keeps the sequences listed in batch_idx (int64), e.g. to drop finished ones.
+    void select(const at::Tensor& batch_idx);
+};
+
+struct StepOutput {
+    at::Tensor logits;   // [B, V] fp32 logits of the last column
+    at::Tensor routing;  // [B, S, num_moe_layers, K] int16 when asked
+};
+
+struct NamedParameter {
+    std::string name;
+    at::Tensor tensor;
+    bool expert = false;  // sharded over the EP group (not to be all-reduced across it)
+};
+
+class MoeModel {
+  public:
+    // Allocates zero weights; call init_random() or load_weights().
+    MoeModel(const ModelConfig& config, const ModelOptions& options);
+    // config.json + safetensors of an HF checkpoint directory; this rank's experts only.
+    static MoeModel from_pretrained(const std::string& dir, const ModelOptions& options);
+    MoeModel(MoeModel&&) noexcept;
+    MoeModel& operator=(MoeModel&&) noexcept;
+    ~MoeModel();
+
+    const ModelConfig& config() const;
+    const ModelOptions& options() const;
+    int first_local_expert() const;
+    int num_local_experts() const;
+
+    // N(0, initializer_range) for matrices, 1 for norms; each tensor from its own generator seeded
+    // by (seed, HF name), so an expert gets the same values on any EP layout.
+    void init_random(uint64_t seed);
+    // Copies weights from a checkpoint directory; checks every expected tensor's presence and shape.
+    void load_weights(const std::string& dir);
+    // Writes config.json and safetensors (HF layout). dtype: "" = config.torch_dtype, or
+    // "float32" | "bfloat16" | "float16". Without EP: model.safetensors, or shards of at most
+    // max_shard_bytes with an index. With EP: every rank calls it; rank r writes shard r of W (its
+    // experts; rank 0 also the dense weights), rank 0 writes config.json and the index. Readers
+    // must wait for all ranks (the caller's barrier).
+    void save_pretrained(const std::string& dir, uint64_t max_shard_bytes = 0,
+                         const std::string& dtype = "") const;
+
+    // Trainable tensors (leaves, requires_grad = true by default). Experts are stacked per layer:
+    // "model.layers.N.mlp.experts.{gate,up}_proj" [L, I, H] and ".down_proj" [L, H, I].
+    std::vector<NamedParameter> named_parameters() const;
+    std::vector<at::Tensor> parameters() const;
+    // HF names and shapes (experts as views into the stacks), this rank's experts only.
+    std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
+    void set_requires_grad(bool requires_grad);
+    void zero_grad();
+    // Bytes of the weights this rank holds.
+    int64_t weight_bytes() const;
+
+    // Training/scoring forward. input_ids [B, S] int64, attention_mask [B, S] (undefined = all 1).
+    // Runs under the caller's grad mode; with EP it is collective (and so is backward).
+    ForwardOutput forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                          const ForwardOptions& options = {}) const;
+
+    // Generation (no autograd). A cache for `batch` sequences of up to `capacity` columns.
+    KvCache new_cache(int64_t batch, int64_t capacity) const;
+    // Appends input_ids [B, S] (left-padded; attention_mask [B, S], undefined = all 1) to the cache.
+    // A second prefill call continues the sequences (chunked prefill) and must have no padding.
+    StepOutput prefill(KvCache& cache, const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                       bool record_routing = false) const;
+    // Appends one token per sequence, tokens [B] int64.
+    StepOutput decode(KvCache& cache, const at::Tensor& tokens, bool record_routing = false) const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+// Per-token log-probabilities: [b, t] = log_softmax(logits[b, t-1])[ids[b, t]], column 0 = 0.
+at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& input_ids);
+
+}  // namespace moerl::model

@@ -1,0 +1,214 @@
+// Dense building blocks, the router and the local expert computation.
+#include "moerl/model/layers.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/version.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+
+#include "moerl/core/env.hpp"
+#include "moerl/core/error.hpp"
+
+// Grouped GEMM (one kernel per projection for all experts, no host sync) from LibTorch 2.8 on.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define MOERL_HAVE_GROUPED_MM 1
+#endif
+
+namespace moerl::model {
+namespace {
+
+#ifdef MOERL_HAVE_GROUPED_MM
+std::atomic<bool> grouped_mm_failed{false};
+
+// Inference on CUDA in bf16 with 16-byte aligned rows; MOERL_GROUPED_MM=0 turns it off.
+bool use_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& gate) {
+    static const bool enabled = env::get_int("MOERL_GROUPED_MM", 1) != 0;
+    const bool needs_grad =
+        c10::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || gate.requires_grad());
+    return enabled && !grouped_mm_failed.load() && !needs_grad && x.is_cuda() &&
+           x.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 && gate.size(1) % 8 == 0;
+}
+
+// Slots sorted by expert (slots without one last, past the final offset); all experts in one
+// grouped GEMM per projection; rows past the offsets are dropped by the final where().
+at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+    const int64_t K = idx.size(1), L = gate.size(0);
+    at::Tensor flat = idx.reshape({-1});
+    at::Tensor key = at::where(flat < 0, at::full({}, L, flat.options()), flat);
+    auto sorted = at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    at::Tensor keys = std::get<0>(sorted), order = std::get<1>(sorted);
+    at::Tensor offsets = at::bincount(keys, {}, L + 1).narrow(0, 0, L).cumsum(0).to(at::kInt);
+    at::Tensor rows = at::div(order, K, "floor");
+    at::Tensor xs = x.index_select(0, rows);
+    at::Tensor g = at::_grouped_mm(xs, gate.transpose(-2, -1), offsets);
+    at::Tensor u = at::_grouped_mm(xs, up.transpose(-2, -1), offsets);
+    at::Tensor o = at::_grouped_mm(at::silu(g) * u, down.transpose(-2, -1), offsets);
+    at::Tensor weights = w.reshape({-1}).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
+    at::Tensor contrib = at::where((keys < L).unsqueeze(1), o * weights, at::zeros({}, o.options()));
+    return at::zeros_like(x).index_add(0, rows, contrib);
+}
+#endif
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    at::Tensor x32 = x.to(at::kFloat);
+    at::Tensor inv = at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    return weight * (x32 * inv).to(x.scalar_type());
+}
+
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64_t head_dim, double theta,
+                                              at::ScalarType dtype) {
+    auto f32 = positions.options().dtype(at::kFloat);
+    // inv_freq[i] = theta^(-2i/D), computed in fp32 as HF does.
+    at::Tensor exponent = at::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim);
+    at::Tensor inv_freq = at::pow(at::scalar_tensor(theta, f32), exponent).reciprocal();
+    at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, S, D/2]
+    at::Tensor emb = at::cat({freqs, freqs}, -1);
+    return {emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t half = x.size(-1) / 2;
+    at::Tensor rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
+    return x * cos + rotated * sin;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& allowed) {
+    const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
+    const int64_t Hkv = k.size(1), L = k.size(2);
+    MOERL_CHECK(Hq % Hkv == 0, "attention: ", Hq, " query heads are not a multiple of ", Hkv,
+                " key/value heads");
+    const int64_t group = Hq / Hkv;
+#if TORCH_VERSION_MAJOR >= 2
+    if (q.is_cuda()) {
+        // Fused kernels on the GPU; key/value heads repeated for the query groups.
+        at::Tensor kr = k.unsqueeze(2).expand({B, Hkv, group, L, D}).reshape({B, Hq, L, D});
+        at::Tensor vr = v.unsqueeze(2).expand({B, Hkv, group, L, D}).reshape({B, Hq, L, D});
+        at::Tensor out = at::scaled_dot_product_attention(q, kr, vr, allowed.unsqueeze(1), 0.0, false);
+        return out.transpose(1, 2).reshape({B, S, Hq * D});
+    }
+#endif
+    // Query heads grouped per key/value head: [B, Hkv, group, S, D] against [B, Hkv, 1, L, D].
+    at::Tensor qg = q.reshape({B, Hkv, group, S, D});
+    at::Tensor scores = at::matmul(qg, k.unsqueeze(2).transpose(-1, -2)).to(at::kFloat);
+    scores = scores * (1.0 / std::sqrt(static_cast<double>(D)));
+    scores = scores.masked_fill(allowed.logical_not().view({B, 1, 1, S, L}), -INFINITY);
+    at::Tensor probs = at::softmax(scores, -1).to(q.scalar_type());
+    at::Tensor out = at::matmul(probs, v.unsqueeze(2));  // [B, Hkv, group, S, D]
+    return out.reshape({B, Hq, S, D}).transpose(1, 2).reshape({B, S, Hq * D});
+}
+
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+    at::Tensor h = at::silu(at::matmul(x, gate.t())) * at::matmul(x, up.t());
+    return at::matmul(h, down.t());
+}
+
+Routing route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k, bool norm_topk_prob,
+              const at::Tensor& token_valid, const at::Tensor& replay) {
+    const int64_t T = x.size(0), E = router_weight.size(0);
+    MOERL_CHECK(top_k >= 1 && top_k <= E, "route: top_k = ", top_k, ", but there are ", E, " experts");
+    Routing r;
+    r.probs = at::softmax(at::matmul(x, router_weight.t()), -1, at::kFloat);
+    auto top = r.probs.topk(top_k, -1);
+    at::Tensor idx = std::get<1>(top);
+    if (replay.defined()) {
+        MOERL_CHECK(replay.dim() == 2 && replay.size(0) == T && replay.size(1) == top_k,
+                    "routing replay has shape ", replay.sizes(), ", expected [", T, ", ", top_k, "]");
+        at::Tensor rep = replay.to(idx.device(), at::kLong);
+        if (rep.numel() > 0) {
+            const int64_t hi = rep.max().item<int64_t>();
+            MOERL_CHECK(hi < E, "routing replay names expert ", hi, ", but num_experts = ", E);
+            const int64_t lo = rep.min().item<int64_t>();
+            MOERL_CHECK(lo >= -1, "routing replay holds expert id ", lo, ", expected -1 or an id in [0, ", E,
+                        ")");
+        }
+        at::Tensor complete = (rep >= 0).all(1, /*keepdim=*/true);
+        idx = at::where(complete, rep, idx);
+    }
+    at::Tensor w = r.probs.gather(1, idx);
+    if (norm_topk_prob) w = w / w.sum(-1, /*keepdim=*/true);
+    if (token_valid.defined()) {
+        at::Tensor invalid = token_valid.to(idx.device(), at::kBool).logical_not().unsqueeze(1);
+        idx = idx.masked_fill(invalid, -1);
+        w = w.masked_fill(invalid, 0.0);
+    }
+    r.topk_idx = idx;
+    r.topk_weights = w;
+    return r;
+}
+
+at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+    const int64_t N = x.size(0), K = idx.size(1), L = gate.size(0);
+    at::Tensor y = at::zeros_like(x);
+    if (N == 0 || L == 0) return y;
+#ifdef MOERL_HAVE_GROUPED_MM
+    if (use_grouped_mm(x, w, gate)) {
+        try {
+            return experts_grouped(x, idx, w, gate, up, down);
+        } catch (const c10::Error& e) {
+            grouped_mm_failed = true;  // e.g. an architecture the kernel does not support
+            std::fprintf(stderr, "moerl: grouped GEMM unavailable, using the per-expert loop: %s\n",
+                         e.what_without_backtrace());
+        }
+    }
+#endif
+    // Every (token, slot) with an expert, grouped by expert: slot s is token s / K.
+    at::Tensor flat = idx.reshape({-1});
+    at::Tensor slots = (flat >= 0).nonzero().squeeze(1);
+    if (slots.numel() == 0) return y;
+    auto sorted = at::sort(flat.index_select(0, slots), /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    at::Tensor experts = std::get<0>(sorted);
+    slots = slots.index_select(0, std::get<1>(sorted));
+    at::Tensor counts = at::bincount(experts, {}, L).cpu();
+    MOERL_CHECK(counts.size(0) == L, "experts_forward: expert id ", counts.size(0) - 1, " >= local experts ",
+                L);
+    at::Tensor rows = at::div(slots, K, "floor");
+    at::Tensor xs = x.index_select(0, rows);
+
+    std::vector<at::Tensor> gates = gate.unbind(0), ups = up.unbind(0), downs = down.unbind(0);
+    std::vector<at::Tensor> outs;
+    const int64_t* count = counts.data_ptr<int64_t>();
+    int64_t offset = 0;
+    for (int64_t e = 0; e < L; ++e) {
+        if (count[e] == 0) continue;
+        outs.push_back(swiglu(xs.narrow(0, offset, count[e]), gates[e], ups[e], downs[e]));
+        offset += count[e];
+    }
+    at::Tensor weights = w.reshape({-1}).index_select(0, slots).to(x.scalar_type()).unsqueeze(1);
+    return y.index_add(0, rows, at::cat(outs, 0) * weights);
+}
+
+void LoadBalanceLoss::add_layer(const Routing& routing) {
+    const int64_t E = routing.probs.size(1);
+    at::Tensor valid = (routing.topk_idx.select(1, 0) >= 0).to(at::kFloat);  // masked tokens have all -1
+    at::Tensor flat = routing.topk_idx.reshape({-1});
+    at::Tensor chosen = flat.masked_select(flat >= 0);
+    at::Tensor counts = at::zeros({E}, routing.probs.options().requires_grad(false));
+    counts.index_add_(0, chosen, at::ones({chosen.size(0)}, counts.options()));
+    at::Tensor prob_sum = (routing.probs * valid.unsqueeze(1)).sum(0);
+    if (!counts_.defined()) {
+        counts_ = counts;
+        prob_sum_ = prob_sum;
+        num_tokens_ = valid.sum();
+    } else {
+        counts_ = counts_ + counts;
+        prob_sum_ = prob_sum_ + prob_sum;
+        num_tokens_ = num_tokens_ + valid.sum();
+    }
+}
+
+at::Tensor LoadBalanceLoss::value() const {
+    if (!counts_.defined()) return at::zeros({}, at::kFloat);
+    const double E = static_cast<double>(counts_.size(0));
+    at::Tensor n = num_tokens_.clamp_min(1.0);
+    return (counts_ * prob_sum_).sum() / (n * n) * E;
+}
+
+}  // namespace moerl::model

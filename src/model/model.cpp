@@ -1,0 +1,286 @@
+// MoeModel construction, the transformer trunk, training forward, prefill and decode.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "model_impl.hpp"
+#include "moerl/core/error.hpp"
+#include "moerl/ep/buffer.hpp"
+#include "moerl/model/layers.hpp"
+
+namespace moerl::model {
+namespace {
+
+// [B, S, L] bool: query column col0 + i may see key column j when j <= col0 + i and the key is a
+// real token. A query always sees itself, so padded rows never divide by zero.
+at::Tensor allowed_keys(const at::Tensor& key_valid, int64_t S, int64_t col0) {
+    const int64_t L = key_valid.size(1);
+    auto opts = key_valid.options().dtype(at::kLong);
+    at::Tensor qcol = at::arange(col0, col0 + S, opts).unsqueeze(1);
+    at::Tensor kcol = at::arange(0, L, opts).unsqueeze(0);
+    at::Tensor causal = (kcol <= qcol).unsqueeze(0);
+    at::Tensor self = (kcol == qcol).unsqueeze(0);
+    return causal.logical_and(key_valid.unsqueeze(1).logical_or(self));
+}
+
+void check_token_ids(const at::Tensor& ids, int vocab_size, const char* what) {
+    if (ids.numel() == 0) return;
+    if (!ids.lt(0).logical_or(ids.ge(vocab_size)).any().item<bool>()) return;  // one sync when all is well
+    const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+    MOERL_CHECK(lo >= 0 && hi < vocab_size, what, " holds token ids in [", lo, ", ", hi,
+                "], but vocab_size = ", vocab_size);
+}
+
+at::Tensor make_param(at::IntArrayRef shape, const ModelOptions& o) {
+    return at::zeros(shape, at::TensorOptions().device(o.device).dtype(o.dtype)).requires_grad_(true);
+}
+
+}  // namespace
+
+at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& input_ids) {
+    const int64_t B = logits.size(0), S = logits.size(1);
+    at::Tensor zero = at::zeros({B, 1}, logits.options().dtype(at::kFloat));
+    if (S <= 1) return zero.narrow(1, 0, S);
+    at::Tensor lp = at::log_softmax(logits.narrow(1, 0, S - 1).to(at::kFloat), -1);
+    at::Tensor next = input_ids.narrow(1, 1, S - 1).to(logits.device(), at::kLong).unsqueeze(-1);
+    return at::cat({zero, lp.gather(2, next).squeeze(-1)}, 1);
+}
+
+MoeModel::MoeModel(const ModelConfig& config, const ModelOptions& options) : impl_(std::make_unique<Impl>()) {
+    config.validate();
+    MOERL_CHECK(options.dtype == at::kFloat || options.dtype == at::kBFloat16 || options.dtype == at::kHalf,
+                "model dtype ", options.dtype, " is not supported, expected Float, BFloat16 or Half");
+    Impl& m = *impl_;
+    m.config = config;
+    m.options = options;
+    m.num_local = config.num_experts;
+    if (options.ep != nullptr) {
+        const auto& ec = options.ep->config();
+        MOERL_CHECK(ec.num_experts == config.num_experts, "EP buffer has num_experts = ", ec.num_experts,
+                    ", but the model config has ", config.num_experts);
+        m.first_expert = ec.rank * ec.num_local_experts();
+        m.num_local = std::max(0, std::min(ec.num_local_experts(), config.num_experts - m.first_expert));
+    }
+    const ModelConfig& c = config;
+    const int64_t H = c.hidden_size, D = c.head_dim;
+    const int64_t q = int64_t{c.num_attention_heads} * D, kv = int64_t{c.num_key_value_heads} * D;
+    auto add = [&](const std::string& name, at::Tensor& slot, at::IntArrayRef shape, bool expert = false) {
+        slot = make_param(shape, options);
+        m.params.push_back({name, slot, expert});
+    };
+    add("model.embed_tokens.weight", m.embed, {c.vocab_size, H});
+    m.layers.resize(c.num_hidden_layers);
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+        LayerWeights& w = m.layers[l];
+        const std::string p = layer_prefix(l);
+        add(p + "input_layernorm.weight", w.input_norm, {H});
+        add(p + "self_attn.q_proj.weight", w.q_proj, {q, H});
+        add(p + "self_attn.k_proj.weight", w.k_proj, {kv, H});
+        add(p + "self_attn.v_proj.weight", w.v_proj, {kv, H});
+        add(p + "self_attn.o_proj.weight", w.o_proj, {H, q});
+        add(p + "self_attn.q_norm.weight", w.q_norm, {D});
+        add(p + "self_attn.k_norm.weight", w.k_norm, {D});
+        add(p + "post_attention_layernorm.weight", w.post_norm, {H});
+        w.moe_index = c.moe_layer_index(l);
+        if (w.moe_index >= 0) {
+            const int64_t I = c.moe_intermediate_size, L = m.num_local;
+            add(p + "mlp.gate.weight", w.router, {c.num_experts, H});
+            add(p + "mlp.experts.gate_proj", w.experts_gate, {L, I, H}, true);
+            add(p + "mlp.experts.up_proj", w.experts_up, {L, I, H}, true);
+            add(p + "mlp.experts.down_proj", w.experts_down, {L, H, I}, true);
+        } else {
+            const int64_t I = c.intermediate_size;
+            add(p + "mlp.gate_proj.weight", w.gate_proj, {I, H});
+            add(p + "mlp.up_proj.weight", w.up_proj, {I, H});
+            add(p + "mlp.down_proj.weight", w.down_proj, {H, I});
+        }
+    }
+    add("model.norm.weight", m.final_norm, {H});
+    if (!c.tie_word_embeddings) add("lm_head.weight", m.lm_head, {c.vocab_size, H});
+}
+
+MoeModel::MoeModel(MoeModel&&) noexcept = default;
+MoeModel& MoeModel::operator=(MoeModel&&) noexcept = default;
+MoeModel::~MoeModel() = default;
+
+const ModelConfig& MoeModel::config() const { return impl_->config; }
+const ModelOptions& MoeModel::options() const { return impl_->options; }
+int MoeModel::first_local_expert() const { return impl_->first_expert; }
+int MoeModel::num_local_experts() const { return impl_->num_local; }
+
+std::vector<NamedParameter> MoeModel::named_parameters() const { return impl_->params; }
+
+std::vector<at::Tensor> MoeModel::parameters() const {
+    std::vector<at::Tensor> out;
+    for (const auto& p : impl_->params) out.push_back(p.tensor);
+    return out;
+}
+
+void MoeModel::set_requires_grad(bool requires_grad) {
+    for (auto& p : impl_->params) p.tensor.requires_grad_(requires_grad);
+}
+
+void MoeModel::zero_grad() {
+    for (auto& p : impl_->params) {
+        if (p.tensor.grad().defined()) p.tensor.mutable_grad() = at::Tensor();
+    }
+}
+
+int64_t MoeModel::weight_bytes() const {
+    int64_t n = 0;
+    for (const auto& p : impl_->params) n += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+    return n;
+}
+
+MoeModel::Impl::Trunk MoeModel::Impl::run(const at::Tensor& ids, const at::Tensor& positions,
+                                          const at::Tensor& allowed, const at::Tensor& token_valid,
+                                          KvCache* cache, int64_t col0, const at::Tensor& replay,
+                                          bool record_routing, bool want_aux) const {
+    const ModelConfig& c = config;
+    const int64_t B = ids.size(0), S = ids.size(1), H = c.hidden_size, D = c.head_dim;
+    const int64_t K = c.num_experts_per_tok, M = c.num_moe_layers();
+    const double eps = c.rms_norm_eps;
+    at::Tensor x = at::embedding(embed, ids);
+    auto [cos, sin] = rope_tables(positions, D, c.rope_theta, options.dtype);
+    at::Tensor valid_flat = token_valid.reshape({B * S});
+    LoadBalanceLoss balance;
+    std::vector<at::Tensor> records;
+
+    for (size_t l = 0; l < layers.size(); ++l) {
+        const LayerWeights& w = layers[l];
+        at::Tensor h = rms_norm(x, w.input_norm, eps);
+        at::Tensor q =
+            rms_norm(at::matmul(h, w.q_proj.t()).view({B, S, -1, D}), w.q_norm, eps).transpose(1, 2);
+        at::Tensor k =
+            rms_norm(at::matmul(h, w.k_proj.t()).view({B, S, -1, D}), w.k_norm, eps).transpose(1, 2);
+        at::Tensor v = at::matmul(h, w.v_proj.t()).view({B, S, -1, D}).transpose(1, 2);
+        q = apply_rope(q, cos, sin);
+        k = apply_rope(k, cos, sin);
+        if (cache != nullptr) {
+            cache->keys[l].narrow(2, col0, S).copy_(k);
+            cache->values[l].narrow(2, col0, S).copy_(v);
+            k = cache->keys[l].narrow(2, 0, col0 + S);
+            v = cache->values[l].narrow(2, 0, col0 + S);
+        }
+        x = x + at::matmul(attention(q, k, v, allowed), w.o_proj.t());
+        h = rms_norm(x, w.post_norm, eps);
+        if (w.moe_index >= 0) {
+            at::Tensor flat = h.reshape({B * S, H});
+            at::Tensor rep;
+            if (replay.defined()) rep = replay.select(2, w.moe_index).reshape({B * S, K});
+            Routing r = route(flat, w.router, K, c.norm_topk_prob, valid_flat, rep);
+            if (want_aux) balance.add_layer(r);
+            if (record_routing) records.push_back(r.topk_idx.to(at::kShort));
+            at::Tensor y = moe_forward(flat, r, w.experts_gate, w.experts_up, w.experts_down, options.ep);
+            x = x + y.view({B, S, H});
+        } else {
+            x = x + swiglu(h, w.gate_proj, w.up_proj, w.down_proj);
+        }
+    }
+    Trunk out;
+    out.hidden = rms_norm(x, final_norm, eps);
+    if (want_aux) out.aux_loss = balance.value().to(embed.device());
+    if (record_routing) {
+        out.routing = M == 0 ? at::empty({B, S, 0, K}, ids.options().dtype(at::kShort))
+                             : at::stack(records, 1).view({B, S, M, K});
+    }
+    return out;
+}
+
+ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                const ForwardOptions& options) const {
+    const Impl& m = *impl_;
+    MOERL_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got shape ", input_ids.sizes());
+    const int64_t B = input_ids.size(0), S = input_ids.size(1);
+    at::Tensor ids = input_ids.to(m.options.device, at::kLong);
+    check_token_ids(ids, m.config.vocab_size, "input_ids");
+    at::Tensor valid;
+    if (attention_mask.defined()) {
+        MOERL_CHECK(attention_mask.sizes() == input_ids.sizes(), "attention_mask has shape ",
+                    attention_mask.sizes(), ", expected the shape of input_ids ", input_ids.sizes());
+        valid = attention_mask.to(m.options.device).to(at::kBool);
+    } else {
+        valid = at::ones({B, S}, ids.options().dtype(at::kBool));
+    }
+    at::Tensor replay;
+    if (options.replay_routing.defined()) {
+        const int64_t M = m.config.num_moe_layers(), K = m.config.num_experts_per_tok;
+        MOERL_CHECK(options.replay_routing.dim() == 4 && options.replay_routing.size(0) == B &&
+                        options.replay_routing.size(1) == S && options.replay_routing.size(2) == M &&
+                        options.replay_routing.size(3) == K,
+                    "replay_routing has shape ", options.replay_routing.sizes(), ", expected [", B, ", ", S,
+                    ", ", M, ", ", K, "] (batch, seq, MoE layers, top-k)");
+        replay = options.replay_routing.to(m.options.device, at::kLong);
+    }
+    at::Tensor positions = (valid.to(at::kLong).cumsum(1) - 1).clamp_min(0);
+    Impl::Trunk t = m.run(ids, positions, allowed_keys(valid, S, 0), valid, nullptr, 0, replay,
+                          options.record_routing, /*want_aux=*/true);
+    ForwardOutput out;
+    at::Tensor logits = at::matmul(t.hidden, m.output_weight().t());
+    if (options.compute_logprobs) out.token_logprobs = token_logprobs(logits, ids);
+    if (options.return_logits) out.logits = logits;
+    out.aux_loss = t.aux_loss;
+    out.routing = t.routing;
+    return out;
+}
+
+KvCache MoeModel::new_cache(int64_t batch, int64_t capacity) const {
+    const Impl& m = *impl_;
+    MOERL_CHECK(batch >= 0 && capacity > 0, "KV cache needs batch >= 0 and capacity > 0, got ", batch,
+                " and ", capacity);
+    KvCache cache;
+    auto opts = at::TensorOptions().device(m.options.device).dtype(m.options.dtype);
+    for (int l = 0; l < m.config.num_hidden_layers; ++l) {
+        cache.keys.push_back(
+            at::zeros({batch, m.config.num_key_value_heads, capacity, m.config.head_dim}, opts));
+        cache.values.push_back(at::zeros_like(cache.keys.back()));
+    }
+    cache.key_valid = at::zeros({batch, capacity}, opts.dtype(at::kBool));
+    cache.next_position = at::zeros({batch}, opts.dtype(at::kLong));
+    cache.capacity = capacity;
+    return cache;
+}
+
+void KvCache::select(const at::Tensor& batch_idx) {
+    at::Tensor idx = batch_idx.to(key_valid.device(), at::kLong);
+    for (auto& k : keys) k = k.index_select(0, idx);
+    for (auto& v : values) v = v.index_select(0, idx);
+    key_valid = key_valid.index_select(0, idx);
+    next_position = next_position.index_select(0, idx);
+}
+
+StepOutput MoeModel::prefill(KvCache& cache, const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                             bool record_routing) const {
+    const Impl& m = *impl_;
+    c10::NoGradGuard no_grad;
+    MOERL_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got shape ", input_ids.sizes());
+    const int64_t B = input_ids.size(0), S = input_ids.size(1), col0 = cache.length;
+    MOERL_CHECK(B == cache.batch_size(), "input_ids has batch ", B, ", but the KV cache holds ",
+                cache.batch_size(), " sequences");
+    MOERL_CHECK(S >= 1, "prefill needs at least one column");
+    MOERL_CHECK(col0 + S <= cache.capacity, "KV cache capacity ", cache.capacity, " exceeded: ", col0,
+                " columns used + ", S, " new");
+    at::Tensor ids = input_ids.to(m.options.device, at::kLong);
+    check_token_ids(ids, m.config.vocab_size, "input_ids");
+    at::Tensor valid = attention_mask.defined() ? attention_mask.to(m.options.device).to(at::kBool)
+                                                : at::ones({B, S}, ids.options().dtype(at::kBool));
+    MOERL_CHECK(valid.sizes() == ids.sizes(), "attention_mask has shape ", valid.sizes(), ", expected ",
+                ids.sizes());
+    cache.key_valid.narrow(1, col0, S).copy_(valid);
+    at::Tensor positions =
+        cache.next_position.unsqueeze(1) + (valid.to(at::kLong).cumsum(1) - 1).clamp_min(0);
+    at::Tensor allowed = allowed_keys(cache.key_valid.narrow(1, 0, col0 + S), S, col0);
+    Impl::Trunk t = m.run(ids, positions, allowed, valid, &cache, col0, at::Tensor(), record_routing, false);
+    cache.next_position.add_(valid.to(at::kLong).sum(1));
+    cache.length += S;
+    StepOutput out;
+    out.logits = at::matmul(t.hidden.select(1, S - 1), m.output_weight().t()).to(at::kFloat);
+    out.routing = t.routing;
+    return out;
+}
+
+StepOutput MoeModel::decode(KvCache& cache, const at::Tensor& tokens, bool record_routing) const {
+    MOERL_CHECK(tokens.dim() == 1, "decode takes one token per sequence [batch], got shape ", tokens.sizes());
+    return prefill(cache, tokens.reshape({tokens.size(0), 1}), at::Tensor(), record_routing);
+}
+
+}  // namespace moerl::model

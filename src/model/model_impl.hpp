@@ -1,0 +1,40 @@
+// Internal: the weights of MoeModel and the transformer trunk shared by forward, prefill and decode.
+#pragma once
+
+#include <vector>
+
+#include "moerl/model/model.hpp"
+
+namespace moerl::model {
+
+struct LayerWeights {
+    at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm;
+    at::Tensor gate_proj, up_proj, down_proj;                   // dense layers
+    at::Tensor router, experts_gate, experts_up, experts_down;  // MoE layers: local experts stacked
+    int moe_index = -1;                                         // index among MoE layers, -1 if dense
+};
+
+struct MoeModel::Impl {
+    ModelConfig config;
+    ModelOptions options;
+    int first_expert = 0;
+    int num_local = 0;
+    at::Tensor embed, final_norm, lm_head;  // lm_head undefined when tied to embed
+    std::vector<LayerWeights> layers;
+    std::vector<NamedParameter> params;
+
+    const at::Tensor& output_weight() const { return config.tie_word_embeddings ? embed : lm_head; }
+
+    struct Trunk {
+        at::Tensor hidden;  // [B, S, H] after the final norm
+        at::Tensor aux_loss;
+        at::Tensor routing;  // [B, S, M, K] int16
+    };
+    // ids/positions [B, S]; allowed [B, S, L]; token_valid [B, S] bool. With a cache the new keys
+    // and values are written at columns [col0, col0 + S) and attention reads columns [0, col0 + S).
+    Trunk run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& allowed,
+              const at::Tensor& token_valid, KvCache* cache, int64_t col0, const at::Tensor& replay,
+              bool record_routing, bool want_aux) const;
+};
+
+}  // namespace moerl::model

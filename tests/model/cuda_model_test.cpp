@@ -1,0 +1,162 @@
+// CUDA variants (bf16) checked against the fp32 CPU model; skipped without a GPU.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include "ep_ranks.hpp"
+#include "model_test_util.hpp"
+#include "moerl/model/layers.hpp"
+#include "moerl/model/model.hpp"
+
+namespace moerl::model {
+namespace {
+
+using test::part;
+using test::run_ranks;
+using test::tiny_config;
+
+// bf16 keeps 8 bits of mantissa; a 3-layer model accumulates a few ulps.
+constexpr double kBf16Tol = 6e-2;
+
+#define SKIP_WITHOUT_CUDA() \
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
+
+ModelConfig gpu_config() {
+    ModelConfig c = tiny_config(3, true);
+    c.hidden_size = 64;
+    c.head_dim = 16;
+    c.validate();
+    return c;
+}
+
+// An fp32 CPU model holding exactly the bf16 weights of `gpu`.
+MoeModel cpu_twin(const MoeModel& gpu) {
+    MoeModel cpu(gpu.config(), {});
+    c10::NoGradGuard no_grad;
+    auto src = gpu.state_dict();
+    auto dst = cpu.state_dict();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_(src[i].second.to(at::kCPU, at::kFloat));
+    return cpu;
+}
+
+at::Tensor left_padded_mask(const std::vector<int64_t>& lengths, int64_t S) {
+    at::Tensor mask = at::zeros({static_cast<int64_t>(lengths.size()), S}, at::kLong);
+    for (size_t i = 0; i < lengths.size(); ++i) mask[i].narrow(0, S - lengths[i], lengths[i]).fill_(1);
+    return mask;
+}
+
+TEST(Cuda, Bf16ForwardAndGradientsMatchCpuFp32) {
+    SKIP_WITHOUT_CUDA();
+    ModelConfig c = gpu_config();
+    MoeModel gpu(c, {at::Device(at::kCUDA, 0), at::kBFloat16});
+    gpu.init_random(1);
+    MoeModel cpu = cpu_twin(gpu);
+    at::manual_seed(2);
+    at::Tensor ids = at::randint(1, c.vocab_size, {3, 10}, at::kLong);
+    at::Tensor mask = left_padded_mask({10, 6, 8}, 10);
+    ForwardOutput ref = cpu.forward(ids, mask, test::recording());
+    {
+        // Routing may differ where two router probabilities are within bf16 rounding; most must agree.
+        c10::NoGradGuard no_grad;
+        ForwardOutput own = gpu.forward(ids, mask, test::recording());
+        EXPECT_GT((own.routing.cpu() == ref.routing).to(at::kFloat).mean().item<double>(), 0.9);
+    }
+    // Replaying the fp32 routing removes those flips, so what remains is bf16 arithmetic.
+    ForwardOutput out = gpu.forward(ids, mask, test::recording(ref.routing));
+    EXPECT_TRUE(out.logits.is_cuda());
+    EXPECT_EQ(out.logits.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(out.routing.cpu(), ref.routing));
+    EXPECT_CLOSE(out.logits, ref.logits, kBf16Tol);
+    EXPECT_CLOSE(out.token_logprobs * mask.to(at::kCUDA), ref.token_logprobs * mask, 10 * kBf16Tol);
+    {
+        // Inference may take another expert kernel (grouped GEMM on LibTorch >= 2.8) than training.
+        c10::NoGradGuard no_grad;
+        ForwardOutput inference = gpu.forward(ids, mask, test::recording(ref.routing));
+        EXPECT_CLOSE(inference.logits, out.logits, kBf16Tol);
+    }
+
+    (out.token_logprobs * mask.to(at::kCUDA)).sum().backward();
+    (ref.token_logprobs * mask).sum().backward();
+    auto gp = gpu.named_parameters(), cp = cpu.named_parameters();
+    for (size_t i = 0; i < gp.size(); ++i) {
+        at::Tensor a = gp[i].tensor.grad().to(at::kCPU, at::kDouble).flatten();
+        at::Tensor b = cp[i].tensor.grad().to(at::kDouble).flatten();
+        ASSERT_TRUE(at::isfinite(a).all().item<bool>()) << gp[i].name;
+        const double cos =
+            (a * b).sum().item<double>() / (a.norm().item<double>() * b.norm().item<double>() + 1e-30);
+        EXPECT_GT(cos, 0.95) << gp[i].name;
+    }
+}
+
+TEST(Cuda, Bf16DecodeMatchesRecompute) {
+    SKIP_WITHOUT_CUDA();
+    ModelConfig c = gpu_config();
+    const at::Device dev(at::kCUDA, 0);
+    MoeModel gpu(c, {dev, at::kBFloat16});
+    gpu.init_random(3);
+    at::manual_seed(4);
+    const int64_t B = 3, S = 7, steps = 5;
+    at::Tensor ids = at::randint(1, c.vocab_size, {B, S}, at::kLong);
+    at::Tensor mask = left_padded_mask({7, 3, 5}, S);
+    at::Tensor cont = at::randint(1, c.vocab_size, {steps, B}, at::kLong);
+    KvCache cache = gpu.new_cache(B, S + steps);
+    std::vector<at::Tensor> logits = {gpu.prefill(cache, ids, mask).logits};
+    for (int64_t s = 0; s < steps; ++s) logits.push_back(gpu.decode(cache, cont[s]).logits);
+    at::Tensor all_ids = at::cat({ids, cont.t()}, 1);
+    at::Tensor all_mask = at::cat({mask, at::ones({B, steps}, at::kLong)}, 1);
+    c10::NoGradGuard no_grad;
+    ForwardOutput full = gpu.forward(all_ids, all_mask);
+    for (int64_t s = 0; s <= steps; ++s) {
+        EXPECT_CLOSE(logits[s], full.logits.select(1, S - 1 + s).to(at::kFloat), kBf16Tol) << "step " << s;
+    }
+}
+
+TEST(Cuda, RoutingReplayIsExact) {
+    SKIP_WITHOUT_CUDA();
+    ModelConfig c = gpu_config();
+    MoeModel gpu(c, {at::Device(at::kCUDA, 0), at::kBFloat16});
+    gpu.init_random(5);
+    at::Tensor ids = at::randint(1, c.vocab_size, {2, 9}, at::kLong);
+    ForwardOutput rec = gpu.forward(ids, at::Tensor(), test::recording());
+    {
+        c10::NoGradGuard no_grad;
+        for (auto& [name, t] : gpu.state_dict())
+            if (name.find("mlp.gate.weight") != std::string::npos) t.add_(at::randn_like(t) * 0.5);
+    }
+    ForwardOutput again = gpu.forward(ids, at::Tensor(), test::recording(rec.routing));
+    EXPECT_TRUE(at::equal(again.routing, rec.routing));
+}
+
+// Forward only: with ranks as threads of one process, CUDA backward would run every rank's graph
+// on LibTorch's single autograd worker thread for the device, and the first collective would
+// wait forever for the others. Ranks as processes (the real deployment) do not share it.
+TEST(Cuda, EpOverHostTransportMatchesOneRankBf16) {
+    SKIP_WITHOUT_CUDA();
+    ModelConfig c = gpu_config();
+    const at::Device dev(at::kCUDA, 0);
+    const int world = 2;
+    const int64_t B = 4, S = 8;
+    at::manual_seed(6);
+    at::Tensor ids = at::randint(1, c.vocab_size, {B, S}, at::kLong);
+    at::Tensor mask = left_padded_mask({8, 5, 8, 2}, S);
+    MoeModel single(c, {dev, at::kBFloat16});
+    single.init_random(7);
+    at::Tensor ref;
+    {
+        c10::NoGradGuard no_grad;
+        ref = single.forward(ids, mask).logits;
+    }
+    std::vector<at::Tensor> parts(world);
+    run_ranks(world, c, static_cast<int>(B * S), at::kBFloat16, [&](int rank, ep::Buffer& buffer) {
+        MoeModel model(c, {dev, at::kBFloat16, &buffer});
+        model.init_random(7);
+        auto [begin, count] = part(B, world, rank);
+        ForwardOutput out = model.forward(ids.narrow(0, begin, count), mask.narrow(0, begin, count));
+        parts[rank] = out.logits.detach();
+    });
+    EXPECT_CLOSE(at::cat(parts, 0), ref, kBf16Tol);
+}
+
+}  // namespace
+}  // namespace moerl::model
