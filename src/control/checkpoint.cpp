@@ -56,9 +56,11 @@ std::string scratch_path(const std::string& tag) {
         .string();
 }
 
-void verify(const std::string& path, const std::string& what, const std::pair<std::string, uint64_t>& expect) {
+void verify(const std::string& path, const std::string& what,
+            const std::pair<std::string, uint64_t>& expect) {
     const uint64_t bytes = fs::file_size(path);
-    MOERL_CHECK(bytes == expect.second, what, " has ", bytes, " bytes, but the manifest says ", expect.second);
+    MOERL_CHECK(bytes == expect.second, what, " has ", bytes, " bytes, but the manifest says ",
+                expect.second);
     const std::string sha = sha256_file(path);
     MOERL_CHECK(sha == expect.first, what, " has sha256 ", sha, ", but the manifest says ", expect.first,
                 " (corrupt or partially written)");
@@ -70,11 +72,13 @@ std::string sha256_file(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     MOERL_CHECK(in, "sha256: cannot open ", path);
     std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-    MOERL_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1, "sha256: OpenSSL init failed");
+    MOERL_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1,
+                "sha256: OpenSSL init failed");
     std::vector<char> buf(1 << 20);
     while (in) {
         in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-        if (in.gcount() > 0) MOERL_CHECK(EVP_DigestUpdate(ctx.get(), buf.data(), in.gcount()) == 1, "sha256 failed");
+        if (in.gcount() > 0)
+            MOERL_CHECK(EVP_DigestUpdate(ctx.get(), buf.data(), in.gcount()) == 1, "sha256 failed");
     }
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int len = 0;

@@ -42,15 +42,15 @@ struct QueueState {
     };
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<Task> pending;                         // GUARDED_BY(mu)
-    std::unordered_map<std::string, Leased> leased;   // GUARDED_BY(mu), by task id
-    std::unordered_set<std::string> known;            // GUARDED_BY(mu): every task id ever put
-    std::unordered_set<std::string> done;             // GUARDED_BY(mu)
-    uint64_t next_lease = 0;                          // GUARDED_BY(mu)
+    std::deque<Task> pending;                        // GUARDED_BY(mu)
+    std::unordered_map<std::string, Leased> leased;  // GUARDED_BY(mu), by task id
+    std::unordered_set<std::string> known;           // GUARDED_BY(mu): every task id ever put
+    std::unordered_set<std::string> done;            // GUARDED_BY(mu)
+    uint64_t next_lease = 0;                         // GUARDED_BY(mu)
 };
 
 class EmbeddedTaskQueue final : public TaskQueue {
-public:
+  public:
     EmbeddedTaskQueue(const std::string& run_id, Millis lease_timeout)
         : state_(shared_state<QueueState>(run_id)), lease_timeout_(lease_timeout) {
         MOERL_CHECK(lease_timeout.count() > 0, "task queue lease timeout must be > 0 ms, got ",
@@ -132,7 +132,7 @@ public:
         return state_->pending.size() + state_->leased.size();
     }
 
-private:
+  private:
     Lease hand_out(QueueState::Leased& l, const std::string& worker, Clock::time_point now) {
         l.worker = worker;
         l.lease_id = l.task.id + "#" + std::to_string(state_->next_lease++);
@@ -153,14 +153,15 @@ struct BufferState {
     };
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<Entry> entries;               // GUARDED_BY(mu): pushed, not acknowledged, in push order
-    std::unordered_set<std::string> seen;    // GUARDED_BY(mu): task ids ever pushed
-    uint64_t next_id = 0;                    // GUARDED_BY(mu)
+    std::deque<Entry> entries;             // GUARDED_BY(mu): pushed, not acknowledged, in push order
+    std::unordered_set<std::string> seen;  // GUARDED_BY(mu): task ids ever pushed
+    uint64_t next_id = 0;                  // GUARDED_BY(mu)
 };
 
 class EmbeddedExperienceBuffer final : public ExperienceBuffer {
-public:
-    explicit EmbeddedExperienceBuffer(const std::string& run_id) : state_(shared_state<BufferState>(run_id)) {}
+  public:
+    explicit EmbeddedExperienceBuffer(const std::string& run_id)
+        : state_(shared_state<BufferState>(run_id)) {}
 
     bool push(const Experience& experience) override {
         MOERL_CHECK(!experience.task_id.empty(), "experience buffer: an experience needs a task id");
@@ -194,7 +195,8 @@ public:
     void ack(const std::vector<std::string>& delivery_ids) override {
         std::lock_guard<std::mutex> lock(state_->mu);
         std::set<std::string> ids(delivery_ids.begin(), delivery_ids.end());
-        std::erase_if(state_->entries, [&](const BufferState::Entry& e) { return ids.count(e.delivery_id) > 0; });
+        std::erase_if(state_->entries,
+                      [&](const BufferState::Entry& e) { return ids.count(e.delivery_id) > 0; });
     }
 
     size_t size() override {
@@ -202,7 +204,7 @@ public:
         return state_->entries.size();
     }
 
-private:
+  private:
     std::shared_ptr<BufferState> state_;
     std::set<std::string> started_;  // consumers that took through this handle (under state_->mu)
 };
@@ -214,7 +216,7 @@ struct RegistryState {
 };
 
 class EmbeddedRegistry final : public Registry {
-public:
+  public:
     explicit EmbeddedRegistry(const std::string& run_id) : state_(shared_state<RegistryState>(run_id)) {}
 
     void publish(int64_t version, const std::string& checkpoint_uri) override {
@@ -229,7 +231,7 @@ public:
         return state_->latest;
     }
 
-private:
+  private:
     std::shared_ptr<RegistryState> state_;
 };
 

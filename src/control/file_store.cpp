@@ -33,7 +33,7 @@ void copy_atomic(const fs::path& src, const fs::path& dst) {
 }
 
 class FileCheckpointStore final : public CheckpointStore {
-public:
+  public:
     explicit FileCheckpointStore(const std::string& dir) : root_(fs::absolute(dir)) {
         MOERL_CHECK(!dir.empty(), "checkpoint store: empty directory");
         std::error_code ec;
@@ -63,8 +63,8 @@ public:
     std::vector<std::string> list(const std::string& prefix) override {
         std::vector<std::string> out;
         std::error_code ec;
-        for (auto it = fs::recursive_directory_iterator(root_, ec); !ec && it != fs::recursive_directory_iterator();
-             it.increment(ec)) {
+        for (auto it = fs::recursive_directory_iterator(root_, ec);
+             !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
             if (!it->is_regular_file()) continue;
             std::string key = fs::relative(it->path(), root_).generic_string();
             if (key.find(".tmp.") != std::string::npos) continue;  // an upload in flight
@@ -81,7 +81,7 @@ public:
         MOERL_CHECK(!ec, "checkpoint store: cannot remove ", (root_ / key).string(), ": ", ec.message());
     }
 
-private:
+  private:
     fs::path root_;
 };
 

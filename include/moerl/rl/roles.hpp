@@ -1,0 +1,143 @@
+// The RL roles, each parameterized only by the control plane (task queue, experience buffer,
+// registry, checkpoint store), so the same code runs in one process (embedded backends, `moerl
+// run`) or as separate processes against Redis and S3 (distributed mode).
+//
+//   env:      put_step_tasks()        -> task queue (G tasks per prompt, deterministic seeds)
+//   rollout:  RolloutWorker::work()   lease -> generate -> score -> push experience -> ack;
+//             on stop: release leases with the partial trajectory
+//   train:    TrainerRole::train_step() take -> GRPO -> publish version N+1 -> ack
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moerl/control/control.hpp"
+#include "moerl/rl/config.hpp"
+#include "moerl/rl/experience.hpp"
+#include "moerl/rl/trainer.hpp"
+
+namespace moerl::rl {
+
+struct ControlPlane {
+    std::unique_ptr<control::TaskQueue> tasks;
+    std::unique_ptr<control::ExperienceBuffer> experience;
+    std::unique_ptr<control::Registry> registry;
+    std::unique_ptr<control::CheckpointStore> store;
+    // From config.queue / buffer / registry / store_uri(), namespaced by run_id.
+    static ControlPlane connect(const RunConfig& config, const std::string& run_id);
+};
+
+// ---- env -------------------------------------------------------------------------------------
+// The task of sample `sample_idx` of prompt `prompt_idx` of `step`; a pure function of the seed.
+TaskPayload make_task_payload(const RunConfig& config, int64_t step, int prompt_idx, int sample_idx);
+// Puts the prompts_per_step x group_size tasks of `step` (re-putting is a no-op).
+void put_step_tasks(const RunConfig& config, control::TaskQueue& tasks, int64_t step);
+
+// ---- rollout ---------------------------------------------------------------------------------
+struct RolloutStats {
+    int64_t pushed = 0;      // experiences accepted by the buffer
+    int64_t duplicates = 0;  // experiences the buffer already had (a redone task)
+    int64_t released = 0;    // tasks given back with a partial trajectory
+    int64_t tokens = 0;      // tokens sampled
+    double seconds = 0;      // time spent generating
+};
+
+class RolloutWorker {
+  public:
+    // cache_dir: where published policies fetched from a store are kept.
+    RolloutWorker(const RunConfig& config, ControlPlane& control, std::string name, std::string cache_dir);
+    ~RolloutWorker();
+
+    // Loads the registry's latest policy when it is newer than the one in use; returns the version
+    // in use (-1 before anything was published).
+    int64_t sync_policy();
+    // Leases tasks and generates with continuous batching (new leases join as sequences finish),
+    // pushing each finished experience and acknowledging its task. Returns when no task arrives
+    // within `wait` and nothing is in flight, after `max_engine_steps` decode steps (> 0; leases
+    // stay held), or when `stop` becomes true (then every lease is released with its partial
+    // trajectory). Returns the number of experiences pushed.
+    size_t work(control::Millis wait, const std::atomic<bool>* stop = nullptr, int max_engine_steps = 0);
+    // Preemption: gives every leased task back with its partial trajectory.
+    size_t release_all();
+    const RolloutStats& stats() const;
+    int64_t policy_version() const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+// ---- train -----------------------------------------------------------------------------------
+struct StepResult {
+    int64_t step = 0;
+    int64_t version = 0;  // published after this step
+    double reward_mean = 0, reward_std = 0;
+    double exact_fraction = 0;  // samples with reward 1
+    double staleness_mean = 0;  // policy versions behind, per token
+    int64_t staleness_max = 0;
+    int64_t response_tokens = 0;
+    TrainStats train;
+};
+
+class TrainerRole {
+  public:
+    TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir);
+    ~TrainerRole();
+    // Fresh start: publishes version 0. Resume: restores the newest checkpoint in the store
+    // (weights, optimizer, consumed data, experiences taken but not yet trained on) and publishes
+    // its version. Returns the next step to train.
+    int64_t start(bool resume);
+    // Takes the experiences of `step` (waiting up to `wait` for all of them; nullopt on timeout),
+    // runs GRPO, publishes version step + 1 and acknowledges what it used.
+    std::optional<StepResult> train_step(int64_t step, control::Millis wait);
+    // Writes a checkpoint (HF weights, optimizer, trainer_state.json; manifest last) for `next_step`.
+    void save_checkpoint(int64_t next_step, int64_t env_next_step);
+    // The env's progress saved in the checkpoint start() resumed from (0 on a fresh start).
+    int64_t resumed_env_next_step() const;
+    int64_t version() const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+// ---- the whole loop in one process ------------------------------------------------------------
+struct RunOptions {
+    bool resume = false;
+    int64_t steps = -1;       // overrides config.steps when >= 0 (a run may stop early: stop_after)
+    int64_t stop_after = -1;  // stop (with a checkpoint) after this many steps of this call
+    std::string output_dir;   // overrides config.output_dir when set
+    bool progress = true;     // the live progress line on stderr
+};
+
+struct RunSummary {
+    int64_t steps_done = 0;   // steps trained in total (including before a resume)
+    double final_reward = 0;  // mean reward of the last min(10, steps) steps
+    double first_reward = 0;  // mean reward of the first min(10, steps) steps
+    double wall_seconds = 0;
+    std::string metrics_path, svg_path;
+};
+
+// env, one rollout worker and the trainer (EP over config.ep_ranks threads) in this process,
+// stepped deterministically: the same config and seed give the same metrics, and a resumed run
+// continues exactly as an uninterrupted one.
+RunSummary run_local(const RunConfig& config, const RunOptions& options);
+
+}  // namespace moerl::rl
+
+namespace moerl::rl {
+
+// Generation throughput of the rollout engine with a randomly initialised model of `config`.
+struct RolloutBench {
+    int max_batch = 0;
+    int64_t sequences = 0;
+    int64_t tokens = 0;
+    double seconds = 0;
+};
+RolloutBench bench_rollout(const RunConfig& config, int num_sequences, int max_batch);
+
+}  // namespace moerl::rl

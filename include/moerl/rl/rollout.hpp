@@ -1,0 +1,67 @@
+// The rollout engine: batched generation with continuous batching (finished sequences leave, new
+// ones join between decode steps), temperature / top-k / top-p sampling, stop tokens, length
+// limits, per-token behaviour log-probs and policy versions, and routing records for replay.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moerl/rl/config.hpp"
+#include "moerl/rl/experience.hpp"
+
+namespace moerl::model {
+class MoeModel;
+}
+
+namespace moerl::rl {
+
+struct GenRequest {
+    uint64_t id = 0;          // caller's handle
+    std::vector<int> prompt;  // prompt tokens (bos first)
+    Trajectory prefix;        // response generated before (a resumed partial trajectory), or empty
+    uint64_t seed = 0;        // sampling stream of this sequence
+    int max_new_tokens = 16;  // response limit, prefix included
+};
+
+struct GenResult {
+    uint64_t id = 0;
+    Trajectory trajectory;
+};
+
+// Samples one token from logits [V]: temperature, then top-k, then top-p. `uniform` in [0, 1).
+// Returns the token and its log-probability under the tempered (untruncated) distribution, which
+// is what the trainer recomputes.
+std::pair<int, float> sample_token(const float* logits, int vocab_size, const SamplingParams& params,
+                                   double uniform);
+// Counter-based uniform draw: the same (seed, draw) gives the same number on any batch layout.
+double uniform_draw(uint64_t seed, uint64_t draw);
+
+class RolloutEngine {
+  public:
+    // The model must outlive the engine; weights may be reloaded in place between steps (tokens
+    // carry the version that sampled them).
+    RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
+                  bool record_routing);
+    ~RolloutEngine();
+
+    void add(GenRequest request);
+    // Admits waiting requests up to max_batch (prefill), then decodes one token for every active
+    // sequence. Returns the sequences that finished (stop token or length limit).
+    std::vector<GenResult> step(int64_t policy_version);
+    // Steps until nothing is active or waiting.
+    std::vector<GenResult> run_to_completion(int64_t policy_version);
+    // Removes every unfinished sequence and returns its partial trajectory (preemption).
+    std::vector<GenResult> drain();
+
+    size_t num_active() const;
+    size_t num_waiting() const;
+    bool idle() const { return num_active() == 0 && num_waiting() == 0; }
+    int64_t tokens_generated() const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moerl::rl

@@ -1,0 +1,54 @@
+// The GRPO policy trainer: W expert-parallel ranks as threads of this process (host EP transport),
+// each holding the dense weights and 1/W of the experts. Dense gradients are summed across ranks,
+// expert gradients stay local (they already hold every rank's tokens through the combine's
+// backward). AdamW with decoupled weight decay and global-norm gradient clipping.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moerl/rl/config.hpp"
+#include "moerl/rl/experience.hpp"
+
+namespace moerl::rl {
+
+struct TrainStats {
+    double loss = 0;
+    double aux_loss = 0;
+    double clip_fraction = 0;
+    double mean_ratio = 0;
+    double mean_is_weight = 0;
+    double truncated_fraction = 0;
+    double kl = 0;
+    double grad_norm = 0;  // before clipping
+    int64_t num_tokens = 0;
+};
+
+class PolicyTrainer {
+  public:
+    // Random initialisation from config.seed (or config.model_path). work_dir holds the EP
+    // bootstrap files.
+    PolicyTrainer(const RunConfig& config, const std::string& work_dir);
+    ~PolicyTrainer();
+
+    // One GRPO update (ppo_epochs passes) on `batch` with per-sample advantages.
+    TrainStats update(const std::vector<ExperienceRecord>& batch, const std::vector<double>& advantages);
+
+    // HF layout, fp32 (exact), every rank's experts.
+    void save_weights(const std::string& dir) const;
+    // optimizer-rank{r}.safetensors (AdamW moments) and optimizer.json (step count).
+    void save_optimizer(const std::string& dir) const;
+    // Restores weights and (when present) optimizer state written by the two above.
+    void load(const std::string& dir);
+
+    int64_t optimizer_steps() const;
+    int num_ranks() const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moerl::rl

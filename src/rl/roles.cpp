@@ -1,0 +1,425 @@
+// The env, rollout and train roles on top of the control plane.
+#include "moerl/rl/roles.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "moerl/core/error.hpp"
+#include "moerl/model/model.hpp"
+#include "moerl/rl/grpo.hpp"
+#include "moerl/rl/rollout.hpp"
+
+namespace moerl::rl {
+
+namespace {
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+uint64_t mix(uint64_t a, uint64_t b) {
+    uint64_t x = a * 0x9E3779B97F4A7C15ULL ^ (b + 0x632BE59BD9B4E019ULL + (a << 6) + (a >> 2));
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+std::string checkpoint_name(int64_t next_step) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "ckpt-%08lld", static_cast<long long>(next_step));
+    return buf;
+}
+
+// Policy versions live in the store as "policy-v{N}" checkpoints, or as a plain directory
+// ("file:///dir") when trainer and workers share a file system.
+constexpr const char* kStorePrefix = "store:";
+}  // namespace
+
+ControlPlane ControlPlane::connect(const RunConfig& c, const std::string& run_id) {
+    ControlPlane cp;
+    cp.tasks = control::make_task_queue(c.queue, run_id, control::Millis(c.lease_timeout_ms));
+    cp.experience = control::make_experience_buffer(c.buffer, run_id);
+    cp.registry = control::make_registry(c.registry, run_id);
+    cp.store = control::make_checkpoint_store(c.store_uri());
+    return cp;
+}
+
+// ---- env -------------------------------------------------------------------------------------
+TaskPayload make_task_payload(const RunConfig& c, int64_t step, int prompt_idx, int sample_idx) {
+    static thread_local std::unique_ptr<TaskGenerator> gen;
+    static thread_local TaskSpec gen_spec;
+    if (!gen || gen_spec.kind != c.task.kind || gen_spec.digits != c.task.digits ||
+        gen_spec.length != c.task.length || gen_spec.max_value != c.task.max_value ||
+        gen_spec.partial_credit != c.task.partial_credit) {
+        gen = make_task_generator(c.task);
+        gen_spec = c.task;
+    }
+    TaskPayload p;
+    p.step = step;
+    p.prompt_idx = prompt_idx;
+    p.sample_idx = sample_idx;
+    const uint64_t prompt_seed =
+        mix(mix(c.seed, static_cast<uint64_t>(step)), static_cast<uint64_t>(prompt_idx));
+    p.seed = mix(prompt_seed, 1000003ULL + static_cast<uint64_t>(sample_idx));
+    p.problem = gen->make(prompt_seed);
+    p.prompt_tokens = {Tokenizer::kBos};
+    auto ids = Tokenizer::get().encode(p.problem.prompt);
+    p.prompt_tokens.insert(p.prompt_tokens.end(), ids.begin(), ids.end());
+    return p;
+}
+
+void put_step_tasks(const RunConfig& c, control::TaskQueue& tasks, int64_t step) {
+    for (int p = 0; p < c.prompts_per_step; ++p) {
+        for (int g = 0; g < c.group_size; ++g) {
+            tasks.put({task_id(step, p, g), 0, to_json(make_task_payload(c, step, p, g)), ""});
+        }
+    }
+}
+
+// ---- rollout ---------------------------------------------------------------------------------
+struct RolloutWorker::Impl {
+    RunConfig cfg;
+    ControlPlane& cp;
+    std::string name, cache_dir;
+    model::MoeModel model;
+    std::unique_ptr<RolloutEngine> engine;
+    std::unique_ptr<Rewarder> rewarder;
+    int64_t version = -1;
+    RolloutStats stats;
+    uint64_t next_id = 0;
+    struct InFlight {
+        control::Lease lease;
+        TaskPayload payload;
+    };
+    std::map<uint64_t, InFlight> in_flight;
+
+    Impl(const RunConfig& c, ControlPlane& control, std::string n, std::string cache)
+        : cfg(c), cp(control), name(std::move(n)), cache_dir(std::move(cache)), model(c.model, {}) {
+        SamplingParams sp = c.sampling;
+        engine = std::make_unique<RolloutEngine>(model, sp, c.rollout_max_batch, c.record_routing);
+        std::vector<std::unique_ptr<Rewarder>> parts;
+        std::vector<double> weights;
+        parts.push_back(make_verifier_rewarder(c.task));
+        weights.push_back(c.verifier_weight);
+        MOERL_CHECK(
+            c.reward_model_path.empty(), cfg.source,
+            ": reward.model_path: reward models are not supported by this build's rollout worker yet");
+        rewarder = make_mixed_rewarder(std::move(parts), std::move(weights));
+    }
+
+    int64_t sync() {
+        auto latest = cp.registry->latest();
+        if (!latest || latest->first <= version) return version;
+        const std::string& uri = latest->second;
+        std::string dir;
+        if (uri.rfind("file://", 0) == 0) {
+            dir = uri.substr(7);
+        } else {
+            MOERL_CHECK(uri.rfind(kStorePrefix, 0) == 0, "registry: unknown policy URI '", uri, "'");
+            const std::string ckpt = uri.substr(std::string(kStorePrefix).size());
+            dir = (fs::path(cache_dir) / "policy" / ckpt).string();
+            control::fetch_checkpoint(*cp.store, ckpt, dir, (fs::path(cache_dir) / "cache").string());
+        }
+        model.load_weights(dir);
+        version = latest->first;
+        return version;
+    }
+
+    void admit(const control::Lease& lease) {
+        InFlight f{lease, task_payload_from_json(lease.task.payload)};
+        GenRequest r;
+        r.id = next_id++;
+        r.prompt = f.payload.prompt_tokens;
+        r.seed = f.payload.seed;
+        r.max_new_tokens = cfg.max_new_tokens();
+        if (!lease.task.partial.empty()) r.prefix = trajectory_from_json(lease.task.partial);
+        in_flight.emplace(r.id, std::move(f));
+        engine->add(std::move(r));
+    }
+
+    void complete(std::vector<GenResult>& done) {
+        if (done.empty()) return;
+        std::vector<Scored> batch;
+        for (auto& d : done) {
+            const InFlight& f = in_flight.at(d.id);
+            batch.push_back(
+                {f.payload.problem, f.payload.prompt_tokens, d.trajectory.tokens, d.trajectory.terminated});
+        }
+        std::vector<double> rewards = rewarder->score(batch);
+        for (size_t i = 0; i < done.size(); ++i) {
+            InFlight f = std::move(in_flight.at(done[i].id));
+            in_flight.erase(done[i].id);
+            ExperienceRecord e;
+            e.task_id = f.lease.task.id;
+            e.attempt = f.lease.task.attempt;
+            e.task = std::move(f.payload);
+            e.trajectory = std::move(done[i].trajectory);
+            e.reward = rewards[i];
+            control::Experience x{e.task_id, e.attempt, e.oldest_version(), to_json(e)};
+            if (cp.experience->push(x)) {
+                ++stats.pushed;
+            } else {
+                ++stats.duplicates;
+            }
+            cp.tasks->ack(f.lease);
+        }
+    }
+
+    size_t release() {
+        size_t n = 0;
+        for (auto& r : engine->drain()) {
+            auto it = in_flight.find(r.id);
+            if (it == in_flight.end()) continue;
+            cp.tasks->release(it->second.lease, to_json(r.trajectory));
+            in_flight.erase(it);
+            ++n;
+        }
+        stats.released += static_cast<int64_t>(n);
+        return n;
+    }
+
+    size_t work(control::Millis wait, const std::atomic<bool>* stop, int max_steps) {
+        const int64_t pushed_before = stats.pushed;
+        int steps = 0;
+        auto t0 = Clock::now();
+        const int64_t tok0 = engine->tokens_generated();
+        for (;;) {
+            if (stop && stop->load()) {
+                release();
+                break;
+            }
+            sync();
+            // Fill free batch slots with new leases (continuous batching).
+            while (static_cast<int>(engine->num_active() + engine->num_waiting()) < cfg.rollout_max_batch) {
+                auto lease = cp.tasks->lease(name, engine->idle() ? wait : control::Millis(0));
+                if (!lease) break;
+                admit(*lease);
+            }
+            if (engine->idle()) break;
+            MOERL_CHECK(version >= 0, "rollout worker ", name, ": no policy published in the registry yet");
+            auto done = engine->step(version);
+            complete(done);
+            if (++steps % 16 == 0) cp.tasks->heartbeat(name);
+            if (max_steps > 0 && steps >= max_steps) break;
+        }
+        stats.tokens += engine->tokens_generated() - tok0;
+        stats.seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+        return static_cast<size_t>(stats.pushed - pushed_before);
+    }
+};
+
+RolloutWorker::RolloutWorker(const RunConfig& config, ControlPlane& control, std::string name,
+                             std::string cache_dir)
+    : impl_(std::make_unique<Impl>(config, control, std::move(name), std::move(cache_dir))) {}
+RolloutWorker::~RolloutWorker() = default;
+int64_t RolloutWorker::sync_policy() { return impl_->sync(); }
+size_t RolloutWorker::work(control::Millis wait, const std::atomic<bool>* stop, int max_engine_steps) {
+    return impl_->work(wait, stop, max_engine_steps);
+}
+size_t RolloutWorker::release_all() { return impl_->release(); }
+const RolloutStats& RolloutWorker::stats() const { return impl_->stats; }
+int64_t RolloutWorker::policy_version() const { return impl_->version; }
+
+// ---- train -----------------------------------------------------------------------------------
+struct TrainerRole::Impl {
+    RunConfig cfg;
+    ControlPlane& cp;
+    std::string work_dir;
+    std::unique_ptr<PolicyTrainer> trainer;
+    int64_t version = 0;
+    int64_t env_next = 0;
+    std::string consumer = "trainer";
+    // Experiences taken but not yet trained on, by step and task id (with their delivery ids).
+    std::map<int64_t, std::map<std::string, std::pair<ExperienceRecord, std::string>>> held;
+    std::set<std::string> consumed;  // task ids trained on (exactly once)
+
+    Impl(const RunConfig& c, ControlPlane& control, std::string dir)
+        : cfg(c), cp(control), work_dir(std::move(dir)) {
+        fs::create_directories(work_dir);
+        trainer = std::make_unique<PolicyTrainer>(cfg, work_dir);
+    }
+
+    void publish_policy() {
+        const std::string dir = (fs::path(work_dir) / "policy" / ("v" + std::to_string(version))).string();
+        trainer->save_weights(dir);
+        // A restarted trainer finds its version already registered (a persistent registry).
+        auto latest = cp.registry->latest();
+        if (!latest || latest->first < version)
+            cp.registry->publish(version, "file://" + fs::absolute(dir).string());
+        // Keep the last two versions: a worker may still be loading the previous one.
+        const fs::path old = fs::path(work_dir) / "policy" / ("v" + std::to_string(version - 2));
+        std::error_code ec;
+        fs::remove_all(old, ec);
+    }
+
+    void take_available(control::Millis wait) {
+        auto deliveries = cp.experience->take(consumer, 1 << 20, wait);
+        for (auto& d : deliveries) {
+            ExperienceRecord e = experience_from_json(d.experience.payload);
+            if (consumed.count(e.task_id)) {  // trained on before a restart: done with it
+                cp.experience->ack({d.delivery_id});
+                continue;
+            }
+            const int64_t s = e.task.step;
+            const std::string id = e.task_id;  // the right side of = is evaluated first
+            held[s][id] = {std::move(e), d.delivery_id};
+        }
+    }
+
+    std::optional<StepResult> step(int64_t s, control::Millis wait) {
+        const size_t need = static_cast<size_t>(cfg.prompts_per_step) * cfg.group_size;
+        auto deadline = Clock::now() + wait;
+        take_available(control::Millis(0));
+        while (held[s].size() < need) {
+            auto left = std::chrono::duration_cast<control::Millis>(deadline - Clock::now());
+            if (left.count() <= 0) return std::nullopt;
+            take_available(left);
+        }
+        // Group-major order: (prompt, sample), so groups are contiguous.
+        std::vector<ExperienceRecord> batch;
+        std::vector<std::string> deliveries;
+        for (int p = 0; p < cfg.prompts_per_step; ++p) {
+            for (int g = 0; g < cfg.group_size; ++g) {
+                auto it = held[s].find(task_id(s, p, g));
+                MOERL_CHECK(it != held[s].end(), "trainer: step ", s, " lacks task ", task_id(s, p, g));
+                batch.push_back(std::move(it->second.first));
+                deliveries.push_back(it->second.second);
+            }
+        }
+        held.erase(s);
+        std::vector<double> rewards;
+        for (auto& e : batch) rewards.push_back(e.reward);
+        std::vector<double> adv = group_advantages(rewards, cfg.group_size, cfg.grpo.adv_eps);
+        StepResult r;
+        r.step = s;
+        double sum = 0, sq = 0, exact = 0, stale = 0;
+        for (auto& e : batch) {
+            sum += e.reward;
+            sq += e.reward * e.reward;
+            exact += e.reward >= 1.0 ? 1 : 0;
+            for (int64_t v : e.trajectory.versions) {
+                stale += static_cast<double>(version - v);
+                r.staleness_max = std::max(r.staleness_max, version - v);
+            }
+            r.response_tokens += static_cast<int64_t>(e.trajectory.tokens.size());
+        }
+        const double n = static_cast<double>(batch.size());
+        r.reward_mean = sum / n;
+        r.reward_std = std::sqrt(std::max(0.0, sq / n - r.reward_mean * r.reward_mean));
+        r.exact_fraction = exact / n;
+        r.staleness_mean = r.response_tokens ? stale / static_cast<double>(r.response_tokens) : 0;
+        r.train = trainer->update(batch, adv);
+        for (auto& e : batch) consumed.insert(e.task_id);
+        version = s + 1;
+        publish_policy();
+        r.version = version;
+        cp.experience->ack(deliveries);
+        return r;
+    }
+
+    void save(int64_t next_step, int64_t env_next_step) {
+        const std::string name = checkpoint_name(next_step);
+        const fs::path dir = fs::path(work_dir) / "staging" / name;
+        fs::remove_all(dir);
+        trainer->save_weights(dir.string());
+        trainer->save_optimizer(dir.string());
+        nlohmann::json st;
+        st["next_step"] = next_step;
+        st["version"] = version;
+        st["env_next_step"] = env_next_step;
+        st["seed"] = cfg.seed;
+        st["consumed"] = consumed;
+        nlohmann::json pending = nlohmann::json::array();
+        for (auto& [s, m] : held)
+            for (auto& [id, e] : m) pending.push_back(to_json(e.first));
+        st["pending"] = pending;
+        std::ofstream(dir / "trainer_state.json") << st.dump();
+        control::publish_checkpoint(*cp.store, dir.string(), name, version, next_step);
+        fs::remove_all(dir);
+        // Keep the newest keep_checkpoints.
+        std::set<std::string> names;
+        for (const auto& key : cp.store->list("ckpt-"))
+            if (key.size() > 14 && key.substr(key.find('/') + 1) == "manifest.json")
+                names.insert(key.substr(0, key.find('/')));
+        while (static_cast<int>(names.size()) > cfg.keep_checkpoints) {
+            const std::string oldest = *names.begin();
+            names.erase(names.begin());
+            cp.store->remove(oldest + "/manifest.json");  // first: readers stop trusting it
+            for (const auto& key : cp.store->list(oldest + "/")) cp.store->remove(key);
+        }
+    }
+
+    int64_t start(bool resume) {
+        int64_t next_step = 0;
+        if (resume) {
+            std::string newest;
+            for (const auto& key : cp.store->list("ckpt-")) {
+                const auto slash = key.find('/');
+                if (slash != std::string::npos && key.substr(slash + 1) == "manifest.json")
+                    newest = std::max(newest, key.substr(0, slash));
+            }
+            MOERL_CHECK(!newest.empty(), "--resume: no checkpoint in ", cp.store->uri());
+            const fs::path dir = fs::path(work_dir) / "resume" / newest;
+            fs::remove_all(dir);
+            control::fetch_checkpoint(*cp.store, newest, dir.string());
+            trainer->load(dir.string());
+            std::ifstream in(dir / "trainer_state.json");
+            auto st = nlohmann::json::parse(in);
+            MOERL_CHECK(st.at("seed").get<uint64_t>() == cfg.seed,
+                        "--resume: the checkpoint was made with seed ", st.at("seed").get<uint64_t>(),
+                        ", but the config says run.seed = ", cfg.seed);
+            next_step = st.at("next_step").get<int64_t>();
+            version = st.at("version").get<int64_t>();
+            env_next = st.at("env_next_step").get<int64_t>();
+            consumed = st.at("consumed").get<std::set<std::string>>();
+            for (const auto& text : st.at("pending")) {
+                ExperienceRecord e = experience_from_json(text.get<std::string>());
+                cp.experience->push({e.task_id, e.attempt, e.oldest_version(), text.get<std::string>()});
+            }
+            fs::remove_all(dir);
+        }
+        publish_policy();
+        return next_step;
+    }
+};
+
+TrainerRole::TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir)
+    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir))) {}
+TrainerRole::~TrainerRole() = default;
+int64_t TrainerRole::start(bool resume) { return impl_->start(resume); }
+std::optional<StepResult> TrainerRole::train_step(int64_t step, control::Millis wait) {
+    return impl_->step(step, wait);
+}
+void TrainerRole::save_checkpoint(int64_t next_step, int64_t env_next_step) {
+    impl_->save(next_step, env_next_step);
+}
+int64_t TrainerRole::resumed_env_next_step() const { return impl_->env_next; }
+int64_t TrainerRole::version() const { return impl_->version; }
+
+}  // namespace moerl::rl
+
+namespace moerl::rl {
+
+RolloutBench bench_rollout(const RunConfig& c, int num_sequences, int max_batch) {
+    model::MoeModel m(c.model, {});
+    m.init_random(c.seed);
+    RolloutEngine engine(m, c.sampling, max_batch, c.record_routing);
+    for (int i = 0; i < num_sequences; ++i) {
+        TaskPayload p = make_task_payload(c, 0, i, 0);
+        engine.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, c.max_new_tokens()});
+    }
+    auto t0 = Clock::now();
+    auto results = engine.run_to_completion(0);
+    RolloutBench b;
+    b.max_batch = max_batch;
+    b.sequences = static_cast<int64_t>(results.size());
+    b.tokens = engine.tokens_generated();
+    b.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return b;
+}
+
+}  // namespace moerl::rl

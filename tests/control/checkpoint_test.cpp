@@ -1,0 +1,103 @@
+// The local-directory store and checkpoint publish/fetch with sha256 verification.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "moerl/control/control.hpp"
+#include "moerl/core/error.hpp"
+
+using namespace moerl::control;
+namespace fs = std::filesystem;
+
+namespace {
+struct TempDir {
+    fs::path path;
+    TempDir() {
+        path = fs::temp_directory_path() /
+               ("moerl-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
+        fs::create_directories(path);
+    }
+    ~TempDir() { fs::remove_all(path); }
+    static int& counter() {
+        static int c = 0;
+        return c;
+    }
+};
+void write(const fs::path& p, const std::string& text) {
+    fs::create_directories(p.parent_path());
+    std::ofstream(p, std::ios::binary) << text;
+}
+std::string read(const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+}
+}  // namespace
+
+TEST(Sha256, KnownValue) {
+    TempDir t;
+    write(t.path / "abc", "abc");
+    EXPECT_EQ(sha256_file((t.path / "abc").string()),
+              "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+TEST(FileStore, PutGetListRemove) {
+    TempDir t;
+    auto store = make_checkpoint_store("file://" + (t.path / "store").string());
+    write(t.path / "src.bin", "hello");
+    store->put_file("run/a/x.bin", (t.path / "src.bin").string());
+    store->put_file("run/b.bin", (t.path / "src.bin").string());
+    EXPECT_TRUE(store->exists("run/a/x.bin"));
+    EXPECT_FALSE(store->exists("run/none"));
+    EXPECT_EQ(store->list("run/"), (std::vector<std::string>{"run/a/x.bin", "run/b.bin"}));
+    store->get_file("run/b.bin", (t.path / "out.bin").string());
+    EXPECT_EQ(read(t.path / "out.bin"), "hello");
+    store->remove("run/b.bin");
+    EXPECT_FALSE(store->exists("run/b.bin"));
+    EXPECT_THROW(store->get_file("run/b.bin", (t.path / "o").string()), moerl::Error);
+    EXPECT_THROW(store->put_file("../escape", (t.path / "src.bin").string()), moerl::Error);
+}
+
+TEST(Checkpoint, PublishFetchRoundTripWithCache) {
+    TempDir t;
+    write(t.path / "ckpt/config.json", "{}");
+    write(t.path / "ckpt/model.safetensors", std::string(1000, 'w'));
+    write(t.path / "ckpt/sub/optimizer.bin", "opt");
+    auto store = make_checkpoint_store((t.path / "store").string());
+    Manifest m = publish_checkpoint(*store, (t.path / "ckpt").string(), "v3", 3, 7);
+    EXPECT_EQ(m.files.size(), 3u);
+    EXPECT_TRUE(store->exists("v3/manifest.json"));
+    Manifest f = fetch_checkpoint(*store, "v3", (t.path / "got").string(), (t.path / "cache").string());
+    EXPECT_EQ(f.version, 3);
+    EXPECT_EQ(f.step, 7);
+    EXPECT_EQ(f.files, m.files);
+    EXPECT_EQ(read(t.path / "got/sub/optimizer.bin"), "opt");
+    EXPECT_TRUE(fs::exists(t.path / "cache/v3/model.safetensors"));
+    // A second fetch is served from the cache.
+    Manifest again = fetch_checkpoint(*store, "v3", (t.path / "got2").string(), (t.path / "cache").string());
+    EXPECT_EQ(read(t.path / "got2/model.safetensors"), std::string(1000, 'w'));
+}
+
+TEST(Checkpoint, CorruptFileFailsClearly) {
+    TempDir t;
+    write(t.path / "ckpt/model.safetensors", "good weights");
+    auto store = make_checkpoint_store((t.path / "store").string());
+    publish_checkpoint(*store, (t.path / "ckpt").string(), "v1", 1, 1);
+    write(t.path / "store/v1/model.safetensors", "evil weights");
+    try {
+        fetch_checkpoint(*store, "v1", (t.path / "got").string());
+        FAIL() << "expected a sha256 mismatch";
+    } catch (const moerl::Error& e) {
+        std::string msg = e.what();
+        EXPECT_NE(msg.find("model.safetensors"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("sha256"), std::string::npos) << msg;
+    }
+}
+
+TEST(Checkpoint, MissingManifestIsNotACheckpoint) {
+    TempDir t;
+    write(t.path / "store/v9/model.safetensors", "w");
+    auto store = make_checkpoint_store((t.path / "store").string());
+    EXPECT_THROW(fetch_checkpoint(*store, "v9", (t.path / "got").string()), moerl::Error);
+}

@@ -1,0 +1,149 @@
+// Tokenizer, tasks and verifiers, sampling, experience records and config errors.
+#include "moerl/rl/env.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "moerl/core/error.hpp"
+#include "moerl/rl/config.hpp"
+#include "moerl/rl/experience.hpp"
+#include "moerl/rl/rollout.hpp"
+
+using namespace moerl::rl;
+
+TEST(Tokenizer, RoundTripAndErrors) {
+    const auto& t = Tokenizer::get();
+    auto ids = t.encode("s312=");
+    EXPECT_EQ(t.decode(ids), "s312=");
+    ids.push_back(Tokenizer::kEos);
+    ids.push_back(t.encode("9")[0]);
+    EXPECT_EQ(t.decode(ids), "s312=");  // stops at eos
+    EXPECT_THROW(t.encode("x"), moerl::Error);
+}
+
+TEST(Tasks, SortAndAddVerify) {
+    TaskSpec s;
+    s.kind = "sort";
+    s.length = 4;
+    auto sort = make_task_generator(s);
+    Problem p = sort->make(7);
+    EXPECT_EQ(p.prompt.size(), 6u);
+    EXPECT_TRUE(std::is_sorted(p.answer.begin(), p.answer.end()));
+    EXPECT_EQ(sort->make(7).prompt, p.prompt);  // deterministic
+    EXPECT_DOUBLE_EQ(sort->verify(p, p.answer, true), 1.0);
+    EXPECT_LT(sort->verify(p, p.answer, false), 1.0);  // no eos
+    Problem q{"sort", "s3142=", "1234"};
+    // length 0.2 + all digits present 0.3 + 2 of 4 positions 0.25
+    EXPECT_NEAR(sort->verify(q, "1243", true), 0.75, 1e-12);
+    EXPECT_NEAR(sort->verify(q, "1243", false), 0.5 * (0.3 + 0.25),
+                1e-12);                                            // no eos: no length credit, halved
+    EXPECT_NEAR(sort->verify(q, "12", true), 0.15 + 0.25, 1e-12);  // wrong length
+    EXPECT_DOUBLE_EQ(sort->verify(q, "", true), 0.0);
+
+    TaskSpec a;
+    a.kind = "add";
+    a.digits = 2;
+    a.partial_credit = false;
+    auto add = make_task_generator(a);
+    Problem r = add->make(3);
+    auto plus = r.prompt.find('+');
+    int x = std::stoi(r.prompt.substr(0, plus)), y = std::stoi(r.prompt.substr(plus + 1));
+    EXPECT_EQ(r.answer, std::to_string(x + y));
+    EXPECT_DOUBLE_EQ(add->verify(r, r.answer, true), 1.0);
+    EXPECT_DOUBLE_EQ(add->verify(r, r.answer + "1", true), 0.0);
+}
+
+TEST(Sampling, TopKTopPAndTemperature) {
+    std::vector<float> logits = {std::log(0.5f), std::log(0.3f), std::log(0.2f)};
+    SamplingParams p;
+    // Untruncated: inverse CDF over 0.5 / 0.3 / 0.2.
+    EXPECT_EQ(sample_token(logits.data(), 3, p, 0.49).first, 0);
+    EXPECT_EQ(sample_token(logits.data(), 3, p, 0.51).first, 1);
+    EXPECT_EQ(sample_token(logits.data(), 3, p, 0.85).first, 2);
+    EXPECT_NEAR(sample_token(logits.data(), 3, p, 0.85).second, std::log(0.2), 1e-6);
+    p.top_k = 2;  // token 2 is never drawn; its mass goes to the others
+    EXPECT_EQ(sample_token(logits.data(), 3, p, 0.99).first, 1);
+    p.top_k = 0;
+    p.top_p = 0.5;  // only the top token
+    EXPECT_EQ(sample_token(logits.data(), 3, p, 0.99).first, 0);
+    p.top_p = 1.0;
+    p.temperature = 0.01;  // nearly greedy
+    EXPECT_EQ(sample_token(logits.data(), 3, p, 0.99).first, 0);
+    // Draws are reproducible and roughly uniform.
+    EXPECT_EQ(uniform_draw(5, 9), uniform_draw(5, 9));
+    double mean = 0;
+    for (int i = 0; i < 10000; ++i) mean += uniform_draw(42, i);
+    EXPECT_NEAR(mean / 10000, 0.5, 0.02);
+}
+
+TEST(Experience, JsonRoundTrip) {
+    ExperienceRecord e;
+    e.task_id = task_id(3, 1, 2);
+    EXPECT_EQ(e.task_id, "s3-p1-g2");
+    e.attempt = 1;
+    e.task.step = 3;
+    e.task.seed = 123456789012345ULL;
+    e.task.problem = {"sort", "s21=", "12"};
+    e.task.prompt_tokens = {1, 5, 4};
+    e.trajectory.tokens = {4, 5, 2};
+    e.trajectory.logprobs = {-0.5f, -0.25f, -1.0f};
+    e.trajectory.versions = {4, 5, 5};
+    e.trajectory.routing = {0, 1, -1, 3};
+    e.trajectory.terminated = true;
+    e.reward = 0.75;
+    ExperienceRecord f = experience_from_json(to_json(e));
+    EXPECT_EQ(f.task_id, e.task_id);
+    EXPECT_EQ(f.task.seed, e.task.seed);
+    EXPECT_EQ(f.trajectory.tokens, e.trajectory.tokens);
+    EXPECT_EQ(f.trajectory.logprobs, e.trajectory.logprobs);
+    EXPECT_EQ(f.trajectory.routing, e.trajectory.routing);
+    EXPECT_EQ(f.oldest_version(), 4);
+    EXPECT_DOUBLE_EQ(f.reward, 0.75);
+    EXPECT_THROW(experience_from_json("{\"task_id\": 1}"), moerl::Error);
+}
+
+namespace {
+std::string config_error(const std::string& yaml) {
+    try {
+        RunConfig::from_yaml_text(yaml, "quickstart.yaml");
+    } catch (const moerl::Error& e) {
+        return e.message();
+    }
+    return "(no error)";
+}
+}  // namespace
+
+TEST(Config, DefaultsAreValid) {
+    RunConfig c = RunConfig::from_yaml_text("", "empty.yaml");
+    EXPECT_EQ(c.group_size, 8);
+    EXPECT_EQ(c.model.vocab_size, Tokenizer::get().vocab_size());
+}
+
+TEST(Config, BadInputNamesTheKey) {
+    EXPECT_EQ(config_error("train:\n  group_size: abc\n"),
+              "quickstart.yaml: train.group_size: expected an integer >= 2, got 'abc'");
+    EXPECT_EQ(config_error("train:\n  group_size: 1\n"),
+              "quickstart.yaml: train.group_size: expected an integer >= 2, got 1");
+    std::map<std::string, std::string> cases = {
+        {"train:\n  grup_size: 4\n", "quickstart.yaml: train.grup_size: unknown key"},
+        {"trian:\n  group_size: 4\n", "quickstart.yaml: trian: unknown key"},
+        {"rollout:\n  temperature: hot\n", "quickstart.yaml: rollout.temperature: expected a number > 0"},
+        {"rollout:\n  top_p: 1.5\n", "quickstart.yaml: rollout.top_p"},
+        {"task:\n  kind: multiply\n",
+         "quickstart.yaml: task.kind: expected one of add, sort, got 'multiply'"},
+        {"ranks:\n  ep: 3\n", "quickstart.yaml: ranks.ep: 3 does not divide model.num_experts = 8"},
+        {"model:\n  top_k: 9\n", "quickstart.yaml: model.top_k: 9 exceeds model.num_experts = 8"},
+        {"model:\n  hidden_size: [1, 2]\n", "quickstart.yaml: model.hidden_size: expected an integer"},
+        {"run:\n  seed: -4\n", "quickstart.yaml: run.seed"},
+        {"train:\n  routing_replay: maybe\n",
+         "quickstart.yaml: train.routing_replay: expected true or false"},
+        {"train: [1, 2]\n", "quickstart.yaml: train: expected a mapping"},
+        {"run: {steps: 10\n", "quickstart.yaml: not valid YAML"},
+    };
+    for (const auto& [yaml, expect] : cases) {
+        const std::string msg = config_error(yaml);
+        EXPECT_EQ(msg.rfind(expect, 0), 0u) << "input:\n" << yaml << "message: " << msg;
+    }
+}
