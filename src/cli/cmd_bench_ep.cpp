@@ -17,8 +17,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #define MOERL_HAVE_GLOO 1
 #endif
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "commands.hpp"
 #include "launch.hpp"
@@ -54,7 +55,7 @@ double median(std::vector<double> v) {
 }
 
 class StoreAdapter final : public ep::Store {
-public:
+  public:
     explicit StoreAdapter(c10::intrusive_ptr<c10d::Store> s) : s_(std::move(s)) {}
     void set(const std::string& k, const std::vector<uint8_t>& v) override { s_->set(k, v); }
     std::vector<uint8_t> get(const std::string& k, std::chrono::milliseconds timeout) override {
@@ -62,12 +63,13 @@ public:
         return s_->get(k);
     }
 
-private:
+  private:
     c10::intrusive_ptr<c10d::Store> s_;
 };
 
 // One rank of one configuration; returns its measurements.
-Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase& bc, int world, int rank, int port) {
+Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase& bc, int world, int rank,
+              int port) {
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(port);
     so.isServer = false;
@@ -113,7 +115,9 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     auto recv_idx = torch::empty({max_recv, K}, topk_d.options());
     auto recv_w = torch::empty({max_recv, K}, weights_d.options());
     auto out = torch::empty({T, H}, x.options());
-    ep::DispatchOutput dout{{recv_x.data_ptr(), max_recv, H}, {}, {recv_idx.data_ptr<int64_t>(), max_recv, K},
+    ep::DispatchOutput dout{{recv_x.data_ptr(), max_recv, H},
+                            {},
+                            {recv_idx.data_ptr<int64_t>(), max_recv, K},
                             {recv_w.data_ptr<float>(), max_recv, K}};
     ep::View<const void> xv{x.data_ptr(), T, H};
     ep::View<const int64_t> iv{topk_d.data_ptr<int64_t>(), T, K};
@@ -259,15 +263,18 @@ void run_config(const BenchOpts& o, const std::string& transport, const BenchCas
     for (int r = 0; r < world; ++r) std::remove((dir + "/" + std::to_string(r)).c_str());
     ::rmdir(dir.c_str());
     if (!error.empty()) {
-        std::printf("| %-11s | %2d | %-9s | error: %s\n", transport.c_str(), world, bc.name.c_str(), error.c_str());
+        std::printf("| %-11s | %2d | %-9s | error: %s\n", transport.c_str(), world, bc.name.c_str(),
+                    error.c_str());
         return;
     }
     rows /= world, d /= world, cmb /= world, g /= world, ld /= world, lc /= world;
     const double bytes = rows * bc.hidden * elem;
     auto gbps = [&](double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
-    std::printf("| %-11s | %2d | %-9s | %5d | %5d | %2d | %3d | %7.0f | %9.1f | %6.2f | %9.1f | %6.2f | %9.1f | %6.2f |",
-                transport.c_str(), world, bc.name.c_str(), bc.tokens, bc.hidden, bc.top_k, bc.experts, rows, d,
-                gbps(d), cmb, gbps(cmb), g, gbps(g));
+    std::printf(
+        "| %-11s | %2d | %-9s | %5d | %5d | %2d | %3d | %7.0f | %9.1f | %6.2f | %9.1f | %6.2f | %9.1f | "
+        "%6.2f |",
+        transport.c_str(), world, bc.name.c_str(), bc.tokens, bc.hidden, bc.top_k, bc.experts, rows, d,
+        gbps(d), cmb, gbps(cmb), g, gbps(g));
     if (ld > 0)
         std::printf(" %7.1f / %7.1f |\n", ld, lc);
     else
@@ -278,23 +285,29 @@ void run_config(const BenchOpts& o, const std::string& transport, const BenchCas
 }  // namespace
 
 void register_bench_ep(CLI::App& bench) {
-    auto* cmd = bench.add_subcommand("ep", "EP dispatch/combine per transport and rank count, with a Gloo all-to-all baseline");
+    auto* cmd = bench.add_subcommand(
+        "ep", "EP dispatch/combine per transport and rank count, with a Gloo all-to-all baseline");
     auto o = std::make_shared<BenchOpts>();
-    cmd->add_option("--transport", o->transports, "transports: host, fabric/tcp, fabric/shm, cuda")->delimiter(',');
+    cmd->add_option("--transport", o->transports, "transports: host, fabric/tcp, fabric/shm, cuda")
+        ->delimiter(',');
     cmd->add_option("--ranks", o->ranks, "rank counts")->delimiter(',');
     cmd->add_option("--dtype", o->dtype, "bf16 or fp32");
     cmd->add_option("--iters", o->iters, "timed iterations (median reported)");
     cmd->add_option("--tokens", o->big_tokens, "tokens per rank of the DeepSeek-V3-shaped case");
-    cmd->add_flag("!--no-baseline", o->baseline, "skip the baseline (Gloo all-to-all, or device copy for cuda)");
+    cmd->add_flag("!--no-baseline", o->baseline,
+                  "skip the baseline (Gloo all-to-all, or device copy for cuda)");
     cmd->add_option("--sms", o->num_sms, "SMs for the cuda kernels (Config.num_sms; 0 = default)");
     cmd->callback([o] {
-        const std::vector<BenchCase> cases = {{"decode", 128, 7168, 8, 256}, {"dsv3", o->big_tokens, 7168, 8, 256}};
-        std::printf("dtype %s, %d timed iterations, median; GB/s = received rows x hidden x element size / time, "
-                    "per rank; baseline = c10d Gloo all-to-all of the same bytes (host memory) or a "
-                    "device-to-device copy of the same bytes (cuda)\n\n",
-                    o->dtype.c_str(), o->iters);
-        std::printf("| transport   |  W | case      | tok/r | hidden |  K | E   | rows/r | dispatch us | GB/s | "
-                    "combine us | GB/s | baseline us | GB/s | LL disp/comb us |\n");
+        const std::vector<BenchCase> cases = {{"decode", 128, 7168, 8, 256},
+                                              {"dsv3", o->big_tokens, 7168, 8, 256}};
+        std::printf(
+            "dtype %s, %d timed iterations, median; GB/s = received rows x hidden x element size / time, "
+            "per rank; baseline = c10d Gloo all-to-all of the same bytes (host memory) or a "
+            "device-to-device copy of the same bytes (cuda)\n\n",
+            o->dtype.c_str(), o->iters);
+        std::printf(
+            "| transport   |  W | case      | tok/r | hidden |  K | E   | rows/r | dispatch us | GB/s | "
+            "combine us | GB/s | baseline us | GB/s | LL disp/comb us |\n");
         std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
         for (const auto& t : o->transports)
             for (int w : o->ranks)

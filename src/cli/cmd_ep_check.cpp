@@ -65,13 +65,13 @@ void run_check(const CheckOpts& o) {
                             c.expert_owner(static_cast<int>(sidx[static_cast<size_t>(t) * K + k])) == c.rank;
                 if (!here) continue;
                 const float got = recv[static_cast<size_t>(row) * H];
-                MOERL_CHECK(got == s * 1000.0f + t, "rank ", c.rank, " round ", round, ": row ", row, " holds ", got,
-                            ", expected rank ", s, " token ", t);
+                MOERL_CHECK(got == s * 1000.0f + t, "rank ", c.rank, " round ", round, ": row ", row,
+                            " holds ", got, ", expected rank ", s, " token ", t);
                 ++row;
             }
         }
-        MOERL_CHECK(row == h.num_recv_tokens(), "rank ", c.rank, ": received ", h.num_recv_tokens(), " rows, expected ",
-                    row);
+        MOERL_CHECK(row == h.num_recv_tokens(), "rank ", c.rank, ": received ", h.num_recv_tokens(),
+                    " rows, expected ", row);
         std::vector<float> out(static_cast<size_t>(T) * H);
         buffer.combine({recv.data(), h.num_recv_tokens(), H}, h, {out.data(), T, H});
         for (int t = 0; t < T; ++t) {
@@ -79,13 +79,13 @@ void run_check(const CheckOpts& o) {
             for (int r = 0; r < W; ++r) reached += h.send_pos[static_cast<size_t>(t) * W + r] >= 0;
             const float want = reached * x[static_cast<size_t>(t) * H + 1];
             const float got = out[static_cast<size_t>(t) * H + 1];
-            MOERL_CHECK(std::fabs(got - want) <= 1e-3f * std::fabs(want) + 1e-3f, "rank ", c.rank, ": combine of token ",
-                        t, " is ", got, ", expected ", want);
+            MOERL_CHECK(std::fabs(got - want) <= 1e-3f * std::fabs(want) + 1e-3f, "rank ", c.rank,
+                        ": combine of token ", t, " is ", got, ", expected ", want);
         }
     }
     buffer.destroy();
-    std::cout << "ep check: rank " << c.rank << "/" << W << " on " << buffer.transport_name() << ": " << o.rounds
-              << " rounds ok\n";
+    std::cout << "ep check: rank " << c.rank << "/" << W << " on " << buffer.transport_name() << ": "
+              << o.rounds << " rounds ok\n";
 }
 
 }  // namespace

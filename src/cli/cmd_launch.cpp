@@ -4,7 +4,8 @@
 namespace moerl::cli {
 
 void register_launch_command(CLI::App& app) {
-    auto* cmd = app.add_subcommand("launch", "Start N local ranks with torchrun's environment (like torchrun --standalone)");
+    auto* cmd = app.add_subcommand(
+        "launch", "Start N local ranks with torchrun's environment (like torchrun --standalone)");
     struct Opts {
         int num_ranks = 1;
         int master_port = 0;

@@ -18,7 +18,7 @@ namespace moerl::cli {
 namespace {
 
 class TcpStoreAdapter final : public ep::Store {
-public:
+  public:
     explicit TcpStoreAdapter(c10::intrusive_ptr<c10d::TCPStore> store) : store_(std::move(store)) {}
     void set(const std::string& key, const std::vector<uint8_t>& value) override { store_->set(key, value); }
     std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
@@ -32,7 +32,7 @@ public:
         return store_->get(key);
     }
 
-private:
+  private:
     c10::intrusive_ptr<c10d::TCPStore> store_;
 };
 
@@ -49,8 +49,8 @@ RankEnv rank_env_from_environment() {
     e.local_world_size = static_cast<int>(env::get_int("LOCAL_WORLD_SIZE", e.world_size));
     e.master_addr = env::get_string("MASTER_ADDR", "127.0.0.1");
     e.master_port = static_cast<int>(env::get_int("MASTER_PORT", 29500));
-    MOERL_CHECK(e.world_size >= 1 && e.rank >= 0 && e.rank < e.world_size, "RANK=", e.rank, " WORLD_SIZE=",
-                e.world_size, ": expected 0 <= RANK < WORLD_SIZE");
+    MOERL_CHECK(e.world_size >= 1 && e.rank >= 0 && e.rank < e.world_size, "RANK=", e.rank,
+                " WORLD_SIZE=", e.world_size, ": expected 0 <= RANK < WORLD_SIZE");
     return e;
 }
 
@@ -65,7 +65,8 @@ std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s) 
     try {
         return std::make_unique<TcpStoreAdapter>(c10::make_intrusive<c10d::TCPStore>(env.master_addr, o));
     } catch (const std::exception& e) {
-        MOERL_FAIL("cannot reach the rendezvous store at ", env.master_addr, ":", env.master_port, ": ", e.what());
+        MOERL_FAIL("cannot reach the rendezvous store at ", env.master_addr, ":", env.master_port, ": ",
+                   e.what());
     }
 }
 
@@ -123,7 +124,8 @@ int launch_local(int num_ranks, const std::vector<std::string>& argv, int master
             stop_all(g_forward_signal);
             stopping = true;
             result = 128 + g_forward_signal;
-            stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(long(grace_s * 1000));
+            stop_deadline =
+                std::chrono::steady_clock::now() + std::chrono::milliseconds(long(grace_s * 1000));
         }
         int status = 0;
         pid_t done = waitpid(-1, &status, WNOHANG);

@@ -16,7 +16,8 @@ std::unique_ptr<CheckpointStore> make_file_checkpoint_store(const std::string& d
 // redis_*.cpp: Redis 7 streams with consumer groups; keys namespaced "moerl:{run_id}:...".
 std::unique_ptr<TaskQueue> make_redis_task_queue(const std::string& url, const std::string& run_id,
                                                  Millis lease_timeout);
-std::unique_ptr<ExperienceBuffer> make_redis_experience_buffer(const std::string& url, const std::string& run_id);
+std::unique_ptr<ExperienceBuffer> make_redis_experience_buffer(const std::string& url,
+                                                               const std::string& run_id);
 std::unique_ptr<Registry> make_redis_registry(const std::string& url, const std::string& run_id);
 #endif
 #ifdef MOERL_HAVE_S3

@@ -4,7 +4,9 @@
 namespace moerl::control {
 
 namespace {
-bool is_redis(const std::string& a) { return a.rfind("redis://", 0) == 0 || a.rfind("rediss://", 0) == 0; }
+[[maybe_unused]] bool is_redis(const std::string& a) {
+    return a.rfind("redis://", 0) == 0 || a.rfind("rediss://", 0) == 0;
+}
 
 [[noreturn]] void unknown(const char* what, const std::string& address) {
     MOERL_FAIL("unknown ", what, " address '", address, "': expected 'embedded'",
@@ -26,7 +28,8 @@ std::unique_ptr<TaskQueue> make_task_queue(const std::string& address, const std
     unknown("task queue", address);
 }
 
-std::unique_ptr<ExperienceBuffer> make_experience_buffer(const std::string& address, const std::string& run_id) {
+std::unique_ptr<ExperienceBuffer> make_experience_buffer(const std::string& address,
+                                                         const std::string& run_id) {
     if (address.empty() || address == "embedded") return make_embedded_experience_buffer(run_id);
 #ifdef MOERL_HAVE_REDIS
     if (is_redis(address)) return make_redis_experience_buffer(address, run_id);

@@ -90,7 +90,9 @@ Layout Buffer::layout(View<const int64_t> topk_idx) const {
 }
 
 namespace {
-void check_alive(const std::unique_ptr<Engine>& e) { MOERL_CHECK(e != nullptr, "EP buffer used after destroy()"); }
+void check_alive(const std::unique_ptr<Engine>& e) {
+    MOERL_CHECK(e != nullptr, "EP buffer used after destroy()");
+}
 }  // namespace
 
 Handle Buffer::dispatch(View<const void> x, View<const int64_t> topk_idx, View<const float> topk_weights,
@@ -102,12 +104,14 @@ Handle Buffer::dispatch(View<const void> x, View<const int64_t> topk_idx, View<c
         MOERL_CHECK(topk_idx.data != nullptr || x.rows == 0,
                     "dispatch: topk_idx is required without a handle to reuse");
         check_rows(c, "dispatch: topk_idx", topk_idx.rows, topk_idx.cols, x.rows, c.top_k);
-        MOERL_CHECK(topk_idx.rows == x.rows, "dispatch: topk_idx has ", topk_idx.rows, " rows but x has ", x.rows);
+        MOERL_CHECK(topk_idx.rows == x.rows, "dispatch: topk_idx has ", topk_idx.rows, " rows but x has ",
+                    x.rows);
         if (!engine_->on_device()) check_topk(c, topk_idx);
     }
     if (topk_weights.data != nullptr)
-        MOERL_CHECK(topk_weights.rows == x.rows && topk_weights.cols == c.top_k, "dispatch: topk_weights is [",
-                    topk_weights.rows, ",", topk_weights.cols, "], expected [", x.rows, ",", c.top_k, "]");
+        MOERL_CHECK(topk_weights.rows == x.rows && topk_weights.cols == c.top_k,
+                    "dispatch: topk_weights is [", topk_weights.rows, ",", topk_weights.cols, "], expected [",
+                    x.rows, ",", c.top_k, "]");
     MOERL_CHECK(out.recv_x.data != nullptr, "dispatch: recv_x is required");
     MOERL_CHECK(out.recv_x.cols == c.hidden, "dispatch: recv_x has ", out.recv_x.cols, " columns, expected ",
                 c.hidden);
@@ -120,7 +124,8 @@ Handle Buffer::dispatch(View<const void> x, View<const int64_t> topk_idx, View<c
 void Buffer::combine(View<const void> y, const Handle& handle, View<void> out) {
     check_alive(engine_);
     MOERL_CHECK(y.cols == config_.hidden, "combine: y has ", y.cols, " columns, expected ", config_.hidden);
-    MOERL_CHECK(out.cols == config_.hidden, "combine: out has ", out.cols, " columns, expected ", config_.hidden);
+    MOERL_CHECK(out.cols == config_.hidden, "combine: out has ", out.cols, " columns, expected ",
+                config_.hidden);
     MOERL_CHECK(static_cast<int>(handle.num_send_per_rank.size()) == config_.world_size,
                 "combine: the handle is not from a dispatch of this buffer");
     engine_->combine(y, handle, out);
@@ -138,27 +143,28 @@ LowLatencyHandle Buffer::low_latency_dispatch(View<const void> x, View<const int
     if (!engine_->on_device()) check_topk(c, topk_idx);
     const int64_t need = static_cast<int64_t>(c.num_local_experts()) * c.low_latency_rows_per_expert();
     MOERL_CHECK(out.recv_x.data != nullptr && out.recv_x.rows >= need && out.recv_x.cols == c.hidden,
-                "low_latency_dispatch: recv_x is [", out.recv_x.rows, ",", out.recv_x.cols, "], expected [", need,
-                ",", c.hidden, "] (local experts x world_size*max_tokens_per_rank rows)");
+                "low_latency_dispatch: recv_x is [", out.recv_x.rows, ",", out.recv_x.cols, "], expected [",
+                need, ",", c.hidden, "] (local experts x world_size*max_tokens_per_rank rows)");
     if (c.fp8_dispatch)
         MOERL_CHECK(out.recv_x_scales.data != nullptr && out.recv_x_scales.rows >= need,
                     "low_latency_dispatch: fp8_dispatch needs recv_x_scales with ", need, " rows");
     return engine_->low_latency_dispatch(x, topk_idx, out);
 }
 
-void Buffer::low_latency_combine(View<const void> y, View<const int64_t> topk_idx, View<const float> topk_weights,
-                                 const LowLatencyHandle& handle, View<void> out) {
+void Buffer::low_latency_combine(View<const void> y, View<const int64_t> topk_idx,
+                                 View<const float> topk_weights, const LowLatencyHandle& handle,
+                                 View<void> out) {
     check_alive(engine_);
     const Config& c = config_;
     const int64_t need = static_cast<int64_t>(c.num_local_experts()) * c.low_latency_rows_per_expert();
     MOERL_CHECK(y.rows >= need && y.cols == c.hidden, "low_latency_combine: y is [", y.rows, ",", y.cols,
                 "], expected [", need, ",", c.hidden, "]");
-    MOERL_CHECK((topk_weights.data != nullptr || handle.num_tokens == 0) && topk_weights.rows == handle.num_tokens &&
-                    topk_weights.cols == c.top_k,
+    MOERL_CHECK((topk_weights.data != nullptr || handle.num_tokens == 0) &&
+                    topk_weights.rows == handle.num_tokens && topk_weights.cols == c.top_k,
                 "low_latency_combine: topk_weights is [", topk_weights.rows, ",", topk_weights.cols,
                 "], expected [", handle.num_tokens, ",", c.top_k, "]");
-    MOERL_CHECK(out.rows >= handle.num_tokens && out.cols == c.hidden, "low_latency_combine: out is [", out.rows,
-                ",", out.cols, "], expected [", handle.num_tokens, ",", c.hidden, "]");
+    MOERL_CHECK(out.rows >= handle.num_tokens && out.cols == c.hidden, "low_latency_combine: out is [",
+                out.rows, ",", out.cols, "], expected [", handle.num_tokens, ",", c.hidden, "]");
     engine_->low_latency_combine(y, topk_idx, topk_weights, handle, out);
 }
 

@@ -9,7 +9,8 @@ size_t align16(size_t n) { return (n + 15) & ~size_t{15}; }
 }  // namespace
 
 void Config::validate() const {
-    MOERL_CHECK(world_size >= 1 && world_size <= 1024, "Config.world_size = ", world_size, ", expected 1..1024");
+    MOERL_CHECK(world_size >= 1 && world_size <= 1024, "Config.world_size = ", world_size,
+                ", expected 1..1024");
     MOERL_CHECK(rank >= 0 && rank < world_size, "Config.rank = ", rank, ", expected 0..", world_size - 1);
     MOERL_CHECK(num_experts >= world_size, "Config.num_experts = ", num_experts, ", expected >= world_size (",
                 world_size, ")");
@@ -24,7 +25,8 @@ void Config::validate() const {
     MOERL_CHECK(dtype == DType::kFloat32 || dtype == DType::kBFloat16, "Config.dtype = ", dtype_name(dtype),
                 ", expected fp32 or bf16 (fp8 is a dispatch option: fp8_dispatch)");
     if (fp8_dispatch) {
-        MOERL_CHECK(dtype == DType::kBFloat16, "Config.fp8_dispatch needs dtype bf16, got ", dtype_name(dtype));
+        MOERL_CHECK(dtype == DType::kBFloat16, "Config.fp8_dispatch needs dtype bf16, got ",
+                    dtype_name(dtype));
         MOERL_CHECK(hidden % kFp8BlockCols == 0, "Config.hidden = ", hidden,
                     " must be a multiple of 128 with fp8_dispatch");
     }

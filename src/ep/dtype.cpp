@@ -8,9 +8,12 @@ namespace moerl::ep {
 
 std::string dtype_name(DType t) {
     switch (t) {
-        case DType::kFloat32: return "fp32";
-        case DType::kBFloat16: return "bf16";
-        case DType::kFloat8E4M3: return "fp8";
+        case DType::kFloat32:
+            return "fp32";
+        case DType::kBFloat16:
+            return "bf16";
+        case DType::kFloat8E4M3:
+            return "fp8";
     }
     return "?";
 }
@@ -40,7 +43,7 @@ uint8_t float_to_e4m3(float f) {
     if (std::isnan(f)) return 0x7f;
     const uint8_t sign = std::signbit(f) ? 0x80 : 0;
     float a = std::fabs(f);
-    if (a >= kFp8Max) return sign | 0x7e;  // saturate to 448
+    if (a >= kFp8Max) return sign | 0x7e;        // saturate to 448
     if (a < std::ldexp(1.0f, -10)) return sign;  // below half the smallest subnormal
     int e;
     std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)

@@ -12,7 +12,7 @@
 namespace moerl::ep {
 
 class Engine {
-public:
+  public:
     virtual ~Engine() = default;
     virtual std::string name() const = 0;
     virtual bool on_device() const = 0;

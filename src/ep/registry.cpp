@@ -12,8 +12,8 @@ void Transport::wait(int channel, int src, uint64_t target, Clock::time_point de
     while (signals(channel, src) < target) {
         if (++spins < 1024) continue;
         if (Clock::now() > deadline) {
-            throw TimeoutError(detail::concat("rank ", rank(), ": timed out in ", phase, " waiting for rank ", src,
-                                              " (", name(), ", channel ", channel, ", have ",
+            throw TimeoutError(detail::concat("rank ", rank(), ": timed out in ", phase, " waiting for rank ",
+                                              src, " (", name(), ", channel ", channel, ", have ",
                                               signals(channel, src), " of ", target, " signals)"),
                                __FILE__, __LINE__);
         }

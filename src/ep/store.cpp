@@ -14,7 +14,7 @@ namespace {
 namespace fs = std::filesystem;
 
 class FileStore final : public Store {
-public:
+  public:
     explicit FileStore(std::string dir) : dir_(std::move(dir)) { fs::create_directories(dir_); }
 
     void set(const std::string& key, const std::vector<uint8_t>& value) override {
@@ -38,7 +38,8 @@ public:
         while (true) {
             std::ifstream f(path, std::ios::binary);
             if (f.good()) {
-                return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+                return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)),
+                                            std::istreambuf_iterator<char>());
             }
             if (std::chrono::steady_clock::now() > deadline)
                 throw TimeoutError("file store: key '" + key + "' did not appear within " +
@@ -49,7 +50,7 @@ public:
         }
     }
 
-private:
+  private:
     fs::path path_of(const std::string& key) const {
         std::string safe = key;
         for (char& c : safe)
@@ -63,8 +64,9 @@ private:
 
 std::unique_ptr<Store> make_file_store(const std::string& dir) { return std::make_unique<FileStore>(dir); }
 
-std::vector<std::vector<uint8_t>> all_gather(Store& store, const std::string& prefix, int rank, int world_size,
-                                             const std::vector<uint8_t>& mine, std::chrono::milliseconds timeout) {
+std::vector<std::vector<uint8_t>> all_gather(Store& store, const std::string& prefix, int rank,
+                                             int world_size, const std::vector<uint8_t>& mine,
+                                             std::chrono::milliseconds timeout) {
     store.set(prefix + "/" + std::to_string(rank), mine);
     std::vector<std::vector<uint8_t>> out(world_size);
     for (int r = 0; r < world_size; ++r) {

@@ -16,7 +16,7 @@ namespace {
 
 // Counts wrong elements and keeps the first few descriptions; throws when any were wrong.
 class Mismatches {
-public:
+  public:
     explicit Mismatches(std::string what) : what_(std::move(what)) {}
     void expect(bool ok, const std::string& where) {
         if (ok) return;
@@ -24,7 +24,7 @@ public:
     }
     void done() const { MOERL_CHECK(count_ == 0, what_, ": ", count_, " wrong elements", first_); }
 
-private:
+  private:
     std::string what_;
     long count_ = 0;
     std::string first_;
@@ -118,7 +118,8 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
         for (int e = 0; e < c.num_experts; ++e) {
             int n = 0;
             for (int64_t v : in.topk_idx) n += v == e;
-            m.expect(layout.num_tokens_per_expert[e] == n, "num_tokens_per_expert[" + std::to_string(e) + "]");
+            m.expect(layout.num_tokens_per_expert[e] == n,
+                     "num_tokens_per_expert[" + std::to_string(e) + "]");
         }
         m.done();
     }
@@ -147,8 +148,8 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
 
     auto check_dispatch = [&](const char* what) {
         Mismatches m(std::string(what) + " (rank " + std::to_string(rank) + ")");
-        m.expect(h.num_recv_tokens() == R, "received " + std::to_string(h.num_recv_tokens()) + " rows, expected " +
-                                               std::to_string(R));
+        m.expect(h.num_recv_tokens() == R,
+                 "received " + std::to_string(h.num_recv_tokens()) + " rows, expected " + std::to_string(R));
         if (h.num_recv_tokens() != R) m.done();
         for (int s = 0; s < W; ++s) {
             int n = 0;
@@ -160,13 +161,14 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
             const int e = c.first_local_expert(rank) + l;
             for (int s = 0; s < W; ++s)
                 for (int64_t v : all[s].topk_idx) n += v == e;
-            m.expect(h.num_recv_tokens_per_expert[l] == n, "num_recv_tokens_per_expert[" + std::to_string(l) + "]");
+            m.expect(h.num_recv_tokens_per_expert[l] == n,
+                     "num_recv_tokens_per_expert[" + std::to_string(l) + "]");
         }
         for (int i = 0; i < R; ++i) {
             const RankInput& src = all[expected[i].src];
             const int t = expected[i].t;
-            const std::string where = "row " + std::to_string(i) + " (from rank " + std::to_string(expected[i].src) +
-                                      " token " + std::to_string(t) + ")";
+            const std::string where = "row " + std::to_string(i) + " (from rank " +
+                                      std::to_string(expected[i].src) + " token " + std::to_string(t) + ")";
             m.expect(h.recv_src_token[i] == t, where + ": recv_src_token");
             const uint8_t* row = recv_x.data() + static_cast<size_t>(i) * out_row;
             if (!c.fp8_dispatch) {
@@ -174,17 +176,19 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
                          where + ": data differs");
             } else {
                 for (int j = 0; j < H; ++j)
-                    m.expect(close(c, dequant(c, row, &recv_scales[static_cast<size_t>(i) * nb], j), x_at(c, src, t, j),
-                                   block_amax(c, src, t, j)),
+                    m.expect(close(c, dequant(c, row, &recv_scales[static_cast<size_t>(i) * nb], j),
+                                   x_at(c, src, t, j), block_amax(c, src, t, j)),
                              where + " col " + std::to_string(j));
             }
             for (int k = 0; k < K; ++k) {
                 const int64_t e = src.topk_idx[static_cast<size_t>(t) * K + k];
                 const bool mine = e >= 0 && c.expert_owner(static_cast<int>(e)) == rank;
                 const int64_t want = mine ? e - c.first_local_expert(rank) : -1;
-                m.expect(recv_idx[static_cast<size_t>(i) * K + k] == want, where + ": topk id k=" + std::to_string(k));
+                m.expect(recv_idx[static_cast<size_t>(i) * K + k] == want,
+                         where + ": topk id k=" + std::to_string(k));
                 const float want_w = mine ? src.topk_weights[static_cast<size_t>(t) * K + k] : 0.0f;
-                m.expect(recv_w[static_cast<size_t>(i) * K + k] == want_w, where + ": weight k=" + std::to_string(k));
+                m.expect(recv_w[static_cast<size_t>(i) * K + k] == want_w,
+                         where + ": weight k=" + std::to_string(k));
             }
         }
         m.done();
@@ -209,11 +213,13 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
                 }
                 for (int j = 0; j < H; ++j)
                     ep::store_from_float(y.data() + static_cast<size_t>(i) * out_row, j,
-                                         scale * ep::load_as_float(recv_x.data() + i * out_row, j, c.dtype), c.dtype);
+                                         scale * ep::load_as_float(recv_x.data() + i * out_row, j, c.dtype),
+                                         c.dtype);
             }
             std::vector<uint8_t> combined(static_cast<size_t>(std::max(T, 1)) * out_row, 0xEE);
             buffer.combine({y.data(), R, H}, h, {combined.data(), T, H});
-            Mismatches m(std::string(weighted ? "weighted " : "") + "combine (rank " + std::to_string(rank) + ")");
+            Mismatches m(std::string(weighted ? "weighted " : "") + "combine (rank " + std::to_string(rank) +
+                         ")");
             for (int t = 0; t < T; ++t) {
                 float factor = 0.0f;
                 for (int r = 0; r < W; ++r) {
@@ -229,7 +235,8 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
                     }
                 }
                 for (int j = 0; j < H; ++j) {
-                    const float got = ep::load_as_float(combined.data() + static_cast<size_t>(t) * out_row, j, c.dtype);
+                    const float got =
+                        ep::load_as_float(combined.data() + static_cast<size_t>(t) * out_row, j, c.dtype);
                     const float want = factor * x_at(c, in, t, j);
                     const float tol = weighted ? 3 * tolerance(c.dtype) : tolerance(c.dtype);
                     m.expect(std::fabs(got - want) <= tol * (std::fabs(want) + 1e-2f),
@@ -263,17 +270,18 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
                         m.expect(lh.recv_src_token[row_idx] == t, where + ": source token");
                         const uint8_t* row = ll_x.data() + row_idx * out_row;
                         if (!c.fp8_dispatch)
-                            m.expect(std::memcmp(row, all[s].x.data() + static_cast<size_t>(t) * out_row, out_row) == 0,
+                            m.expect(std::memcmp(row, all[s].x.data() + static_cast<size_t>(t) * out_row,
+                                                 out_row) == 0,
                                      where + ": data differs");
                         else
                             for (int j = 0; j < H; ++j)
-                                m.expect(close(c, dequant(c, row, &ll_scales[row_idx * nb], j), x_at(c, all[s], t, j),
-                                               block_amax(c, all[s], t, j)),
+                                m.expect(close(c, dequant(c, row, &ll_scales[row_idx * nb], j),
+                                               x_at(c, all[s], t, j), block_amax(c, all[s], t, j)),
                                          where + " col " + std::to_string(j));
                         ++i;
                     }
-            m.expect(ll_count[l] == i, "recv_count[" + std::to_string(l) + "] = " + std::to_string(ll_count[l]) +
-                                           ", expected " + std::to_string(i));
+            m.expect(ll_count[l] == i, "recv_count[" + std::to_string(l) + "] = " +
+                                           std::to_string(ll_count[l]) + ", expected " + std::to_string(i));
         }
         m.done();
     }
@@ -285,9 +293,11 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
         for (int t = 0; t < T; ++t) {
             float wsum = 0;
             for (int k = 0; k < K; ++k)
-                if (in.topk_idx[static_cast<size_t>(t) * K + k] >= 0) wsum += in.topk_weights[static_cast<size_t>(t) * K + k];
+                if (in.topk_idx[static_cast<size_t>(t) * K + k] >= 0)
+                    wsum += in.topk_weights[static_cast<size_t>(t) * K + k];
             for (int j = 0; j < H; ++j) {
-                const float got = ep::load_as_float(combined.data() + static_cast<size_t>(t) * out_row, j, c.dtype);
+                const float got =
+                    ep::load_as_float(combined.data() + static_cast<size_t>(t) * out_row, j, c.dtype);
                 const float want = wsum * x_at(c, in, t, j);
                 m.expect(std::fabs(got - want) <= 3 * tolerance(c.dtype) * (std::fabs(want) + 1e-2f),
                          "token " + std::to_string(t) + " col " + std::to_string(j));
@@ -309,7 +319,8 @@ TEST_P(Conformance, MatchesReference) {
     auto results = run_ranks(tc.world, [&](int rank) { conformance(tc, rank, seed, dir); });
     for (int r = 0; r < tc.world; ++r) {
         if (results[r].message.find("no provider") != std::string::npos) GTEST_SKIP() << results[r].message;
-        EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << " (seed " << seed << "): " << results[r].message;
+        EXPECT_EQ(results[r].exit_code, 0)
+            << "rank " << r << " (seed " << seed << "): " << results[r].message;
     }
     std::filesystem::remove_all(dir);
 }

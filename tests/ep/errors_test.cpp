@@ -80,26 +80,44 @@ TEST(BadInput, RejectedBeforeAnyCommunication) {
                         "', got '", msg, "'");
         };
         idx[3] = 300;  // token 1, k = 1
-        expect_error([&] { buffer.dispatch({x.data(), 4, 16}, {idx.data(), 4, 2}, {}, out); },
-                     "topk_idx[1,1] = 300, but num_experts = 8");
+        expect_error(
+            [&] {
+                buffer.dispatch({x.data(), 4, 16}, {idx.data(), 4, 2}, {}, out);
+            },
+            "topk_idx[1,1] = 300, but num_experts = 8");
         idx[3] = -2;
         expect_error([&] { buffer.layout({idx.data(), 4, 2}); }, "topk_idx[1,1] = -2");
         idx[3] = 0;
-        expect_error([&] { buffer.dispatch({x.data(), 12, 16}, {idx.data(), 12, 2}, {}, out); },
-                     "has 12 rows, but at most 8");
-        expect_error([&] { buffer.dispatch({x.data(), 4, 15}, {idx.data(), 4, 2}, {}, out); },
-                     "x has 15 columns, expected 16");
-        expect_error([&] { buffer.dispatch({x.data(), 4, 16}, {idx.data(), 4, 3}, {}, out); },
-                     "topk_idx has 3 columns, expected 2");
-        expect_error([&] { buffer.dispatch({x.data(), 4, 16}, {idx.data(), 3, 2}, {}, out); }, "topk_idx has 3 rows");
+        expect_error(
+            [&] {
+                buffer.dispatch({x.data(), 12, 16}, {idx.data(), 12, 2}, {}, out);
+            },
+            "has 12 rows, but at most 8");
+        expect_error(
+            [&] {
+                buffer.dispatch({x.data(), 4, 15}, {idx.data(), 4, 2}, {}, out);
+            },
+            "x has 15 columns, expected 16");
+        expect_error(
+            [&] {
+                buffer.dispatch({x.data(), 4, 16}, {idx.data(), 4, 3}, {}, out);
+            },
+            "topk_idx has 3 columns, expected 2");
+        expect_error(
+            [&] {
+                buffer.dispatch({x.data(), 4, 16}, {idx.data(), 3, 2}, {}, out);
+            },
+            "topk_idx has 3 rows");
         // Still usable: every token to expert 5 (rank 1).
         std::fill(idx.begin(), idx.end(), 5);
         ep::Handle h = buffer.dispatch({x.data(), 4, 16}, {idx.data(), 4, 2}, {}, out);
-        MOERL_CHECK(h.num_recv_tokens() == (rank == 1 ? 8 : 0), "rank ", rank, " received ", h.num_recv_tokens());
+        MOERL_CHECK(h.num_recv_tokens() == (rank == 1 ? 8 : 0), "rank ", rank, " received ",
+                    h.num_recv_tokens());
         MOERL_CHECK(rank == 0 || h.num_recv_tokens_per_expert[1] == 16, "expert 5 count ",
                     h.num_recv_tokens_per_expert[1]);
     });
-    for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
+    for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
 }
 
 // One rank passes an out-of-range id: it gets the error; its peer times out naming it.

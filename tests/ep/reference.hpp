@@ -12,9 +12,9 @@ namespace moerl::test {
 
 struct RankInput {
     int num_tokens = 0;
-    std::vector<uint8_t> x;          // [T, H] in config.dtype
-    std::vector<int64_t> topk_idx;   // [T, K]
-    std::vector<float> topk_weights; // [T, K]
+    std::vector<uint8_t> x;           // [T, H] in config.dtype
+    std::vector<int64_t> topk_idx;    // [T, K]
+    std::vector<float> topk_weights;  // [T, K]
 };
 
 // Makes rank r's input: token count in [0, max] (rank zero_rank gets none), columns 0..2 hold

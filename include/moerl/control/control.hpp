@@ -32,7 +32,7 @@ struct Lease {
 // Tasks leased by workers. A lease not acknowledged or released within the lease timeout (and
 // not kept alive by heartbeat) is handed to another worker, attempt + 1.
 class TaskQueue {
-public:
+  public:
     virtual ~TaskQueue() = default;
     virtual void put(const Task& task) = 0;
     // Next task for `worker`, waiting up to `wait`; expired leases of other workers come first.
@@ -51,7 +51,7 @@ struct Experience {
     std::string task_id;  // exactly-once key
     int attempt = 0;
     int64_t policy_version = 0;  // oldest policy version among its tokens
-    std::string payload;  // serialized experience record (rl layer)
+    std::string payload;         // serialized experience record (rl layer)
 };
 
 struct Delivery {
@@ -61,7 +61,7 @@ struct Delivery {
 
 // Experience from rollout to the trainer, exactly once per task id.
 class ExperienceBuffer {
-public:
+  public:
     virtual ~ExperienceBuffer() = default;
     // Returns false (and stores nothing) when an experience with this task id was already pushed.
     virtual bool push(const Experience& experience) = 0;
@@ -75,7 +75,7 @@ public:
 
 // Policy versions published by the trainer; versions only increase.
 class Registry {
-public:
+  public:
     virtual ~Registry() = default;
     // Throws moerl::Error when version <= the latest published one.
     virtual void publish(int64_t version, const std::string& checkpoint_uri) = 0;
@@ -85,7 +85,7 @@ public:
 
 // Files under a root: a local directory (file://) or an S3 prefix (s3://bucket/prefix).
 class CheckpointStore {
-public:
+  public:
     virtual ~CheckpointStore() = default;
     virtual std::string uri() const = 0;
     virtual void put_file(const std::string& key, const std::string& local_path) = 0;
@@ -116,7 +116,8 @@ std::string sha256_file(const std::string& path);
 // a plain path, or "s3://bucket/prefix".
 std::unique_ptr<TaskQueue> make_task_queue(const std::string& address, const std::string& run_id,
                                            Millis lease_timeout);
-std::unique_ptr<ExperienceBuffer> make_experience_buffer(const std::string& address, const std::string& run_id);
+std::unique_ptr<ExperienceBuffer> make_experience_buffer(const std::string& address,
+                                                         const std::string& run_id);
 std::unique_ptr<Registry> make_registry(const std::string& address, const std::string& run_id);
 std::unique_ptr<CheckpointStore> make_checkpoint_store(const std::string& uri);
 

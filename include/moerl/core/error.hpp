@@ -9,7 +9,7 @@
 namespace moerl {
 
 class Error : public std::runtime_error {
-public:
+  public:
     Error(const std::string& what, const char* file, int line)
         : std::runtime_error(what + " [" + file + ":" + std::to_string(line) + "]"),
           message_(what),
@@ -20,7 +20,7 @@ public:
     const char* file() const { return file_; }
     int line() const { return line_; }
 
-private:
+  private:
     std::string message_;
     const char* file_;
     int line_;
@@ -28,7 +28,7 @@ private:
 
 // A timeout while waiting on a peer; a separate type so callers can tell it apart.
 class TimeoutError : public Error {
-public:
+  public:
     using Error::Error;
 };
 
@@ -44,8 +44,8 @@ std::string concat(Args&&... args) {
 }  // namespace moerl
 
 // MOERL_CHECK(cond, "what was wrong ", value, " expected ", other): throws moerl::Error.
-#define MOERL_CHECK(cond, ...)                                                                \
-    do {                                                                                      \
+#define MOERL_CHECK(cond, ...)                                                                       \
+    do {                                                                                             \
         if (!(cond)) throw ::moerl::Error(::moerl::detail::concat(__VA_ARGS__), __FILE__, __LINE__); \
     } while (0)
 

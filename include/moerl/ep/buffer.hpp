@@ -32,43 +32,43 @@ struct Layout {
 // Where each dispatched row came from, so combine can send it back. Reusable for a second
 // dispatch with the same routing (the count exchange is skipped).
 struct Handle {
-    int num_tokens = 0;                            // T on this rank when the handle was made
-    std::vector<int> num_recv_per_src;             // [W] rows received from each source rank
-    std::vector<int> recv_src_offset;              // [W+1] first received row of each source
-    std::vector<int> num_send_per_rank;            // [W] rows this rank sent to each rank
-    std::vector<int> send_pos;                     // [T, W] row of token t in the list sent to r, or -1
-    std::vector<int> recv_src_token;               // [R] token index at the source of each row
-    std::vector<int> num_recv_tokens_per_expert;   // [local experts]
-    std::shared_ptr<void> device_state;            // engine-owned copy on the device, if any
+    int num_tokens = 0;                           // T on this rank when the handle was made
+    std::vector<int> num_recv_per_src;            // [W] rows received from each source rank
+    std::vector<int> recv_src_offset;             // [W+1] first received row of each source
+    std::vector<int> num_send_per_rank;           // [W] rows this rank sent to each rank
+    std::vector<int> send_pos;                    // [T, W] row of token t in the list sent to r, or -1
+    std::vector<int> recv_src_token;              // [R] token index at the source of each row
+    std::vector<int> num_recv_tokens_per_expert;  // [local experts]
+    std::shared_ptr<void> device_state;           // engine-owned copy on the device, if any
     int num_recv_tokens() const { return recv_src_offset.empty() ? 0 : recv_src_offset.back(); }
 };
 
 struct DispatchOutput {
-    View<void> recv_x;                  // [>= max_recv_tokens, H], dtype (fp8_dispatch: e4m3 bytes)
-    View<float> recv_x_scales;          // [>= max_recv_tokens, H/128], fp8_dispatch only
-    View<int64_t> recv_topk_idx;        // [>= max_recv_tokens, K] local expert ids or -1; optional
-    View<float> recv_topk_weights;      // [>= max_recv_tokens, K]; optional
+    View<void> recv_x;              // [>= max_recv_tokens, H], dtype (fp8_dispatch: e4m3 bytes)
+    View<float> recv_x_scales;      // [>= max_recv_tokens, H/128], fp8_dispatch only
+    View<int64_t> recv_topk_idx;    // [>= max_recv_tokens, K] local expert ids or -1; optional
+    View<float> recv_topk_weights;  // [>= max_recv_tokens, K]; optional
 };
 
 struct LowLatencyHandle {
     int num_tokens = 0;
-    std::vector<int> recv_count;        // [L] rows per local expert
-    std::vector<int> recv_range;        // [L, W, 2] (first row, count) per local expert and source
-    std::vector<int> recv_src_token;    // [L, W*maxT] source token of each row, -1 past the count
-    std::vector<int64_t> topk_idx;      // [T, K] the routing this rank dispatched (for combine)
+    std::vector<int> recv_count;      // [L] rows per local expert
+    std::vector<int> recv_range;      // [L, W, 2] (first row, count) per local expert and source
+    std::vector<int> recv_src_token;  // [L, W*maxT] source token of each row, -1 past the count
+    std::vector<int64_t> topk_idx;    // [T, K] the routing this rank dispatched (for combine)
     std::shared_ptr<void> device_state;
 };
 
 struct LowLatencyOutput {
-    View<void> recv_x;                  // [L * W*maxT, H] expert-major (row l*W*maxT + i)
-    View<float> recv_x_scales;          // [L * W*maxT, H/128], fp8_dispatch only
-    int* recv_count = nullptr;          // [L] optional copy of the per-expert counts
+    View<void> recv_x;          // [L * W*maxT, H] expert-major (row l*W*maxT + i)
+    View<float> recv_x_scales;  // [L * W*maxT, H/128], fp8_dispatch only
+    int* recv_count = nullptr;  // [L] optional copy of the per-expert counts
 };
 
 class Engine;
 
 class Buffer {
-public:
+  public:
     // Collective: every rank of config.world_size constructs its Buffer with the same config
     // (but its own rank). store is needed when world_size > 1.
     Buffer(const Config& config, Store* store);
@@ -100,7 +100,7 @@ public:
     // Collective teardown; the destructor calls it if needed.
     void destroy();
 
-private:
+  private:
     Config config_;
     std::unique_ptr<Engine> engine_;
 };

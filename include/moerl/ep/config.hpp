@@ -9,20 +9,20 @@
 namespace moerl::ep {
 
 struct Config {
-    int world_size = 1;            // ranks in the EP group, 1..1024
-    int rank = 0;                  // this rank, 0..world_size-1
-    int num_experts = 0;           // E, >= world_size; experts are split contiguously, ceil(E/W) per rank
-    int hidden = 0;                // H, columns of x; a multiple of 128 when fp8_dispatch is set
-    int top_k = 0;                 // K, 1..32
-    int max_tokens_per_rank = 0;   // T upper bound per call, >= 1; sizes every receive region
+    int world_size = 1;              // ranks in the EP group, 1..1024
+    int rank = 0;                    // this rank, 0..world_size-1
+    int num_experts = 0;             // E, >= world_size; experts are split contiguously, ceil(E/W) per rank
+    int hidden = 0;                  // H, columns of x; a multiple of 128 when fp8_dispatch is set
+    int top_k = 0;                   // K, 1..32
+    int max_tokens_per_rank = 0;     // T upper bound per call, >= 1; sizes every receive region
     DType dtype = DType::kBFloat16;  // element type of x and y: fp32 or bf16
-    bool fp8_dispatch = false;     // dispatch sends e4m3 with one fp32 scale per 128 columns (x is bf16)
-    bool low_latency = true;       // reserve the low-latency regions (max_tokens x top_k rows per peer)
-    double timeout_s = 60.0;       // longest wait on any peer before failing, > 0
-    int num_sms = 24;              // SMs used by GPU kernels (cuda transport), 1..132
+    bool fp8_dispatch = false;       // dispatch sends e4m3 with one fp32 scale per 128 columns (x is bf16)
+    bool low_latency = true;         // reserve the low-latency regions (max_tokens x top_k rows per peer)
+    double timeout_s = 60.0;         // longest wait on any peer before failing, > 0
+    int num_sms = 24;                // SMs used by GPU kernels (cuda transport), 1..132
     std::string transport = "host";  // host | fabric | cuda | nccl
     std::string fabric_provider = "tcp";  // libfabric provider for the fabric transport
-    std::string job_id = "moerl";    // namespaces shared resources (shm names, store keys)
+    std::string job_id = "moerl";         // namespaces shared resources (shm names, store keys)
 
     // Throws moerl::Error naming the first field that is out of range.
     void validate() const;
@@ -37,8 +37,9 @@ struct Config {
     int low_latency_rows_per_expert() const { return world_size * max_tokens_per_rank; }
 
     size_t element_bytes() const { return dtype_size(dtype); }
-    size_t dispatch_row_bytes() const;  // bytes of one dispatched row (data, scales, ids, weights, source idx)
-    size_t combine_row_bytes() const;   // bytes of one combined row
+    size_t dispatch_row_bytes()
+        const;                         // bytes of one dispatched row (data, scales, ids, weights, source idx)
+    size_t combine_row_bytes() const;  // bytes of one combined row
     // Symmetric memory each rank registers for normal mode and for low-latency mode.
     size_t normal_bytes_hint() const;
     size_t low_latency_bytes_hint() const;

@@ -10,7 +10,7 @@
 namespace moerl::ep {
 
 class Store {
-public:
+  public:
     virtual ~Store() = default;
     // Publishes a value under key (overwrites).
     virtual void set(const std::string& key, const std::vector<uint8_t>& value) = 0;
@@ -22,7 +22,8 @@ public:
 std::unique_ptr<Store> make_file_store(const std::string& dir);
 
 // Collective helper: every rank publishes `mine` under prefix/rank and reads all ranks' values.
-std::vector<std::vector<uint8_t>> all_gather(Store& store, const std::string& prefix, int rank, int world_size,
-                                             const std::vector<uint8_t>& mine, std::chrono::milliseconds timeout);
+std::vector<std::vector<uint8_t>> all_gather(Store& store, const std::string& prefix, int rank,
+                                             int world_size, const std::vector<uint8_t>& mine,
+                                             std::chrono::milliseconds timeout);
 
 }  // namespace moerl::ep

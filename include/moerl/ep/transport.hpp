@@ -25,7 +25,7 @@ constexpr int kNumChannels = 16;  // signal channels per source rank
 using Clock = std::chrono::steady_clock;
 
 class Transport {
-public:
+  public:
     virtual ~Transport() = default;
 
     // Name as given to the registry ("host", "fabric/tcp", ...).

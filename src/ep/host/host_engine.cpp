@@ -18,7 +18,13 @@ namespace moerl::ep {
 
 namespace {
 
-enum Channel : int { kCount = 0, kDispatch = 1, kCombine = 2, kLowLatencyDispatch = 3, kLowLatencyCombine = 4 };
+enum Channel : int {
+    kCount = 0,
+    kDispatch = 1,
+    kCombine = 2,
+    kLowLatencyDispatch = 3,
+    kLowLatencyCombine = 4
+};
 constexpr int kReadyBase = 8;  // ready(c) is channel kReadyBase + c
 constexpr int kUsedChannels = 5;
 
@@ -56,8 +62,9 @@ struct RegionLayout {
         slot_bytes[kCount] = align16((1 + c.num_local_experts()) * sizeof(int32_t));
         slot_bytes[kDispatch] = c.max_tokens_per_rank * c.dispatch_row_bytes();
         slot_bytes[kCombine] = c.max_tokens_per_rank * c.combine_row_bytes();
-        slot_bytes[kLowLatencyDispatch] =
-            c.low_latency ? align16(c.num_local_experts() * sizeof(int32_t)) + ll_rows * c.dispatch_row_bytes() : 0;
+        slot_bytes[kLowLatencyDispatch] = c.low_latency ? align16(c.num_local_experts() * sizeof(int32_t)) +
+                                                              ll_rows * c.dispatch_row_bytes()
+                                                        : 0;
         slot_bytes[kLowLatencyCombine] = ll_rows * c.combine_row_bytes();
         for (int ch = 0; ch < kUsedChannels; ++ch) {
             recv_base[ch] = total;
@@ -81,7 +88,7 @@ struct RowLayout {
 };
 
 class HostEngine final : public Engine {
-public:
+  public:
     HostEngine(const Config& config, Store* store) : c_(config), region_(config), row_(config) {
         TransportOptions o;
         o.rank = c_.rank;
@@ -116,8 +123,8 @@ public:
         const auto* idx = topk_idx.data;
         Handle h;
         if (reuse != nullptr) {
-            MOERL_CHECK(reuse->num_tokens == T, "dispatch: the reused handle was made for ", reuse->num_tokens,
-                        " tokens, but x has ", T, " rows");
+            MOERL_CHECK(reuse->num_tokens == T, "dispatch: the reused handle was made for ",
+                        reuse->num_tokens, " tokens, but x has ", T, " rows");
             h = *reuse;
         } else {
             h.num_tokens = T;
@@ -137,69 +144,77 @@ public:
             h.num_recv_per_src.assign(W, 0);
             h.num_recv_tokens_per_expert.assign(L, 0);
             // Count exchange: [tokens for you, tokens per your local expert].
-            exchange(kCount, "dispatch/notify", [&](int p, std::byte* slot) {
-                auto* v = reinterpret_cast<int32_t*>(slot);
-                v[0] = h.num_send_per_rank[p];
-                for (int l = 0; l < L; ++l) v[1 + l] = per_expert[static_cast<size_t>(p) * L + l];
-                return region_.slot_bytes[kCount];
-            },
-            [&](int src, const std::byte* slot) {
-                auto* v = reinterpret_cast<const int32_t*>(slot);
-                h.num_recv_per_src[src] = v[0];
-                for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += v[1 + l];
-            });
+            exchange(
+                kCount, "dispatch/notify",
+                [&](int p, std::byte* slot) {
+                    auto* v = reinterpret_cast<int32_t*>(slot);
+                    v[0] = h.num_send_per_rank[p];
+                    for (int l = 0; l < L; ++l) v[1 + l] = per_expert[static_cast<size_t>(p) * L + l];
+                    return region_.slot_bytes[kCount];
+                },
+                [&](int src, const std::byte* slot) {
+                    auto* v = reinterpret_cast<const int32_t*>(slot);
+                    h.num_recv_per_src[src] = v[0];
+                    for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += v[1 + l];
+                });
             h.recv_src_offset.assign(W + 1, 0);
-            for (int r = 0; r < W; ++r) h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
+            for (int r = 0; r < W; ++r)
+                h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
             h.recv_src_token.assign(h.num_recv_tokens(), -1);
         }
         const int R = h.num_recv_tokens();
         MOERL_CHECK(out.recv_x.rows >= R, "dispatch: recv_x has ", out.recv_x.rows, " rows, but ", R,
                     " arrive");
         const size_t row_bytes = c_.dispatch_row_bytes();
-        exchange(kDispatch, "dispatch/data", [&](int p, std::byte* slot) {
-            for (int t = 0; t < T; ++t) {
-                int pos = h.send_pos[static_cast<size_t>(t) * W + p];
-                if (pos < 0) continue;
-                pack_row(slot + pos * row_bytes, x.data, t, idx, topk_weights.data);
-            }
-            return static_cast<size_t>(h.num_send_per_rank[p]) * row_bytes;
-        },
-        [&](int src, const std::byte* slot) {
-            for (int i = 0; i < h.num_recv_per_src[src]; ++i) {
-                int row = h.recv_src_offset[src] + i;
-                unpack_row(slot + i * row_bytes, row, out, &h.recv_src_token[row]);
-            }
-        });
+        exchange(
+            kDispatch, "dispatch/data",
+            [&](int p, std::byte* slot) {
+                for (int t = 0; t < T; ++t) {
+                    int pos = h.send_pos[static_cast<size_t>(t) * W + p];
+                    if (pos < 0) continue;
+                    pack_row(slot + pos * row_bytes, x.data, t, idx, topk_weights.data);
+                }
+                return static_cast<size_t>(h.num_send_per_rank[p]) * row_bytes;
+            },
+            [&](int src, const std::byte* slot) {
+                for (int i = 0; i < h.num_recv_per_src[src]; ++i) {
+                    int row = h.recv_src_offset[src] + i;
+                    unpack_row(slot + i * row_bytes, row, out, &h.recv_src_token[row]);
+                }
+            });
         return h;
     }
 
     void combine(View<const void> y, const Handle& h, View<void> out) override {
         const int W = c_.world_size, H = c_.hidden;
         const int T = h.num_tokens;
-        MOERL_CHECK(y.rows >= h.num_recv_tokens(), "combine: y has ", y.rows, " rows, but the handle received ",
-                    h.num_recv_tokens());
+        MOERL_CHECK(y.rows >= h.num_recv_tokens(), "combine: y has ", y.rows,
+                    " rows, but the handle received ", h.num_recv_tokens());
         MOERL_CHECK(out.rows >= T, "combine: out has ", out.rows, " rows, but the handle dispatched ", T,
                     " tokens");
         const size_t row_bytes = c_.combine_row_bytes();
         const size_t elem_row = H * c_.element_bytes();
         std::vector<float> acc(static_cast<size_t>(T) * H, 0.0f);
-        exchange(kCombine, "combine/data", [&](int p, std::byte* slot) {
-            const auto* src = static_cast<const std::byte*>(y.data) + h.recv_src_offset[p] * elem_row;
-            for (int i = 0; i < h.num_recv_per_src[p]; ++i)
-                std::memcpy(slot + i * row_bytes, src + i * elem_row, elem_row);
-            return static_cast<size_t>(h.num_recv_per_src[p]) * row_bytes;
-        },
-        [&](int src, const std::byte* slot) {
-            for (int t = 0; t < T; ++t) {
-                int pos = h.send_pos[static_cast<size_t>(t) * W + src];
-                if (pos < 0) continue;
-                accumulate_row(acc.data() + static_cast<size_t>(t) * H, slot + pos * row_bytes, H, c_.dtype, 1.0f);
-            }
-        });
+        exchange(
+            kCombine, "combine/data",
+            [&](int p, std::byte* slot) {
+                const auto* src = static_cast<const std::byte*>(y.data) + h.recv_src_offset[p] * elem_row;
+                for (int i = 0; i < h.num_recv_per_src[p]; ++i)
+                    std::memcpy(slot + i * row_bytes, src + i * elem_row, elem_row);
+                return static_cast<size_t>(h.num_recv_per_src[p]) * row_bytes;
+            },
+            [&](int src, const std::byte* slot) {
+                for (int t = 0; t < T; ++t) {
+                    int pos = h.send_pos[static_cast<size_t>(t) * W + src];
+                    if (pos < 0) continue;
+                    accumulate_row(acc.data() + static_cast<size_t>(t) * H, slot + pos * row_bytes, H,
+                                   c_.dtype, 1.0f);
+                }
+            });
         // Sources are accumulated in rank order, so the sum is the same on every transport.
         for (int t = 0; t < T; ++t)
-            store_row(static_cast<std::byte*>(out.data) + t * elem_row, acc.data() + static_cast<size_t>(t) * H, H,
-                      c_.dtype);
+            store_row(static_cast<std::byte*>(out.data) + t * elem_row,
+                      acc.data() + static_cast<size_t>(t) * H, H, c_.dtype);
     }
 
     LowLatencyHandle low_latency_dispatch(View<const void> x, View<const int64_t> topk_idx,
@@ -218,85 +233,93 @@ public:
         DispatchOutput rows_out;
         rows_out.recv_x = out.recv_x;
         rows_out.recv_x_scales = out.recv_x_scales;
-        exchange(kLowLatencyDispatch, "low_latency_dispatch/data", [&](int p, std::byte* slot) {
-            auto* counts = reinterpret_cast<int32_t*>(slot);
-            std::byte* rows = slot + header;
-            int n = 0;
-            for (int l = 0; l < L; ++l) {
-                const int64_t e = c_.first_local_expert(p) + l;
-                counts[l] = 0;
-                for (int t = 0; t < T; ++t)
-                    for (int k = 0; k < K; ++k)
-                        if (h.topk_idx[static_cast<size_t>(t) * K + k] == e) {
-                            pack_row(rows + n++ * row_bytes, x.data, t, nullptr, nullptr);
-                            counts[l]++;
-                        }
-            }
-            return header + n * row_bytes;
-        },
-        [&](int src, const std::byte* slot) {
-            const auto* counts = reinterpret_cast<const int32_t*>(slot);
-            const std::byte* rows = slot + header;
-            for (int l = 0; l < L; ++l) {
-                int* range = &h.recv_range[(static_cast<size_t>(l) * W + src) * 2];
-                range[0] = h.recv_count[l];
-                range[1] = counts[l];
-                for (int i = 0; i < counts[l]; ++i) {
-                    int row = l * rows_per_expert + h.recv_count[l]++;
-                    unpack_row(rows, row, rows_out, &h.recv_src_token[row]);
-                    rows += row_bytes;
+        exchange(
+            kLowLatencyDispatch, "low_latency_dispatch/data",
+            [&](int p, std::byte* slot) {
+                auto* counts = reinterpret_cast<int32_t*>(slot);
+                std::byte* rows = slot + header;
+                int n = 0;
+                for (int l = 0; l < L; ++l) {
+                    const int64_t e = c_.first_local_expert(p) + l;
+                    counts[l] = 0;
+                    for (int t = 0; t < T; ++t)
+                        for (int k = 0; k < K; ++k)
+                            if (h.topk_idx[static_cast<size_t>(t) * K + k] == e) {
+                                pack_row(rows + n++ * row_bytes, x.data, t, nullptr, nullptr);
+                                counts[l]++;
+                            }
                 }
-            }
-        });
+                return header + n * row_bytes;
+            },
+            [&](int src, const std::byte* slot) {
+                const auto* counts = reinterpret_cast<const int32_t*>(slot);
+                const std::byte* rows = slot + header;
+                for (int l = 0; l < L; ++l) {
+                    int* range = &h.recv_range[(static_cast<size_t>(l) * W + src) * 2];
+                    range[0] = h.recv_count[l];
+                    range[1] = counts[l];
+                    for (int i = 0; i < counts[l]; ++i) {
+                        int row = l * rows_per_expert + h.recv_count[l]++;
+                        unpack_row(rows, row, rows_out, &h.recv_src_token[row]);
+                        rows += row_bytes;
+                    }
+                }
+            });
         if (out.recv_count != nullptr) std::copy(h.recv_count.begin(), h.recv_count.end(), out.recv_count);
         return h;
     }
 
-    void low_latency_combine(View<const void> y, View<const int64_t> /*topk_idx*/, View<const float> topk_weights,
-                             const LowLatencyHandle& h, View<void> out) override {
+    void low_latency_combine(View<const void> y, View<const int64_t> /*topk_idx*/,
+                             View<const float> topk_weights, const LowLatencyHandle& h,
+                             View<void> out) override {
         const int W = c_.world_size, L = c_.num_local_experts(), K = c_.top_k, H = c_.hidden;
         const int T = h.num_tokens;
         const int rows_per_expert = c_.low_latency_rows_per_expert();
         const size_t row_bytes = c_.combine_row_bytes();
         const size_t elem_row = H * c_.element_bytes();
         std::vector<float> acc(static_cast<size_t>(T) * H, 0.0f);
-        exchange(kLowLatencyCombine, "low_latency_combine/data", [&](int p, std::byte* slot) {
-            int n = 0;
-            for (int l = 0; l < L; ++l) {
-                const int* range = &h.recv_range[(static_cast<size_t>(l) * W + p) * 2];
-                const auto* src = static_cast<const std::byte*>(y.data) +
-                                  (static_cast<size_t>(l) * rows_per_expert + range[0]) * elem_row;
-                for (int i = 0; i < range[1]; ++i) std::memcpy(slot + n++ * row_bytes, src + i * elem_row, elem_row);
-            }
-            return n * row_bytes;
-        },
-        [&](int src, const std::byte* slot) {
-            // Rows come back in the order this rank sent them: expert, then token, then k.
-            int n = 0;
-            for (int l = 0; l < L; ++l) {
-                const int64_t e = c_.first_local_expert(src) + l;
-                for (int t = 0; t < T; ++t)
-                    for (int k = 0; k < K; ++k) {
-                        if (h.topk_idx[static_cast<size_t>(t) * K + k] != e) continue;
-                        const std::byte* row = slot + n++ * row_bytes;
-                        const float w = topk_weights.data ? topk_weights.data[static_cast<size_t>(t) * K + k] : 1.0f;
-                        accumulate_row(acc.data() + static_cast<size_t>(t) * H, row, H, c_.dtype, w);
-                    }
-            }
-        });
+        exchange(
+            kLowLatencyCombine, "low_latency_combine/data",
+            [&](int p, std::byte* slot) {
+                int n = 0;
+                for (int l = 0; l < L; ++l) {
+                    const int* range = &h.recv_range[(static_cast<size_t>(l) * W + p) * 2];
+                    const auto* src = static_cast<const std::byte*>(y.data) +
+                                      (static_cast<size_t>(l) * rows_per_expert + range[0]) * elem_row;
+                    for (int i = 0; i < range[1]; ++i)
+                        std::memcpy(slot + n++ * row_bytes, src + i * elem_row, elem_row);
+                }
+                return n * row_bytes;
+            },
+            [&](int src, const std::byte* slot) {
+                // Rows come back in the order this rank sent them: expert, then token, then k.
+                int n = 0;
+                for (int l = 0; l < L; ++l) {
+                    const int64_t e = c_.first_local_expert(src) + l;
+                    for (int t = 0; t < T; ++t)
+                        for (int k = 0; k < K; ++k) {
+                            if (h.topk_idx[static_cast<size_t>(t) * K + k] != e) continue;
+                            const std::byte* row = slot + n++ * row_bytes;
+                            const float w =
+                                topk_weights.data ? topk_weights.data[static_cast<size_t>(t) * K + k] : 1.0f;
+                            accumulate_row(acc.data() + static_cast<size_t>(t) * H, row, H, c_.dtype, w);
+                        }
+                }
+            });
         for (int t = 0; t < T; ++t)
-            store_row(static_cast<std::byte*>(out.data) + t * elem_row, acc.data() + static_cast<size_t>(t) * H, H,
-                      c_.dtype);
+            store_row(static_cast<std::byte*>(out.data) + t * elem_row,
+                      acc.data() + static_cast<size_t>(t) * H, H, c_.dtype);
     }
 
-private:
+  private:
     // One collective step on a channel: pack(p, slot) -> bytes for every peer, then unpack(src, slot)
     // for every source in rank order.
     template <typename Pack, typename Unpack>
     void exchange(int ch, const char* phase, Pack&& pack, Unpack&& unpack) {
         const int W = c_.world_size, me = c_.rank;
         const uint64_t epoch = ++epoch_[ch];
-        const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<long>(c_.timeout_s * 1000));
+        const auto deadline =
+            Clock::now() + std::chrono::milliseconds(static_cast<long>(c_.timeout_s * 1000));
         std::byte* local = t_->region();
         const size_t slot = region_.slot_bytes[ch];
         for (int i = 1; i <= W; ++i) {
@@ -360,8 +383,8 @@ private:
 
     void unpack_row(const std::byte* row, int dst_row, const DispatchOutput& out, int* src_token) const {
         const int K = c_.top_k, L = c_.num_local_experts();
-        std::memcpy(static_cast<std::byte*>(out.recv_x.data) + static_cast<size_t>(dst_row) * row_.data_bytes, row,
-                    row_.data_bytes);
+        std::memcpy(static_cast<std::byte*>(out.recv_x.data) + static_cast<size_t>(dst_row) * row_.data_bytes,
+                    row, row_.data_bytes);
         if (c_.fp8_dispatch && out.recv_x_scales.data) {
             const int nb = c_.hidden / kFp8BlockCols;
             std::memcpy(out.recv_x_scales.data + static_cast<size_t>(dst_row) * nb, row + row_.scales_off,
@@ -373,7 +396,8 @@ private:
         for (int k = 0; k < K; ++k) {
             const int local = ids[k] - first;
             const bool mine = ids[k] >= 0 && local >= 0 && local < L;
-            if (out.recv_topk_idx.data) out.recv_topk_idx.data[static_cast<size_t>(dst_row) * K + k] = mine ? local : -1;
+            if (out.recv_topk_idx.data)
+                out.recv_topk_idx.data[static_cast<size_t>(dst_row) * K + k] = mine ? local : -1;
             if (out.recv_topk_weights.data)
                 out.recv_topk_weights.data[static_cast<size_t>(dst_row) * K + k] = mine ? w[k] : 0.0f;
         }

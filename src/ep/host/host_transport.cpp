@@ -32,7 +32,7 @@ std::string segment_name(int rank) {
 }
 
 class Mapping {
-public:
+  public:
     Mapping() = default;
     Mapping(void* base, size_t bytes) : base_(base), bytes_(bytes) {}
     Mapping(Mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), bytes_(o.bytes_) {}
@@ -49,7 +49,7 @@ public:
     }
     std::byte* get() const { return static_cast<std::byte*>(base_); }
 
-private:
+  private:
     void* base_ = nullptr;
     size_t bytes_ = 0;
 };
@@ -74,13 +74,13 @@ Mapping map_segment(const std::string& name, size_t bytes, bool create) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int err = errno;
     close(fd);
-    MOERL_CHECK(p != MAP_FAILED, "host transport: mmap of ", name, " (", bytes, " bytes) failed: ",
-                std::strerror(err));
+    MOERL_CHECK(p != MAP_FAILED, "host transport: mmap of ", name, " (", bytes,
+                " bytes) failed: ", std::strerror(err));
     return Mapping(p, bytes);
 }
 
 class HostTransport final : public Transport {
-public:
+  public:
     explicit HostTransport(const TransportOptions& o)
         : rank_(o.rank), world_size_(o.world_size), region_bytes_(o.region_bytes), store_(o.store) {
         MOERL_CHECK(world_size_ == 1 || store_ != nullptr, "host transport: a bootstrap store is needed for ",
@@ -145,7 +145,7 @@ public:
         maps_.clear();
     }
 
-private:
+  private:
     std::byte* region_of(int r) { return maps_[r].get() + counters_bytes(world_size_); }
     uint64_t& counter(int owner, int channel, int src) {
         return reinterpret_cast<uint64_t*>(maps_[owner].get())[channel * world_size_ + src];
