@@ -6,12 +6,18 @@
 // stream 0). Normal dispatch without a reused handle synchronises once after the count exchange, since
 // the caller must learn R. By default every call also synchronises at its end, fills the host vectors
 // of the handle and reports device errors at once; MOERL_EP_CUDA_ASYNC=1 drops those end-of-call
-// synchronisations (host vectors other than the counts then stay empty, errors surface at the next
-// call). While the stream is being captured nothing synchronises, so these pairs can be captured in a
-// CUDA graph (host vectors empty, device state used):
+// synchronisations and every device-to-host copy not needed to learn the counts (host vectors other
+// than the counts then stay empty, send_pos too; errors surface at the next call).
+//
+// Rows a rank sends to itself skip its slot: normal dispatch writes them straight into the outputs and
+// normal combine reads them straight from y, so the one-rank case is a single permute pass. While the stream
+// is being captured nothing synchronises, so these pairs can be captured in a CUDA graph (host vectors empty,
+// device state used):
 //   - low_latency_dispatch + low_latency_combine (fixed shapes, counts travel with the data);
 //   - dispatch(..., &reused_handle) + combine: the static layout of an earlier eager dispatch.
 // A LowLatencyHandle is valid until the next low_latency_dispatch (its state lives in fixed buffers).
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "builtin.hpp"
@@ -74,6 +80,16 @@ class CudaEngine final : public Engine {
         host_summaries_ = PinnedMemory(2 * summary * sizeof(int));
         host_error_ = PinnedMemory(sizeof(DeviceError));
         ll_ = std::make_unique<LowLatencyState>(c_);
+        stage_ = PinnedMemory(staging_bytes());
+        // Handle state comes from an engine-owned pool that keeps its memory across synchronisations
+        // (the default pool returns it at each one, so every dispatch would map fresh memory).
+        cudaMemPoolProps props{};
+        props.allocType = cudaMemAllocationTypePinned;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = device_;
+        MOERL_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props));
+        uint64_t keep = UINT64_MAX;
+        MOERL_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
         tables_ = DeviceMemory((1 + 4) * W * sizeof(uint8_t*));
 
         // Exchange IPC handles; a rank publishes its handle only after its region was zeroed.
@@ -151,6 +167,9 @@ class CudaEngine final : public Engine {
             all_gather(*store_, c_.job_id + "/cuda/destroy2", c_.rank, W, {1}, timeout_ms());
         }
         ll_.reset();
+        // Handles still alive free their blocks later; the pool goes once they have.
+        if (pool_ != nullptr) cudaMemPoolDestroy(pool_);
+        pool_ = nullptr;
         region_ = DeviceMemory();
         ctrl_ = DeviceMemory();
         MOERL_CUDA_CHECK(sync);
@@ -173,7 +192,7 @@ class CudaEngine final : public Engine {
             MOERL_CHECK(!capturing(stream),
                         "dispatch without a handle to reuse synchronises with the host and "
                         "cannot be captured in a CUDA graph; capture low_latency_dispatch or reuse a handle");
-            auto state = std::make_shared<NormalState>(this, stream, T, W, c_.max_recv_tokens());
+            auto state = std::make_shared<NormalState>(this, stream, T, W, c_.max_recv_tokens(), pool_);
             const size_t summary = static_cast<size_t>(W) * (1 + L);
             int* send_summary = summaries_.get<int>();
             int* recv_summary = send_summary + summary;
@@ -190,14 +209,15 @@ class CudaEngine final : public Engine {
             a.sig = sig_;
             launch_layout(a, stream);
             MOERL_CUDA_CHECK(cudaGetLastError());
-            h.send_pos.resize(static_cast<size_t>(T) * W);
-            if (T > 0)
-                MOERL_CUDA_CHECK(cudaMemcpyAsync(h.send_pos.data(), state->send_pos,
-                                                 h.send_pos.size() * sizeof(int), cudaMemcpyDeviceToHost,
-                                                 stream));
+            const size_t num_pos = static_cast<size_t>(T) * W;
+            const bool copy_pos = !async_ && num_pos > 0;  // MOERL_EP_CUDA_ASYNC: device copy only
+            if (copy_pos)
+                MOERL_CUDA_CHECK(cudaMemcpyAsync(stage_.get(), state->send_pos, num_pos * sizeof(int),
+                                                 cudaMemcpyDeviceToHost, stream));
             MOERL_CUDA_CHECK(cudaMemcpyAsync(host_summaries_.get(), send_summary, 2 * summary * sizeof(int),
                                              cudaMemcpyDeviceToHost, stream));
             const DeviceError err = sync_error(stream);
+            if (copy_pos) h.send_pos.assign(stage_.get<int>(), stage_.get<int>() + num_pos);
             throw_if_error(err, c_, "cuda");
             if (has_bad_input(err)) {
                 bad_input = bad_input_message(err, c_);
@@ -220,6 +240,10 @@ class CudaEngine final : public Engine {
         }
         NormalState& st = normal_state(h, this, "dispatch");
         const int R = h.num_recv_tokens();
+        const int max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
+        // This rank's rows go straight into the outputs (fp8 rows are quantized there: 16-byte aligned).
+        const bool self_direct =
+            out.recv_x.data != nullptr && (reinterpret_cast<uintptr_t>(out.recv_x.data) & 15) == 0;
 
         DispatchSendArgs s{};
         s.rt = rt_;
@@ -231,6 +255,16 @@ class CudaEngine final : public Engine {
         s.num_tokens = T;
         s.dst = dst_dispatch_;
         s.sig = sig_;
+        s.rank = c_.rank;
+        s.recv_src_offset = st.recv_src_offset;
+        if (self_direct) {
+            s.self_recv_x = out.recv_x.data;
+            s.self_recv_x_scales = out.recv_x_scales.data;
+            s.self_recv_topk_idx = out.recv_topk_idx.data;
+            s.self_recv_topk_weights = out.recv_topk_weights.data;
+            s.self_recv_src_token = st.recv_src_token;
+            s.self_max_rows = max_rows;
+        }
         launch_dispatch_send(s, blocks_, stream);
         DispatchRecvArgs r{};
         r.rt = rt_;
@@ -244,17 +278,21 @@ class CudaEngine final : public Engine {
         r.recv_topk_idx = out.recv_topk_idx.data;
         r.recv_topk_weights = out.recv_topk_weights.data;
         r.recv_src_token = st.recv_src_token;
-        r.max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
+        r.max_rows = max_rows;
         r.send_blocks = blocks_;
         r.sig = sig_;
+        r.skip_self = self_direct;
         launch_dispatch_recv(r, blocks_, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         if (reuse == nullptr) h.recv_src_token.assign(R, -1);
         if (!async_ && !capturing(stream)) {
-            if (reuse == nullptr && R > 0)
-                MOERL_CUDA_CHECK(cudaMemcpyAsync(h.recv_src_token.data(), st.recv_src_token, R * sizeof(int),
+            const bool copy_tokens = reuse == nullptr && R > 0;
+            if (copy_tokens)
+                MOERL_CUDA_CHECK(cudaMemcpyAsync(stage_.get(), st.recv_src_token, R * sizeof(int),
                                                  cudaMemcpyDeviceToHost, stream));
-            throw_if_error(sync_error(stream), c_, "cuda");
+            const DeviceError err = sync_error(stream);
+            if (copy_tokens) std::memcpy(h.recv_src_token.data(), stage_.get(), R * sizeof(int));
+            throw_if_error(err, c_, "cuda");
         } else {
             if (reuse == nullptr) h.recv_src_token.clear();  // device copy only (MOERL_EP_CUDA_ASYNC)
             if (!capturing(stream)) mirror_error(stream);
@@ -279,6 +317,11 @@ class CudaEngine final : public Engine {
         s.dst = dst_combine_;
         s.row_stride = c_.combine_row_bytes();
         s.sig = sig_;
+        // This rank's rows stay in y; the receive kernel reads them there.
+        const bool self_direct =
+            y.data != nullptr && (reinterpret_cast<uintptr_t>(y.data) & (c_.element_bytes() - 1)) == 0;
+        s.skip_self = self_direct;
+        s.rank = c_.rank;
         launch_combine_send(s, blocks_, stream);
         CombineRecvArgs r{};
         r.rt = rt_;
@@ -290,6 +333,11 @@ class CudaEngine final : public Engine {
         r.out = out.data;
         r.send_blocks = blocks_;
         r.sig = sig_;
+        if (self_direct) {
+            r.self_y = y.data;
+            r.recv_src_offset = st.recv_src_offset;
+            r.rank = c_.rank;
+        }
         launch_combine_recv(r, blocks_, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         finish(stream);
@@ -346,8 +394,9 @@ class CudaEngine final : public Engine {
         MOERL_CUDA_CHECK(cudaGetLastError());
         h.device_state = std::shared_ptr<void>(ll_.get(), [](void*) {});
         if (!async_ && !capturing(stream)) {
-            copy_low_latency_handle(c_, *ll_, topk_idx.data, T, h, stream);
+            stage_low_latency_handle(topk_idx.data, T, stream);
             const DeviceError err = sync_error(stream);
+            fill_low_latency_handle(T, h);
             throw_if_error(err, c_, "cuda");
             if (has_bad_input(err)) {
                 clear_bad_input(stream);
@@ -395,6 +444,55 @@ class CudaEngine final : public Engine {
     }
 
   private:
+    // Pinned staging of the handles' host vectors, LL layout: recv_count [L], recv_range [L, W, 2],
+    // recv_src_token [L, rows_per_expert], topk_idx [T, K] int64 (each 16-byte aligned). Normal mode
+    // uses it for send_pos [T, W] and recv_src_token [R], one at a time.
+    size_t ll_stage_offset(int i) const {
+        const size_t W = c_.world_size, L = c_.num_local_experts();
+        const size_t sizes[4] = {L * sizeof(int), L * W * 2 * sizeof(int),
+                                 L * c_.low_latency_rows_per_expert() * sizeof(int),
+                                 static_cast<size_t>(c_.max_tokens_per_rank) * c_.top_k * sizeof(int64_t)};
+        size_t off = 0;
+        for (int j = 0; j < i; ++j) off += align16(sizes[j]);
+        return off;
+    }
+    size_t staging_bytes() const {
+        const size_t normal = std::max(static_cast<size_t>(c_.max_tokens_per_rank) * c_.world_size,
+                                       static_cast<size_t>(c_.max_recv_tokens())) *
+                              sizeof(int);
+        return std::max(normal, ll_stage_offset(4));
+    }
+
+    // Queues the device-to-host copies of a low-latency handle; fill_low_latency_handle after a sync.
+    void stage_low_latency_handle(const int64_t* topk_idx, int num_tokens, cudaStream_t stream) {
+        const size_t W = c_.world_size, L = c_.num_local_experts();
+        auto* base = stage_.get<uint8_t>();
+        MOERL_CUDA_CHECK(cudaMemcpyAsync(base + ll_stage_offset(0), ll_->recv_count, L * sizeof(int),
+                                         cudaMemcpyDeviceToHost, stream));
+        MOERL_CUDA_CHECK(cudaMemcpyAsync(base + ll_stage_offset(1), ll_->recv_range, L * W * 2 * sizeof(int),
+                                         cudaMemcpyDeviceToHost, stream));
+        MOERL_CUDA_CHECK(cudaMemcpyAsync(base + ll_stage_offset(2), ll_->recv_src_token,
+                                         L * c_.low_latency_rows_per_expert() * sizeof(int),
+                                         cudaMemcpyDeviceToHost, stream));
+        if (num_tokens > 0)
+            MOERL_CUDA_CHECK(cudaMemcpyAsync(base + ll_stage_offset(3), topk_idx,
+                                             static_cast<size_t>(num_tokens) * c_.top_k * sizeof(int64_t),
+                                             cudaMemcpyDeviceToHost, stream));
+    }
+
+    void fill_low_latency_handle(int num_tokens, LowLatencyHandle& h) const {
+        const size_t W = c_.world_size, L = c_.num_local_experts();
+        const auto* base = stage_.get<uint8_t>();
+        const auto* count = reinterpret_cast<const int*>(base + ll_stage_offset(0));
+        const auto* range = reinterpret_cast<const int*>(base + ll_stage_offset(1));
+        const auto* token = reinterpret_cast<const int*>(base + ll_stage_offset(2));
+        const auto* ids = reinterpret_cast<const int64_t*>(base + ll_stage_offset(3));
+        h.recv_count.assign(count, count + L);
+        h.recv_range.assign(range, range + L * W * 2);
+        h.recv_src_token.assign(token, token + L * c_.low_latency_rows_per_expert());
+        h.topk_idx.assign(ids, ids + static_cast<size_t>(num_tokens) * c_.top_k);
+    }
+
     std::chrono::milliseconds timeout_ms() const {
         return std::chrono::milliseconds(static_cast<long>(c_.timeout_s * 1000));
     }
@@ -459,6 +557,8 @@ class CudaEngine final : public Engine {
     DeviceMemory tables_;     // peers [W], then dst pointers of the 4 data channels [W] each
     PinnedMemory host_summaries_;
     PinnedMemory host_error_;
+    PinnedMemory stage_;            // device-to-host copies of handle vectors (staging_bytes())
+    cudaMemPool_t pool_ = nullptr;  // NormalState blocks; keeps its memory across synchronisations
     std::unique_ptr<LowLatencyState> ll_;
     std::vector<uint8_t*> peers_;
     uint8_t* const* dst_dispatch_ = nullptr;

@@ -28,12 +28,16 @@ int select_device(const Config& c, const char* engine) {
     return device;
 }
 
-NormalState::NormalState(const void* o, cudaStream_t s, int num_tokens, int world, int max_recv)
+NormalState::NormalState(const void* o, cudaStream_t s, int num_tokens, int world, int max_recv,
+                         cudaMemPool_t pool)
     : owner(o), stream(s) {
     const size_t pos_bytes = align256(static_cast<size_t>(std::max(num_tokens, 1)) * world * sizeof(int));
     const size_t off_bytes = align256((world + 1) * sizeof(int));
     const size_t tok_bytes = align256(static_cast<size_t>(std::max(max_recv, 1)) * sizeof(int));
-    MOERL_CUDA_CHECK(cudaMallocAsync(&block_, pos_bytes + off_bytes + tok_bytes, stream));
+    if (pool != nullptr)
+        MOERL_CUDA_CHECK(cudaMallocFromPoolAsync(&block_, pos_bytes + off_bytes + tok_bytes, pool, stream));
+    else
+        MOERL_CUDA_CHECK(cudaMallocAsync(&block_, pos_bytes + off_bytes + tok_bytes, stream));
     auto* base = static_cast<uint8_t*>(block_);
     send_pos = reinterpret_cast<int*>(base);
     recv_src_offset = reinterpret_cast<int*>(base + pos_bytes);

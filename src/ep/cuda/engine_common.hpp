@@ -107,7 +107,9 @@ struct NormalState {
     int* send_pos = nullptr;         // [T, W]
     int* recv_src_offset = nullptr;  // [W+1]
     int* recv_src_token = nullptr;   // [W * max_tokens_per_rank]
-    NormalState(const void* owner, cudaStream_t stream, int num_tokens, int world, int max_recv);
+    // pool: where the block comes from (null: the device's default pool).
+    NormalState(const void* owner, cudaStream_t stream, int num_tokens, int world, int max_recv,
+                cudaMemPool_t pool = nullptr);
     ~NormalState();
     NormalState(const NormalState&) = delete;
     NormalState& operator=(const NormalState&) = delete;

@@ -134,8 +134,11 @@ __device__ __forceinline__ void report_bad_id(DeviceError* err, int t, int k, lo
     }
 }
 
-// Copies `bytes` with the widest access the alignment allows; the warp's lanes stride the row. Plain
-// (coherent) loads: the source may be a slot a peer wrote during this kernel.
+constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane in the row copies
+
+// Copies `bytes` with the widest access the alignment allows; the warp's lanes stride the row, each
+// with kCopyUnroll loads in flight. Plain (coherent) loads: the source may be a slot a peer wrote
+// during this kernel. No shuffles, so lanes of a warp may call it divergently.
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes, int lane) {
     const uintptr_t align =
         reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
@@ -143,15 +146,19 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
         auto* d = static_cast<int4*>(dst);
         const auto* s = static_cast<const int4*>(src);
         const int n = bytes / 16;
-        int i = lane;
-        for (; i + 96 < n; i += 128) {  // four loads in flight per lane
-            const int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-            d[i] = a;
-            d[i + 32] = b;
-            d[i + 64] = c;
-            d[i + 96] = e;
+        for (int i0 = 0; i0 < n; i0 += 32 * kCopyUnroll) {
+            int4 v[kCopyUnroll];
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) {
+                const int i = i0 + u * 32 + lane;
+                v[u] = i < n ? s[i] : make_int4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) {
+                const int i = i0 + u * 32 + lane;
+                if (i < n) d[i] = v[u];
+            }
         }
-        for (; i < n; i += 32) d[i] = s[i];
     } else if ((align & 3) == 0) {
         auto* d = static_cast<int*>(dst);
         const auto* s = static_cast<const int*>(src);
@@ -163,8 +170,48 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
     }
 }
 
+// Copies `bytes` from src to the `dst` of every lane that passes one (lanes with dst == nullptr add
+// none), reading src once. Warp-uniform call (shuffles).
+__device__ __forceinline__ void warp_copy_fanout(uint8_t* dst, const void* src, int bytes, int lane) {
+    const unsigned dests = __ballot_sync(kFullMask, dst != nullptr);
+    if (dests == 0) return;
+    const bool misaligned = dst != nullptr && (reinterpret_cast<uintptr_t>(dst) & 15) != 0;
+    const bool vec = __ballot_sync(kFullMask, misaligned) == 0 &&
+                     ((reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) == 0;
+    if (!vec || __popc(dests) == 1) {
+        for (unsigned m = dests; m != 0; m &= m - 1) {
+            const int j = __ffs(m) - 1;
+            auto* d = reinterpret_cast<uint8_t*>(
+                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(dst), j));
+            warp_copy(d, src, bytes, lane);
+        }
+        return;
+    }
+    const auto* s = static_cast<const int4*>(src);
+    const int n = bytes / 16;
+    for (int i0 = 0; i0 < n; i0 += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int i = i0 + u * 32 + lane;
+            v[u] = i < n ? s[i] : make_int4(0, 0, 0, 0);
+        }
+        for (unsigned m = dests; m != 0; m &= m - 1) {
+            const int j = __ffs(m) - 1;
+            auto* d =
+                reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(dst), j));
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) {
+                const int i = i0 + u * 32 + lane;
+                if (i < n) d[i] = v[u];
+            }
+        }
+    }
+}
+
 // Quantizes one bf16 row of H columns (H % 128 == 0) to e4m3 with one scale per 128 columns
-// (amax / 448, 1 for an all-zero block). A half-warp covers one block: 16 lanes x 8 columns.
+// (amax / 448, 1 for an all-zero block); scales may be null. A half-warp covers one block: 16 lanes x 8
+// columns.
 __device__ __forceinline__ void warp_quantize_row(uint8_t* q, float* scales, const __nv_bfloat16* src, int H,
                                                   int lane) {
     for (int c0 = 0; c0 < H; c0 += 2 * kFp8Cols) {
@@ -192,7 +239,7 @@ __device__ __forceinline__ void warp_quantize_row(uint8_t* q, float* scales, con
             for (int j = 0; j < 8; ++j)
                 out[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3));
             *reinterpret_cast<uint2*>(q + col) = *reinterpret_cast<const uint2*>(out);
-            if ((lane & 15) == 0) scales[col / kFp8Cols] = scale;
+            if (scales != nullptr && (lane & 15) == 0) scales[col / kFp8Cols] = scale;
         }
     }
 }
@@ -262,7 +309,112 @@ __device__ __forceinline__ int warp_find_source(const int* offsets, int world, i
     return found;
 }
 
+// In-place exclusive scan of v[0..n) in shared memory by the whole block (blockDim.x a multiple of 32);
+// v[n] receives the total, so v holds n + 1 entries. Every thread calls it; it ends with __syncthreads.
+__device__ __forceinline__ void block_exclusive_scan(int* v, int n) {
+    __shared__ int warp_prefix[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+    const int per = (n + blockDim.x - 1) / blockDim.x;
+    const int lo = min(n, tid * per), hi = min(n, lo + per);
+    int sum = 0;
+    for (int i = lo; i < hi; ++i) sum += v[i];
+    int incl = sum;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(kFullMask, incl, off);
+        if (lane >= off) incl += y;
+    }
+    if (lane == 31) warp_prefix[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < warps ? warp_prefix[lane] : 0;
+        int winc = w;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int y = __shfl_up_sync(kFullMask, winc, off);
+            if (lane >= off) winc += y;
+        }
+        warp_prefix[lane] = winc - w;
+    }
+    __syncthreads();
+    int run = warp_prefix[warp] + incl - sum;
+    for (int i = lo; i < hi; ++i) {
+        const int c = v[i];
+        v[i] = run;
+        run += c;
+    }
+    if (tid == blockDim.x - 1) v[n] = run;
+    __syncthreads();
+}
+
+// The segment q of an exclusive scan v[0..n] (v[0] = 0 <= g < v[n]) that holds g: v[q] <= g < v[q+1].
+__device__ __forceinline__ int scan_segment(const int* v, int n, int g) {
+    int lo = 0, hi = n;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (v[mid] <= g)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 __device__ __forceinline__ int global_warp() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
 __device__ __forceinline__ int num_warps() { return (gridDim.x * blockDim.x) >> 5; }
+
+// Sums, per 16-byte column group of one token, the rows of its sources in rank order (fp32
+// accumulation) with kUnroll groups per lane in flight. Warp-uniform: row_of(r) shuffles.
+template <int kDType, int kUnroll, typename RowOf>
+__device__ __forceinline__ void warp_sum_rows_vec(uint8_t* out, int num_rows, const RowOf& row_of, int n,
+                                                  int first_group, int group_step, int lane) {
+    using V = Vec16<kDType>;
+    for (int c0 = first_group * 32 * kUnroll; c0 < n; c0 += group_step * 32 * kUnroll) {
+        float acc[kUnroll][V::kElems];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < V::kElems; ++j) acc[u][j] = 0.0f;
+        for (int r = 0; r < num_rows; ++r) {
+            float w;
+            const auto* row = reinterpret_cast<const int4*>(row_of(r, w));
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int c = c0 + u * 32 + lane;
+                v[u] = c < n ? row[c] : make_int4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) V::add(acc[u], v[u], w);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int c = c0 + u * 32 + lane;
+            if (c < n) reinterpret_cast<int4*>(out)[c] = V::pack(acc[u]);
+        }
+    }
+}
+
+// The scalar form of warp_sum_rows_vec (rows or strides not 16-byte aligned): one element per lane.
+template <int kDType, typename RowOf>
+__device__ __forceinline__ void warp_sum_rows_scalar(uint8_t* out, int num_rows, const RowOf& row_of, int H,
+                                                     int first_group, int group_step, int lane) {
+    for (int c0 = first_group * 32; c0 < H; c0 += group_step * 32) {
+        const int c = c0 + lane;
+        float acc = 0.0f;
+        for (int r = 0; r < num_rows; ++r) {
+            float w;
+            const uint8_t* row = row_of(r, w);
+            if (c < H) acc += w * load_elem(row, c, kDType);
+        }
+        if (c < H) store_elem(out, c, acc, kDType);
+    }
+}
+
+// Warps per token when there are fewer tokens than warps: each takes a share of the column groups.
+__device__ __forceinline__ int warps_per_token(int num_tokens, int num_groups) {
+    const int per = num_tokens > 0 ? num_warps() / num_tokens : 1;
+    return max(1, min(per, num_groups));
+}
 
 }  // namespace moerl::ep::cuda

@@ -98,6 +98,16 @@ struct DispatchSendArgs {
     int num_tokens;
     uint8_t* const* dst;  // [W] device array: where this rank's rows for rank r start
     Signals sig;
+    // Self rows (when self_recv_x is set): row p for this rank goes straight to output row
+    // recv_src_offset[rank] + p, no slot and no second copy; DispatchRecvArgs.skip_self must be set.
+    int rank;
+    const int* recv_src_offset;  // [W+1]
+    void* self_recv_x;
+    float* self_recv_x_scales;
+    int64_t* self_recv_topk_idx;
+    float* self_recv_topk_weights;
+    int* self_recv_src_token;
+    int self_max_rows;
 };
 void launch_dispatch_send(const DispatchSendArgs& a, int blocks, cudaStream_t stream);
 
@@ -116,6 +126,7 @@ struct DispatchRecvArgs {
     int max_rows;                // rows of the outputs; rows past it are consumed but not stored
     int send_blocks;             // data signals per source per call
     Signals sig;
+    bool skip_self;  // the send kernel wrote this rank's own rows into the outputs already
 };
 void launch_dispatch_recv(const DispatchRecvArgs& a, int blocks, cudaStream_t stream);
 
@@ -126,6 +137,8 @@ struct CombineSendArgs {
     uint8_t* const* dst;         // [W] where the rows for source s start
     size_t row_stride;           // bytes between rows at dst
     Signals sig;
+    bool skip_self;  // rows of this rank stay in y; CombineRecvArgs.self_y reads them there
+    int rank;
 };
 void launch_combine_send(const CombineSendArgs& a, int blocks, cudaStream_t stream);
 
@@ -139,6 +152,9 @@ struct CombineRecvArgs {
     void* out;  // [T, H]
     int send_blocks;
     Signals sig;
+    const void* self_y;          // y [R, H] when this rank's rows are read there (not from the slot), or null
+    const int* recv_src_offset;  // [W+1], with self_y
+    int rank;                    // with self_y
 };
 void launch_combine_recv(const CombineRecvArgs& a, int blocks, cudaStream_t stream);
 

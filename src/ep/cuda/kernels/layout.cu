@@ -22,15 +22,22 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(LayoutArgs a)
         const int t = chunk + tid;
         unsigned long long mask = 0;  // ranks token t goes to
         if (t < T) {
-            for (int k = 0; k < K; ++k) {
-                const long long e = a.topk_idx[static_cast<size_t>(t) * K + k];
-                if (e < -1 || e >= rt.num_experts) {
-                    if (a.sig.error != nullptr) report_bad_id(a.sig.error, t, k, e);
-                    continue;
+            for (int k0 = 0; k0 < K; k0 += 8) {
+                long long ids[8];  // eight loads in flight
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    ids[j] = k0 + j < K ? a.topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const long long e = ids[j];
+                    if (e < -1 || e >= rt.num_experts) {
+                        if (a.sig.error != nullptr) report_bad_id(a.sig.error, t, k0 + j, e);
+                        continue;
+                    }
+                    if (e < 0) continue;
+                    atomicAdd(&expert_count[e], 1);
+                    mask |= 1ull << (e / L);
                 }
-                if (e < 0) continue;
-                atomicAdd(&expert_count[e], 1);
-                mask |= 1ull << (e / L);
             }
         }
         for (int r = 0; r < W; ++r) {
