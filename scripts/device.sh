@@ -51,6 +51,7 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test moerl)
 grep -q "model_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_test)
+grep -q "model_hf_dump" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_hf_dump)
 if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 

@@ -90,9 +90,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     c.timeout_s = 120;
     if (o.num_sms > 0) c.num_sms = o.num_sms;
     c.job_id = "bench";
-    auto slash = transport.find('/');
-    c.transport = transport.substr(0, slash);
-    if (slash != std::string::npos) c.fabric_provider = transport.substr(slash + 1);
+    c.set_transport(transport);
     ep::Buffer buffer(c, &store);
     const auto device = buffer.on_device() ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
     const auto dt = c.dtype == ep::DType::kFloat32 ? torch::kFloat32 : torch::kBFloat16;

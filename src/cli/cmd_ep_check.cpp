@@ -33,9 +33,7 @@ void run_check(const CheckOpts& o) {
     c.dtype = ep::DType::kFloat32;
     c.timeout_s = o.timeout_s;
     c.job_id = "check";
-    auto slash = o.transport.find('/');
-    c.transport = o.transport.substr(0, slash);
-    if (slash != std::string::npos) c.fabric_provider = o.transport.substr(slash + 1);
+    c.set_transport(o.transport);
     ep::Buffer buffer(c, store.get());
     MOERL_CHECK(!buffer.on_device(), "ep check runs host-memory transports only (got ", o.transport, ")");
     const int W = c.world_size, H = c.hidden, K = c.top_k, T = c.max_tokens_per_rank;

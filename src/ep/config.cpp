@@ -36,6 +36,14 @@ void Config::validate() const {
     MOERL_CHECK(!job_id.empty(), "Config.job_id is empty");
 }
 
+void Config::set_transport(const std::string& spec) {
+    const auto slash = spec.find('/');
+    transport = spec.substr(0, slash);
+    if (slash != std::string::npos) fabric_provider = spec.substr(slash + 1);
+    MOERL_CHECK(!transport.empty() && (slash == std::string::npos || !fabric_provider.empty()), "transport '",
+                spec, "': expected NAME or NAME/PROVIDER (e.g. host, fabric/tcp)");
+}
+
 size_t Config::dispatch_row_bytes() const {
     size_t data = fp8_dispatch ? static_cast<size_t>(hidden) : hidden * element_bytes();
     size_t scales = fp8_dispatch ? (hidden / kFp8BlockCols) * sizeof(float) : 0;

@@ -65,9 +65,7 @@ ep::Config make_config(const Case& tc, int rank, const std::string& job) {
     c.fp8_dispatch = tc.fp8;
     c.timeout_s = 20;
     c.job_id = job;
-    auto slash = tc.transport.find('/');
-    c.transport = tc.transport.substr(0, slash);
-    if (slash != std::string::npos) c.fabric_provider = tc.transport.substr(slash + 1);
+    c.set_transport(tc.transport);
     return c;
 }
 

@@ -26,6 +26,8 @@ struct Config {
 
     // Throws moerl::Error naming the first field that is out of range.
     void validate() const;
+    // Sets transport (and fabric_provider) from "host", "cuda", "fabric/tcp", "fabric/efa", ...
+    void set_transport(const std::string& spec);
 
     // Experts owned by each rank: ceil(num_experts / world_size); the last rank may own fewer.
     int num_local_experts() const { return (num_experts + world_size - 1) / world_size; }
