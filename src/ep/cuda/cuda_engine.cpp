@@ -3,11 +3,19 @@
 // plain stores when ranks share one) and signal with release/acquire flags (kernels/kernels.hpp).
 //
 // Streams and synchronisation. Work goes on cuda::current_stream() (stream.hpp; default: the legacy
-// stream 0). Normal dispatch without a reused handle synchronises once after the count exchange, since
-// the caller must learn R. By default every call also synchronises at its end, fills the host vectors
-// of the handle and reports device errors at once; MOERL_EP_CUDA_ASYNC=1 drops those end-of-call
-// synchronisations and every device-to-host copy not needed to learn the counts (host vectors other
-// than the counts then stay empty, send_pos too; errors surface at the next call).
+// stream 0). Normal dispatch without a reused handle queues the layout kernel (which writes the counts
+// straight into pinned host memory), an event and the data kernels, then waits for that event only,
+// since the caller must learn R; the data kernels need nothing from the host. By default every call
+// also synchronises at its end, fills the host vectors of the handle and reports device errors at
+// once; MOERL_EP_CUDA_ASYNC=1 drops those end-of-call synchronisations and every device-to-host copy
+// not needed to learn the counts (host vectors other than the counts then stay empty, send_pos too;
+// errors surface at the next call). Device code that records an error also writes a host-mapped
+// mirror of the error word, so no call copies it on the stream.
+//
+// Work per call with MOERL_EP_CUDA_ASYNC=1 (W = 1 with aligned outputs / y in brackets): dispatch 3
+// kernels [2] and one event wait, 2 [1] with a reused handle; combine 2 kernels [1]; low-latency
+// dispatch 3 kernels, combine 2. No memcpy or memset on the stream outside error paths. With one rank
+// the no-op half of each normal pair is not launched and the other half runs without signals.
 //
 // Rows a rank sends to itself skip its slot: normal dispatch writes them straight into the outputs and
 // normal combine reads them straight from y, so the one-rank case is a single permute pass. While the stream
@@ -76,10 +84,17 @@ class CudaEngine final : public Engine {
         ctrl_ = DeviceMemory(align256(kNumDeviceChannels * 8) + align256(kNumDeviceChannels * 4) +
                              sizeof(DeviceError));
         const size_t summary = static_cast<size_t>(W) * (1 + c_.num_local_experts());
-        summaries_ = DeviceMemory(2 * summary * sizeof(int));
-        host_summaries_ = PinnedMemory(2 * summary * sizeof(int));
-        host_error_ = PinnedMemory(sizeof(DeviceError));
+        // Written by the device (mapped pinned memory): the layout kernel's summaries, the error mirror.
+        host_summaries_ = PinnedMemory(2 * summary * sizeof(int), cudaHostAllocMapped);
+        host_error_ = PinnedMemory(sizeof(DeviceError), cudaHostAllocMapped);
+        MOERL_CUDA_CHECK(
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_summaries_), host_summaries_.get(), 0));
+        DeviceError* error_mirror = nullptr;
+        MOERL_CUDA_CHECK(
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_mirror), host_error_.get(), 0));
+        MOERL_CUDA_CHECK(cudaEventCreateWithFlags(&counts_ready_, cudaEventDisableTiming));
         ll_ = std::make_unique<LowLatencyState>(c_);
+        layout_ = std::make_unique<LayoutState>(c_);
         stage_ = PinnedMemory(staging_bytes());
         // Handle state comes from an engine-owned pool that keeps its memory across synchronisations
         // (the default pool returns it at each one, so every dispatch would map fresh memory).
@@ -137,10 +152,13 @@ class CudaEngine final : public Engine {
         sig_.done = reinterpret_cast<unsigned int*>(ctrl + align256(kNumDeviceChannels * 8));
         sig_.error = reinterpret_cast<DeviceError*>(ctrl + align256(kNumDeviceChannels * 8) +
                                                     align256(kNumDeviceChannels * 4));
+        sig_.error_mirror = error_mirror;
         sig_.flags_offset = 0;
         sig_.rank = c_.rank;
         sig_.world = W;
         sig_.timeout_ns = static_cast<unsigned long long>(c_.timeout_s * 1e9);
+        unsignalled_ = sig_;
+        unsignalled_.peers = nullptr;
     }
 
     ~CudaEngine() override {
@@ -167,6 +185,9 @@ class CudaEngine final : public Engine {
             all_gather(*store_, c_.job_id + "/cuda/destroy2", c_.rank, W, {1}, timeout_ms());
         }
         ll_.reset();
+        layout_.reset();
+        if (counts_ready_ != nullptr) cudaEventDestroy(counts_ready_);
+        counts_ready_ = nullptr;
         // Handles still alive free their blocks later; the pool goes once they have.
         if (pool_ != nullptr) cudaMemPoolDestroy(pool_);
         pool_ = nullptr;
@@ -182,7 +203,8 @@ class CudaEngine final : public Engine {
         const int T = static_cast<int>(x.rows);
         check_alignment(x.data, "dispatch: x");
         Handle h;
-        std::string bad_input;
+        std::shared_ptr<NormalState> fresh;  // set while the counts of a new layout are on their way
+        bool copy_pos = false;
         if (reuse != nullptr) {
             MOERL_CHECK(reuse->num_tokens == T, "dispatch: the reused handle was made for ",
                         reuse->num_tokens, " tokens, but x has ", T, " rows");
@@ -192,58 +214,40 @@ class CudaEngine final : public Engine {
             MOERL_CHECK(!capturing(stream),
                         "dispatch without a handle to reuse synchronises with the host and "
                         "cannot be captured in a CUDA graph; capture low_latency_dispatch or reuse a handle");
-            auto state = std::make_shared<NormalState>(this, stream, T, W, c_.max_recv_tokens(), pool_);
+            fresh = std::make_shared<NormalState>(this, stream, T, W, c_.max_recv_tokens(), pool_);
             const size_t summary = static_cast<size_t>(W) * (1 + L);
-            int* send_summary = summaries_.get<int>();
-            int* recv_summary = send_summary + summary;
             LayoutArgs a{};
             a.rt = rt_;
             a.topk_idx = topk_idx.data;
             a.num_tokens = T;
-            a.send_pos = state->send_pos;
-            a.send_summary = send_summary;
+            a.send_pos = fresh->send_pos;
+            a.send_summary = device_summaries_;  // host-mapped: no copy after the kernel
+            a.self_only = W == 1;
             a.count_offset = sym_.recv_base[kChCount];
             a.count_slot_bytes = sym_.slot_bytes[kChCount];
-            a.recv_summary = recv_summary;
-            a.recv_src_offset = state->recv_src_offset;
+            a.recv_summary = device_summaries_ + summary;
+            a.recv_src_offset = fresh->recv_src_offset;
             a.sig = sig_;
+            layout_->next(a, stream);
             launch_layout(a, stream);
             MOERL_CUDA_CHECK(cudaGetLastError());
             const size_t num_pos = static_cast<size_t>(T) * W;
-            const bool copy_pos = !async_ && num_pos > 0;  // MOERL_EP_CUDA_ASYNC: device copy only
+            copy_pos = !async_ && num_pos > 0;  // MOERL_EP_CUDA_ASYNC: device copy only
             if (copy_pos)
-                MOERL_CUDA_CHECK(cudaMemcpyAsync(stage_.get(), state->send_pos, num_pos * sizeof(int),
+                MOERL_CUDA_CHECK(cudaMemcpyAsync(stage_.get(), fresh->send_pos, num_pos * sizeof(int),
                                                  cudaMemcpyDeviceToHost, stream));
-            MOERL_CUDA_CHECK(cudaMemcpyAsync(host_summaries_.get(), send_summary, 2 * summary * sizeof(int),
-                                             cudaMemcpyDeviceToHost, stream));
-            const DeviceError err = sync_error(stream);
-            if (copy_pos) h.send_pos.assign(stage_.get<int>(), stage_.get<int>() + num_pos);
-            throw_if_error(err, c_, "cuda");
-            if (has_bad_input(err)) {
-                bad_input = bad_input_message(err, c_);
-                clear_bad_input(stream);
-            }
-            const int* sent = host_summaries_.get<int>();
-            const int* got = sent + summary;
-            h.num_tokens = T;
-            h.num_send_per_rank.resize(W);
-            h.num_recv_per_src.resize(W);
-            h.num_recv_tokens_per_expert.assign(L, 0);
-            h.recv_src_offset.assign(W + 1, 0);
-            for (int r = 0; r < W; ++r) {
-                h.num_send_per_rank[r] = sent[r * (1 + L)];
-                h.num_recv_per_src[r] = got[r * (1 + L)];
-                h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
-                for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
-            }
-            h.device_state = state;
+            MOERL_CUDA_CHECK(cudaEventRecord(counts_ready_, stream));
         }
-        NormalState& st = normal_state(h, this, "dispatch");
-        const int R = h.num_recv_tokens();
+        NormalState& st = fresh != nullptr ? *fresh : normal_state(h, this, "dispatch");
+        // Rows past the outputs are dropped on the device (the host reports the short output below), so
+        // the data kernels need nothing the host learns from the counts and are queued before it waits.
         const int max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
         // This rank's rows go straight into the outputs (fp8 rows are quantized there: 16-byte aligned).
         const bool self_direct =
             out.recv_x.data != nullptr && (reinterpret_cast<uintptr_t>(out.recv_x.data) & 15) == 0;
+        // One rank writing its outputs directly: the receive kernel would have nothing to do, and the
+        // send kernel needs no signals (nothing crosses a slot).
+        const bool solo = W == 1 && self_direct;
 
         DispatchSendArgs s{};
         s.rt = rt_;
@@ -254,7 +258,7 @@ class CudaEngine final : public Engine {
         s.send_pos = st.send_pos;
         s.num_tokens = T;
         s.dst = dst_dispatch_;
-        s.sig = sig_;
+        s.sig = solo ? unsignalled_ : sig_;
         s.rank = c_.rank;
         s.recv_src_offset = st.recv_src_offset;
         if (self_direct) {
@@ -266,24 +270,54 @@ class CudaEngine final : public Engine {
             s.self_max_rows = max_rows;
         }
         launch_dispatch_send(s, blocks_, stream);
-        DispatchRecvArgs r{};
-        r.rt = rt_;
-        r.row = row_;
-        r.rank = c_.rank;
-        r.src = region_.get<uint8_t>() + sym_.recv_base[kChDispatch];
-        r.src_stride = sym_.slot_bytes[kChDispatch];
-        r.recv_src_offset = st.recv_src_offset;
-        r.recv_x = out.recv_x.data;
-        r.recv_x_scales = out.recv_x_scales.data;
-        r.recv_topk_idx = out.recv_topk_idx.data;
-        r.recv_topk_weights = out.recv_topk_weights.data;
-        r.recv_src_token = st.recv_src_token;
-        r.max_rows = max_rows;
-        r.send_blocks = blocks_;
-        r.sig = sig_;
-        r.skip_self = self_direct;
-        launch_dispatch_recv(r, blocks_, stream);
+        if (!solo) {
+            DispatchRecvArgs r{};
+            r.rt = rt_;
+            r.row = row_;
+            r.rank = c_.rank;
+            r.src = region_.get<uint8_t>() + sym_.recv_base[kChDispatch];
+            r.src_stride = sym_.slot_bytes[kChDispatch];
+            r.recv_src_offset = st.recv_src_offset;
+            r.recv_x = out.recv_x.data;
+            r.recv_x_scales = out.recv_x_scales.data;
+            r.recv_topk_idx = out.recv_topk_idx.data;
+            r.recv_topk_weights = out.recv_topk_weights.data;
+            r.recv_src_token = st.recv_src_token;
+            r.max_rows = max_rows;
+            r.send_blocks = blocks_;
+            r.sig = sig_;
+            r.skip_self = self_direct;
+            launch_dispatch_recv(r, blocks_, stream);
+        }
         MOERL_CUDA_CHECK(cudaGetLastError());
+
+        std::string bad_input;
+        if (fresh != nullptr) {
+            MOERL_CUDA_CHECK(cudaEventSynchronize(counts_ready_));  // the layout and the send_pos copy
+            const DeviceError err = read_error();
+            if (copy_pos)
+                h.send_pos.assign(stage_.get<int>(), stage_.get<int>() + static_cast<size_t>(T) * W);
+            throw_if_error(err, c_, "cuda");
+            if (has_bad_input(err)) {
+                bad_input = bad_input_message(err, c_);
+                clear_bad_input(stream);
+            }
+            const int* sent = host_summaries_.get<int>();
+            const int* got = sent + static_cast<size_t>(W) * (1 + L);
+            h.num_tokens = T;
+            h.num_send_per_rank.resize(W);
+            h.num_recv_per_src.resize(W);
+            h.num_recv_tokens_per_expert.assign(L, 0);
+            h.recv_src_offset.assign(W + 1, 0);
+            for (int r = 0; r < W; ++r) {
+                h.num_send_per_rank[r] = sent[r * (1 + L)];
+                h.num_recv_per_src[r] = got[r * (1 + L)];
+                h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
+                for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
+            }
+            h.device_state = fresh;
+        }
+        const int R = h.num_recv_tokens();
         if (reuse == nullptr) h.recv_src_token.assign(R, -1);
         if (!async_ && !capturing(stream)) {
             const bool copy_tokens = reuse == nullptr && R > 0;
@@ -293,9 +327,8 @@ class CudaEngine final : public Engine {
             const DeviceError err = sync_error(stream);
             if (copy_tokens) std::memcpy(h.recv_src_token.data(), stage_.get(), R * sizeof(int));
             throw_if_error(err, c_, "cuda");
-        } else {
-            if (reuse == nullptr) h.recv_src_token.clear();  // device copy only (MOERL_EP_CUDA_ASYNC)
-            if (!capturing(stream)) mirror_error(stream);
+        } else if (reuse == nullptr) {
+            h.recv_src_token.clear();  // device copy only (MOERL_EP_CUDA_ASYNC)
         }
         MOERL_CHECK(out.recv_x.rows >= R, "dispatch: recv_x has ", out.recv_x.rows, " rows, but ", R,
                     " arrive");
@@ -310,19 +343,23 @@ class CudaEngine final : public Engine {
                     " rows, but the handle received ", h.num_recv_tokens());
         MOERL_CHECK(out.rows >= h.num_tokens, "combine: out has ", out.rows,
                     " rows, but the handle dispatched ", h.num_tokens, " tokens");
-        CombineSendArgs s{};
-        s.rt = rt_;
-        s.y = y.data;
-        s.recv_src_offset = st.recv_src_offset;
-        s.dst = dst_combine_;
-        s.row_stride = c_.combine_row_bytes();
-        s.sig = sig_;
-        // This rank's rows stay in y; the receive kernel reads them there.
+        // This rank's rows stay in y; the receive kernel reads them there. With one rank that is all
+        // of them: no send kernel and no signals.
         const bool self_direct =
             y.data != nullptr && (reinterpret_cast<uintptr_t>(y.data) & (c_.element_bytes() - 1)) == 0;
-        s.skip_self = self_direct;
-        s.rank = c_.rank;
-        launch_combine_send(s, blocks_, stream);
+        const bool solo = c_.world_size == 1 && self_direct;
+        if (!solo) {
+            CombineSendArgs s{};
+            s.rt = rt_;
+            s.y = y.data;
+            s.recv_src_offset = st.recv_src_offset;
+            s.dst = dst_combine_;
+            s.row_stride = c_.combine_row_bytes();
+            s.sig = sig_;
+            s.skip_self = self_direct;
+            s.rank = c_.rank;
+            launch_combine_send(s, blocks_, stream);
+        }
         CombineRecvArgs r{};
         r.rt = rt_;
         r.src = region_.get<uint8_t>() + sym_.recv_base[kChCombine];
@@ -332,7 +369,7 @@ class CudaEngine final : public Engine {
         r.num_tokens = h.num_tokens;
         r.out = out.data;
         r.send_blocks = blocks_;
-        r.sig = sig_;
+        r.sig = solo ? unsignalled_ : sig_;
         if (self_direct) {
             r.self_y = y.data;
             r.recv_src_offset = st.recv_src_offset;
@@ -360,6 +397,7 @@ class CudaEngine final : public Engine {
         a.expert_offset = ll_->expert_offset;
         a.send_rows = ll_->send_rows;
         a.error = sig_.error;
+        a.error_mirror = sig_.error_mirror;
         launch_ll_layout(a, stream);
         LLSendArgs s{};
         s.rt = rt_;
@@ -402,8 +440,6 @@ class CudaEngine final : public Engine {
                 clear_bad_input(stream);
                 MOERL_FAIL("low_latency_dispatch: ", bad_input_message(err, c_));
             }
-        } else if (!capturing(stream)) {
-            mirror_error(stream);
         }
         return h;
     }
@@ -502,8 +538,7 @@ class CudaEngine final : public Engine {
         MOERL_CHECK(!destroyed_, what, ": EP buffer used after destroy()");
         MOERL_CUDA_CHECK(cudaSetDevice(device_));
         const cudaStream_t stream = current_stream();
-        const auto* err = host_error_.get<DeviceError>();
-        throw_if_error(*err, c_, "cuda");
+        throw_if_error(read_error(), c_, "cuda");
         return stream;
     }
 
@@ -518,28 +553,37 @@ class CudaEngine final : public Engine {
                     " must be 16-byte aligned on the device");
     }
 
-    void mirror_error(cudaStream_t stream) {
-        MOERL_CUDA_CHECK(cudaMemcpyAsync(host_error_.get(), sig_.error, sizeof(DeviceError),
-                                         cudaMemcpyDeviceToHost, stream));
+    // The host-mapped mirror of the error word, as of now (the device may be writing it: field by field).
+    DeviceError read_error() const {
+        const volatile DeviceError* m = host_error_.get<DeviceError>();
+        DeviceError e{};
+        e.code = m->code;
+        e.phase = m->phase;
+        e.peer = m->peer;
+        e.observed = m->observed;
+        e.target = m->target;
+        e.bad_input = m->bad_input;
+        e.bad_token = m->bad_token;
+        e.bad_k = m->bad_k;
+        e.bad_value = m->bad_value;
+        return e;
     }
 
     DeviceError sync_error(cudaStream_t stream) {
-        mirror_error(stream);
         MOERL_CUDA_CHECK(cudaStreamSynchronize(stream));
-        return *host_error_.get<DeviceError>();
+        return read_error();
     }
 
+    // After the host reported bad input: the device word is cleared in stream order, the mirror now (no
+    // kernel that could report is running: the caller has synchronised with the layout).
     void clear_bad_input(cudaStream_t stream) {
         MOERL_CUDA_CHECK(cudaMemsetAsync(&sig_.error->bad_input, 0, sizeof(int), stream));
         host_error_.get<DeviceError>()->bad_input = 0;
     }
 
     void finish(cudaStream_t stream) {
-        if (capturing(stream)) return;
-        if (async_)
-            mirror_error(stream);
-        else
-            throw_if_error(sync_error(stream), c_, "cuda");
+        if (async_ || capturing(stream)) return;  // errors surface through the mirror at the next call
+        throw_if_error(sync_error(stream), c_, "cuda");
     }
 
     Config c_;
@@ -551,12 +595,14 @@ class CudaEngine final : public Engine {
     int blocks_ = 1;
     bool async_ = false;
     bool destroyed_ = false;
-    DeviceMemory region_;     // the symmetric region (IPC-exported)
-    DeviceMemory ctrl_;       // epoch[kNumDeviceChannels], done[kNumDeviceChannels], DeviceError
-    DeviceMemory summaries_;  // send then receive summaries [W, 1+L]
-    DeviceMemory tables_;     // peers [W], then dst pointers of the 4 data channels [W] each
-    PinnedMemory host_summaries_;
-    PinnedMemory host_error_;
+    DeviceMemory region_;              // the symmetric region (IPC-exported)
+    DeviceMemory ctrl_;                // epoch[kNumDeviceChannels], done[kNumDeviceChannels], DeviceError
+    DeviceMemory tables_;              // peers [W], then dst pointers of the 4 data channels [W] each
+    PinnedMemory host_summaries_;      // send then receive summaries [W, 1+L], written by the layout kernel
+    PinnedMemory host_error_;          // mirror of the device error word, written by the device
+    int* device_summaries_ = nullptr;  // host_summaries_ as the device sees it
+    cudaEvent_t counts_ready_ = nullptr;  // after the layout of the running dispatch
+    std::unique_ptr<LayoutState> layout_;
     PinnedMemory stage_;            // device-to-host copies of handle vectors (staging_bytes())
     cudaMemPool_t pool_ = nullptr;  // NormalState blocks; keeps its memory across synchronisations
     std::unique_ptr<LowLatencyState> ll_;
@@ -566,6 +612,7 @@ class CudaEngine final : public Engine {
     uint8_t* const* dst_ll_ = nullptr;
     uint8_t* const* dst_llc_ = nullptr;
     Signals sig_;
+    Signals unsignalled_;  // sig_ without peers: one rank, nothing crossing a slot
 };
 
 }  // namespace

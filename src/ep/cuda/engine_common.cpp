@@ -1,5 +1,7 @@
 #include "engine_common.hpp"
 
+#include <algorithm>
+
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 
@@ -11,6 +13,8 @@ void check_device_limits(const Config& c, const char* engine) {
                 " ranks, Config.world_size = ", c.world_size);
     MOERL_CHECK(slots <= kMaxExperts, "the ", engine, " EP engine supports at most ", kMaxExperts,
                 " experts (world_size x local experts), got ", slots);
+    MOERL_CHECK(c.max_tokens_per_rank < (1 << 30), "the ", engine,
+                " EP engine supports max_tokens_per_rank < 2^30, got ", c.max_tokens_per_rank);
     MOERL_CHECK(slots <= kMaxExpertSlots, "the ", engine,
                 " EP engine supports world_size x local experts <= ", kMaxExpertSlots,
                 " in low-latency mode, got ", slots);
@@ -53,6 +57,29 @@ NormalState& normal_state(const Handle& h, const void* owner, const char* what) 
     MOERL_CHECK(s != nullptr && s->owner == owner, what,
                 ": the handle was not made by a dispatch of this buffer");
     return *s;
+}
+
+LayoutState::LayoutState(const Config& c) {
+    const size_t W = c.world_size, L = c.num_local_experts();
+    const size_t tiles = (static_cast<size_t>(c.max_tokens_per_rank) + kLayoutTile - 1) / kLayoutTile;
+    tile_state_bytes_ = align256(std::max<size_t>(tiles, 1) * W * sizeof(unsigned long long));
+    const size_t total_bytes = align256(W * L * sizeof(int));
+    const size_t rank_bytes = align256(W * sizeof(int));
+    memory_ = DeviceMemory(tile_state_bytes_ + total_bytes + rank_bytes + align256(2 * sizeof(unsigned)));
+    auto* base = memory_.get<uint8_t>();
+    scratch_.tile_state = reinterpret_cast<unsigned long long*>(base);
+    scratch_.expert_total = reinterpret_cast<int*>(base + tile_state_bytes_);
+    scratch_.rank_total = reinterpret_cast<int*>(base + tile_state_bytes_ + total_bytes);
+    scratch_.counters = reinterpret_cast<unsigned*>(base + tile_state_bytes_ + total_bytes + rank_bytes);
+}
+
+void LayoutState::next(LayoutArgs& a, cudaStream_t stream) {
+    if (++seq_ == 0) {  // after 2^32 calls: clear the tags so that no stale word can match seq 1 again
+        MOERL_CUDA_CHECK(cudaMemsetAsync(scratch_.tile_state, 0, tile_state_bytes_, stream));
+        seq_ = 1;
+    }
+    a.scratch = scratch_;
+    a.seq = seq_;
 }
 
 LowLatencyState::LowLatencyState(const Config& c) {

@@ -50,8 +50,9 @@ class DeviceMemory {
 class PinnedMemory {
   public:
     PinnedMemory() = default;
-    explicit PinnedMemory(size_t bytes) {
-        MOERL_CUDA_CHECK(cudaMallocHost(&ptr_, bytes == 0 ? 16 : bytes));
+    // flags: cudaHostAlloc's (cudaHostAllocMapped for memory the device writes through a pointer).
+    explicit PinnedMemory(size_t bytes, unsigned int flags = cudaHostAllocDefault) {
+        MOERL_CUDA_CHECK(cudaHostAlloc(&ptr_, bytes == 0 ? 16 : bytes, flags));
         std::memset(ptr_, 0, bytes == 0 ? 16 : bytes);
     }
     ~PinnedMemory() {
@@ -120,6 +121,21 @@ struct NormalState {
 
 // Looks up the NormalState of a handle made by `owner`; throws when it is not one.
 NormalState& normal_state(const Handle& h, const void* owner, const char* what);
+
+// The scratch of the normal layout kernel and the seq of its calls (one layout at a time: every caller
+// synchronises with the host before the next dispatch).
+class LayoutState {
+  public:
+    explicit LayoutState(const Config& c);
+    // Sets a.scratch and a.seq for a new call on `stream`.
+    void next(LayoutArgs& a, cudaStream_t stream);
+
+  private:
+    DeviceMemory memory_;
+    LayoutScratch scratch_{};
+    size_t tile_state_bytes_ = 0;
+    unsigned int seq_ = 0;
+};
 
 // Routing state of the last low-latency dispatch, in engine-owned fixed buffers so a captured graph
 // replays with the same pointers. A LowLatencyHandle is valid until the next low_latency_dispatch.

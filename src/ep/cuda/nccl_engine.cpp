@@ -94,6 +94,7 @@ class NcclEngine final : public Engine {
         error_ = DeviceMemory(sizeof(DeviceError));
         host_error_ = PinnedMemory(sizeof(DeviceError));
         ll_ = std::make_unique<LowLatencyState>(c_);
+        layout_ = std::make_unique<LayoutState>(c_);
         // dst tables: packed rows for rank r at send + r * slot (dispatch, low-latency dispatch,
         // low-latency combine).
         tables_ = DeviceMemory(3 * W * sizeof(uint8_t*));
@@ -154,6 +155,7 @@ class NcclEngine final : public Engine {
             a.recv_summary = recv_summary;
             a.recv_src_offset = state->recv_src_offset;
             a.sig = sig_;  // no peers: layout only
+            layout_->next(a, stream);
             launch_layout(a, stream);
             MOERL_CUDA_CHECK(cudaGetLastError());
             exchange(send_summary, recv_summary, 1 + L, stream);
@@ -460,6 +462,7 @@ class NcclEngine final : public Engine {
     PinnedMemory host_summaries_;
     PinnedMemory host_error_;
     std::unique_ptr<LowLatencyState> ll_;
+    std::unique_ptr<LayoutState> layout_;
     std::vector<int> ll_send_rows_, ll_recv_rows_;  // rows of the last low-latency dispatch per rank
     Signals sig_;                                   // signalling off; error word only
 };

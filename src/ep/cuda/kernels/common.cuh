@@ -67,6 +67,16 @@ static __device__ __noinline__ bool wait_at_least(const Signals& s, const unsign
                 s.error->observed = v;
                 s.error->target = target;
                 __threadfence_system();
+                if (s.error_mirror != nullptr) {  // the fields before the code the host tests
+                    volatile DeviceError* m = s.error_mirror;
+                    m->phase = phase;
+                    m->peer = peer;
+                    m->observed = v;
+                    m->target = target;
+                    __threadfence_system();
+                    m->code = kErrTimeout;
+                    __threadfence_system();
+                }
             }
             return false;
         }
@@ -105,8 +115,20 @@ __device__ __forceinline__ bool block_wait_data(const Signals& s, int ch, unsign
     return __syncthreads_and(ok);
 }
 
-// Every block at the end of a receive kernel: the last block to finish releases the slots back to
+// The one block that read a channel's slots in this call, after its reads: releases the slots back to
 // their senders and advances the channel's epoch.
+__device__ __forceinline__ void block_release_slots(const Signals& s, int ch, unsigned long long epoch) {
+    if (s.peers == nullptr) return;
+    if (threadIdx.x == 0) {
+        s.done[ch] = 0;
+        s.epoch[ch] = epoch;
+    }
+    __threadfence_system();
+    for (int r = threadIdx.x; r < s.world; r += blockDim.x)
+        add_release_sys(ready_flag(s, s.peers[r], ch, s.rank), 1);
+}
+
+// Every block at the end of a receive kernel: the last block to finish releases the slots.
 __device__ __forceinline__ void block_finish_recv(const Signals& s, int ch, unsigned long long epoch) {
     if (s.peers == nullptr) return;
     __shared__ int is_last;
@@ -117,20 +139,25 @@ __device__ __forceinline__ void block_finish_recv(const Signals& s, int ch, unsi
     }
     __syncthreads();
     if (!is_last) return;
-    if (threadIdx.x == 0) {
-        s.done[ch] = 0;
-        s.epoch[ch] = epoch;
-    }
-    __threadfence_system();
-    for (int r = threadIdx.x; r < s.world; r += blockDim.x)
-        add_release_sys(ready_flag(s, s.peers[r], ch, s.rank), 1);
+    block_release_slots(s, ch, epoch);
 }
 
-__device__ __forceinline__ void report_bad_id(DeviceError* err, int t, int k, long long value) {
+// Records the first out-of-range expert id in the error word and in its host-mapped mirror (if any).
+__device__ __forceinline__ void report_bad_id(DeviceError* err, DeviceError* mirror, int t, int k,
+                                              long long value) {
     if (atomicCAS(&err->bad_input, 0, 1) == 0) {
         err->bad_token = t;
         err->bad_k = k;
         err->bad_value = value;
+        if (mirror != nullptr) {  // the fields before the flag the host tests
+            volatile DeviceError* m = mirror;
+            m->bad_token = t;
+            m->bad_k = k;
+            m->bad_value = value;
+            __threadfence_system();
+            m->bad_input = 1;
+            __threadfence_system();
+        }
     }
 }
 

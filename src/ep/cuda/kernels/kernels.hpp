@@ -20,7 +20,8 @@ constexpr int kMaxRanks = 64;          // rank masks are 64-bit
 constexpr int kMaxExperts = 8192;      // per-expert counters live in shared memory (32 KB)
 constexpr int kMaxExpertSlots = 4096;  // W * local experts for the low-latency receive tables
 constexpr int kDataThreads = 512;      // threads per block of the data kernels (16 warps)
-constexpr int kLayoutThreads = 1024;   // the single-block layout kernels: one thread per token / entry
+constexpr int kLayoutThreads = 1024;   // the single-block low-latency layout kernel: one thread per entry
+constexpr int kLayoutTile = 256;       // tokens per block of the normal layout kernel (one per thread)
 
 enum Channel : int { kChCount = 0, kChDispatch, kChCombine, kChLLDispatch, kChLLCombine, kNumDeviceChannels };
 
@@ -46,6 +47,9 @@ struct Signals {
     unsigned int* done =
         nullptr;  // local [kNumDeviceChannels]: finished blocks of the running receive kernel
     DeviceError* error = nullptr;
+    // Host-mapped pinned copy of *error, or null. Device code that changes the error word writes it
+    // too, so the host reads errors without a copy on the stream.
+    DeviceError* error_mirror = nullptr;
     size_t flags_offset = 0;  // offset of the flags in the symmetric region
     int rank = 0;
     int world = 1;
@@ -73,16 +77,32 @@ struct Routing {
 };
 
 // --- normal mode ---------------------------------------------------------------------------------
+// Scratch of the multi-block layout kernel, kept across calls. The counters are zero between calls
+// (the last block of each call resets them); tile_state words carry the call's seq, so they need no reset.
+struct LayoutScratch {
+    unsigned long long* tile_state;  // [ceil(max_tokens / kLayoutTile), W]: seq << 32 | kind << 30 | count
+    int* expert_total;               // [W*L] entries per expert, summed over tiles
+    int* rank_total;                 // [W] rows per rank, summed over tiles
+    unsigned int* counters;          // [2]: tile tickets taken, tiles finished
+};
+
+// A grid of ceil(T / kLayoutTile) blocks (at least one); the last block to finish writes the summaries
+// and runs the notify phase.
 struct LayoutArgs {
     Routing rt;
     const int64_t* topk_idx;  // [T, K]
     int num_tokens;
+    LayoutScratch scratch;
+    unsigned int seq;   // nonzero, different from the previous call's (tags tile_state)
     int* send_pos;      // out [T, W]: row of token t in the list sent to rank r, or -1
-    int* send_summary;  // out [W, 1+L]: rows for rank r, then entries per local expert of r
+    int* send_summary;  // out [W, 1+L]: rows for rank r, then entries per local expert of r (may be
+                        // host-mapped)
+    // world_size 1 without signalling: recv_summary = send_summary and recv_src_offset = {0, rows}.
+    bool self_only;
     // Notify (only with signalling): summaries land in every peer's count slot.
     size_t count_offset;  // offset of the count channel's receive slots in the symmetric region
     size_t count_slot_bytes;
-    int* recv_summary;     // out [W, 1+L]: what each source sends here
+    int* recv_summary;     // out [W, 1+L]: what each source sends here (may be host-mapped)
     int* recv_src_offset;  // out [W+1]
     Signals sig;
 };
@@ -169,6 +189,7 @@ struct LLLayoutArgs {
     int* expert_offset;  // out [W*L]: first row of expert e in the rows sent to its rank
     int* send_rows;      // out [W]: rows sent to each rank
     DeviceError* error;
+    DeviceError* error_mirror;  // host-mapped copy of *error, or null
 };
 void launch_ll_layout(const LLLayoutArgs& a, cudaStream_t stream);
 

@@ -1,77 +1,163 @@
 // Layout kernels: per-rank and per-expert counts from topk_idx, validated on the device, and the
-// normal-mode notify phase (counts written into every peer's count slot).
+// normal-mode notify phase (counts written into every peer's count slot). The normal layout runs one
+// block per tile of tokens; the low-latency one is a single block.
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace moerl::ep::cuda {
 
 namespace {
 
-// One block of kLayoutThreads; thread i handles token chunk+i.
-__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(LayoutArgs a) {
+// Tile states of the decoupled look-back: the tile's own count (kAggregate) or the count of all tiles
+// up to it (kInclusive), tagged with the call's seq in the high word so that stale words never match.
+constexpr unsigned long long kAggregate = 1, kInclusive = 2;
+constexpr int kLayoutWarps = kLayoutTile / 32;
+
+__device__ __forceinline__ unsigned long long tile_word(unsigned seq, unsigned long long kind, int count) {
+    return (static_cast<unsigned long long>(seq) << 32) | (kind << 30) | static_cast<unsigned>(count);
+}
+
+// Rows of the tiles before `tile` for rank r, by one warp: a window of 32 predecessors per step, from
+// the nearest back to the first inclusive one. Predecessors took earlier tickets, so they are running
+// and publish their aggregates without waiting on anything: the spin ends.
+__device__ __forceinline__ int warp_look_back(const unsigned long long* tile_state, int world, int tile,
+                                              int r, unsigned seq, int lane) {
+    int sum = 0;
+    int next = tile - 1;  // nearest predecessor not yet summed
+    while (true) {
+        const int j = next - lane;
+        const unsigned long long v = j >= 0 ? *reinterpret_cast<const volatile unsigned long long*>(
+                                                  tile_state + static_cast<size_t>(j) * world + r)
+                                            : tile_word(seq, kInclusive, 0);
+        const bool ready = (v >> 32) == seq;
+        const bool inclusive = ready && ((v >> 30) & 3) == kInclusive;
+        const unsigned ready_mask = __ballot_sync(kFullMask, ready);
+        const unsigned inclusive_mask = __ballot_sync(kFullMask, inclusive);
+        const int count = ready ? static_cast<int>(v & 0x3fffffffu) : 0;
+        if (inclusive_mask != 0) {
+            const int stop = __ffs(inclusive_mask) - 1;
+            const unsigned upto = (2u << stop) - 1u;  // lanes 0..stop
+            if ((ready_mask & upto) == upto)
+                return sum + __reduce_add_sync(kFullMask, lane <= stop ? count : 0);
+        } else if (ready_mask == kFullMask) {
+            sum += __reduce_add_sync(kFullMask, count);
+            next -= 32;
+        }
+    }
+}
+
+// Thread i of tile b handles token b * kLayoutTile + i. Each tile counts its rows per rank and entries
+// per expert in shared memory, finds the rows of earlier tiles per rank by decoupled look-back, writes
+// send_pos and adds its counts to the global totals; the last tile to finish writes the summaries and
+// runs the notify phase.
+__global__ void __launch_bounds__(kLayoutTile) layout_kernel(LayoutArgs a) {
     const Routing rt = a.rt;
     const int W = rt.world, L = rt.num_local_experts, K = rt.top_k, T = a.num_tokens;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const LayoutScratch& g = a.scratch;
     __shared__ int expert_count[kMaxExperts];
-    __shared__ int warp_rank_count[kLayoutThreads / 32][kMaxRanks];  // per warp, then exclusive prefix
-    __shared__ int rank_base[kMaxRanks];
+    __shared__ int warp_rank_count[kLayoutWarps][kMaxRanks];  // per warp, then exclusive prefix in the tile
+    __shared__ int tile_count[kMaxRanks];                     // rows of this tile per rank
+    __shared__ int tile_base[kMaxRanks];                      // rows of earlier tiles per rank
+    __shared__ int tile;
+    __shared__ int is_last;
+    if (tid == 0) tile = static_cast<int>(atomicAdd(&g.counters[0], 1u));  // tiles in start order
     for (int i = tid; i < W * L; i += blockDim.x) expert_count[i] = 0;
-    for (int i = tid; i < W; i += blockDim.x) rank_base[i] = 0;
     __syncthreads();
 
-    for (int chunk = 0; chunk < T; chunk += kLayoutThreads) {
-        const int t = chunk + tid;
-        unsigned long long mask = 0;  // ranks token t goes to
-        if (t < T) {
-            for (int k0 = 0; k0 < K; k0 += 8) {
-                long long ids[8];  // eight loads in flight
+    const int t = tile * kLayoutTile + tid;
+    unsigned long long mask = 0;  // ranks token t goes to
+    if (t < T) {
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            long long ids[8];  // eight loads in flight
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    ids[j] = k0 + j < K ? a.topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
+            for (int j = 0; j < 8; ++j)
+                ids[j] = k0 + j < K ? a.topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const long long e = ids[j];
-                    if (e < -1 || e >= rt.num_experts) {
-                        if (a.sig.error != nullptr) report_bad_id(a.sig.error, t, k0 + j, e);
-                        continue;
-                    }
-                    if (e < 0) continue;
-                    atomicAdd(&expert_count[e], 1);
-                    mask |= 1ull << (e / L);
+            for (int j = 0; j < 8; ++j) {
+                const long long e = ids[j];
+                if (e < -1 || e >= rt.num_experts) {
+                    if (a.sig.error != nullptr) report_bad_id(a.sig.error, a.sig.error_mirror, t, k0 + j, e);
+                    continue;
                 }
+                if (e < 0) continue;
+                atomicAdd(&expert_count[e], 1);
+                mask |= 1ull << (e / L);
             }
         }
-        for (int r = 0; r < W; ++r) {
-            const unsigned b = __ballot_sync(kFullMask, (mask >> r) & 1);
-            if (lane == 0) warp_rank_count[warp][r] = __popc(b);
+    }
+    for (int r = 0; r < W; ++r) {
+        const unsigned b = __ballot_sync(kFullMask, (mask >> r) & 1);
+        if (lane == 0) warp_rank_count[warp][r] = __popc(b);
+    }
+    __syncthreads();
+    if (tid < W) {
+        int run = 0;
+        for (int w = 0; w < kLayoutWarps; ++w) {
+            const int c = warp_rank_count[w][tid];
+            warp_rank_count[w][tid] = run;
+            run += c;
         }
-        __syncthreads();
-        if (tid < W) {
-            int run = rank_base[tid];
-            for (int w = 0; w < kLayoutThreads / 32; ++w) {
-                const int c = warp_rank_count[w][tid];
-                warp_rank_count[w][tid] = run;
-                run += c;
+        tile_count[tid] = run;
+        tile_base[tid] = 0;
+        // tile_state [tiles, W]: this tile's aggregate (the first tile's is inclusive already)
+        *reinterpret_cast<volatile unsigned long long*>(g.tile_state + static_cast<size_t>(tile) * W + tid) =
+            tile_word(a.seq, tile == 0 ? kInclusive : kAggregate, run);
+    }
+    __syncthreads();
+    if (tile > 0) {
+        for (int r = warp; r < W; r += kLayoutWarps) {
+            const int before = warp_look_back(g.tile_state, W, tile, r, a.seq, lane);
+            if (lane == 0) {
+                tile_base[r] = before;
+                *reinterpret_cast<volatile unsigned long long*>(g.tile_state + static_cast<size_t>(tile) * W +
+                                                                r) =
+                    tile_word(a.seq, kInclusive, before + tile_count[r]);
             }
-            rank_base[tid] = run;
-        }
-        __syncthreads();
-        for (int r = 0; r < W; ++r) {
-            const bool in = (mask >> r) & 1;
-            const unsigned b = __ballot_sync(kFullMask, in);
-            if (t < T)
-                a.send_pos[static_cast<size_t>(t) * W + r] =
-                    in ? warp_rank_count[warp][r] + __popc(b & lanemask_lt()) : -1;
         }
         __syncthreads();
     }
+    for (int r = 0; r < W; ++r) {
+        const bool in = (mask >> r) & 1;
+        const unsigned b = __ballot_sync(kFullMask, in);
+        if (t < T)
+            a.send_pos[static_cast<size_t>(t) * W + r] =
+                in ? tile_base[r] + warp_rank_count[warp][r] + __popc(b & lanemask_lt()) : -1;
+    }
+    for (int i = tid; i < W * L; i += blockDim.x)
+        if (expert_count[i] != 0) atomicAdd(&g.expert_total[i], expert_count[i]);
+    if (tid < W && tile_count[tid] != 0) atomicAdd(&g.rank_total[tid], tile_count[tid]);
+
+    // The last tile to finish: totals into shared memory (the global ones back to zero for the next call).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(&g.counters[1], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int i = tid; i < W * L; i += blockDim.x) expert_count[i] = atomicExch(&g.expert_total[i], 0);
+    if (tid < W) tile_base[tid] = atomicExch(&g.rank_total[tid], 0);  // now: rows per rank, all tiles
+    if (tid == 0) {
+        g.counters[0] = 0;
+        g.counters[1] = 0;
+    }
+    __syncthreads();
+    const int* rank_rows = tile_base;
 
     // send_summary [W, 1+L]
     for (int i = tid; i < W * (1 + L); i += blockDim.x) {
         const int r = i / (1 + L), j = i % (1 + L);
-        a.send_summary[i] = j == 0 ? rank_base[r] : expert_count[r * L + j - 1];
+        const int v = j == 0 ? rank_rows[r] : expert_count[r * L + j - 1];
+        a.send_summary[i] = v;
+        if (a.self_only) a.recv_summary[i] = v;
+    }
+    if (a.self_only && tid == 0) {
+        a.recv_src_offset[0] = 0;
+        a.recv_src_offset[1] = rank_rows[0];
     }
     const Signals& s = a.sig;
-    if (s.peers == nullptr) return;
+    if (s.peers == nullptr || a.self_only) return;
 
     // Notify: summary for rank r -> r's count slot `rank`; then read every source's summary here.
     const unsigned long long epoch = current_epoch(s, kChCount);
@@ -79,25 +165,26 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(LayoutArgs a)
     for (int i = tid; i < W * (1 + L); i += blockDim.x) {
         const int r = i / (1 + L), j = i % (1 + L);
         auto* slot = reinterpret_cast<int*>(s.peers[r] + a.count_offset + s.rank * a.count_slot_bytes);
-        slot[j] = j == 0 ? rank_base[r] : expert_count[r * L + j - 1];
+        slot[j] = j == 0 ? rank_rows[r] : expert_count[r * L + j - 1];
     }
     block_signal_data(s, kChCount);
     if (!block_wait_data(s, kChCount, epoch, 1)) return;
+    // local + src * count_slot_bytes: the summary source src sent here
     const uint8_t* local = s.peers[s.rank] + a.count_offset;
     for (int i = tid; i < W * (1 + L); i += blockDim.x) {
         const int src = i / (1 + L), j = i % (1 + L);
         a.recv_summary[i] = reinterpret_cast<const volatile int*>(local + src * a.count_slot_bytes)[j];
     }
-    __syncthreads();
-    if (tid == 0) {
+    if (tid == 0) {  // from the slots, not recv_summary (which may be host memory)
         int run = 0;
         a.recv_src_offset[0] = 0;
         for (int src = 0; src < W; ++src) {
-            run += a.recv_summary[src * (1 + L)];
+            run += reinterpret_cast<const volatile int*>(local + src * a.count_slot_bytes)[0];
             a.recv_src_offset[src + 1] = run;
         }
     }
-    block_finish_recv(s, kChCount, epoch);
+    __syncthreads();  // this block's reads of the slots are done
+    block_release_slots(s, kChCount, epoch);
 }
 
 // One block; entries i = t*K + k in chunks of kLayoutThreads, the warps of a chunk take turns so that
@@ -116,7 +203,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) ll_layout_kernel(LLLayoutAr
         if (i < N) {
             const long long v = a.topk_idx[i];
             if (v < -1 || v >= rt.num_experts) {
-                report_bad_id(a.error, i / K, i % K, v);
+                report_bad_id(a.error, a.error_mirror, i / K, i % K, v);
             } else {
                 e = static_cast<int>(v);
             }
@@ -150,7 +237,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) ll_layout_kernel(LLLayoutAr
 }  // namespace
 
 void launch_layout(const LayoutArgs& a, cudaStream_t stream) {
-    layout_kernel<<<1, kLayoutThreads, 0, stream>>>(a);
+    const int tiles = std::max(1, (a.num_tokens + kLayoutTile - 1) / kLayoutTile);
+    layout_kernel<<<tiles, kLayoutTile, 0, stream>>>(a);
 }
 
 void launch_ll_layout(const LLLayoutArgs& a, cudaStream_t stream) {
