@@ -3,6 +3,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -236,6 +238,9 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.integer("group_size", 2, INT32_MAX, c.group_size);
             s.integer("prompts_per_step", 1, 1 << 16, c.prompts_per_step);
             s.number("lr", 0, 10, c.lr, true);
+            s.choice("lr_schedule", {"constant", "cosine"}, c.lr_schedule);
+            s.integer("lr_warmup_steps", 0, 10'000'000, c.lr_warmup_steps);
+            s.number("lr_min_ratio", 0, 1, c.lr_min_ratio);
             s.number("weight_decay", 0, 10, c.weight_decay);
             s.number("beta1", 0, 0.999999, c.beta1);
             s.number("beta2", 0, 0.999999, c.beta2);
@@ -301,12 +306,29 @@ void RunConfig::validate() const {
                 int64_t{prompts_per_step} * group_size);
     MOERL_CHECK(sampling.top_k <= m.vocab_size, s, ": rollout.top_k: ", sampling.top_k,
                 " exceeds the vocabulary (", m.vocab_size, ")");
+    MOERL_CHECK(lr_schedule == "constant" || lr_schedule == "cosine", s,
+                ": train.lr_schedule: expected one of constant, cosine, got '", lr_schedule, "'");
+    MOERL_CHECK(lr_warmup_steps >= 0, s, ": train.lr_warmup_steps: expected an integer >= 0, got ",
+                lr_warmup_steps);
+    MOERL_CHECK(lr_min_ratio >= 0 && lr_min_ratio <= 1, s,
+                ": train.lr_min_ratio: expected a number >= 0 and <= 1, got ", lr_min_ratio);
     task.validate();
     auto gen = make_task_generator(task);
     const int64_t longest = gen->max_prompt_tokens() + 1 + max_new_tokens();
     MOERL_CHECK(longest <= m.max_position_embeddings || !model_path.empty(), s, ": the longest sequence (",
                 longest, " tokens) exceeds the model's max_position_embeddings (", m.max_position_embeddings,
                 ")");
+}
+
+double RunConfig::lr_at(int64_t step) const {
+    const double s = static_cast<double>(std::max<int64_t>(0, step));
+    if (lr_warmup_steps > 0 && step < lr_warmup_steps)
+        return lr * (s + 1) / static_cast<double>(lr_warmup_steps);
+    if (lr_schedule != "cosine") return lr;
+    const double span = static_cast<double>(std::max<int64_t>(1, steps - lr_warmup_steps));
+    const double progress = std::min(1.0, (s - static_cast<double>(lr_warmup_steps)) / span);
+    const double cosine = 0.5 * (1 + std::cos(M_PI * progress));
+    return lr * (lr_min_ratio + (1 - lr_min_ratio) * cosine);
 }
 
 int RunConfig::max_new_tokens() const {

@@ -102,6 +102,7 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
                             {"is_weight", r->train.mean_is_weight},
                             {"kl", r->train.kl},
                             {"grad_norm", r->train.grad_norm},
+                            {"lr", r->train.lr},
                             {"response_tokens", r->response_tokens},
                             {"staleness", r->staleness_mean},
                             {"staleness_max", r->staleness_max},

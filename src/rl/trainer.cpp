@@ -260,14 +260,15 @@ struct PolicyTrainer::Impl {
             grad = grad * scale;
             k.m[i].mul_(cfg.beta1).add_(grad, 1 - cfg.beta1);
             k.v[i].mul_(cfg.beta2).addcmul_(grad, grad, 1 - cfg.beta2);
-            if (cfg.weight_decay > 0) p.mul_(1 - cfg.lr * cfg.weight_decay);
+            if (cfg.weight_decay > 0) p.mul_(1 - lr * cfg.weight_decay);
             at::Tensor denom = (k.v[i] / bc2).sqrt_().add_(cfg.adam_eps);
-            p.addcdiv_(k.m[i], denom, -cfg.lr / bc1);
+            p.addcdiv_(k.m[i], denom, -lr / bc1);
         }
         k.model->zero_grad();
         if (W > 1) barrier->arrive_and_wait();
     }
     int64_t step_count_for_update = 0;  // optimizer steps before the current update
+    double lr = 0;                      // learning rate of the current update (schedule)
 };
 
 PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_dir)
@@ -315,6 +316,7 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
         parts[i % m.W].push_back(&batch[i]);
         adv[i % m.W].push_back(advantages[i]);
     }
+    m.lr = m.cfg.lr_at(m.step_count_for_update / m.cfg.ppo_epochs);
     m.on_ranks([&](int r) { m.rank_update(r, parts[r], adv[r], std::max<int64_t>(1, global_tokens)); });
     TrainStats total;
     for (int r = 0; r < m.W; ++r) {
@@ -330,6 +332,7 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
         total.num_tokens += s.num_tokens;
     }
     total.grad_norm = m.stat_slots[0].grad_norm;
+    total.lr = m.lr;
     m.step_count_for_update += m.cfg.ppo_epochs;
     m.step = m.step_count_for_update;
     return total;

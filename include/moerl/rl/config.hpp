@@ -43,7 +43,12 @@ struct RunConfig {
     // train
     int group_size = 8;        // G, >= 2
     int prompts_per_step = 8;  // >= 1
-    double lr = 1e-3;
+    double lr = 1e-3;          // peak learning rate
+    // Learning-rate schedule over the training steps: linear warmup from 0 over lr_warmup_steps,
+    // then constant, or a cosine decay to lr_min_ratio x lr at run.steps.
+    std::string lr_schedule = "constant";  // constant | cosine
+    int64_t lr_warmup_steps = 0;           // >= 0
+    double lr_min_ratio = 0.0;             // cosine floor, in [0, 1]
     double weight_decay = 0.0;
     double beta1 = 0.9, beta2 = 0.99, adam_eps = 1e-8;
     double grad_clip = 1.0;  // 0 = off
@@ -70,6 +75,8 @@ struct RunConfig {
     // Cross-field checks (sizes that cannot work together); throws naming the key.
     void validate() const;
     int max_new_tokens() const;
+    // The learning rate of training step `step` (0-based) under the schedule.
+    double lr_at(int64_t step) const;
     std::string store_uri() const;
 };
 

@@ -23,6 +23,7 @@ struct TrainStats {
     double truncated_fraction = 0;
     double kl = 0;
     double grad_norm = 0;  // before clipping
+    double lr = 0;         // learning rate of the update
     int64_t num_tokens = 0;
 };
 
