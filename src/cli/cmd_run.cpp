@@ -1,10 +1,13 @@
 // `moerl run CONFIG.yaml` (local mode: every role in this process) and `moerl bench rollout`.
 #include <ATen/Parallel.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 
 #include "commands.hpp"
+#include "moerl/core/error.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/roles.hpp"
 
@@ -17,6 +20,9 @@ void register_run_commands(CLI::App& app, CLI::App& bench) {
         long long steps = -1;
         std::string out;
         bool quiet = false;
+        bool distributed = false;
+        std::string redis, store;
+        int rollout_workers = 3;
     };
     auto args = std::make_shared<RunArgs>();
     CLI::App* run =
@@ -28,7 +34,30 @@ void register_run_commands(CLI::App& app, CLI::App& bench) {
     run->add_option("--steps", args->steps, "Override run.steps");
     run->add_option("--out", args->out, "Override run.output_dir");
     run->add_flag("--quiet", args->quiet, "No progress line");
+    run->add_flag("--distributed", args->distributed,
+                  "Run every role as its own process on Redis and a store (same as `moerl cluster`)");
+    run->add_option("--redis", args->redis, "With --distributed: redis://host:port");
+    run->add_option("--store", args->store, "With --distributed: file:///dir or s3://bucket/prefix");
+    run->add_option("--rollout-workers", args->rollout_workers,
+                    "With --distributed: rollout worker processes");
     run->callback([args] {
+        if (args->distributed) {
+            MOERL_CHECK(!args->redis.empty(), "run --distributed: --redis redis://host:port is required");
+            std::vector<std::string> argv = {"moerl",
+                                             "cluster",
+                                             args->config,
+                                             "--redis",
+                                             args->redis,
+                                             "--rollout-workers",
+                                             std::to_string(args->rollout_workers)};
+            if (!args->store.empty()) argv.insert(argv.end(), {"--store", args->store});
+            if (!args->out.empty()) argv.insert(argv.end(), {"--out", args->out});
+            std::vector<char*> cargv;
+            for (auto& a : argv) cargv.push_back(a.data());
+            cargv.push_back(nullptr);
+            execv("/proc/self/exe", cargv.data());
+            MOERL_FAIL("run --distributed: cannot start the cluster: ", std::strerror(errno));
+        }
         rl::RunConfig cfg = rl::RunConfig::load(args->config);
         rl::RunOptions opt;
         opt.resume = args->resume;
