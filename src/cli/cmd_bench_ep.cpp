@@ -21,6 +21,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "c10d_store.hpp"
 #include "commands.hpp"
 #include "launch.hpp"
 #include "moerl/core/error.hpp"
@@ -54,19 +55,6 @@ double median(std::vector<double> v) {
     return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-class StoreAdapter final : public ep::Store {
-  public:
-    explicit StoreAdapter(c10::intrusive_ptr<c10d::Store> s) : s_(std::move(s)) {}
-    void set(const std::string& k, const std::vector<uint8_t>& v) override { s_->set(k, v); }
-    std::vector<uint8_t> get(const std::string& k, std::chrono::milliseconds timeout) override {
-        s_->wait({k}, timeout);
-        return s_->get(k);
-    }
-
-  private:
-    c10::intrusive_ptr<c10d::Store> s_;
-};
-
 // One rank of one configuration; returns its measurements.
 Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase& bc, int world, int rank,
               int port) {
@@ -76,7 +64,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     so.numWorkers = world;
     so.timeout = std::chrono::seconds(120);
     auto tcp = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-    StoreAdapter store(c10::make_intrusive<c10d::PrefixStore>("ep", tcp));
+    C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep", tcp));
 
     ep::Config c;
     c.world_size = world;

@@ -10,31 +10,13 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "c10d_store.hpp"
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 
 namespace moerl::cli {
 
 namespace {
-
-class TcpStoreAdapter final : public ep::Store {
-  public:
-    explicit TcpStoreAdapter(c10::intrusive_ptr<c10d::TCPStore> store) : store_(std::move(store)) {}
-    void set(const std::string& key, const std::vector<uint8_t>& value) override { store_->set(key, value); }
-    std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
-        try {
-            store_->wait({key}, timeout);
-        } catch (const std::exception& e) {
-            throw TimeoutError("TCPStore: key '" + key + "' did not appear within " +
-                                   std::to_string(timeout.count()) + " ms (" + e.what() + ")",
-                               __FILE__, __LINE__);
-        }
-        return store_->get(key);
-    }
-
-  private:
-    c10::intrusive_ptr<c10d::TCPStore> store_;
-};
 
 volatile sig_atomic_t g_forward_signal = 0;
 void on_signal(int sig) { g_forward_signal = sig; }
@@ -63,7 +45,7 @@ std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s) 
     o.waitWorkers = false;
     o.timeout = std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
     try {
-        return std::make_unique<TcpStoreAdapter>(c10::make_intrusive<c10d::TCPStore>(env.master_addr, o));
+        return std::make_unique<C10dStore>(c10::make_intrusive<c10d::TCPStore>(env.master_addr, o));
     } catch (const std::exception& e) {
         MOERL_FAIL("cannot reach the rendezvous store at ", env.master_addr, ":", env.master_port, ": ",
                    e.what());
@@ -119,14 +101,16 @@ int launch_local(int num_ranks, const std::vector<std::string>& argv, int master
         for (pid_t p : pids)
             if (p > 0) kill(p, sig);
     };
+    // The first failure (or a signal to the launcher) decides the exit status; SIGKILL follows
+    // after the grace period.
+    auto begin_stop = [&](int sig, int status) {
+        stopping = true;
+        result = status;
+        stop_all(sig);
+        stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(long(grace_s * 1000));
+    };
     while (alive > 0) {
-        if (g_forward_signal != 0 && !stopping) {
-            stop_all(g_forward_signal);
-            stopping = true;
-            result = 128 + g_forward_signal;
-            stop_deadline =
-                std::chrono::steady_clock::now() + std::chrono::milliseconds(long(grace_s * 1000));
-        }
+        if (g_forward_signal != 0 && !stopping) begin_stop(g_forward_signal, 128 + g_forward_signal);
         int status = 0;
         pid_t done = waitpid(-1, &status, WNOHANG);
         if (done > 0) {
@@ -138,11 +122,7 @@ int launch_local(int num_ranks, const std::vector<std::string>& argv, int master
                 if (code != 0 && !stopping) {
                     std::cerr << "moerl launch: rank " << r << " exited with status " << code
                               << "; stopping the other ranks\n";
-                    result = code;
-                    stopping = true;
-                    stop_all(SIGTERM);
-                    stop_deadline =
-                        std::chrono::steady_clock::now() + std::chrono::milliseconds(long(grace_s * 1000));
+                    begin_stop(SIGTERM, code);
                 }
             }
             continue;
