@@ -51,12 +51,13 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test moerl)
 grep -q "model_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_test)
+grep -q "generator_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(generator_test)
 grep -q "model_hf_dump" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_hf_dump)
 if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 
 # --- tests --------------------------------------------------------------------------------------------
-(cd "$BUILD" && timeout 150 ctest -L gpu --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
+(cd "$BUILD" && timeout 200 ctest -L gpu --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*|Not Run|Passed|Skipped" "$OUT/ctest.log" | tail -40
 step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
 
@@ -74,8 +75,16 @@ if [ -x "$MOERL" ]; then
   else
     step bench_nccl "skipped (one GPU)"
   fi
-  timeout 70 "$MOERL" bench model --device cuda --batch 32 --prompt 256 --decode 64 >"$OUT/bench-model.log" 2>&1
-  step bench_model "rc=$?"
+  if [ "${MOERL_DEVICE_ROLLOUT:-1}" = 1 ]; then
+    # The generation engine on the Qwen3-30B-A3B shape (8 layers), then transformers' generate on the
+    # same checkpoint (written to local disk, removed afterwards).
+    HF_DIR=${TMPDIR:-/tmp}/moerl-rollout-ckpt
+    rm -rf "$HF_DIR"
+    timeout 330 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64,256 \
+      --prompt 128 --new ${MOERL_DEVICE_NEW:-64} --hf-dir "$HF_DIR" >"$OUT/bench-rollout.log" 2>&1
+    step bench_rollout "rc=$?"
+    rm -rf "$HF_DIR"
+  fi
   tail -40 "$OUT"/bench-*.log
 else
   step bench "skipped ($MOERL not built)"
@@ -91,7 +100,9 @@ fi
 # --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
 TEST_BIN=$BUILD/tests/gpu/ep_cuda_test
 CASE='Engines/DeviceConformance.MatchesHostReference/cuda_w2_bf16_e8_k4_h72_t40'
-if [ -x "$TEST_BIN" ] && command -v compute-sanitizer >/dev/null; then
+if [ "${MOERL_DEVICE_SANITIZE:-1}" != 1 ]; then
+  step sanitizer "skipped (MOERL_DEVICE_SANITIZE=0)"
+elif [ -x "$TEST_BIN" ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     timeout 75 compute-sanitizer --tool $tool --target-processes all --print-limit 20 \
       "$TEST_BIN" --gtest_filter="$CASE" >"$OUT/sanitizer-$tool.log" 2>&1
@@ -103,8 +114,11 @@ else
 fi
 
 echo
+[ -f "$OUT/bench-rollout.log" ] && grep -E "^\| |copy bandwidth" "$OUT/bench-rollout.log"
+[ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
+echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda bench_nccl bench_model ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
+for k in configure build ctest_gpu bench bench_cuda bench_nccl bench_rollout ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done

@@ -10,6 +10,7 @@
 #include <memory>
 #include <set>
 
+#include "bench_util.hpp"
 #include "commands.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/model/config.hpp"
@@ -18,8 +19,6 @@
 
 namespace moerl::cli {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // A subcommand other layers may also extend (e.g. `ckpt`).
 CLI::App* subcommand(CLI::App& parent, const std::string& name, const std::string& description) {
@@ -31,35 +30,8 @@ CLI::App* subcommand(CLI::App& parent, const std::string& name, const std::strin
     return sub;
 }
 
-at::ScalarType dtype_of(const std::string& name) {
-    if (name == "float32" || name == "fp32") return at::kFloat;
-    if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
-    if (name == "float16" || name == "fp16") return at::kHalf;
-    MOERL_FAIL("dtype \"", name, "\" is not supported, expected float32, bfloat16 or float16");
-}
-
 std::string dtype_name(at::ScalarType t) {
     return t == at::kFloat ? "float32" : (t == at::kBFloat16 ? "bfloat16" : "float16");
-}
-
-std::string human_bytes(double b) {
-    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    int u = 0;
-    while (b >= 1024 && u < 4) b /= 1024, ++u;
-    char buf[32];
-    std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", b, units[u]);
-    return buf;
-}
-
-std::string human_count(double n) {
-    char buf[32];
-    if (n >= 1e9)
-        std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
-    else if (n >= 1e6)
-        std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
-    else
-        std::snprintf(buf, sizeof buf, "%.0f", n);
-    return buf;
 }
 
 void model_init(const std::string& config_path, const std::string& out, uint64_t seed, int shard_mb,
@@ -165,32 +137,6 @@ struct BenchArgs {
     int reps = 3;
     uint64_t seed = 1;
 };
-
-double seconds_since(Clock::time_point t0) {
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
-// Device copy bandwidth, counted as bytes read + written per second (how HBM figures are quoted).
-double copy_bandwidth(const at::Device& device) {
-    const int64_t n = int64_t{1} << 28;  // 1 GiB of fp32 per buffer
-    at::Tensor a = at::empty({n}, at::TensorOptions().device(device).dtype(at::kFloat)).fill_(1.0);
-    at::Tensor b = at::empty_like(a);
-    b.copy_(a);
-    (void)b[0].item<float>();
-    std::vector<double> times;
-    for (int i = 0; i < 5; ++i) {
-        auto t0 = Clock::now();
-        for (int j = 0; j < 10; ++j) b.copy_(a);
-        (void)b[0].item<float>();  // synchronises the device
-        times.push_back(seconds_since(t0) / 10);
-    }
-    return 2.0 * n * 4 / median(times);
-}
 
 void bench_one(const std::string& name, const model::ModelConfig& c, const BenchArgs& a,
                const at::Device& device, at::ScalarType dtype, double copy_bw) {

@@ -1,5 +1,4 @@
-// `moerl run CONFIG.yaml` (local mode: every role in this process) and `moerl bench rollout`.
-#include <ATen/Parallel.h>
+// `moerl run CONFIG.yaml` (local mode: every role in this process).
 #include <unistd.h>
 
 #include <cstdio>
@@ -13,7 +12,7 @@
 
 namespace moerl::cli {
 
-void register_run_commands(CLI::App& app, CLI::App& bench) {
+void register_run_commands(CLI::App& app) {
     struct RunArgs {
         std::string config;
         bool resume = false;
@@ -69,33 +68,6 @@ void register_run_commands(CLI::App& app, CLI::App& bench) {
                     cfg.name.c_str(), static_cast<long long>(s.steps_done), s.final_reward, s.first_reward,
                     s.wall_seconds);
         std::printf("metrics: %s\nreward curve: %s\n", s.metrics_path.c_str(), s.svg_path.c_str());
-    });
-
-    struct BenchArgs {
-        std::string config;
-        int sequences = 512;
-        std::vector<int> batches{1, 16, 64, 256};
-    };
-    auto bargs = std::make_shared<BenchArgs>();
-    CLI::App* b =
-        bench.add_subcommand("rollout", "Rollout engine generation throughput (CPU, random weights)");
-    b->add_option("--config", bargs->config,
-                  "Run configuration for the model and task (default: built-in tiny model)");
-    b->add_option("--sequences", bargs->sequences, "Sequences generated per row");
-    b->add_option("--batch", bargs->batches, "max_batch values to measure");
-    b->callback([bargs] {
-        rl::RunConfig cfg = bargs->config.empty() ? rl::RunConfig::from_yaml_text("{}", "defaults")
-                                                  : rl::RunConfig::load(bargs->config);
-        std::printf("%10s %10s %10s %10s %12s\n", "max_batch", "sequences", "tokens", "seconds", "tokens/s");
-        for (int mb : bargs->batches) {
-            rl::RolloutBench r = rl::bench_rollout(cfg, bargs->sequences, mb);
-            std::printf("%10d %10lld %10lld %10.3f %12.0f\n", r.max_batch,
-                        static_cast<long long>(r.sequences), static_cast<long long>(r.tokens), r.seconds,
-                        r.tokens / std::max(1e-9, r.seconds));
-        }
-        std::printf("(threads: %d; model hidden %d, %d layers, %d experts top-%d)\n", at::get_num_threads(),
-                    cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.num_experts,
-                    cfg.model.num_experts_per_tok);
     });
 }
 

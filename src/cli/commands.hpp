@@ -12,8 +12,10 @@ void register_bench_ep(CLI::App& bench);
 void register_ep_commands(CLI::App& app);
 // `model init`, `ckpt inspect`, `bench model` (cmd_model.cpp).
 void register_model_commands(CLI::App& app, CLI::App& bench);
-// `run`, `worker`, `bench rollout` (cmd_run.cpp).
-void register_run_commands(CLI::App& app, CLI::App& bench);
+// `run` (cmd_run.cpp).
+void register_run_commands(CLI::App& app);
+// `bench rollout` (cmd_bench_rollout.cpp).
+void register_bench_rollout(CLI::App& bench);
 // `worker --role ...` (cmd_worker.cpp).
 void register_worker_commands(CLI::App& app);
 

@@ -17,8 +17,11 @@ int main(int argc, char** argv) {
 #ifdef MOERL_HAVE_CMD_MODEL
     moerl::cli::register_model_commands(app, *bench);
 #endif
+#ifdef MOERL_HAVE_CMD_BENCH_ROLLOUT
+    moerl::cli::register_bench_rollout(*bench);
+#endif
 #ifdef MOERL_HAVE_CMD_RUN
-    moerl::cli::register_run_commands(app, *bench);
+    moerl::cli::register_run_commands(app);
 #endif
 #ifdef MOERL_HAVE_CMD_WORKER
     moerl::cli::register_worker_commands(app);

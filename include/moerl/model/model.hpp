@@ -23,6 +23,8 @@ class Buffer;
 
 namespace moerl::model {
 
+class Generator;
+
 struct ModelOptions {
     at::Device device = at::kCPU;
     at::ScalarType dtype = at::kFloat;  // compute and parameter dtype: fp32, bf16 or fp16
@@ -124,6 +126,7 @@ class MoeModel {
     StepOutput decode(KvCache& cache, const at::Tensor& tokens, bool record_routing = false) const;
 
   private:
+    friend class Generator;  // reads the weights in place
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };

@@ -1,0 +1,91 @@
+// The CUDA generation engine: a paged (block) KV cache shared by sequences of any length, decode
+// steps made of fused kernels (RoPE + cache store, paged attention, routing, grouped expert GEMVs,
+// combine + norm) around cuBLAS projections, replayed from CUDA graphs per batch-size bucket.
+// Prefill runs the model's eager path (fused SDPA attention, grouped expert GEMMs) and moves the
+// keys and values into the cache blocks.
+//
+// Sequences live in slots [0, max_batch). A step decodes any subset of the active slots, so
+// sequences join (prefill) and leave (release) between steps: continuous batching.
+//
+//   Generator gen(model, {.max_batch = 64, .max_seq_len = 1024});
+//   std::vector<int> slots = {gen.acquire(), gen.acquire()};
+//   auto r = gen.prefill(slots, {prompt_a, prompt_b});    // r.greedy: next tokens [2]
+//   for (...) r = gen.decode(slots, r.greedy);
+//   gen.release(slots[0]);
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moerl/model/model.hpp"
+
+namespace moerl::model {
+
+struct GeneratorOptions {
+    int max_batch = 64;       // slots (sequences in flight); graphs are captured for 1, 2, 4, ... up to it
+    int max_seq_len = 1024;   // prompt + generated tokens of one sequence
+    int block_size = 16;      // tokens per KV-cache block
+    int64_t num_blocks = 0;   // blocks in the pool; 0 = enough for every slot at max_seq_len
+    bool cuda_graphs = true;  // false: every step launches its kernels eagerly (same results)
+};
+
+struct GenerationStep {
+    at::Tensor logits;  // [n, V] model dtype on the device, valid until the next call
+    at::Tensor greedy;  // [n] int64 on the device: argmax of each row
+};
+
+struct GeneratorStats {
+    int64_t decode_steps = 0;
+    int64_t decode_rows = 0;          // tokens produced by decode steps
+    int64_t expert_weight_reads = 0;  // sum over decode steps and MoE layers of distinct experts used
+    int64_t kv_tokens_read = 0;       // sum over decode steps and rows of cached tokens attended (per layer)
+};
+
+class Generator {
+  public:
+    // The model must live on a CUDA device, hold every expert (no EP buffer) and outlive the
+    // generator. Throws naming the unsupported property otherwise.
+    Generator(const MoeModel& model, const GeneratorOptions& options = {});
+    ~Generator();
+    Generator(const Generator&) = delete;
+    Generator& operator=(const Generator&) = delete;
+
+    // Whether this build has the CUDA engine (LibTorch with CUDA and the decode kernels).
+    static bool available();
+
+    // A free slot, or -1 when all max_batch are in use.
+    int acquire();
+    // Frees the slot and its cache blocks.
+    void release(int slot);
+    // Cached tokens of a slot (-1 when free).
+    int64_t length(int slot) const;
+    int64_t free_blocks() const;
+
+    // Starts each listed (acquired, empty) slot with its prompt (>= 1 token). Returns the logits of
+    // each prompt's last token.
+    GenerationStep prefill(const std::vector<int>& slots, const std::vector<std::vector<int64_t>>& prompts);
+    // Appends tokens [n] (int64, any device) to the n listed slots and returns the next logits.
+    GenerationStep decode(const std::vector<int>& slots, const at::Tensor& tokens);
+
+    // Re-reads weights the generator keeps in its own layout (the fused q/k/v projection); call
+    // after the model's weights changed in place.
+    void refresh_weights();
+
+    GeneratorStats stats() const;  // synchronises with the device
+    void reset_stats();
+    // Bytes one decode step reads besides the routed experts and the KV cache (dense weights and
+    // the output projection), and the bytes of one expert (gate + up + down).
+    int64_t dense_bytes_per_step() const;
+    int64_t expert_bytes() const;
+    // Bytes of one cached token across all layers (keys + values).
+    int64_t kv_bytes_per_token() const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moerl::model

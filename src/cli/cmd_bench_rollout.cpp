@@ -1,0 +1,264 @@
+// `moerl bench rollout`: generation throughput. On CUDA the generation engine (model/generator.hpp)
+// on a Qwen3-MoE-shaped model with random weights, per batch size: prefill, decode step time,
+// tokens/s and the bandwidth the decode steps draw against the device copy bandwidth of the same
+// run; optionally the same model, batch and lengths through Hugging Face transformers' generate.
+// On the CPU the RL rollout engine of a run configuration (needs the rl layer).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <torch/cuda.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include "bench_util.hpp"
+#include "commands.hpp"
+#include "moerl/core/error.hpp"
+#include "moerl/model/config.hpp"
+#include "moerl/model/generator.hpp"
+#include "moerl/model/model.hpp"
+
+#ifdef MOERL_HAVE_CMD_RUN
+#include "moerl/rl/config.hpp"
+#include "moerl/rl/roles.hpp"
+#endif
+
+namespace moerl::cli {
+namespace {
+
+struct RolloutArgs {
+    std::string device = "cpu";
+    std::string config;  // cpu: run configuration (YAML); cuda: model config.json
+    int layers = 8;      // built-in CUDA model: layers of the Qwen3-30B-A3B shape
+    std::vector<int> batches{1, 16, 64, 256};
+    int prompt = 128;
+    int new_tokens = 128;
+    int sequences = 512;  // cpu
+    bool no_graphs = false;
+    std::string hf_dir;  // write the checkpoint here and run the transformers reference
+    std::string hf_script = "bench/hf_generate.py";
+    uint64_t seed = 1;
+};
+
+// Qwen3-30B-A3B's shape (hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of width
+// 768, top-8, vocabulary 151936) with fewer layers so a checkpoint fits one GPU and one disk.
+model::ModelConfig qwen3_30b_a3b_shape(int layers) {
+    model::ModelConfig c;
+    c.vocab_size = 151936;
+    c.hidden_size = 2048;
+    c.intermediate_size = 6144;
+    c.num_hidden_layers = layers;
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 4;
+    c.head_dim = 128;
+    c.moe_intermediate_size = 768;
+    c.num_experts = 128;
+    c.num_experts_per_tok = 8;
+    c.norm_topk_prob = true;
+    c.rope_theta = 1e6;
+    c.rms_norm_eps = 1e-6;
+    c.max_position_embeddings = 40960;
+    c.tie_word_embeddings = false;
+    c.initializer_range = 0.02;
+    c.torch_dtype = "bfloat16";
+    c.validate();
+    return c;
+}
+
+// N(0, initializer_range) drawn on the device (seconds, not minutes, for billions of weights).
+void init_on_device(model::MoeModel& m, uint64_t seed) {
+    c10::NoGradGuard no_grad;
+    at::manual_seed(seed);
+    const double stddev = m.config().initializer_range;
+    for (auto& [name, t] : m.state_dict()) {
+        if (name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0)
+            t.fill_(1.0);
+        else
+            t.normal_(0.0, stddev);
+    }
+}
+
+struct Row {
+    int batch = 0;
+    double prefill_s = 0, step_s = 0, e2e_tok_s = 0, bytes_per_step = 0, experts_per_layer = 0;
+    double hf_tok_s = 0;
+};
+
+Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const RolloutArgs& a, int B) {
+    Row row;
+    row.batch = B;
+    at::Tensor prompts = at::randint(1, c.vocab_size, {B, a.prompt}, at::kLong);
+    std::vector<std::vector<int64_t>> ps(B);
+    for (int b = 0; b < B; ++b) {
+        const int64_t* p = prompts[b].data_ptr<int64_t>();
+        ps[b].assign(p, p + a.prompt);
+    }
+    std::vector<int> slots;
+    for (int b = 0; b < B; ++b) slots.push_back(gen.acquire());
+    torch::cuda::synchronize();
+    const auto t0 = Clock::now();
+    model::GenerationStep r = gen.prefill(slots, ps);
+    at::Tensor next = r.greedy;
+    torch::cuda::synchronize();
+    row.prefill_s = seconds_since(t0);
+    // The first step captures this bucket's graph; the timed steps replay it.
+    const auto t1 = Clock::now();
+    next = gen.decode(slots, next).greedy;
+    torch::cuda::synchronize();
+    const double first_step = seconds_since(t1);
+    gen.reset_stats();
+    const int timed = a.new_tokens - 2;
+    const auto t2 = Clock::now();
+    for (int s = 0; s < timed; ++s) next = gen.decode(slots, next).greedy;
+    torch::cuda::synchronize();
+    const double decode_s = seconds_since(t2);
+    row.step_s = decode_s / timed;
+    row.e2e_tok_s = static_cast<double>(B) * a.new_tokens / (row.prefill_s + first_step + decode_s);
+    const model::GeneratorStats st = gen.stats();
+    const int moe_layers = std::max(1, c.num_moe_layers());
+    row.experts_per_layer = static_cast<double>(st.expert_weight_reads) / timed / moe_layers;
+    row.bytes_per_step =
+        static_cast<double>(gen.dense_bytes_per_step()) +
+        static_cast<double>(st.expert_weight_reads) / timed * static_cast<double>(gen.expert_bytes()) +
+        static_cast<double>(st.kv_tokens_read) / timed * static_cast<double>(gen.kv_bytes_per_token());
+    for (int s : slots) gen.release(s);
+    return row;
+}
+
+// Runs the transformers reference; it prints one JSON object per batch: {"batch": B, "tokens_per_s": x}.
+std::map<int, double> run_hf_reference(const RolloutArgs& a) {
+    std::ostringstream batches;
+    for (size_t i = 0; i < a.batches.size(); ++i) batches << (i ? "," : "") << a.batches[i];
+    const std::string cmd = "python3 " + a.hf_script + " --model " + a.hf_dir + " --batch " + batches.str() +
+                            " --prompt " + std::to_string(a.prompt) + " --new " +
+                            std::to_string(a.new_tokens) + " --seed " + std::to_string(a.seed);
+    std::printf("reference: %s\n", cmd.c_str());
+    std::fflush(stdout);
+    std::map<int, double> out;
+    FILE* p = popen(cmd.c_str(), "r");
+    MOERL_CHECK(p != nullptr, "cannot run the transformers reference: ", cmd);
+    char line[4096];
+    while (std::fgets(line, sizeof line, p) != nullptr) {
+        std::fputs(line, stdout);
+        int batch = 0;
+        double tps = 0;
+        if (std::sscanf(line, "{\"batch\": %d, \"tokens_per_s\": %lf", &batch, &tps) == 2) out[batch] = tps;
+    }
+    const int rc = pclose(p);
+    if (rc != 0) std::printf("reference exited with status %d\n", rc);
+    return out;
+}
+
+void bench_cuda(const RolloutArgs& a) {
+    MOERL_CHECK(torch::cuda::is_available(), "bench rollout --device cuda: no CUDA device is available");
+    MOERL_CHECK(model::Generator::available(),
+                "bench rollout --device cuda: this build has no CUDA generation engine");
+    const model::ModelConfig c =
+        a.config.empty() ? qwen3_30b_a3b_shape(a.layers) : model::ModelConfig::load(a.config);
+    const at::Device device(at::kCUDA, 0);
+    const double copy_bw = copy_bandwidth(device);
+    model::MoeModel m(c, {device, at::kBFloat16});
+    m.set_requires_grad(false);
+    init_on_device(m, a.seed);
+    const int max_batch = *std::max_element(a.batches.begin(), a.batches.end());
+    model::Generator gen(m, {.max_batch = max_batch,
+                             .max_seq_len = a.prompt + a.new_tokens + 1,
+                             .block_size = 16,
+                             .num_blocks = 0,
+                             .cuda_graphs = !a.no_graphs});
+    std::printf(
+        "moerl bench rollout: CUDA bf16, %s params (%s active per token), %d layers, hidden %d, %d experts "
+        "top-%d, "
+        "vocab %d; prompt %d, %d new tokens, greedy, %s\n",
+        human_count(static_cast<double>(c.num_parameters())).c_str(),
+        human_count(static_cast<double>(c.num_active_parameters())).c_str(), c.num_hidden_layers,
+        c.hidden_size, c.num_experts, c.num_experts_per_tok, c.vocab_size, a.prompt, a.new_tokens,
+        a.no_graphs ? "eager launches" : "CUDA graphs");
+    std::printf(
+        "device copy bandwidth (read + write): %.0f GB/s; decode bandwidth = bytes a step reads (non-expert "
+        "weights "
+        "but the embedding, the distinct experts routed to, the KV cache attended) / step time\n",
+        copy_bw / 1e9);
+    std::vector<Row> rows;
+    for (int B : a.batches) {
+        MOERL_CHECK(B >= 1, "--batch values must be >= 1, got ", B);
+        rows.push_back(bench_batch(gen, c, a, B));
+        const Row& r = rows.back();
+        std::printf("batch %d: step %.3f ms, %.0f tok/s decode, %.1f%% of copy bandwidth\n", B,
+                    r.step_s * 1e3, B / r.step_s, 100.0 * r.bytes_per_step / r.step_s / copy_bw);
+        std::fflush(stdout);
+    }
+    if (!a.hf_dir.empty()) {
+        m.save_pretrained(a.hf_dir);
+        std::map<int, double> hf = run_hf_reference(a);
+        for (Row& r : rows)
+            if (hf.count(r.batch)) r.hf_tok_s = hf[r.batch];
+    }
+    std::printf(
+        "\n| batch | prefill s | step ms | decode tok/s | e2e tok/s | experts/layer | bytes/step | GB/s | "
+        "util | "
+        "HF e2e tok/s | ratio |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (const Row& r : rows) {
+        const double bw = r.bytes_per_step / r.step_s;
+        std::printf("| %d | %.3f | %.3f | %.0f | %.0f | %.1f | %s | %.0f | %.1f%% |", r.batch, r.prefill_s,
+                    r.step_s * 1e3, r.batch / r.step_s, r.e2e_tok_s, r.experts_per_layer,
+                    human_bytes(r.bytes_per_step).c_str(), bw / 1e9, 100.0 * bw / copy_bw);
+        if (r.hf_tok_s > 0)
+            std::printf(" %.0f | %.1fx |\n", r.hf_tok_s, r.e2e_tok_s / r.hf_tok_s);
+        else
+            std::printf(" - | - |\n");
+    }
+}
+
+void bench_cpu(const RolloutArgs& a) {
+#ifdef MOERL_HAVE_CMD_RUN
+    rl::RunConfig cfg =
+        a.config.empty() ? rl::RunConfig::from_yaml_text("{}", "defaults") : rl::RunConfig::load(a.config);
+    std::printf("%10s %10s %10s %10s %12s\n", "max_batch", "sequences", "tokens", "seconds", "tokens/s");
+    for (int mb : a.batches) {
+        rl::RolloutBench r = rl::bench_rollout(cfg, a.sequences, mb);
+        std::printf("%10d %10lld %10lld %10.3f %12.0f\n", r.max_batch, static_cast<long long>(r.sequences),
+                    static_cast<long long>(r.tokens), r.seconds, r.tokens / std::max(1e-9, r.seconds));
+    }
+    std::printf("(threads: %d; model hidden %d, %d layers, %d experts top-%d)\n", at::get_num_threads(),
+                cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.num_experts,
+                cfg.model.num_experts_per_tok);
+#else
+    (void)a;
+    MOERL_FAIL("bench rollout --device cpu runs the RL rollout engine; this build has no rl layer");
+#endif
+}
+
+}  // namespace
+
+void register_bench_rollout(CLI::App& bench) {
+    auto a = std::make_shared<RolloutArgs>();
+    CLI::App* b =
+        bench.add_subcommand("rollout", "Generation throughput (random weights): CUDA engine or CPU rollout");
+    b->add_option("--device", a->device, "cpu (RL rollout engine) or cuda (generation engine)");
+    b->add_option("--config", a->config,
+                  "cpu: run configuration (YAML, default built-in); cuda: model config.json (default: the "
+                  "Qwen3-30B-A3B shape with --layers layers)");
+    b->add_option("--layers", a->layers, "cuda, built-in model: layers");
+    b->add_option("--batch", a->batches, "Batch sizes (cpu: max_batch values)");
+    b->add_option("--prompt", a->prompt, "cuda: prompt tokens per sequence");
+    b->add_option("--new", a->new_tokens, "cuda: generated tokens per sequence (>= 3)");
+    b->add_option("--sequences", a->sequences, "cpu: sequences generated per row");
+    b->add_flag("--no-graphs", a->no_graphs, "cuda: launch every decode step eagerly");
+    b->add_option("--hf-dir", a->hf_dir,
+                  "cuda: write the checkpoint here and run Hugging Face transformers' generate on it");
+    b->add_option("--hf-script", a->hf_script, "cuda: the reference script");
+    b->add_option("--seed", a->seed, "Weight and prompt seed");
+    b->callback([a] {
+        if (a->device == "cpu") return bench_cpu(*a);
+        MOERL_CHECK(a->device.rfind("cuda", 0) == 0, "--device ", a->device,
+                    " is not supported, expected cpu or cuda");
+        MOERL_CHECK(a->new_tokens >= 3, "--new must be >= 3, got ", a->new_tokens);
+        bench_cuda(*a);
+    });
+}
+
+}  // namespace moerl::cli

@@ -1,0 +1,79 @@
+// Internal: the kernels of the CUDA decode step (no LibTorch inside), plain launchers taking pointers,
+// sizes and a stream. Every launcher is capturable in a CUDA graph: fixed grids, no host sync, no
+// allocation. Element type: `dtype` 0 = fp32, 1 = bf16 for every T* argument; math is in fp32.
+//
+// Shapes: B rows (sequences) of one decode step, H hidden, Hq / Hkv query / key-value heads of D
+// dims, E experts (K per token), I expert width, V vocabulary.
+//   paged KV pool (per layer, keys and values alike): [num_blocks, block_size, Hkv, D]
+//   block_table: [max_batch, max_blocks] int32, row = sequence slot, entry = pool block
+//   position[b]: RoPE position of row b's new token (= tokens already cached), -1 = padding row
+//   slot[b]: sequence slot of row b (its block-table row)
+// Padding rows (position -1) are skipped: no cache write, no expert, zero attention output.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moerl::model::cuda {
+
+constexpr int kMaxExperts = 512;  // router softmax and per-expert counters live in shared memory
+constexpr int kMaxHeadDim = 256;  // per-lane registers of the attention and RoPE kernels
+constexpr int kMoeTokenTile = 8;  // tokens of one expert multiplied per pass over its weights
+
+struct MoeRouting {
+    int* topk_idx = nullptr;        // [B, K] global expert, -1 for padding rows
+    float* topk_weights = nullptr;  // [B, K]
+    int* expert_offset = nullptr;   // [E + 1] prefix sum of tokens per expert
+    int* active_experts = nullptr;  // [E] experts with at least one token, ascending
+    int* num_active = nullptr;      // [1]
+    int* expert_slots = nullptr;    // [B * K] (row * K + k) grouped by expert (order inside a group free)
+    unsigned long long* experts_read = nullptr;  // optional: += num_active (expert weight sets read)
+};
+
+// x[b] = embed[tokens[b]] (ids clamped to [0, V)); h[b] = rms_norm(x[b]) * norm_weight.
+void launch_embed_rmsnorm(int dtype, const int64_t* tokens, const void* embed, const void* norm_weight,
+                          float eps, int B, int V, int H, void* x, void* h, cudaStream_t stream);
+
+// x += delta (when delta != nullptr); h = rms_norm(x) * norm_weight. Rows with position < 0 skipped.
+void launch_add_rmsnorm(int dtype, void* x, const void* delta, const void* norm_weight, float eps,
+                        const int* position, int B, int H, void* h, cudaStream_t stream);
+
+// qkv [B, (Hq + 2 Hkv) D] from the fused projection: q and k heads are RMS-normalised (q_norm,
+// k_norm [D]) and rotated at position[b]; q goes to q_out [B, Hq, D], k and v into the pools.
+void launch_qk_norm_rope_store(int dtype, const void* qkv, const void* q_norm, const void* k_norm, float eps,
+                               float rope_theta, const int* position, const int* slot, const int* block_table,
+                               int max_blocks, int block_size, int B, int Hq, int Hkv, int D, void* q_out,
+                               void* k_pool, void* v_pool, cudaStream_t stream);
+
+// Query heads per key-value head the attention kernel is built for (1, 2, 4, 8, 16).
+bool attention_group_supported(int group);
+
+// out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
+void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
+                            const int* position, const int* slot, const int* block_table, int max_blocks,
+                            int block_size, int B, int Hq, int Hkv, int D, void* out, cudaStream_t stream);
+
+// Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
+// norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.
+void launch_route(int dtype, const void* router_logits, const int* position, int B, int E, int K,
+                  bool norm_topk_prob, const MoeRouting& r, cudaStream_t stream);
+
+// act[s] = silu(h[s / K] gate_e^T) * (h[s / K] up_e^T) for every slot s routed to expert e.
+// gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)).
+void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
+                        int B, int K, int H, int I, int max_active, void* act, cudaStream_t stream);
+
+// y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
+void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
+                     int I, int max_active, float* y, cudaStream_t stream);
+
+// x[b] += sum_k w[b, k] y[b * K + k]; h[b] = rms_norm(x[b]) * norm_weight. Padding rows skipped.
+void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
+                                const void* norm_weight, float eps, const int* position, int B, int K, int H,
+                                void* h, cudaStream_t stream);
+
+// out[b] = argmax of logits[b, :V] (lowest index on ties).
+void launch_argmax(int dtype, const void* logits, int B, int V, int64_t* out, cudaStream_t stream);
+
+}  // namespace moerl::model::cuda

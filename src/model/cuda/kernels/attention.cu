@@ -1,0 +1,202 @@
+// Decode attention over the paged KV cache: one block per (row, key-value head) serves the G query
+// heads of that group, so every cached key and value is read once per step.
+//
+// Each warp takes 32 tokens at a time: lane t scores token t against the G queries (its key row
+// read whole, 16-byte loads), an online softmax keeps (max, sum) per query head, then the warp
+// accumulates the values with lane i holding dims i, i + 32, ... The warps' partial states are
+// merged at the end.
+#include <cfloat>
+
+#include "common.cuh"
+
+namespace moerl::model::cuda {
+namespace {
+
+constexpr int kAttnWarps = 4;
+
+// G query heads per key-value head; kDimsPerLane = ceil(D / 32).
+template <typename T, int G, int kDimsPerLane>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
+                           const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
+                           T* out) {
+    extern __shared__ float smem[];
+    float* q_s = smem;                    // [G, D]
+    float* m_s = q_s + G * D;             // [warps, G]
+    float* l_s = m_s + kAttnWarps * G;    // [warps, G]
+    float* acc_s = l_s + kAttnWarps * G;  // [warps, G, D]
+    const int kv_head = blockIdx.x, b = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pos = position[b];
+    T* out_row = out + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // out [B, Hq, D]
+    if (pos < 0) {
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x) out_row[i] = from_float<T>(0.0f);
+        return;
+    }
+    const float scale = rsqrtf(static_cast<float>(D));
+    const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_float(q_row[i]) * scale;
+    __syncthreads();
+
+    const int num_tokens = pos + 1;
+    const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
+    const size_t head_stride = static_cast<size_t>(Hkv) * D;  // one token's row in the pool
+    float m[G], l[G], acc[G][kDimsPerLane];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] = 0.0f;
+    }
+    for (int base = warp * 32; base < num_tokens; base += kAttnWarps * 32) {
+        const int t = base + lane;
+        const bool valid = t < num_tokens;
+        size_t row = 0;  // element offset of token t's (kv_head) row in the pools
+        float s[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) s[g] = 0.0f;
+        if (valid) {
+            row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
+                  static_cast<size_t>(kv_head) * D;
+            const T* k_row = k_pool + row;
+            for (int d = 0; d < D; d += 8) {
+                float kv[8];
+                load8(k_row + d, kv);
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float* qg = q_s + g * D + d;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) s[g] += qg[i] * kv[i];
+                }
+            }
+        }
+        float p[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float tile_max = warp_max(valid ? s[g] : -FLT_MAX);
+            const float m_new = fmaxf(m[g], tile_max);
+            const float correction = __expf(m[g] - m_new);
+            p[g] = valid ? __expf(s[g] - m_new) : 0.0f;
+            l[g] = l[g] * correction + warp_sum(p[g]);
+            m[g] = m_new;
+#pragma unroll
+            for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] *= correction;
+        }
+        const int count = min(32, num_tokens - base);
+        for (int j = 0; j < count; ++j) {
+            const size_t vrow = __shfl_sync(kFullMask, row, j);
+            const T* v_row = v_pool + vrow;
+            float v[kDimsPerLane];
+#pragma unroll
+            for (int i = 0; i < kDimsPerLane; ++i) {
+                const int d = lane + 32 * i;
+                v[i] = d < D ? to_float(v_row[d]) : 0.0f;
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float pj = __shfl_sync(kFullMask, p[g], j);
+#pragma unroll
+                for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] += pj * v[i];
+            }
+        }
+    }
+    // Merge the warps' (max, sum, acc).
+    if (lane == 0)
+        for (int g = 0; g < G; ++g) {
+            m_s[warp * G + g] = m[g];
+            l_s[warp * G + g] = l[g];
+        }
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int i = 0; i < kDimsPerLane; ++i) {
+            const int d = lane + 32 * i;
+            if (d < D) acc_s[(warp * G + g) * D + d] = acc[g][i];
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D;
+        float mx = -FLT_MAX;
+        for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, m_s[w * G + g]);
+        float sum = 0.0f, value = 0.0f;
+        for (int w = 0; w < kAttnWarps; ++w) {
+            if (l_s[w * G + g] == 0.0f) continue;  // a warp that saw no token
+            const float f = __expf(m_s[w * G + g] - mx);
+            sum += l_s[w * G + g] * f;
+            value += acc_s[(w * G + g) * D + (i % D)] * f;
+        }
+        out_row[i] = from_float<T>(value / sum);
+    }
+}
+
+template <typename T, int G, int kDimsPerLane>
+void launch_group(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
+                  const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
+                  void* out, cudaStream_t stream) {
+    const size_t smem = sizeof(float) * (G * D + 2 * kAttnWarps * G + kAttnWarps * G * D);
+    auto kernel = paged_attention_kernel<T, G, kDimsPerLane>;
+    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+    kernel<<<dim3(Hkv, B), kAttnWarps * 32, smem, stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(k_pool), static_cast<const T*>(v_pool), position,
+        slot, block_table, max_blocks, block_size, Hq, Hkv, D, static_cast<T*>(out));
+}
+
+template <typename T, int G>
+void launch_dims(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
+                 const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
+                 void* out, cudaStream_t stream) {
+    if (D <= 32)
+        launch_group<T, G, 1>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
+                              Hkv, D, out, stream);
+    else if (D <= 64)
+        launch_group<T, G, 2>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
+                              Hkv, D, out, stream);
+    else if (D <= 128)
+        launch_group<T, G, 4>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
+                              Hkv, D, out, stream);
+    else
+        launch_group<T, G, 8>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
+                              Hkv, D, out, stream);
+}
+
+template <typename T>
+void launch_typed(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
+                  const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
+                  void* out, cudaStream_t stream) {
+    switch (Hq / Hkv) {
+#define MOERL_ATTN_CASE(g)                                                                               \
+    case g:                                                                                              \
+        launch_dims<T, g>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq, \
+                          Hkv, D, out, stream);                                                          \
+        break;
+        MOERL_ATTN_CASE(1)
+        MOERL_ATTN_CASE(2)
+        MOERL_ATTN_CASE(4)
+        MOERL_ATTN_CASE(8)
+        MOERL_ATTN_CASE(16)
+#undef MOERL_ATTN_CASE
+        default:
+            break;  // refused by the generator before any launch
+    }
+}
+
+}  // namespace
+
+bool attention_group_supported(int group) {
+    return group == 1 || group == 2 || group == 4 || group == 8 || group == 16;
+}
+
+void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
+                            const int* position, const int* slot, const int* block_table, int max_blocks,
+                            int block_size, int B, int Hq, int Hkv, int D, void* out, cudaStream_t stream) {
+    if (B == 0) return;
+    if (dtype == 0)
+        launch_typed<float>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
+                            Hkv, D, out, stream);
+    else
+        launch_typed<__nv_bfloat16>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B,
+                                    Hq, Hkv, D, out, stream);
+}
+
+}  // namespace moerl::model::cuda

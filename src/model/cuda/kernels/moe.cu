@@ -1,0 +1,310 @@
+// The MoE layer of a decode step: routing, expert grouping, the two expert projections and the
+// weighted combine. The expert kernels read each routed expert's weights once per step and apply
+// them to all tokens routed to it (gathered on the fly, no permuted copy of the activations): at
+// decode batch sizes the weights, not the tokens, are the traffic.
+#include <cfloat>
+
+#include "common.cuh"
+
+namespace moerl::model::cuda {
+namespace {
+
+constexpr int kRouteWarps = 16;
+constexpr int kMoeWarps = 8;  // one output row per warp
+
+template <typename T>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    route_kernel(const T* logits, const int* position, int B, int E, int K, bool norm_topk_prob,
+                 MoeRouting r) {
+    extern __shared__ float smem[];
+    float* probs = smem;                                           // [warps, E]
+    int* count = reinterpret_cast<int*>(probs + kRouteWarps * E);  // [E]
+    int* cursor = count + E;                                       // [E]
+    int* offset = cursor + E;                                      // [E + 1]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = cursor[e] = 0;
+    __syncthreads();
+
+    float* p = probs + warp * E;
+    for (int b = warp; b < B; b += kRouteWarps) {
+        if (position[b] < 0) {
+            if (lane < K) {
+                r.topk_idx[b * K + lane] = -1;
+                r.topk_weights[b * K + lane] = 0.0f;
+            }
+            continue;
+        }
+        const T* row = logits + static_cast<size_t>(b) * E;  // logits [B, E]
+        float mx = -FLT_MAX;
+        for (int e = lane; e < E; e += 32) {
+            p[e] = to_float(row[e]);
+            mx = fmaxf(mx, p[e]);
+        }
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (int e = lane; e < E; e += 32) {
+            p[e] = __expf(p[e] - mx);
+            sum += p[e];
+        }
+        const float inv_sum = 1.0f / warp_sum(sum);
+        // K rounds of a warp argmax (lowest index on ties); lane k keeps the k-th choice.
+        int my_idx = -1;
+        float my_w = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            float best = -1.0f;
+            int best_e = E;
+            for (int e = lane; e < E; e += 32)
+                if (p[e] > best) best = p[e], best_e = e;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ob = __shfl_xor_sync(kFullMask, best, o);
+                const int oe = __shfl_xor_sync(kFullMask, best_e, o);
+                if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+            }
+            if (lane == k) my_idx = best_e, my_w = best * inv_sum;
+            __syncwarp();
+            if (lane == 0) p[best_e] = -2.0f;  // taken
+            __syncwarp();
+        }
+        const float total = warp_sum(lane < K ? my_w : 0.0f);
+        if (lane < K) {
+            r.topk_idx[b * K + lane] = my_idx;
+            r.topk_weights[b * K + lane] = norm_topk_prob ? my_w / total : my_w;
+            atomicAdd(&count[my_idx], 1);
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // Exclusive scans of the counts and of the active flags; lane i owns experts [i*chunk, ...).
+        const int chunk = (E + 31) / 32, lo = min(E, lane * chunk), hi = min(E, lo + chunk);
+        int slots = 0, active = 0;
+        for (int e = lo; e < hi; ++e) slots += count[e], active += count[e] > 0;
+        int slots_before = slots, active_before = active;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int s = __shfl_up_sync(kFullMask, slots_before, o);
+            const int a = __shfl_up_sync(kFullMask, active_before, o);
+            if (lane >= o) slots_before += s, active_before += a;
+        }
+        slots_before -= slots;
+        active_before -= active;
+        for (int e = lo; e < hi; ++e) {
+            offset[e] = slots_before;
+            r.expert_offset[e] = slots_before;
+            slots_before += count[e];
+            if (count[e] > 0) r.active_experts[active_before++] = e;
+        }
+        if (lane == 31) {
+            offset[E] = slots_before;
+            r.expert_offset[E] = slots_before;
+            *r.num_active = active_before;
+            if (r.experts_read != nullptr)
+                atomicAdd(r.experts_read, static_cast<unsigned long long>(active_before));
+        }
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < B * K; s += blockDim.x) {
+        const int e = r.topk_idx[s];
+        if (e >= 0) r.expert_slots[offset[e] + atomicAdd(&cursor[e], 1)] = s;
+    }
+}
+
+// Rows [begin, begin + n) of the tile: the activations of the slots expert_slots[first + j]
+// (row slot / row_div of src [*, cols]) copied into tile [n, cols].
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* src, const int* expert_slots, int first, int n,
+                                          int row_div, int cols, T* tile) {
+    constexpr int kVec = 16 / sizeof(T);
+    for (int i = threadIdx.x * kVec; i < n * cols; i += blockDim.x * kVec) {
+        const int j = i / cols, c = i % cols;
+        const int src_row = expert_slots[first + j] / row_div;
+        *reinterpret_cast<uint4*>(tile + i) =
+            *reinterpret_cast<const uint4*>(src + static_cast<size_t>(src_row) * cols + c);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMoeWarps * 32)
+    gate_up_kernel(const T* h, const T* gate, const T* up, MoeRouting r, int K, int H, int I, T* act) {
+    extern __shared__ __align__(16) unsigned char tile_bytes[];
+    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kMoeTokenTile, H]
+    if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
+    const int e = r.active_experts[blockIdx.y];
+    const int first = r.expert_offset[e], n = r.expert_offset[e + 1] - first;
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
+    const T* g_row = gate + (static_cast<size_t>(e) * I + row) * H;  // gate, up [E, I, H]
+    const T* u_row = up + (static_cast<size_t>(e) * I + row) * H;
+    for (int c0 = 0; c0 < n; c0 += kMoeTokenTile) {
+        const int nt = min(kMoeTokenTile, n - c0);
+        __syncthreads();
+        load_tile(h, r.expert_slots, first + c0, nt, K, H, tile);
+        __syncthreads();
+        if (row >= I) continue;
+        float acc_g[kMoeTokenTile], acc_u[kMoeTokenTile];
+#pragma unroll
+        for (int j = 0; j < kMoeTokenTile; ++j) acc_g[j] = acc_u[j] = 0.0f;
+#pragma unroll 2
+        for (int c = lane * 8; c < H; c += 256) {
+            float wg[8], wu[8];
+            load8(g_row + c, wg);
+            load8(u_row + c, wu);
+#pragma unroll
+            for (int j = 0; j < kMoeTokenTile; ++j) {
+                if (j >= nt) break;
+                float xv[8];
+                load8(tile + j * H + c, xv);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    acc_g[j] += wg[i] * xv[i];
+                    acc_u[j] += wu[i] * xv[i];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kMoeTokenTile; ++j) {
+            if (j >= nt) break;
+            const float g = round_to<T>(warp_sum(acc_g[j])), u = round_to<T>(warp_sum(acc_u[j]));
+            if (lane == 0) {
+                const int s = r.expert_slots[first + c0 + j];
+                act[static_cast<size_t>(s) * I + row] = from_float<T>(round_to<T>(silu(g)) * u);
+            }
+        }
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMoeWarps * 32)
+    down_kernel(const T* act, const T* down, MoeRouting r, int H, int I, float* y) {
+    extern __shared__ __align__(16) unsigned char tile_bytes[];
+    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kMoeTokenTile, I]
+    if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
+    const int e = r.active_experts[blockIdx.y];
+    const int first = r.expert_offset[e], n = r.expert_offset[e + 1] - first;
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
+    const T* d_row = down + (static_cast<size_t>(e) * H + row) * I;  // down [E, H, I]
+    for (int c0 = 0; c0 < n; c0 += kMoeTokenTile) {
+        const int nt = min(kMoeTokenTile, n - c0);
+        __syncthreads();
+        load_tile(act, r.expert_slots, first + c0, nt, 1, I, tile);
+        __syncthreads();
+        if (row >= H) continue;
+        float acc[kMoeTokenTile];
+#pragma unroll
+        for (int j = 0; j < kMoeTokenTile; ++j) acc[j] = 0.0f;
+#pragma unroll 2
+        for (int c = lane * 8; c < I; c += 256) {
+            float wd[8];
+            load8(d_row + c, wd);
+#pragma unroll
+            for (int j = 0; j < kMoeTokenTile; ++j) {
+                if (j >= nt) break;
+                float xv[8];
+                load8(tile + j * I + c, xv);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[j] += wd[i] * xv[i];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kMoeTokenTile; ++j) {
+            if (j >= nt) break;
+            const float v = round_to<T>(warp_sum(acc[j]));
+            if (lane == 0) y[static_cast<size_t>(r.expert_slots[first + c0 + j]) * H + row] = v;
+        }
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+    combine_rmsnorm_kernel(T* x, const float* y, MoeRouting r, const T* w, float eps, const int* position,
+                           int K, int H, T* h) {
+    __shared__ float scratch[32];
+    const int b = blockIdx.x;
+    if (position[b] < 0) return;
+    T* xr = x + static_cast<size_t>(b) * H;
+    const float* yr = y + static_cast<size_t>(b) * K * H;  // y [B, K, H]
+    float sum_sq = 0.0f;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int k = 0; k < K; ++k)
+            if (r.topk_idx[b * K + k] >= 0)
+                acc += r.topk_weights[b * K + k] * yr[static_cast<size_t>(k) * H + c];
+        const float f = round_to<T>(to_float(xr[c]) + round_to<T>(acc));
+        xr[c] = from_float<T>(f);
+        sum_sq += f * f;
+    }
+    row_rmsnorm(xr, w, eps, H, h + static_cast<size_t>(b) * H, sum_sq, scratch);
+}
+
+template <typename T>
+void launch_moe(const void* h, const void* gate, const void* up, const void* down, const void* act_in,
+                const MoeRouting& r, int K, int H, int I, int max_active, void* act_out, float* y,
+                cudaStream_t stream) {
+    if (max_active == 0) return;
+    if (act_out != nullptr) {
+        const size_t smem = sizeof(T) * kMoeTokenTile * H;
+        ensure_dynamic_smem(reinterpret_cast<const void*>(gate_up_kernel<T>), smem);
+        gate_up_kernel<T>
+            <<<dim3((I + kMoeWarps - 1) / kMoeWarps, max_active), kMoeWarps * 32, smem, stream>>>(
+                static_cast<const T*>(h), static_cast<const T*>(gate), static_cast<const T*>(up), r, K, H, I,
+                static_cast<T*>(act_out));
+    } else {
+        const size_t smem = sizeof(T) * kMoeTokenTile * I;
+        ensure_dynamic_smem(reinterpret_cast<const void*>(down_kernel<T>), smem);
+        down_kernel<T><<<dim3((H + kMoeWarps - 1) / kMoeWarps, max_active), kMoeWarps * 32, smem, stream>>>(
+            static_cast<const T*>(act_in), static_cast<const T*>(down), r, H, I, y);
+    }
+}
+
+}  // namespace
+
+void launch_route(int dtype, const void* router_logits, const int* position, int B, int E, int K,
+                  bool norm_topk_prob, const MoeRouting& r, cudaStream_t stream) {
+    const size_t smem = sizeof(float) * kRouteWarps * E + sizeof(int) * (3 * E + 1);
+    if (dtype == 0) {
+        ensure_dynamic_smem(reinterpret_cast<const void*>(route_kernel<float>), smem);
+        route_kernel<float><<<1, kRouteWarps * 32, smem, stream>>>(static_cast<const float*>(router_logits),
+                                                                   position, B, E, K, norm_topk_prob, r);
+    } else {
+        ensure_dynamic_smem(reinterpret_cast<const void*>(route_kernel<__nv_bfloat16>), smem);
+        route_kernel<__nv_bfloat16><<<1, kRouteWarps * 32, smem, stream>>>(
+            static_cast<const __nv_bfloat16*>(router_logits), position, B, E, K, norm_topk_prob, r);
+    }
+}
+
+void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
+                        int B, int K, int H, int I, int max_active, void* act, cudaStream_t stream) {
+    (void)B;
+    if (dtype == 0)
+        launch_moe<float>(h, gate, up, nullptr, nullptr, r, K, H, I, max_active, act, nullptr, stream);
+    else
+        launch_moe<__nv_bfloat16>(h, gate, up, nullptr, nullptr, r, K, H, I, max_active, act, nullptr,
+                                  stream);
+}
+
+void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
+                     int I, int max_active, float* y, cudaStream_t stream) {
+    (void)B;
+    if (dtype == 0)
+        launch_moe<float>(nullptr, nullptr, nullptr, down, act, r, K, H, I, max_active, nullptr, y, stream);
+    else
+        launch_moe<__nv_bfloat16>(nullptr, nullptr, nullptr, down, act, r, K, H, I, max_active, nullptr, y,
+                                  stream);
+}
+
+void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
+                                const void* norm_weight, float eps, const int* position, int B, int K, int H,
+                                void* h, cudaStream_t stream) {
+    if (B == 0) return;
+    if (dtype == 0)
+        combine_rmsnorm_kernel<float><<<B, 256, 0, stream>>>(static_cast<float*>(x), y, r,
+                                                             static_cast<const float*>(norm_weight), eps,
+                                                             position, K, H, static_cast<float*>(h));
+    else
+        combine_rmsnorm_kernel<__nv_bfloat16><<<B, 256, 0, stream>>>(
+            static_cast<__nv_bfloat16*>(x), y, r, static_cast<const __nv_bfloat16*>(norm_weight), eps,
+            position, K, H, static_cast<__nv_bfloat16*>(h));
+}
+
+}  // namespace moerl::model::cuda

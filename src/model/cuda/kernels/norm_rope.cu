@@ -1,0 +1,156 @@
+// Embedding, residual add + RMSNorm, and the per-head q/k RMSNorm + RoPE + KV-cache store.
+// Rounding follows the model's eager path: the residual stream, normalised values and the weight
+// product are each rounded to the model dtype.
+#include "common.cuh"
+
+namespace moerl::model::cuda {
+namespace {
+
+constexpr int kNormThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kNormThreads)
+    embed_rmsnorm_kernel(const int64_t* tokens, const T* embed, const T* w, float eps, int V, int H, T* x,
+                         T* h) {
+    __shared__ float scratch[32];
+    const int b = blockIdx.x;
+    const int64_t token = min(max(tokens[b], int64_t{0}), static_cast<int64_t>(V - 1));
+    const T* src = embed + token * H;  // embed [V, H]
+    T* xr = x + static_cast<size_t>(b) * H;
+    float sum_sq = 0.0f;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        const T v = src[c];
+        xr[c] = v;
+        const float f = to_float(v);
+        sum_sq += f * f;
+    }
+    row_rmsnorm(xr, w, eps, H, h + static_cast<size_t>(b) * H, sum_sq, scratch);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kNormThreads)
+    add_rmsnorm_kernel(T* x, const T* delta, const T* w, float eps, const int* position, int H, T* h) {
+    __shared__ float scratch[32];
+    const int b = blockIdx.x;
+    if (position != nullptr && position[b] < 0) return;
+    T* xr = x + static_cast<size_t>(b) * H;
+    const T* dr = delta != nullptr ? delta + static_cast<size_t>(b) * H : nullptr;
+    float sum_sq = 0.0f;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float f = to_float(xr[c]);
+        if (dr != nullptr) {
+            f = round_to<T>(f + to_float(dr[c]));
+            xr[c] = from_float<T>(f);
+        }
+        sum_sq += f * f;
+    }
+    row_rmsnorm(xr, w, eps, H, h + static_cast<size_t>(b) * H, sum_sq, scratch);
+}
+
+// One warp per (row, head) over the Hq query, Hkv key and Hkv value heads of the fused projection.
+// Lane i holds the RoPE pairs (j, j + D/2) for j = i, i + 32, ...
+template <typename T>
+__global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T* k_norm, float eps,
+                                          float rope_theta, const int* position, const int* slot,
+                                          const int* block_table, int max_blocks, int block_size, int B,
+                                          int Hq, int Hkv, int D, T* q_out, T* k_pool, T* v_pool) {
+    const int lane = threadIdx.x & 31;
+    const int heads = Hq + 2 * Hkv;
+    const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (task >= B * heads) return;
+    const int b = task / heads, head = task % heads;
+    const int pos = position[b];
+    if (pos < 0) return;
+    const T* src = qkv + (static_cast<size_t>(b) * heads + head) * D;  // qkv [B, heads, D]
+    // Cache row of this token: pool [num_blocks, block_size, Hkv, D].
+    const int block = block_table[static_cast<size_t>(slot[b]) * max_blocks + pos / block_size];
+    const size_t cache_row = (static_cast<size_t>(block) * block_size + pos % block_size) * Hkv;
+    if (head >= Hq + Hkv) {  // value head: stored as is
+        T* dst = v_pool + (cache_row + (head - Hq - Hkv)) * D;
+        for (int c = lane; c < D; c += 32) dst[c] = src[c];
+        return;
+    }
+    const bool is_q = head < Hq;
+    const T* w = is_q ? q_norm : k_norm;
+    T* dst = is_q ? q_out + (static_cast<size_t>(b) * Hq + head) * D : k_pool + (cache_row + (head - Hq)) * D;
+    const int half = D / 2;
+    constexpr int kPairs = kMaxHeadDim / 64;
+    float lo[kPairs], hi[kPairs];
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+        const int j = lane + 32 * p;
+        lo[p] = hi[p] = 0.0f;
+        if (j < half) {
+            lo[p] = to_float(src[j]);
+            hi[p] = to_float(src[j + half]);
+            sum_sq += lo[p] * lo[p] + hi[p] * hi[p];
+        }
+    }
+    const float inv = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+        const int j = lane + 32 * p;
+        if (j >= half) continue;
+        const float a = round_to<T>(to_float(w[j]) * round_to<T>(lo[p] * inv));
+        const float c = round_to<T>(to_float(w[j + half]) * round_to<T>(hi[p] * inv));
+        // inv_freq = 1 / theta^(2j / D) and the angle in fp32, cos/sin rounded to the model dtype.
+        const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * j) / static_cast<float>(D));
+        const float angle = static_cast<float>(pos) * inv_freq;
+        const float cs = round_to<T>(cosf(angle)), sn = round_to<T>(sinf(angle));
+        dst[j] = from_float<T>(a * cs - c * sn);
+        dst[j + half] = from_float<T>(c * cs + a * sn);
+    }
+}
+
+}  // namespace
+
+void launch_embed_rmsnorm(int dtype, const int64_t* tokens, const void* embed, const void* norm_weight,
+                          float eps, int B, int V, int H, void* x, void* h, cudaStream_t stream) {
+    if (B == 0) return;
+    if (dtype == 0)
+        embed_rmsnorm_kernel<float><<<B, kNormThreads, 0, stream>>>(
+            tokens, static_cast<const float*>(embed), static_cast<const float*>(norm_weight), eps, V, H,
+            static_cast<float*>(x), static_cast<float*>(h));
+    else
+        embed_rmsnorm_kernel<__nv_bfloat16><<<B, kNormThreads, 0, stream>>>(
+            tokens, static_cast<const __nv_bfloat16*>(embed), static_cast<const __nv_bfloat16*>(norm_weight),
+            eps, V, H, static_cast<__nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(h));
+}
+
+void launch_add_rmsnorm(int dtype, void* x, const void* delta, const void* norm_weight, float eps,
+                        const int* position, int B, int H, void* h, cudaStream_t stream) {
+    if (B == 0) return;
+    if (dtype == 0)
+        add_rmsnorm_kernel<float><<<B, kNormThreads, 0, stream>>>(
+            static_cast<float*>(x), static_cast<const float*>(delta), static_cast<const float*>(norm_weight),
+            eps, position, H, static_cast<float*>(h));
+    else
+        add_rmsnorm_kernel<__nv_bfloat16><<<B, kNormThreads, 0, stream>>>(
+            static_cast<__nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(delta),
+            static_cast<const __nv_bfloat16*>(norm_weight), eps, position, H, static_cast<__nv_bfloat16*>(h));
+}
+
+void launch_qk_norm_rope_store(int dtype, const void* qkv, const void* q_norm, const void* k_norm, float eps,
+                               float rope_theta, const int* position, const int* slot, const int* block_table,
+                               int max_blocks, int block_size, int B, int Hq, int Hkv, int D, void* q_out,
+                               void* k_pool, void* v_pool, cudaStream_t stream) {
+    const int tasks = B * (Hq + 2 * Hkv);
+    if (tasks == 0) return;
+    constexpr int kWarps = 8;
+    const int blocks = (tasks + kWarps - 1) / kWarps;
+    if (dtype == 0)
+        qk_norm_rope_store_kernel<float><<<blocks, kWarps * 32, 0, stream>>>(
+            static_cast<const float*>(qkv), static_cast<const float*>(q_norm),
+            static_cast<const float*>(k_norm), eps, rope_theta, position, slot, block_table, max_blocks,
+            block_size, B, Hq, Hkv, D, static_cast<float*>(q_out), static_cast<float*>(k_pool),
+            static_cast<float*>(v_pool));
+    else
+        qk_norm_rope_store_kernel<__nv_bfloat16><<<blocks, kWarps * 32, 0, stream>>>(
+            static_cast<const __nv_bfloat16*>(qkv), static_cast<const __nv_bfloat16*>(q_norm),
+            static_cast<const __nv_bfloat16*>(k_norm), eps, rope_theta, position, slot, block_table,
+            max_blocks, block_size, B, Hq, Hkv, D, static_cast<__nv_bfloat16*>(q_out),
+            static_cast<__nv_bfloat16*>(k_pool), static_cast<__nv_bfloat16*>(v_pool));
+}
+
+}  // namespace moerl::model::cuda

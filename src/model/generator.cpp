@@ -1,0 +1,525 @@
+// The CUDA generation engine (generator.hpp). Compiled with the decode kernels when LibTorch has
+// CUDA (MOERL_HAVE_CUDA_GENERATOR); otherwise every entry point reports that the build lacks it.
+#include "moerl/model/generator.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <map>
+
+#include "model_impl.hpp"
+#include "moerl/core/error.hpp"
+#include "moerl/model/layers.hpp"
+
+#ifdef MOERL_HAVE_CUDA_GENERATOR
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/decode_kernels.hpp"
+#endif
+
+namespace moerl::model {
+
+#ifdef MOERL_HAVE_CUDA_GENERATOR
+
+namespace {
+
+std::vector<int> bucket_sizes(int max_batch) {
+    std::vector<int> out;
+    for (int b = 1; b < max_batch; b *= 2) out.push_back(b);
+    out.push_back(max_batch);
+    return out;
+}
+
+}  // namespace
+
+struct Generator::Impl {
+    const MoeModel& model;
+    const MoeModel::Impl& m;
+    GeneratorOptions opt;
+    at::Device device;
+    int dtype = 0;  // 0 fp32, 1 bf16 (kernel element type)
+    int64_t H, Hq, Hkv, D, E, K, I, V;
+    int max_blocks = 0;  // per sequence
+    int64_t num_blocks = 0;
+    std::vector<int> buckets;
+
+    // Per layer: paged keys and values [num_blocks, block_size, Hkv, D], fused q/k/v weight.
+    std::vector<at::Tensor> k_pool, v_pool, qkv_weight;
+
+    // Host bookkeeping of the slots.
+    std::vector<int64_t> length;                // cached tokens, -1 = free slot
+    std::vector<std::vector<int>> slot_blocks;  // blocks of each slot in order
+    std::vector<int> free_list;
+    at::Tensor table_host;  // [max_batch, max_blocks] int32 (CPU)
+    bool table_dirty = true;
+    GeneratorStats host_stats;
+
+    // Static step buffers (graphs read and write them in place), max_batch rows.
+    at::Tensor tokens, position, slot, table;
+    at::Tensor x, h, qkv, q, attn, o, router_logits, act, y, logits, greedy;
+    at::Tensor topk_idx, topk_weights, expert_offset, active_experts, num_active, expert_slots, experts_read;
+    std::map<int, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
+
+    Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
+        : model(owner), m(weights), opt(o), device(weights.options.device) {}
+
+    cuda::MoeRouting routing() {
+        cuda::MoeRouting r;
+        r.topk_idx = topk_idx.data_ptr<int>();
+        r.topk_weights = topk_weights.data_ptr<float>();
+        r.expert_offset = expert_offset.data_ptr<int>();
+        r.active_experts = active_experts.data_ptr<int>();
+        r.num_active = num_active.data_ptr<int>();
+        r.expert_slots = expert_slots.data_ptr<int>();
+        r.experts_read = reinterpret_cast<unsigned long long*>(experts_read.data_ptr<int64_t>());
+        return r;
+    }
+
+    void fuse_qkv() {
+        for (size_t l = 0; l < m.layers.size(); ++l) {
+            const LayerWeights& w = m.layers[l];
+            at::Tensor fused = at::cat({w.q_proj.detach(), w.k_proj.detach(), w.v_proj.detach()}, 0);
+            if (qkv_weight.size() <= l)
+                qkv_weight.push_back(fused);
+            else
+                qkv_weight[l].copy_(fused);
+        }
+    }
+
+    // The kernels of one decode step over rows [0, B) of the static buffers, on the current stream.
+    void run_step(int B) {
+        const ModelConfig& c = m.config;
+        const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+        const float eps = static_cast<float>(c.rms_norm_eps);
+        const int* pos = position.data_ptr<int>();
+        const int* slots = slot.data_ptr<int>();
+        const int* tbl = table.data_ptr<int>();
+        auto rows = [B](const at::Tensor& t) { return t.narrow(0, 0, B); };
+        cuda::launch_embed_rmsnorm(dtype, tokens.data_ptr<int64_t>(), m.embed.data_ptr(),
+                                   m.layers[0].input_norm.data_ptr(), eps, B, static_cast<int>(V), H,
+                                   x.data_ptr(), h.data_ptr(), stream);
+        const cuda::MoeRouting r = routing();
+        const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
+        for (size_t l = 0; l < m.layers.size(); ++l) {
+            const LayerWeights& w = m.layers[l];
+            const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
+            at::Tensor qkv_b = rows(qkv);
+            at::mm_out(qkv_b, rows(h), qkv_weight[l].t());
+            cuda::launch_qk_norm_rope_store(dtype, qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
+                                            eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
+                                            max_blocks, opt.block_size, B, Hq, Hkv, D, q.data_ptr(),
+                                            k_pool[l].data_ptr(), v_pool[l].data_ptr(), stream);
+            cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
+                                         slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
+                                         attn.data_ptr(), stream);
+            at::Tensor o_b = rows(o);
+            at::mm_out(o_b, rows(attn), w.o_proj.t());
+            cuda::launch_add_rmsnorm(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, B,
+                                     H, h.data_ptr(), stream);
+            if (w.moe_index >= 0) {
+                at::Tensor logits_b = rows(router_logits);
+                at::mm_out(logits_b, rows(h), w.router.t());
+                cuda::launch_route(dtype, router_logits.data_ptr(), pos, B, E, K, c.norm_topk_prob, r,
+                                   stream);
+                cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
+                                         w.experts_up.data_ptr(), r, B, K, H, I, max_active, act.data_ptr(),
+                                         stream);
+                cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
+                                      max_active, y.data_ptr<float>(), stream);
+                cuda::launch_moe_combine_rmsnorm(dtype, x.data_ptr(), y.data_ptr<float>(), r,
+                                                 next_norm.data_ptr(), eps, pos, B, K, H, h.data_ptr(),
+                                                 stream);
+            } else {
+                at::Tensor mlp = swiglu(rows(h), w.gate_proj, w.up_proj, w.down_proj).contiguous();
+                cuda::launch_add_rmsnorm(dtype, x.data_ptr(), mlp.data_ptr(), next_norm.data_ptr(), eps, pos,
+                                         B, H, h.data_ptr(), stream);
+            }
+        }
+        at::Tensor logits_b = rows(logits);
+        at::mm_out(logits_b, rows(h), m.output_weight().t());
+        cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), greedy.data_ptr<int64_t>(),
+                            stream);
+        const cudaError_t err = cudaGetLastError();
+        MOERL_CHECK(err == cudaSuccess, "decode step kernels failed to launch: ", cudaGetErrorString(err));
+    }
+
+    // Replays the graph of bucket B, capturing it first (after one eager warm-up on the capture
+    // stream, which also creates the cuBLAS state the capture needs).
+    void replay(int B) {
+        auto it = graphs.find(B);
+        if (it == graphs.end()) {
+            at::cuda::CUDAStream caller = at::cuda::getCurrentCUDAStream();
+            at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
+            at::cuda::CUDAEvent ready;
+            ready.record(caller);
+            ready.block(side);
+            auto graph = std::make_unique<at::cuda::CUDAGraph>();
+            {
+                c10::cuda::CUDAStreamGuard guard(side);
+                run_step(B);  // the real step's results (the graph replays the same step below)
+                graph->capture_begin();
+                run_step(B);
+                graph->capture_end();
+            }
+            at::cuda::CUDAEvent done;
+            done.record(side);
+            done.block(caller);
+            // The eager warm-up already produced this step; replaying would count it twice in
+            // experts_read but is otherwise idempotent (same cache writes). Keep the eager result.
+            graphs.emplace(B, std::move(graph));
+            return;
+        }
+        it->second->replay();
+    }
+
+    int bucket_for(int n) const {
+        for (int b : buckets)
+            if (b >= n) return b;
+        return buckets.back();
+    }
+
+    int take_block() {
+        MOERL_CHECK(!free_list.empty(), "KV cache out of blocks: all ", num_blocks - 1,
+                    " blocks are in use (raise GeneratorOptions::num_blocks or release sequences)");
+        const int b = free_list.back();
+        free_list.pop_back();
+        return b;
+    }
+
+    void check_slot(int s, const char* what) const {
+        MOERL_CHECK(s >= 0 && s < opt.max_batch, what, ": slot ", s, " is out of range [0, ", opt.max_batch,
+                    ")");
+        MOERL_CHECK(length[s] >= 0, what, ": slot ", s, " is not acquired");
+    }
+
+    void upload_table() {
+        if (!table_dirty) return;
+        table.copy_(table_host.pin_memory(), /*non_blocking=*/true);
+        table_dirty = false;
+    }
+};
+
+Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
+    : impl_(std::make_unique<Impl>(model, *model.impl_, options)) {
+    Impl& g = *impl_;
+    const MoeModel::Impl& m = g.m;
+    const ModelConfig& c = m.config;
+    MOERL_CHECK(m.options.device.is_cuda(), "Generator: the model is on ", m.options.device,
+                ", the generation engine needs a CUDA device");
+    MOERL_CHECK(m.options.ep == nullptr,
+                "Generator: the model shards its experts over an EP group; the generation "
+                "engine needs every expert on this device");
+    MOERL_CHECK(m.options.dtype == at::kFloat || m.options.dtype == at::kBFloat16, "Generator: model dtype ",
+                m.options.dtype, " is not supported (float32 or bfloat16)");
+    MOERL_CHECK(options.max_batch >= 1 && options.max_batch <= 1024,
+                "Generator: max_batch = ", options.max_batch, ", expected 1..1024");
+    MOERL_CHECK(options.max_seq_len >= 1, "Generator: max_seq_len = ", options.max_seq_len,
+                ", expected >= 1");
+    MOERL_CHECK(options.block_size >= 1, "Generator: block_size = ", options.block_size, ", expected >= 1");
+    g.dtype = m.options.dtype == at::kFloat ? 0 : 1;
+    g.H = c.hidden_size, g.Hq = c.num_attention_heads, g.Hkv = c.num_key_value_heads, g.D = c.head_dim;
+    g.E = c.num_experts, g.K = c.num_experts_per_tok, g.I = c.moe_intermediate_size, g.V = c.vocab_size;
+    const int64_t vec = g.dtype == 0 ? 4 : 8;  // elements per 16 bytes
+    MOERL_CHECK(g.H % 8 == 0 && g.I % 8 == 0 && g.D % 8 == 0, "Generator: hidden_size ", g.H,
+                ", moe_intermediate_size ", g.I, " and head_dim ", g.D, " must be multiples of 8");
+    MOERL_CHECK(g.H % vec == 0, "Generator: hidden_size must be a multiple of ", vec);
+    MOERL_CHECK(g.D % 2 == 0 && g.D <= cuda::kMaxHeadDim, "Generator: head_dim ", g.D,
+                " must be even and <= ", cuda::kMaxHeadDim);
+    MOERL_CHECK(cuda::attention_group_supported(static_cast<int>(g.Hq / g.Hkv)), "Generator: ", g.Hq,
+                " query heads per ", g.Hkv, " key-value heads = groups of ", g.Hq / g.Hkv,
+                "; supported: 1, 2, 4, 8, 16");
+    MOERL_CHECK(c.num_moe_layers() == 0 || (g.E <= cuda::kMaxExperts && g.K <= 32), "Generator: ", g.E,
+                " experts, top-", g.K, "; supported: up to ", cuda::kMaxExperts, " experts, top-k <= 32");
+
+    c10::cuda::CUDAGuard device_guard(g.device);
+    g.max_blocks = static_cast<int>((options.max_seq_len + options.block_size - 1) / options.block_size);
+    // Block 0 is never handed out: padding rows of a bucket point at it.
+    g.num_blocks =
+        options.num_blocks > 0 ? options.num_blocks + 1 : int64_t{options.max_batch} * g.max_blocks + 1;
+    for (int b = static_cast<int>(g.num_blocks) - 1; b >= 1; --b) g.free_list.push_back(b);
+    g.length.assign(options.max_batch, -1);
+    g.slot_blocks.resize(options.max_batch);
+    g.buckets = bucket_sizes(options.max_batch);
+
+    auto t = at::TensorOptions().device(g.device).dtype(m.options.dtype);
+    auto i32 = t.dtype(at::kInt);
+    for (size_t l = 0; l < m.layers.size(); ++l) {
+        g.k_pool.push_back(at::zeros({g.num_blocks, options.block_size, g.Hkv, g.D}, t));
+        g.v_pool.push_back(at::zeros_like(g.k_pool.back()));
+    }
+    g.fuse_qkv();
+    g.table_host = at::zeros({options.max_batch, g.max_blocks}, at::TensorOptions().dtype(at::kInt));
+    const int64_t B = options.max_batch;
+    g.tokens = at::zeros({B}, t.dtype(at::kLong));
+    g.position = at::full({B}, -1, i32);
+    g.slot = at::zeros({B}, i32);
+    g.table = at::zeros({B, g.max_blocks}, i32);
+    g.x = at::zeros({B, g.H}, t);
+    g.h = at::zeros({B, g.H}, t);
+    g.qkv = at::zeros({B, (g.Hq + 2 * g.Hkv) * g.D}, t);
+    g.q = at::zeros({B, g.Hq * g.D}, t);
+    g.attn = at::zeros({B, g.Hq * g.D}, t);
+    g.o = at::zeros({B, g.H}, t);
+    g.router_logits = at::zeros({B, std::max<int64_t>(g.E, 1)}, t);
+    g.act = at::zeros({B * g.K, g.I}, t);
+    g.y = at::zeros({B * g.K, g.H}, t.dtype(at::kFloat));
+    g.logits = at::zeros({B, g.V}, t);
+    g.greedy = at::zeros({B}, t.dtype(at::kLong));
+    g.topk_idx = at::zeros({B * g.K}, i32);
+    g.topk_weights = at::zeros({B * g.K}, t.dtype(at::kFloat));
+    g.expert_offset = at::zeros({g.E + 1}, i32);
+    g.active_experts = at::zeros({std::max<int64_t>(g.E, 1)}, i32);
+    g.num_active = at::zeros({1}, i32);
+    g.expert_slots = at::zeros({B * g.K}, i32);
+    g.experts_read = at::zeros({1}, t.dtype(at::kLong));
+}
+
+Generator::~Generator() = default;
+
+bool Generator::available() { return true; }
+
+int Generator::acquire() {
+    Impl& g = *impl_;
+    for (int s = 0; s < g.opt.max_batch; ++s)
+        if (g.length[s] < 0) {
+            g.length[s] = 0;
+            return s;
+        }
+    return -1;
+}
+
+void Generator::release(int slot) {
+    Impl& g = *impl_;
+    g.check_slot(slot, "release");
+    for (int b : g.slot_blocks[slot]) g.free_list.push_back(b);
+    g.slot_blocks[slot].clear();
+    g.length[slot] = -1;
+}
+
+int64_t Generator::length(int slot) const {
+    const Impl& g = *impl_;
+    MOERL_CHECK(slot >= 0 && slot < g.opt.max_batch, "length: slot ", slot, " is out of range [0, ",
+                g.opt.max_batch, ")");
+    return g.length[slot];
+}
+
+int64_t Generator::free_blocks() const { return static_cast<int64_t>(impl_->free_list.size()); }
+
+GenerationStep Generator::prefill(const std::vector<int>& slots,
+                                  const std::vector<std::vector<int64_t>>& prompts) {
+    Impl& g = *impl_;
+    c10::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard device_guard(g.device);
+    MOERL_CHECK(slots.size() == prompts.size(), "prefill: ", slots.size(), " slots but ", prompts.size(),
+                " prompts");
+    MOERL_CHECK(!slots.empty(), "prefill: no sequences");
+    const int64_t n = static_cast<int64_t>(slots.size());
+    int64_t longest = 0, needed_blocks = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        g.check_slot(slots[i], "prefill");
+        MOERL_CHECK(g.length[slots[i]] == 0, "prefill: slot ", slots[i], " already holds ",
+                    g.length[slots[i]], " tokens (release it first)");
+        const int64_t len = static_cast<int64_t>(prompts[i].size());
+        MOERL_CHECK(len >= 1, "prefill: prompt ", i, " is empty");
+        MOERL_CHECK(len < g.opt.max_seq_len, "prefill: prompt ", i, " has ", len,
+                    " tokens, but max_seq_len = ", g.opt.max_seq_len, " leaves no room to generate");
+        for (int64_t tok : prompts[i])
+            MOERL_CHECK(tok >= 0 && tok < g.V, "prefill: prompt ", i, " holds token id ", tok,
+                        ", but vocab_size = ", g.V);
+        longest = std::max(longest, len);
+        needed_blocks += (len + g.opt.block_size - 1) / g.opt.block_size;
+    }
+    MOERL_CHECK(needed_blocks <= static_cast<int64_t>(g.free_list.size()), "prefill: the prompts need ",
+                needed_blocks, " KV-cache blocks, ", g.free_list.size(), " are free");
+
+    // Eager prefill of the new sequences, left-padded, into a contiguous cache...
+    at::Tensor ids = at::zeros({n, longest}, at::kLong), mask = at::zeros({n, longest}, at::kLong);
+    int64_t* ids_p = ids.data_ptr<int64_t>();
+    int64_t* mask_p = mask.data_ptr<int64_t>();
+    int* table_p = g.table_host.data_ptr<int>();
+    std::vector<int64_t> src, dst;  // token rows of the contiguous cache -> cache slots of the pool
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t len = static_cast<int64_t>(prompts[i].size()), pad = longest - len;
+        const int s = slots[i];
+        for (int64_t j = 0; j < len; ++j) {
+            ids_p[i * longest + pad + j] = prompts[i][j];
+            mask_p[i * longest + pad + j] = 1;
+            if (j % g.opt.block_size == 0) {
+                const int block = g.take_block();
+                g.slot_blocks[s].push_back(block);
+                table_p[static_cast<int64_t>(s) * g.max_blocks + j / g.opt.block_size] = block;
+            }
+            src.push_back(i * longest + pad + j);
+            dst.push_back(int64_t{g.slot_blocks[s].back()} * g.opt.block_size + j % g.opt.block_size);
+        }
+        g.length[s] = len;
+    }
+    g.table_dirty = true;
+    KvCache cache = g.model.new_cache(n, longest);
+    StepOutput out = g.model.prefill(cache, ids, mask);
+    // ...then its keys and values into the blocks.
+    at::Tensor src_t = at::tensor(src, at::kLong).to(g.device),
+               dst_t = at::tensor(dst, at::kLong).to(g.device);
+    for (size_t l = 0; l < g.k_pool.size(); ++l) {
+        auto move = [&](const at::Tensor& contiguous, at::Tensor& pool) {
+            at::Tensor rows =
+                contiguous.permute({0, 2, 1, 3}).reshape({n * longest, g.Hkv, g.D}).index_select(0, src_t);
+            pool.view({g.num_blocks * g.opt.block_size, g.Hkv, g.D}).index_copy_(0, dst_t, rows);
+        };
+        move(cache.keys[l], g.k_pool[l]);
+        move(cache.values[l], g.v_pool[l]);
+    }
+    GenerationStep step;
+    step.logits = out.logits.to(g.m.options.dtype);
+    step.greedy = out.logits.argmax(-1);
+    return step;
+}
+
+GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor& tokens) {
+    Impl& g = *impl_;
+    c10::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard device_guard(g.device);
+    const int n = static_cast<int>(slots.size());
+    MOERL_CHECK(n >= 1 && n <= g.opt.max_batch, "decode: ", n, " sequences, expected 1..", g.opt.max_batch);
+    MOERL_CHECK(tokens.dim() == 1 && tokens.size(0) == n, "decode: tokens has shape ", tokens.sizes(),
+                ", expected [", n, "]");
+    const int B = g.opt.cuda_graphs ? g.bucket_for(n) : n;
+    at::Tensor meta = at::empty({2, B}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    int* pos = meta[0].data_ptr<int>();
+    int* slot_of_row = meta[1].data_ptr<int>();
+    std::vector<bool> seen(g.opt.max_batch, false);
+    for (int i = 0; i < n; ++i) {
+        const int s = slots[i];
+        g.check_slot(s, "decode");
+        MOERL_CHECK(!seen[s], "decode: slot ", s, " is listed twice");
+        seen[s] = true;
+        const int64_t len = g.length[s];
+        MOERL_CHECK(len >= 1, "decode: slot ", s, " has no prompt (prefill it first)");
+        MOERL_CHECK(len < g.opt.max_seq_len, "decode: slot ", s,
+                    " is full (max_seq_len = ", g.opt.max_seq_len, ")");
+    }
+    // Host tokens are checked here; device tokens (typically this generator's own greedy output) are
+    // clamped to the vocabulary by the embedding kernel instead of costing a synchronisation.
+    if (tokens.is_cpu()) {
+        const at::Tensor ids64 = tokens.to(at::kLong);
+        const int64_t* p = ids64.data_ptr<int64_t>();
+        for (int i = 0; i < n; ++i)
+            MOERL_CHECK(p[i] >= 0 && p[i] < g.V, "decode: tokens[", i, "] = ", p[i],
+                        ", but vocab_size = ", g.V);
+    }
+    int64_t new_blocks = 0;
+    for (int i = 0; i < n; ++i) new_blocks += g.length[slots[i]] % g.opt.block_size == 0;
+    MOERL_CHECK(new_blocks <= static_cast<int64_t>(g.free_list.size()),
+                "KV cache out of blocks: this step needs ", new_blocks, " new blocks, ", g.free_list.size(),
+                " of ", g.num_blocks - 1,
+                " are free (raise GeneratorOptions::num_blocks or release sequences)");
+    for (int i = 0; i < n; ++i) {
+        const int s = slots[i];
+        const int64_t len = g.length[s];
+        if (len % g.opt.block_size == 0) {
+            const int block = g.take_block();
+            g.slot_blocks[s].push_back(block);
+            g.table_host.data_ptr<int>()[static_cast<int64_t>(s) * g.max_blocks + len / g.opt.block_size] =
+                block;
+            g.table_dirty = true;
+        }
+        pos[i] = static_cast<int>(len);
+        slot_of_row[i] = s;
+    }
+    for (int i = n; i < B; ++i) pos[i] = -1, slot_of_row[i] = 0;
+    at::Tensor ids = tokens.to(g.device, at::kLong);
+    g.tokens.narrow(0, 0, n).copy_(ids);
+    if (B > n) g.tokens.narrow(0, n, B - n).zero_();
+    g.position.narrow(0, 0, B).copy_(meta[0], /*non_blocking=*/true);
+    g.slot.narrow(0, 0, B).copy_(meta[1], /*non_blocking=*/true);
+    g.upload_table();
+    if (g.opt.cuda_graphs)
+        g.replay(B);
+    else
+        g.run_step(B);
+    for (int i = 0; i < n; ++i) {
+        g.host_stats.kv_tokens_read += g.length[slots[i]] + 1;
+        ++g.length[slots[i]];
+    }
+    ++g.host_stats.decode_steps;
+    g.host_stats.decode_rows += n;
+    return {g.logits.narrow(0, 0, n), g.greedy.narrow(0, 0, n)};
+}
+
+void Generator::refresh_weights() {
+    c10::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard device_guard(impl_->device);
+    impl_->fuse_qkv();
+}
+
+GeneratorStats Generator::stats() const {
+    GeneratorStats s = impl_->host_stats;
+    s.expert_weight_reads = impl_->experts_read.item<int64_t>();
+    return s;
+}
+
+void Generator::reset_stats() {
+    impl_->host_stats = {};
+    impl_->experts_read.zero_();
+}
+
+int64_t Generator::dense_bytes_per_step() const {
+    const Impl& g = *impl_;
+    int64_t bytes = 0;
+    for (const auto& p : g.m.params) {
+        if (p.expert) continue;
+        if (p.tensor.data_ptr() == g.m.embed.data_ptr() && !g.m.config.tie_word_embeddings)
+            continue;  // B rows only
+        bytes += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+    }
+    return bytes;
+}
+
+int64_t Generator::expert_bytes() const {
+    const Impl& g = *impl_;
+    return 3 * g.H * g.I * static_cast<int64_t>(at::elementSize(g.m.options.dtype));
+}
+
+int64_t Generator::kv_bytes_per_token() const {
+    const Impl& g = *impl_;
+    return 2 * static_cast<int64_t>(g.k_pool.size()) * g.Hkv * g.D *
+           static_cast<int64_t>(at::elementSize(g.m.options.dtype));
+}
+
+#else  // no CUDA engine in this build
+
+struct Generator::Impl {};
+
+namespace {
+[[noreturn]] void unavailable() {
+    MOERL_FAIL(
+        "Generator: this build has no CUDA generation engine (it needs LibTorch with CUDA and the CUDA "
+        "toolkit at configure time)");
+}
+}  // namespace
+
+Generator::Generator(const MoeModel&, const GeneratorOptions&) { unavailable(); }
+Generator::~Generator() = default;
+bool Generator::available() { return false; }
+int Generator::acquire() { unavailable(); }
+void Generator::release(int) { unavailable(); }
+int64_t Generator::length(int) const { unavailable(); }
+int64_t Generator::free_blocks() const { unavailable(); }
+GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std::vector<int64_t>>&) {
+    unavailable();
+}
+GenerationStep Generator::decode(const std::vector<int>&, const at::Tensor&) { unavailable(); }
+void Generator::refresh_weights() { unavailable(); }
+GeneratorStats Generator::stats() const { unavailable(); }
+void Generator::reset_stats() { unavailable(); }
+int64_t Generator::dense_bytes_per_step() const { unavailable(); }
+int64_t Generator::expert_bytes() const { unavailable(); }
+int64_t Generator::kv_bytes_per_token() const { unavailable(); }
+
+#endif
+
+}  // namespace moerl::model

@@ -1,0 +1,244 @@
+// The CUDA generation engine (label gpu): greedy generation equals the CPU model's (fp32 on both)
+// under continuous batching with a paged cache, graph replay equals eager launches, bad input is
+// refused with a clear message. Without a GPU or a CUDA build only the refusal is checked.
+#include "moerl/model/generator.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <map>
+
+#include "model_test_util.hpp"
+#include "moerl/core/error.hpp"
+#include "moerl/model/model.hpp"
+
+namespace moerl::model {
+namespace {
+
+#define SKIP_WITHOUT_ENGINE()                                                     \
+    if (!Generator::available()) GTEST_SKIP() << "built without the CUDA engine"; \
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
+
+ModelConfig engine_config() {
+    ModelConfig c = test::tiny_config(3, /*dense_layer=*/true);
+    c.hidden_size = 64;
+    c.head_dim = 16;
+    c.validate();
+    return c;
+}
+
+// The same weights on the CPU and on the GPU (fp32).
+struct Twins {
+    MoeModel cpu, gpu;
+    explicit Twins(const ModelConfig& c, at::ScalarType gpu_dtype = at::kFloat)
+        : cpu(c, {}), gpu(c, {at::Device(at::kCUDA, 0), gpu_dtype}) {
+        c10::NoGradGuard no_grad;
+        cpu.init_random(7);
+        auto src = cpu.state_dict();
+        auto dst = gpu.state_dict();
+        for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_(src[i].second);
+        cpu.set_requires_grad(false);
+        gpu.set_requires_grad(false);
+    }
+};
+
+// Greedy continuation of one prompt by the model's eager path (batch of one).
+std::vector<int64_t> greedy_reference(const MoeModel& m, const std::vector<int64_t>& prompt, int steps) {
+    c10::NoGradGuard no_grad;
+    KvCache cache = m.new_cache(1, static_cast<int64_t>(prompt.size()) + steps + 1);
+    at::Tensor ids = at::tensor(prompt, at::kLong).unsqueeze(0);
+    at::Tensor next = m.prefill(cache, ids, at::Tensor()).logits.argmax(-1);
+    std::vector<int64_t> out;
+    for (int s = 0; s < steps; ++s) {
+        out.push_back(next.item<int64_t>());
+        next = m.decode(cache, next).logits.argmax(-1);
+    }
+    return out;
+}
+
+std::vector<int64_t> random_prompt(int64_t len, int vocab, uint64_t seed) {
+    std::vector<int64_t> p;
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (int64_t i = 0; i < len; ++i) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        p.push_back(1 + static_cast<int64_t>(x % static_cast<uint64_t>(vocab - 1)));
+    }
+    return p;
+}
+
+TEST(Generator, RefusedWithoutEngineOrOnCpu) {
+    MoeModel cpu(engine_config(), {});
+    try {
+        Generator g(cpu);
+        FAIL() << "a CPU model was accepted";
+    } catch (const Error& e) {
+        const std::string what = e.what();
+        if (Generator::available())
+            EXPECT_NE(what.find("needs a CUDA device"), std::string::npos) << what;
+        else
+            EXPECT_NE(what.find("no CUDA generation engine"), std::string::npos) << what;
+    }
+}
+
+// Sequences of different lengths join and leave between steps; each must continue exactly as it
+// would alone on the CPU. Block size 4 spreads every sequence over several cache blocks.
+TEST(Generator, ContinuousBatchingGreedyEqualsCpu) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    const int kSteps = 14;
+    std::vector<std::vector<int64_t>> prompts = {
+        random_prompt(3, c.vocab_size, 1), random_prompt(9, c.vocab_size, 2),
+        random_prompt(1, c.vocab_size, 3), random_prompt(13, c.vocab_size, 4),
+        random_prompt(6, c.vocab_size, 5)};
+    std::vector<std::vector<int64_t>> expected;
+    for (const auto& p : prompts) expected.push_back(greedy_reference(t.cpu, p, kSteps));
+
+    Generator gen(t.gpu, {.max_batch = 4, .max_seq_len = 40, .block_size = 4});
+    std::map<int, size_t> seq_of_slot;  // slot -> prompt index
+    std::map<size_t, std::vector<int64_t>> produced;
+    std::map<int, int64_t> next;  // slot -> token to feed
+    auto start = [&](std::vector<size_t> which) {
+        std::vector<int> slots;
+        std::vector<std::vector<int64_t>> ps;
+        for (size_t i : which) {
+            const int s = gen.acquire();
+            ASSERT_GE(s, 0);
+            slots.push_back(s);
+            ps.push_back(prompts[i]);
+            seq_of_slot[s] = i;
+        }
+        at::Tensor g = gen.prefill(slots, ps).greedy.cpu();
+        for (size_t j = 0; j < slots.size(); ++j) {
+            next[slots[j]] = g[j].item<int64_t>();
+            produced[which[j]].push_back(next[slots[j]]);
+        }
+    };
+    start({0, 1, 2});
+    for (int step = 0; step < 3 * kSteps; ++step) {
+        if (step == 4) start({3});  // joins mid-way
+        std::vector<int> slots;
+        std::vector<int64_t> toks;
+        for (auto& [s, i] : seq_of_slot)
+            if (produced[i].size() < kSteps) slots.push_back(s), toks.push_back(next[s]);
+        // Finished sequences leave; their slot and blocks go to the last prompt.
+        for (auto it = seq_of_slot.begin(); it != seq_of_slot.end();) {
+            if (produced[it->second].size() >= kSteps) {
+                gen.release(it->first);
+                next.erase(it->first);
+                it = seq_of_slot.erase(it);
+            } else {
+                ++it;
+            }
+        }
+        if (produced.count(4) == 0 && seq_of_slot.size() < 4 && step >= 4) start({4});
+        if (slots.empty()) {
+            if (seq_of_slot.empty()) break;
+            continue;
+        }
+        GenerationStep r = gen.decode(slots, at::tensor(toks, at::kLong));
+        at::Tensor g = r.greedy.cpu();
+        for (size_t j = 0; j < slots.size(); ++j) {
+            next[slots[j]] = g[j].item<int64_t>();
+            produced[seq_of_slot[slots[j]]].push_back(next[slots[j]]);
+        }
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        ASSERT_GE(produced[i].size(), static_cast<size_t>(kSteps)) << "sequence " << i;
+        produced[i].resize(kSteps);
+        EXPECT_EQ(produced[i], expected[i])
+            << "sequence " << i << " (prompt length " << prompts[i].size() << ")";
+    }
+}
+
+// Logits of a step against the CPU model's, same weights, fp32 on both.
+TEST(Generator, DecodeLogitsMatchCpu) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    std::vector<int64_t> prompt = random_prompt(10, c.vocab_size, 11);
+    c10::NoGradGuard no_grad;
+    KvCache cache = t.cpu.new_cache(1, 20);
+    at::Tensor ref = t.cpu.prefill(cache, at::tensor(prompt, at::kLong).unsqueeze(0), at::Tensor()).logits;
+    Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = 32, .block_size = 8});
+    const int s = gen.acquire();
+    at::Tensor got = gen.prefill({s}, {prompt}).logits.cpu().to(at::kFloat);
+    EXPECT_LT((got - ref).abs().max().item<float>(), 1e-4);
+    for (int step = 0; step < 5; ++step) {
+        at::Tensor tok = ref.argmax(-1);
+        ref = t.cpu.decode(cache, tok).logits;
+        got = gen.decode({s}, tok).logits.cpu().to(at::kFloat);
+        EXPECT_LT((got - ref).abs().max().item<float>(), 1e-4) << "step " << step;
+    }
+}
+
+// The captured graphs replay exactly what eager launches compute (bf16, a padded bucket of 3 of 4).
+TEST(Generator, GraphReplayEqualsEager) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c, at::kBFloat16);
+    std::vector<std::vector<int64_t>> prompts = {random_prompt(5, c.vocab_size, 21),
+                                                 random_prompt(2, c.vocab_size, 22),
+                                                 random_prompt(11, c.vocab_size, 23)};
+    GeneratorOptions o{.max_batch = 4, .max_seq_len = 48, .block_size = 8};
+    Generator graphs(t.gpu, o);
+    o.cuda_graphs = false;
+    Generator eager(t.gpu, o);
+    std::vector<int> slots = {graphs.acquire(), graphs.acquire(), graphs.acquire()};
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(eager.acquire(), slots[i]);
+    at::Tensor a = graphs.prefill(slots, prompts).greedy, b = eager.prefill(slots, prompts).greedy;
+    ASSERT_TRUE(at::equal(a.cpu(), b.cpu()));
+    for (int step = 0; step < 20; ++step) {
+        GenerationStep ra = graphs.decode(slots, a), rb = eager.decode(slots, b);
+        ASSERT_TRUE(at::equal(ra.greedy.cpu(), rb.greedy.cpu())) << "step " << step;
+        EXPECT_TRUE(at::equal(ra.logits.cpu(), rb.logits.cpu())) << "step " << step;
+        a = ra.greedy.clone(), b = rb.greedy.clone();
+    }
+    EXPECT_EQ(graphs.stats().decode_steps, 20);
+    EXPECT_GT(graphs.stats().expert_weight_reads, 0);
+}
+
+TEST(Generator, BadInputIsRefusedAndTheEngineStaysUsable) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = 16, .block_size = 4, .num_blocks = 3});
+    auto expect_error = [](auto&& fn, const std::string& needle) {
+        try {
+            fn();
+            ADD_FAILURE() << "no error, expected one naming: " << needle;
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+        }
+    };
+    expect_error([&] { gen.decode({0}, at::tensor({1L})); }, "slot 0 is not acquired");
+    const int s = gen.acquire();
+    expect_error([&] { gen.decode({s}, at::tensor({1L})); }, "has no prompt");
+    expect_error([&] { gen.prefill({s}, {{1, 2, c.vocab_size}}); }, "vocab_size");
+    expect_error([&] { gen.prefill({s}, {std::vector<int64_t>(16, 1)}); }, "max_seq_len");
+    expect_error([&] { gen.prefill({s}, {std::vector<int64_t>(13, 1)}); }, "KV-cache blocks");  // 4 of 3
+    EXPECT_EQ(gen.free_blocks(), 3);
+    at::Tensor g = gen.prefill({s}, {{1, 2, 3}}).greedy;
+    expect_error([&] { gen.decode({s}, at::tensor({-4L})); }, "vocab_size");
+    expect_error([&] { gen.decode({s, s}, at::tensor({1L, 1L})); }, "listed twice");
+    expect_error([&] { gen.decode({7}, at::tensor({1L})); }, "out of range");
+    // Still usable: 12 tokens fill the 3 blocks, the 13th finds none and changes nothing.
+    for (int i = 3; i < 12; ++i) g = gen.decode({s}, g).greedy;
+    EXPECT_EQ(gen.length(s), 12);
+    expect_error([&] { gen.decode({s}, g); }, "out of blocks");
+    EXPECT_EQ(gen.length(s), 12);
+    gen.release(s);
+    EXPECT_EQ(gen.free_blocks(), 3);
+
+    Generator small(t.gpu, {.max_batch = 1, .max_seq_len = 6, .block_size = 4});
+    const int s2 = small.acquire();
+    at::Tensor h = small.prefill({s2}, {{5, 6}}).greedy;
+    for (int i = 2; i < 6; ++i) h = small.decode({s2}, h).greedy;
+    expect_error([&] { small.decode({s2}, h); }, "is full");
+    EXPECT_EQ(small.acquire(), -1);
+}
+
+}  // namespace
+}  // namespace moerl::model
