@@ -20,6 +20,9 @@
 #include <torch/torch.h>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#if defined(MOERL_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
 
 #include "c10d_store.hpp"
 #include "commands.hpp"
@@ -154,21 +157,28 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         r["ll_combine_us"] = median(t_lc);
     }
 
+#if defined(MOERL_HAVE_CUDA)
     if (o.baseline && buffer.on_device()) {
-        // Device-to-device copy of the same bytes: the bandwidth a permute could reach at best.
+        // Device-to-device copy of the same bytes: the bandwidth a permute could reach at best. A plain
+        // cudaMemcpyAsync on the stream the engine uses (the legacy default stream), timed like the EP
+        // calls, so no framework overhead (such as Tensor::copy_'s) is counted against the copy.
         auto src = torch::empty({std::max(h.num_recv_tokens(), 1), H}, x.options());
         auto dst = torch::empty_like(src);
+        const size_t copy_bytes = static_cast<size_t>(h.num_recv_tokens()) * H * c.element_bytes();
         std::vector<double> t_copy;
         for (int i = 0; i < o.warmup + o.iters; ++i) {
             sync();
             auto t0 = std::chrono::steady_clock::now();
-            dst.copy_(src);
+            const cudaError_t err =
+                cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), copy_bytes, cudaMemcpyDeviceToDevice, 0);
+            MOERL_CHECK(err == cudaSuccess, "baseline cudaMemcpyAsync failed: ", cudaGetErrorString(err));
             sync();
             auto t1 = std::chrono::steady_clock::now();
             if (i >= o.warmup) t_copy.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
         }
         r["baseline_us"] = median(t_copy);
     }
+#endif
 #ifdef MOERL_HAVE_GLOO
     if (o.baseline && world > 1 && !buffer.on_device()) {
         // The same bytes through Gloo's all-to-all: rows this rank sends to each peer.

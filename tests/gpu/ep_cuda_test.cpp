@@ -87,6 +87,7 @@ struct Case {
     int hidden = 72;
     int max_tokens = 40;
     int num_sms = 8;
+    int empty_every = 0;  // > 0: tokens t with t % empty_every == 1 name no expert (all ids -1)
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -99,7 +100,16 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
     const Case& c = info.param;
     return c.transport + "_w" + std::to_string(c.world) + "_" + ep::dtype_name(c.dtype) +
            (c.fp8 ? "_fp8" : "") + "_e" + std::to_string(c.num_experts) + "_k" + std::to_string(c.top_k) +
-           "_h" + std::to_string(c.hidden) + "_t" + std::to_string(c.max_tokens);
+           "_h" + std::to_string(c.hidden) + "_t" + std::to_string(c.max_tokens) +
+           (c.empty_every > 0 ? "_empty" + std::to_string(c.empty_every) : "");
+}
+
+// Tokens t with t % every == 1 % every lose all their experts (every one of them for every = 1; none for
+// every <= 0).
+void clear_experts(RankInput& in, int top_k, int every) {
+    if (every <= 0) return;
+    for (int t = 1 % every; t < in.num_tokens; t += every)
+        for (int k = 0; k < top_k; ++k) in.topk_idx[static_cast<size_t>(t) * top_k + k] = -1;
 }
 
 ep::Config make_config(const Case& tc, int rank, const std::string& transport) {
@@ -178,7 +188,8 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& dir
 
     for (int round = 0; round < 3; ++round) {
         const std::string tag = " (rank " + std::to_string(rank) + ", round " + std::to_string(round) + ")";
-        const RankInput in = make_input(c, seed + round, rank, W > 1 ? (round % W) : -1);
+        RankInput in = make_input(c, seed + round, rank, W > 1 ? (round % W) : -1);
+        clear_experts(in, K, tc.empty_every);
         const int T = in.num_tokens;
         Dev x(in.x), idx(in.topk_idx), w(in.topk_weights);
 
@@ -329,6 +340,13 @@ std::vector<Case> cases() {
     using ep::DType;
     std::vector<Case> out = {
         {"cuda", 1, DType::kFloat32, 4, 2},
+        // One rank: the fused dispatch kernel (one block per tile of tokens).
+        {"cuda", 1, DType::kBFloat16, 16, 8},
+        {"cuda", 1, DType::kBFloat16, 16, 8, true, 256},               // fp8
+        {"cuda", 1, DType::kBFloat16, 8, 2, false, 70},                // rows not 16-byte multiples
+        {"cuda", 1, DType::kFloat32, 4, 1, false, 72, 40, 8, 2},       // every other token without experts
+        {"cuda", 1, DType::kFloat32, 8, 4, false, 72, 300, 64, 3},     // tiles of a few tokens
+        {"cuda", 1, DType::kBFloat16, 16, 8, false, 512, 1500, 2, 3},  // tiles of several 512-token groups
         {"cuda", 2, DType::kFloat32, 8, 4},
         {"cuda", 2, DType::kBFloat16, 8, 4},
         {"cuda", 3, DType::kBFloat16, 10, 3},
@@ -348,6 +366,183 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, DeviceConformance, testing::ValuesIn(cases()), case_name);
+
+// The tokens of `more` after those of `in`.
+void append_tokens(RankInput& in, const RankInput& more) {
+    in.x.insert(in.x.end(), more.x.begin(), more.x.end());
+    in.topk_idx.insert(in.topk_idx.end(), more.topk_idx.begin(), more.topk_idx.end());
+    in.topk_weights.insert(in.topk_weights.end(), more.topk_weights.begin(), more.topk_weights.end());
+    in.num_tokens += more.num_tokens;
+}
+
+// The first num_tokens tokens of an input.
+RankInput first_tokens(const ep::Config& c, RankInput in, int num_tokens) {
+    in.num_tokens = num_tokens;
+    in.x.resize(static_cast<size_t>(num_tokens) * c.hidden * c.element_bytes());
+    in.topk_idx.resize(static_cast<size_t>(num_tokens) * c.top_k);
+    in.topk_weights.resize(static_cast<size_t>(num_tokens) * c.top_k);
+    return in;
+}
+
+// One rank with MOERL_EP_CUDA_ASYNC=1: dispatch returns once the kernel has published the counts, maybe
+// before the rows are copied. Counts, rows, a reused handle and combine match the host reference for
+// no tokens, tokens without experts only, tiles of more than one 512-token group, one token, and recv_x
+// at an address that is not 16-byte aligned (the general path).
+TEST(OneRank, AsyncDispatchMatchesHostReference) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    const Case tc{"cuda", 1, ep::DType::kBFloat16, 32, 4, false, 128, 1400, 2};
+    const uint64_t seed = std::random_device{}();
+    const std::string dir = unique_dir("gpuasync");
+    auto results = run_ranks(1, [&](int) {
+        setenv("MOERL_EP_CUDA_ASYNC", "1", 1);
+        auto store = ep::make_file_store(dir);
+        const ep::Config c = make_config(tc, 0, "host");
+        ep::Buffer host(c, store.get());
+        ep::Buffer dev(make_config(tc, 0, "cuda"), store.get());
+        const int K = c.top_k, H = c.hidden, maxT = c.max_tokens_per_rank;
+        const size_t row = H * c.element_bytes();
+        for (int round = 0; round < 6; ++round) {
+            const std::string tag = " (round " + std::to_string(round) + ")";
+            const int sizes[6] = {0, maxT, maxT, 1, -1, maxT};  // -1: as drawn
+            RankInput in = make_input(c, seed + round, 0);
+            for (int more = 1; in.num_tokens < sizes[round]; ++more)
+                append_tokens(in, make_input(c, seed + 100 * more, 0));
+            if (sizes[round] >= 0) in = first_tokens(c, in, sizes[round]);
+            if (round == 1) clear_experts(in, K, 1);  // every token without experts
+            if (round == 2) clear_experts(in, K, 2);
+            const int T = in.num_tokens;
+            std::vector<uint8_t> h_x(static_cast<size_t>(maxT) * row);
+            std::vector<int64_t> h_idx(static_cast<size_t>(maxT) * K);
+            std::vector<float> h_w(static_cast<size_t>(maxT) * K);
+            ep::DispatchOutput h_out{
+                {h_x.data(), maxT, H}, {}, {h_idx.data(), maxT, K}, {h_w.data(), maxT, K}};
+            const ep::Handle hh = host.dispatch(x_view(c, in), idx_view(c, in), weights_view(c, in), h_out);
+            const int R = hh.num_recv_tokens();
+
+            Dev x(in.x), idx(in.topk_idx), w(in.topk_weights);
+            const size_t shift = round == 5 ? 2 : 0;  // round 5: recv_x 2-byte aligned only
+            Dev d_x(h_x.size() + 16, 0xAB), d_idx(h_idx.size() * 8, 0x5A), d_w(h_w.size() * 4, 0x6B);
+            uint8_t* recv_x = d_x.as<uint8_t>() + shift;
+            ep::DispatchOutput d_out{
+                {recv_x, maxT, H}, {}, {d_idx.as<int64_t>(), maxT, K}, {d_w.as<float>(), maxT, K}};
+            ep::View<const void> dxv{x.p, T, H};
+            ep::View<const int64_t> div{idx.as<int64_t>(), T, K};
+            ep::View<const float> dwv{w.as<float>(), T, K};
+            auto check = [&](const std::string& what, const ep::Handle& got) {
+                Mismatches m(what + tag);
+                m.expect(got.num_tokens == hh.num_tokens, "num_tokens");
+                m.expect(got.num_recv_per_src == hh.num_recv_per_src, "num_recv_per_src");
+                m.expect(got.recv_src_offset == hh.recv_src_offset, "recv_src_offset");
+                m.expect(got.num_send_per_rank == hh.num_send_per_rank, "num_send_per_rank");
+                m.expect(got.num_recv_tokens_per_expert == hh.num_recv_tokens_per_expert,
+                         "num_recv_tokens_per_expert");
+                m.expect(got.send_pos.empty() && got.recv_src_token.empty(),
+                         "asynchronous mode: host vectors other than the counts stay empty");
+                std::vector<uint8_t> gx(static_cast<size_t>(R) * row);
+                CK(cudaDeviceSynchronize());
+                if (R > 0) CK(cudaMemcpy(gx.data(), recv_x, gx.size(), cudaMemcpyDeviceToHost));
+                const auto gi = d_idx.read<int64_t>(static_cast<size_t>(R) * K);
+                const auto gw = d_w.read<float>(static_cast<size_t>(R) * K);
+                for (int i = 0; i < R; ++i) {
+                    m.expect(std::memcmp(gx.data() + i * row, h_x.data() + i * row, row) == 0,
+                             "row " + std::to_string(i) + ": data differs");
+                    for (int k = 0; k < K; ++k) {
+                        m.expect(gi[i * K + k] == h_idx[i * K + k], "row " + std::to_string(i) + ": topk id");
+                        m.expect(gw[i * K + k] == h_w[i * K + k], "row " + std::to_string(i) + ": weight");
+                    }
+                }
+                m.done();
+            };
+            const ep::Handle dh = dev.dispatch(dxv, div, dwv, d_out);
+            check("dispatch", dh);
+            d_x.poison(0xCD);
+            d_idx.poison(0x33);
+            check("dispatch with a reused handle", dev.dispatch(dxv, div, dwv, d_out, &dh));
+
+            // combine with y = the received rows: each token gets its row back, or zeros.
+            std::vector<uint8_t> h_comb(static_cast<size_t>(std::max(T, 1)) * row);
+            host.combine({h_x.data(), R, H}, hh, {h_comb.data(), T, H});
+            Dev d_y(h_x), d_comb(h_comb.size(), 0xEE);
+            dev.combine({d_y.p, R, H}, dh, {d_comb.p, T, H});
+            Mismatches m("combine" + tag);
+            compare_floats(m, c, "combine", d_comb.read<uint8_t>(static_cast<size_t>(T) * row).data(),
+                           h_comb.data(), T);
+            m.done();
+        }
+        CK(cudaDeviceSynchronize());
+        dev.destroy();
+        host.destroy();
+    });
+    EXPECT_EQ(results[0].exit_code, 0) << "seed " << seed << ": " << results[0].message;
+    std::filesystem::remove_all(dir);
+}
+
+// One rank: dispatch with a reused handle + combine captured in a CUDA graph and replayed equal the eager
+// calls; a dispatch without a handle refuses to be captured.
+TEST(CudaGraph, OneRankReusedHandleReplayMatchesEager) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    const Case tc{"cuda", 1, ep::DType::kBFloat16, 16, 4, false, 256, 200, 16, 3};
+    const uint64_t seed = std::random_device{}();
+    const std::string dir = unique_dir("graph1");
+    auto results = run_ranks(1, [&](int) {
+        auto store = ep::make_file_store(dir);
+        const ep::Config c = make_config(tc, 0, "cuda");
+        ep::Buffer dev(c, store.get());
+        const int K = c.top_k, H = c.hidden, maxT = c.max_tokens_per_rank;
+        const size_t row = H * c.element_bytes();
+        cudaStream_t stream;
+        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        ep::cuda::StreamGuard guard(stream);
+        RankInput in = make_input(c, seed, 0);
+        clear_experts(in, K, tc.empty_every);
+        const int T = in.num_tokens;
+        Dev x(in.x), idx(in.topk_idx), w(in.topk_weights);
+        Dev recv(static_cast<size_t>(maxT) * row, 0x5A), out_eager(T * row), out_graph(T * row, 0x77);
+        ep::View<const void> xv{x.p, T, H};
+        ep::View<const int64_t> iv{idx.as<int64_t>(), T, K};
+        ep::View<const float> wv{w.as<float>(), T, K};
+        ep::DispatchOutput out{{recv.p, maxT, H}};
+        const ep::Handle h = dev.dispatch(xv, iv, wv, out);
+        const int R = h.num_recv_tokens();
+        dev.combine({recv.p, R, H}, h, {out_eager.p, T, H});
+        CK(cudaStreamSynchronize(stream));
+        const auto eager_recv = recv.read<uint8_t>(static_cast<size_t>(R) * row);
+        const auto eager = out_eager.read<uint8_t>(T * row);
+
+        cudaGraph_t graph;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        std::string refused;
+        try {
+            dev.dispatch(xv, iv, wv, out);
+        } catch (const Error& e) {
+            refused = e.what();
+        }
+        dev.dispatch(xv, iv, wv, out, &h);
+        dev.combine({recv.p, R, H}, h, {out_graph.p, T, H});
+        CK(cudaStreamEndCapture(stream, &graph));
+        MOERL_CHECK(refused.find("cannot be captured") != std::string::npos,
+                    "a dispatch without a handle during capture: expected a refusal, got '", refused, "'");
+        cudaGraphExec_t exec;
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int replay = 0; replay < 3; ++replay) {
+            recv.poison(0x5A);
+            out_graph.poison(0x77);
+            CK(cudaGraphLaunch(exec, stream));
+            CK(cudaStreamSynchronize(stream));
+            MOERL_CHECK(recv.read<uint8_t>(static_cast<size_t>(R) * row) == eager_recv, "replay ", replay,
+                        ": the captured dispatch differs from the eager one");
+            MOERL_CHECK(out_graph.read<uint8_t>(T * row) == eager, "replay ", replay,
+                        ": the captured combine differs from the eager one");
+        }
+        // Eager dispatches still work after the replays.
+        MOERL_CHECK(dev.dispatch(xv, iv, wv, out).num_recv_tokens() == R, "eager dispatch after the replays");
+        CK(cudaGraphExecDestroy(exec));
+        CK(cudaGraphDestroy(graph));
+        dev.destroy();
+    });
+    EXPECT_EQ(results[0].exit_code, 0) << "seed " << seed << ": " << results[0].message;
+    std::filesystem::remove_all(dir);
+}
 
 // A low-latency dispatch + combine captured in a CUDA graph and replayed equals the eager calls.
 TEST(CudaGraph, LowLatencyReplayMatchesEager) {
@@ -463,6 +658,48 @@ TEST(BadInput, ExpertIdOutOfRangeIsReported) {
     });
     for (int r = 0; r < 2; ++r)
         EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
+    std::filesystem::remove_all(dir);
+}
+
+// One rank: an expert id out of range is reported by the one-kernel dispatch, which drops the entry;
+// later dispatches work and count from zero again.
+TEST(BadInput, OneRankExpertIdOutOfRangeIsReported) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    const Case tc{"cuda", 1, ep::DType::kFloat32, 8, 2, false, 16, 8};
+    const std::string dir = unique_dir("gpubad1");
+    auto results = run_ranks(1, [&](int) {
+        auto store = ep::make_file_store(dir);
+        const ep::Config c = make_config(tc, 0, "cuda");
+        ep::Buffer dev(c, store.get());
+        std::vector<float> xs(8 * 16, 1.0f);
+        std::vector<int64_t> ids(8 * 2, 1);
+        ids[3 * 2 + 1] = 300;  // topk_idx[3,1]
+        Dev x(xs), idx(ids), recv(8 * 16 * 4);
+        ep::DispatchOutput out{{recv.p, 8, 16}};
+        std::string msg;
+        try {
+            dev.dispatch({x.p, 8, 16}, {idx.as<int64_t>(), 8, 2}, {}, out);
+        } catch (const Error& e) {
+            msg = e.what();
+        }
+        MOERL_CHECK(msg.find("topk_idx[3,1] = 300") != std::string::npos,
+                    "dispatch: expected an error naming topk_idx[3,1] = 300, got '", msg, "'");
+        // Valid input afterwards, twice: 8 rows, 16 entries for expert 1.
+        std::vector<int64_t> good(8 * 2, 1);
+        good[5 * 2] = -1;
+        good[5 * 2 + 1] = -1;  // token 5 names no expert
+        Dev gidx(good);
+        for (int call = 0; call < 2; ++call) {
+            ep::Handle h = dev.dispatch({x.p, 8, 16}, {gidx.as<int64_t>(), 8, 2}, {}, out);
+            MOERL_CHECK(h.num_recv_tokens() == 7 && h.num_recv_tokens_per_expert[1] == 14,
+                        "after bad input, call ", call, ": ", h.num_recv_tokens(), " rows, ",
+                        h.num_recv_tokens_per_expert[1], " entries for expert 1");
+            const std::vector<int> pos = {0, 1, 2, 3, 4, -1, 5, 6};
+            MOERL_CHECK(h.send_pos == pos, "after bad input, call ", call, ": send_pos differs");
+        }
+        dev.destroy();
+    });
+    EXPECT_EQ(results[0].exit_code, 0) << results[0].message;
     std::filesystem::remove_all(dir);
 }
 

@@ -13,9 +13,13 @@
 // mirror of the error word, so no call copies it on the stream.
 //
 // Work per call with MOERL_EP_CUDA_ASYNC=1 (W = 1 with aligned outputs / y in brackets): dispatch 3
-// kernels [2] and one event wait, 2 [1] with a reused handle; combine 2 kernels [1]; low-latency
+// kernels and one event wait [1 kernel, and a wait on a word it writes to mapped memory once the counts
+// are known, before its copy ends], 2 [1] with a reused handle; combine 2 kernels [1]; low-latency
 // dispatch 3 kernels, combine 2. No memcpy or memset on the stream outside error paths. With one rank
-// the no-op half of each normal pair is not launched and the other half runs without signals.
+// and aligned outputs nothing crosses a slot: a fresh dispatch is one kernel (counts, rows and the
+// permute; it also writes the handle's host vectors into mapped memory when the call synchronises), a
+// dispatch with a reused handle is the send kernel without signals, and combine is one gather kernel
+// (kernels/solo.cu).
 //
 // Rows a rank sends to itself skip its slot: normal dispatch writes them straight into the outputs and
 // normal combine reads them straight from y, so the one-rank case is a single permute pass. While the stream
@@ -25,6 +29,7 @@
 //   - dispatch(..., &reused_handle) + combine: the static layout of an earlier eager dispatch.
 // A LowLatencyHandle is valid until the next low_latency_dispatch (its state lives in fixed buffers).
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -84,17 +89,23 @@ class CudaEngine final : public Engine {
         ctrl_ = DeviceMemory(align256(kNumDeviceChannels * 8) + align256(kNumDeviceChannels * 4) +
                              sizeof(DeviceError));
         const size_t summary = static_cast<size_t>(W) * (1 + c_.num_local_experts());
-        // Written by the device (mapped pinned memory): the layout kernel's summaries, the error mirror.
+        // Written by the device (mapped pinned memory): the layout kernel's summaries, the error mirror,
+        // and with one rank the dispatch kernel's ready word and handle vectors.
         host_summaries_ = PinnedMemory(2 * summary * sizeof(int), cudaHostAllocMapped);
         host_error_ = PinnedMemory(sizeof(DeviceError), cudaHostAllocMapped);
         MOERL_CUDA_CHECK(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_summaries_), host_summaries_.get(), 0));
+        if (W == 1) {
+            host_solo_ = PinnedMemory(solo_offset(3), cudaHostAllocMapped);
+            MOERL_CUDA_CHECK(
+                cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_solo_), host_solo_.get(), 0));
+        }
         DeviceError* error_mirror = nullptr;
         MOERL_CUDA_CHECK(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_mirror), host_error_.get(), 0));
         MOERL_CUDA_CHECK(cudaEventCreateWithFlags(&counts_ready_, cudaEventDisableTiming));
         ll_ = std::make_unique<LowLatencyState>(c_);
-        layout_ = std::make_unique<LayoutState>(c_);
+        layout_ = std::make_unique<LayoutState>(c_, W == 1 ? blocks_ : 1);
         stage_ = PinnedMemory(staging_bytes());
         // Handle state comes from an engine-owned pool that keeps its memory across synchronisations
         // (the default pool returns it at each one, so every dispatch would map fresh memory).
@@ -214,6 +225,8 @@ class CudaEngine final : public Engine {
             MOERL_CHECK(!capturing(stream),
                         "dispatch without a handle to reuse synchronises with the host and "
                         "cannot be captured in a CUDA graph; capture low_latency_dispatch or reuse a handle");
+            if (W == 1 && aligned16(out.recv_x.data))
+                return dispatch_solo(x, topk_idx, topk_weights, out, stream);
             fresh = std::make_shared<NormalState>(this, stream, T, W, c_.max_recv_tokens(), pool_);
             const size_t summary = static_cast<size_t>(W) * (1 + L);
             LayoutArgs a{};
@@ -243,8 +256,7 @@ class CudaEngine final : public Engine {
         // the data kernels need nothing the host learns from the counts and are queued before it waits.
         const int max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
         // This rank's rows go straight into the outputs (fp8 rows are quantized there: 16-byte aligned).
-        const bool self_direct =
-            out.recv_x.data != nullptr && (reinterpret_cast<uintptr_t>(out.recv_x.data) & 15) == 0;
+        const bool self_direct = aligned16(out.recv_x.data);
         // One rank writing its outputs directly: the receive kernel would have nothing to do, and the
         // send kernel needs no signals (nothing crosses a slot).
         const bool solo = W == 1 && self_direct;
@@ -302,19 +314,7 @@ class CudaEngine final : public Engine {
                 bad_input = bad_input_message(err, c_);
                 clear_bad_input(stream);
             }
-            const int* sent = host_summaries_.get<int>();
-            const int* got = sent + static_cast<size_t>(W) * (1 + L);
-            h.num_tokens = T;
-            h.num_send_per_rank.resize(W);
-            h.num_recv_per_src.resize(W);
-            h.num_recv_tokens_per_expert.assign(L, 0);
-            h.recv_src_offset.assign(W + 1, 0);
-            for (int r = 0; r < W; ++r) {
-                h.num_send_per_rank[r] = sent[r * (1 + L)];
-                h.num_recv_per_src[r] = got[r * (1 + L)];
-                h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
-                for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
-            }
+            fill_counts(T, h);
             h.device_state = fresh;
         }
         const int R = h.num_recv_tokens();
@@ -344,11 +344,23 @@ class CudaEngine final : public Engine {
         MOERL_CHECK(out.rows >= h.num_tokens, "combine: out has ", out.rows,
                     " rows, but the handle dispatched ", h.num_tokens, " tokens");
         // This rank's rows stay in y; the receive kernel reads them there. With one rank that is all
-        // of them: no send kernel and no signals.
+        // of them: one gather kernel, no signals.
         const bool self_direct =
             y.data != nullptr && (reinterpret_cast<uintptr_t>(y.data) & (c_.element_bytes() - 1)) == 0;
-        const bool solo = c_.world_size == 1 && self_direct;
-        if (!solo) {
+        if (c_.world_size == 1 && self_direct) {  // a gather by send_pos in one kernel (kernels/solo.cu)
+            SoloCombineArgs a{};
+            a.rt = rt_;
+            a.y = y.data;
+            a.send_pos = st.send_pos;
+            a.num_tokens = h.num_tokens;
+            a.tile_tokens = solo_tile_tokens(h.num_tokens);
+            a.out = out.data;
+            launch_solo_combine(a, solo_tiles(h.num_tokens, a.tile_tokens), stream);
+            MOERL_CUDA_CHECK(cudaGetLastError());
+            finish(stream);
+            return;
+        }
+        {
             CombineSendArgs s{};
             s.rt = rt_;
             s.y = y.data;
@@ -369,7 +381,7 @@ class CudaEngine final : public Engine {
         r.num_tokens = h.num_tokens;
         r.out = out.data;
         r.send_blocks = blocks_;
-        r.sig = solo ? unsignalled_ : sig_;
+        r.sig = sig_;
         if (self_direct) {
             r.self_y = y.data;
             r.recv_src_offset = st.recv_src_offset;
@@ -480,6 +492,126 @@ class CudaEngine final : public Engine {
     }
 
   private:
+    // One rank, a fresh layout, recv_x 16-byte aligned: one kernel counts, finds the rows and permutes
+    // (kernels/solo.cu). The host learns the counts from mapped memory: after the whole call
+    // (the default, which also takes send_pos and recv_src_token from mapped copies the kernel wrote), or
+    // with MOERL_EP_CUDA_ASYNC as soon as the kernel published them, while it still copies rows.
+    Handle dispatch_solo(View<const void> x, View<const int64_t> topk_idx, View<const float> topk_weights,
+                         const DispatchOutput& out, cudaStream_t stream) {
+        const int T = static_cast<int>(x.rows);
+        auto fresh = std::make_shared<NormalState>(this, stream, T, 1, c_.max_recv_tokens(), pool_);
+        SoloDispatchArgs a{};
+        a.rt = rt_;
+        a.row = row_;
+        a.x = x.data;
+        a.topk_idx = topk_idx.data;
+        a.topk_weights = topk_weights.data;
+        a.num_tokens = T;
+        a.tile_tokens = solo_tile_tokens(T);
+        const int tiles = solo_tiles(T, a.tile_tokens);
+        a.seq = layout_->next(a.scratch, stream);
+        a.send_pos = fresh->send_pos;
+        a.recv_src_offset = fresh->recv_src_offset;
+        a.recv_src_token = fresh->recv_src_token;
+        if (!async_) {
+            a.host_send_pos = reinterpret_cast<int*>(device_solo_ + solo_offset(1));
+            a.host_recv_src_token = reinterpret_cast<int*>(device_solo_ + solo_offset(2));
+        }
+        a.summary = device_summaries_;
+        a.counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + solo_offset(0));
+        a.recv_x = out.recv_x.data;
+        a.recv_x_scales = out.recv_x_scales.data;
+        a.recv_topk_idx = out.recv_topk_idx.data;
+        a.recv_topk_weights = out.recv_topk_weights.data;
+        a.max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
+        a.error = sig_.error;
+        a.error_mirror = sig_.error_mirror;
+        launch_solo_dispatch(a, tiles, stream);
+        MOERL_CUDA_CHECK(cudaGetLastError());
+        if (async_) {
+            MOERL_CUDA_CHECK(cudaEventRecord(counts_ready_, stream));
+            wait_solo_counts(a.seq);
+        } else {
+            MOERL_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+        const DeviceError err = read_error();
+        throw_if_error(err, c_, "cuda");
+        std::string bad_input;
+        if (has_bad_input(err)) {
+            bad_input = bad_input_message(err, c_);
+            clear_bad_input(stream);
+            if (!async_) MOERL_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+        Handle h;
+        fill_counts(T, h);
+        h.device_state = fresh;
+        const int R = h.num_recv_tokens();
+        if (!async_) {
+            const auto* base = host_solo_.get<uint8_t>();
+            const auto* pos = reinterpret_cast<const int*>(base + solo_offset(1));
+            const auto* tokens = reinterpret_cast<const int*>(base + solo_offset(2));
+            h.send_pos.assign(pos, pos + T);
+            h.recv_src_token.assign(tokens, tokens + R);
+        }
+        MOERL_CHECK(out.recv_x.rows >= R, "dispatch: recv_x has ", out.recv_x.rows, " rows, but ", R,
+                    " arrive");
+        if (!bad_input.empty()) MOERL_FAIL("dispatch: ", bad_input);
+        return h;
+    }
+
+    // Spins until the one-rank dispatch kernel of call `seq` has published its counts; the event after
+    // the kernel ends the wait if the kernel failed or ended without them.
+    void wait_solo_counts(unsigned int seq) {
+        std::atomic_ref<unsigned int> ready(*reinterpret_cast<unsigned int*>(host_solo_.get<uint8_t>()));
+        while (ready.load(std::memory_order_acquire) != seq) {
+            const cudaError_t done = cudaEventQuery(counts_ready_);
+            if (done == cudaErrorNotReady) continue;
+            MOERL_CUDA_CHECK(done);
+            MOERL_CHECK(ready.load(std::memory_order_acquire) == seq,
+                        "dispatch: the one-rank dispatch kernel ended without publishing its counts");
+        }
+    }
+
+    // Mapped pinned memory of the one-rank dispatch: ready word, send_pos [maxT], recv_src_token [maxT]
+    // (each 16-byte aligned); solo_offset(3) is the total.
+    size_t solo_offset(int i) const {
+        const size_t sizes[3] = {sizeof(unsigned int),
+                                 static_cast<size_t>(c_.max_tokens_per_rank) * sizeof(int),
+                                 static_cast<size_t>(c_.max_tokens_per_rank) * sizeof(int)};
+        size_t off = 0;
+        for (int j = 0; j < i; ++j) off += align16(sizes[j]);
+        return off;
+    }
+
+    // The handle's counts from the summaries in mapped memory (the layout kernel's or the one-rank
+    // dispatch kernel's, once they are final).
+    void fill_counts(int num_tokens, Handle& h) const {
+        const int W = c_.world_size, L = c_.num_local_experts();
+        const int* sent = host_summaries_.get<int>();
+        const int* got = sent + static_cast<size_t>(W) * (1 + L);
+        h.num_tokens = num_tokens;
+        h.num_send_per_rank.resize(W);
+        h.num_recv_per_src.resize(W);
+        h.num_recv_tokens_per_expert.assign(L, 0);
+        h.recv_src_offset.assign(W + 1, 0);
+        for (int r = 0; r < W; ++r) {
+            h.num_send_per_rank[r] = sent[r * (1 + L)];
+            h.num_recv_per_src[r] = got[r * (1 + L)];
+            h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
+            for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
+        }
+    }
+
+    // Tokens per block of the one-rank kernels, and their blocks: at most blocks_ (one tile_state word each).
+    int solo_tile_tokens(int num_tokens) const { return std::max(1, (num_tokens + blocks_ - 1) / blocks_); }
+    static int solo_tiles(int num_tokens, int tile_tokens) {
+        return std::max(1, (num_tokens + tile_tokens - 1) / tile_tokens);
+    }
+
+    static bool aligned16(const void* p) {
+        return p != nullptr && (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+    }
+
     // Pinned staging of the handles' host vectors, LL layout: recv_count [L], recv_range [L, W, 2],
     // recv_src_token [L, rows_per_expert], topk_idx [T, K] int64 (each 16-byte aligned). Normal mode
     // uses it for send_pos [T, W] and recv_src_token [R], one at a time.
@@ -600,7 +732,9 @@ class CudaEngine final : public Engine {
     DeviceMemory tables_;              // peers [W], then dst pointers of the 4 data channels [W] each
     PinnedMemory host_summaries_;      // send then receive summaries [W, 1+L], written by the layout kernel
     PinnedMemory host_error_;          // mirror of the device error word, written by the device
+    PinnedMemory host_solo_;           // one rank: written by the dispatch kernel (solo_offset())
     int* device_summaries_ = nullptr;  // host_summaries_ as the device sees it
+    uint8_t* device_solo_ = nullptr;   // host_solo_ as the device sees it
     cudaEvent_t counts_ready_ = nullptr;  // after the layout of the running dispatch
     std::unique_ptr<LayoutState> layout_;
     PinnedMemory stage_;            // device-to-host copies of handle vectors (staging_bytes())

@@ -59,10 +59,12 @@ NormalState& normal_state(const Handle& h, const void* owner, const char* what) 
     return *s;
 }
 
-LayoutState::LayoutState(const Config& c) {
+LayoutState::LayoutState(const Config& c, int min_tiles) {
     const size_t W = c.world_size, L = c.num_local_experts();
     const size_t tiles = (static_cast<size_t>(c.max_tokens_per_rank) + kLayoutTile - 1) / kLayoutTile;
-    tile_state_bytes_ = align256(std::max<size_t>(tiles, 1) * W * sizeof(unsigned long long));
+    const size_t words =
+        std::max(std::max<size_t>(tiles, 1) * W, static_cast<size_t>(std::max(min_tiles, 1)));
+    tile_state_bytes_ = align256(words * sizeof(unsigned long long));
     const size_t total_bytes = align256(W * L * sizeof(int));
     const size_t rank_bytes = align256(W * sizeof(int));
     memory_ = DeviceMemory(tile_state_bytes_ + total_bytes + rank_bytes + align256(2 * sizeof(unsigned)));
@@ -73,13 +75,13 @@ LayoutState::LayoutState(const Config& c) {
     scratch_.counters = reinterpret_cast<unsigned*>(base + tile_state_bytes_ + total_bytes + rank_bytes);
 }
 
-void LayoutState::next(LayoutArgs& a, cudaStream_t stream) {
+unsigned int LayoutState::next(LayoutScratch& scratch, cudaStream_t stream) {
     if (++seq_ == 0) {  // after 2^32 calls: clear the tags so that no stale word can match seq 1 again
         MOERL_CUDA_CHECK(cudaMemsetAsync(scratch_.tile_state, 0, tile_state_bytes_, stream));
         seq_ = 1;
     }
-    a.scratch = scratch_;
-    a.seq = seq_;
+    scratch = scratch_;
+    return seq_;
 }
 
 LowLatencyState::LowLatencyState(const Config& c) {

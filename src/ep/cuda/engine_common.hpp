@@ -122,13 +122,17 @@ struct NormalState {
 // Looks up the NormalState of a handle made by `owner`; throws when it is not one.
 NormalState& normal_state(const Handle& h, const void* owner, const char* what);
 
-// The scratch of the normal layout kernel and the seq of its calls (one layout at a time: every caller
-// synchronises with the host before the next dispatch).
+// The scratch of the normal layout kernel (and of the one-rank dispatch kernel) and the seq of its
+// calls (one layout at a time: every caller synchronises with the host, or waits for the counts, before
+// the next dispatch).
 class LayoutState {
   public:
-    explicit LayoutState(const Config& c);
+    // min_tiles: tile_state words the one-rank dispatch kernel needs (one per block).
+    explicit LayoutState(const Config& c, int min_tiles = 1);
     // Sets a.scratch and a.seq for a new call on `stream`.
-    void next(LayoutArgs& a, cudaStream_t stream);
+    void next(LayoutArgs& a, cudaStream_t stream) { a.seq = next(a.scratch, stream); }
+    // The scratch and the seq of a new call on `stream`.
+    unsigned int next(LayoutScratch& scratch, cudaStream_t stream);
 
   private:
     DeviceMemory memory_;

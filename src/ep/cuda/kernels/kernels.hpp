@@ -178,6 +178,50 @@ struct CombineRecvArgs {
 };
 void launch_combine_recv(const CombineRecvArgs& a, int blocks, cudaStream_t stream);
 
+// Normal dispatch of one rank in one kernel (a permute): counts, rows and the copy, no layout kernel
+// and no signals. A grid of `tiles` blocks; the block with ticket j (start order) handles tokens
+// [j * tile_tokens, (j+1) * tile_tokens). Token t gets row = number of earlier tokens that name a
+// valid expert (prefix over the tiles' counts in scratch.tile_state), or none. The last block to
+// finish its prefix writes the summaries, then counts_ready = seq.
+struct SoloDispatchArgs {
+    Routing rt;
+    RowLayout row;
+    const void* x;              // [T, H]
+    const int64_t* topk_idx;    // [T, K]
+    const float* topk_weights;  // [T, K] or null (weights sent as 0)
+    int num_tokens;
+    int tile_tokens;        // >= 1; ceil(T / tile_tokens) tiles (at least one)
+    LayoutScratch scratch;  // tile_state [>= tiles], expert_total [L], rank_total [1], counters [2]
+    unsigned int seq;       // nonzero, different from the previous call's (tags tile_state)
+    int* send_pos;          // out [T]: row of token t, or -1
+    int* recv_src_offset;   // out [2]: {0, R}
+    int* recv_src_token;    // out [R]: token of each row
+    int* host_send_pos;     // host-mapped copies of send_pos [T] and recv_src_token [R], or null
+    int* host_recv_src_token;
+    int* summary;                // out [2, 1+L] (host-mapped): {R, entries per expert}, sent then received
+    unsigned int* counts_ready;  // host-mapped: seq once summary and the error mirror are final
+    void* recv_x;                // [R, H] (fp8: bytes)
+    float* recv_x_scales;        // [R, H/128] or null
+    int64_t* recv_topk_idx;      // [R, K] or null
+    float* recv_topk_weights;    // [R, K] or null
+    int max_rows;                // rows of the outputs; rows past it are not stored
+    DeviceError* error;
+    DeviceError* error_mirror;  // host-mapped copy of *error, or null
+};
+void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream);
+
+// Normal combine of one rank: out[t] = y[send_pos[t]], or zeros where send_pos[t] = -1. A grid of
+// `tiles` blocks; block b handles tokens [b * tile_tokens, (b+1) * tile_tokens). No scratch, no signals.
+struct SoloCombineArgs {
+    Routing rt;
+    const void* y;        // [R, H]
+    const int* send_pos;  // [T]
+    int num_tokens;
+    int tile_tokens;  // >= 1
+    void* out;        // [T, H]
+};
+void launch_solo_combine(const SoloCombineArgs& a, int tiles, cudaStream_t stream);
+
 // --- low-latency mode -----------------------------------------------------------------------------
 struct LLLayoutArgs {
     Routing rt;

@@ -1,0 +1,281 @@
+// Normal mode with one rank, one kernel each way. Dispatch is a permute of x: each block counts the tokens of
+// its tile that name a valid expert, publishes that count, adds the counts of the earlier tiles (their blocks
+// started first and publish without waiting, so the wait ends) and copies its rows. The last block to
+// learn its offset writes the summaries, which the host reads from mapped memory: no layout kernel, no
+// copy on the stream, no gap between two kernels. While a block counts and waits for its offset, the
+// first row of each of its warps is already on its way into L2. Combine is the inverse gather: each
+// block loads the send_pos of its tokens at once, so that no warp waits on it before its row loads.
+#include "common.cuh"
+
+namespace moerl::ep::cuda {
+
+namespace {
+
+constexpr int kSoloWarps = kDataThreads / 32;
+constexpr int kLookBackWords = 4;  // tile_state words per lane in flight
+
+// A tile_state word: the call's seq in the high half (stale words never match), the tile's count below.
+__device__ __forceinline__ unsigned long long tile_word(unsigned seq, int count) {
+    return (static_cast<unsigned long long>(seq) << 32) | static_cast<unsigned>(count);
+}
+
+__device__ __forceinline__ unsigned long long load_volatile(const unsigned long long* p) {
+    return *reinterpret_cast<const volatile unsigned long long*>(p);
+}
+
+// Tokens with a valid expert in the tiles before `tile`, by one warp (all lanes get the sum).
+__device__ __forceinline__ int warp_rows_before(const unsigned long long* tile_state, int tile, unsigned seq,
+                                                int lane) {
+    int sum = 0;
+    for (int base = 0; base < tile; base += 32 * kLookBackWords) {
+        unsigned long long v[kLookBackWords];
+#pragma unroll
+        for (int u = 0; u < kLookBackWords; ++u) {
+            const int i = base + u * 32 + lane;
+            v[u] = i < tile ? load_volatile(tile_state + i) : tile_word(seq, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kLookBackWords; ++u) {
+            while ((v[u] >> 32) != seq) v[u] = load_volatile(tile_state + base + u * 32 + lane);
+            sum += static_cast<int>(v[u] & 0xffffffffu);
+        }
+    }
+    return __reduce_add_sync(kFullMask, sum);
+}
+
+// Asks L2 for a row the warp copies once the block knows its offset (a hint; no data is consumed).
+__device__ __forceinline__ void warp_prefetch_l2(const uint8_t* p, int bytes, int lane) {
+    for (int off = lane * 128; off < bytes; off += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+
+// Whether token t names an expert in [0, E); other ids name none.
+__device__ __forceinline__ bool names_expert(const int64_t* topk_idx, int t, int K, int E) {
+    bool any = false;
+    for (int k = 0; k < K; ++k) {
+        const long long e = topk_idx[static_cast<size_t>(t) * K + k];
+        any |= e >= 0 && e < E;
+    }
+    return any;
+}
+
+// Token t into output row i: data (or e4m3 + scales), the token's ids and weights (one rank owns every
+// expert, so local ids are the global ones). Ids and weights are loaded first, so that they travel
+// with the row's first loads.
+__device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t, int i, int lane) {
+    const Routing& rt = a.rt;
+    const int K = rt.top_k;
+    const size_t entry = static_cast<size_t>(t) * K + lane;
+    const long long e = lane < K ? a.topk_idx[entry] : -1;
+    const float w = lane < K && a.topk_weights != nullptr ? a.topk_weights[entry] : 0.0f;
+    const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
+    const auto* src = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t) * x_row_bytes;
+    auto* dst = static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(i) * a.row.data_bytes;
+    if (rt.fp8) {
+        const int num_scales = rt.hidden / kFp8Cols;
+        warp_quantize_row(
+            dst, a.recv_x_scales != nullptr ? a.recv_x_scales + static_cast<size_t>(i) * num_scales : nullptr,
+            reinterpret_cast<const __nv_bfloat16*>(src), rt.hidden, lane);
+    } else {
+        warp_copy(dst, src, static_cast<int>(x_row_bytes), lane);
+    }
+    if (lane < K) {
+        const bool valid = e >= 0 && e < rt.num_experts;
+        if (a.recv_topk_idx != nullptr) a.recv_topk_idx[static_cast<size_t>(i) * K + lane] = valid ? e : -1;
+        if (a.recv_topk_weights != nullptr)
+            a.recv_topk_weights[static_cast<size_t>(i) * K + lane] = valid ? w : 0.0f;
+    }
+}
+
+__global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatchArgs a) {
+    const Routing rt = a.rt;
+    const int K = rt.top_k, E = rt.num_experts, L = rt.num_local_experts;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const LayoutScratch& g = a.scratch;
+    const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
+    __shared__ int expert_count[kMaxExperts];
+    __shared__ int rows[kDataThreads];  // output row of each token of the current group, or -1
+    __shared__ int warp_count[kSoloWarps];
+    __shared__ int tile, tile_count, tile_base, total_rows, is_last;
+    if (tid == 0) {
+        tile = static_cast<int>(atomicAdd(&g.counters[0], 1u));  // tiles in start order
+        tile_count = 0;
+    }
+    for (int i = tid; i < E; i += kDataThreads) expert_count[i] = 0;
+    __syncthreads();
+    const int t0 = min(a.num_tokens, tile * a.tile_tokens);
+    const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
+    if (t0 + warp < t1)
+        warp_prefetch_l2(static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t0 + warp) * x_row_bytes,
+                         static_cast<int>(x_row_bytes), lane);
+
+    // Count the tile: tokens with a valid expert, entries per expert; ids out of range are reported
+    // and dropped.
+    int count = 0;
+    bool first_valid = false;  // token t0 + tid, the thread's token in the first group below
+    for (int t = t0 + tid; t < t1; t += kDataThreads) {
+        bool any = false;
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            long long ids[8];  // eight loads in flight
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                ids[j] = k0 + j < K ? a.topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const long long e = ids[j];
+                if (e < -1 || e >= E) {
+                    report_bad_id(a.error, a.error_mirror, t, k0 + j, e);
+                    continue;
+                }
+                if (e < 0) continue;
+                atomicAdd(&expert_count[e], 1);
+                any = true;
+            }
+        }
+        count += any ? 1 : 0;
+        if (t == t0 + tid) first_valid = any;
+    }
+    count = __reduce_add_sync(kFullMask, count);
+    if (lane == 0 && count != 0) atomicAdd(&tile_count, count);
+    __syncthreads();
+
+    // Publish the tile's count, add it to the totals, and sum the counts of the tiles before it.
+    // tile_state [tiles]: seq << 32 | count
+    if (tid == 0) {
+        *reinterpret_cast<volatile unsigned long long*>(g.tile_state + tile) = tile_word(a.seq, tile_count);
+        if (tile_count != 0) atomicAdd(&g.rank_total[0], tile_count);
+    }
+    for (int i = tid; i < E; i += kDataThreads)
+        if (expert_count[i] != 0) atomicAdd(&g.expert_total[i], expert_count[i]);
+    if (warp == 0) {
+        const int before = warp_rows_before(g.tile_state, tile, a.seq, lane);
+        if (lane == 0) tile_base = before;
+    }
+    // After this block's last use of the scratch: the last block to get here resets it for the next call.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(&g.counters[1], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (is_last) {
+        __threadfence();
+        for (int i = tid; i < L; i += kDataThreads) expert_count[i] = atomicExch(&g.expert_total[i], 0);
+        if (tid == 0) {
+            total_rows = atomicExch(&g.rank_total[0], 0);
+            g.counters[0] = 0;  // every block took its ticket before counting
+            g.counters[1] = 0;
+        }
+        __syncthreads();
+        // summary [2, 1+L]: what this rank sends, then what it receives (the same with one rank)
+        for (int i = tid; i < 1 + L; i += kDataThreads) {
+            const int v = i == 0 ? total_rows : expert_count[i - 1];
+            a.summary[i] = v;
+            a.summary[1 + L + i] = v;
+        }
+        if (tid == 0) {
+            a.recv_src_offset[0] = 0;
+            a.recv_src_offset[1] = total_rows;
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (tid == 0) *reinterpret_cast<volatile unsigned*>(a.counts_ready) = a.seq;
+    }
+
+    // Rows, in groups of one token per thread: the block's offset plus the valid tokens before it in the
+    // tile; then the warps copy the group's rows, one row per warp at a time.
+    int base = tile_base;
+    for (int g0 = t0; g0 < t1; g0 += kDataThreads) {
+        const int t = g0 + tid;
+        const bool valid = t < t1 && (g0 == t0 ? first_valid : names_expert(a.topk_idx, t, K, E));
+        const unsigned ballot = __ballot_sync(kFullMask, valid);
+        if (lane == 0) warp_count[warp] = __popc(ballot);
+        __syncthreads();
+        int row = base + __popc(ballot & lanemask_lt()), group_rows = 0;
+        for (int w = 0; w < kSoloWarps; ++w) {
+            if (w < warp) row += warp_count[w];
+            group_rows += warp_count[w];
+        }
+        if (!valid) row = -1;
+        if (t < t1) {
+            a.send_pos[t] = row;
+            if (a.host_send_pos != nullptr) a.host_send_pos[t] = row;
+        }
+        if (valid) {
+            a.recv_src_token[row] = t;
+            if (a.host_recv_src_token != nullptr) a.host_recv_src_token[row] = t;
+        }
+        rows[tid] = row;
+        __syncthreads();
+        const int n = min(kDataThreads, t1 - g0);
+        for (int j = warp; j < n; j += kSoloWarps) {
+            const int i = rows[j];
+            if (i < 0 || i >= a.max_rows) continue;  // the host reports the short output
+            warp_write_row(a, g0 + j, i, lane);
+        }
+        base += group_rows;
+        __syncthreads();  // rows and warp_count are rewritten by the next group
+    }
+}
+
+// out[t] = y[send_pos[t]] through the same fp32 sum as combine_recv_kernel (zeros for a token that was
+// not dispatched); block b takes tokens [b * tile_tokens, (b+1) * tile_tokens). kVec: 16-byte accesses.
+template <int kDType, bool kVec>
+__global__ void __launch_bounds__(kDataThreads) solo_combine_kernel(SoloCombineArgs a) {
+    constexpr int kUnroll = 8;  // 16-byte loads in flight per lane
+    const int H = a.rt.hidden, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const size_t row_bytes = static_cast<size_t>(H) * (kDType == 0 ? 4 : 2);
+    const int n = kVec ? H / Vec16<kDType>::kElems : H;
+    const int num_groups = kVec ? (n + 32 * kUnroll - 1) / (32 * kUnroll) : (n + 31) / 32;  // per warp pass
+    __shared__ int pos[kDataThreads];  // send_pos of the tokens of the current group
+    const int t0 = min(a.num_tokens, static_cast<int>(blockIdx.x) * a.tile_tokens);
+    const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
+    for (int g0 = t0; g0 < t1; g0 += kDataThreads) {
+        const int count = min(kDataThreads, t1 - g0);
+        if (tid < count) pos[tid] = a.send_pos[g0 + tid];
+        __syncthreads();
+        // Fewer tokens than warps: the warps of a row take every parts-th column group.
+        const int parts = max(1, min(kSoloWarps / count, num_groups));
+        for (int item = warp; item < count * parts; item += kSoloWarps) {
+            const int j = item / parts, part = item % parts;
+            const int p = pos[j];
+            // y [R, H]: row p came from token g0 + j
+            const uint8_t* src =
+                static_cast<const uint8_t*>(a.y) + static_cast<size_t>(max(p, 0)) * row_bytes;
+            auto row_of = [&](int, float& w) -> const uint8_t* {
+                w = 1.0f;
+                return src;
+            };
+            uint8_t* out = static_cast<uint8_t*>(a.out) + static_cast<size_t>(g0 + j) * row_bytes;
+            const int num_rows = p >= 0 ? 1 : 0;
+            if constexpr (kVec)
+                warp_sum_rows_vec<kDType, kUnroll>(out, num_rows, row_of, n, part, parts, lane);
+            else
+                warp_sum_rows_scalar<kDType>(out, num_rows, row_of, H, part, parts, lane);
+        }
+        __syncthreads();  // pos is rewritten by the next group
+    }
+}
+
+}  // namespace
+
+void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream) {
+    solo_dispatch_kernel<<<tiles, kDataThreads, 0, stream>>>(a);
+}
+
+void launch_solo_combine(const SoloCombineArgs& a, int tiles, cudaStream_t stream) {
+    const size_t row_bytes = static_cast<size_t>(a.rt.hidden) * (a.rt.dtype == 0 ? 4 : 2);
+    const bool vec =
+        ((row_bytes | reinterpret_cast<uintptr_t>(a.y) | reinterpret_cast<uintptr_t>(a.out)) & 15) == 0;
+    if (a.rt.dtype == 0) {
+        if (vec)
+            solo_combine_kernel<0, true><<<tiles, kDataThreads, 0, stream>>>(a);
+        else
+            solo_combine_kernel<0, false><<<tiles, kDataThreads, 0, stream>>>(a);
+    } else {
+        if (vec)
+            solo_combine_kernel<1, true><<<tiles, kDataThreads, 0, stream>>>(a);
+        else
+            solo_combine_kernel<1, false><<<tiles, kDataThreads, 0, stream>>>(a);
+    }
+}
+
+}  // namespace moerl::ep::cuda
