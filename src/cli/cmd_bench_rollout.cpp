@@ -243,7 +243,8 @@ void register_bench_rollout(CLI::App& bench) {
                   "cpu: run configuration (YAML, default built-in); cuda: model config.json (default: the "
                   "Qwen3-30B-A3B shape with --layers layers)");
     b->add_option("--layers", a->layers, "cuda, built-in model: layers");
-    b->add_option("--batch", a->batches, "Batch sizes (cpu: max_batch values)");
+    b->add_option("--batch", a->batches, "Batch sizes, e.g. 1,16,64,256 (cpu: max_batch values)")
+        ->delimiter(',');
     b->add_option("--prompt", a->prompt, "cuda: prompt tokens per sequence");
     b->add_option("--new", a->new_tokens, "cuda: generated tokens per sequence (>= 3)");
     b->add_option("--sequences", a->sequences, "cpu: sequences generated per row");
