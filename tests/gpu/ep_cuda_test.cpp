@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -366,6 +367,45 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, DeviceConformance, testing::ValuesIn(cases()), case_name);
+
+// One rank: every setting of the dispatch kernel's MOERL_EP_SOLO_* knobs gives the host reference's
+// results, for tiles of one 512-token group and more, tiles of a few tokens, rows that are not 16-byte
+// multiples and fp8. The last setting is out of range everywhere (the defaults apply).
+TEST(OneRank, DispatchKnobsMatchHostReference) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    using ep::DType;
+    const std::vector<Case> one_rank = {
+        {"cuda", 1, DType::kBFloat16, 16, 8, false, 512, 1500, 2, 3},
+        {"cuda", 1, DType::kFloat32, 8, 4, false, 72, 300, 64, 3},
+        {"cuda", 1, DType::kBFloat16, 8, 2, false, 70},
+        {"cuda", 1, DType::kBFloat16, 16, 8, true, 256},
+    };
+    // BLOCKS, PREFETCH, WARPS_PER_ROW, UNROLL, CACHE
+    const std::vector<std::array<const char*, 5>> settings = {
+        {"1", "0", "16", "4", "0"}, {"600", "1000", "3", "16", "3"}, {"264", "16", "1", "8", "1"},
+        {"5", "2", "7", "8", "2"},  {"0", "0", "0", "16", "0"},      {"-1", "-5", "17", "5", "9"},
+    };
+    const char* names[5] = {"MOERL_EP_SOLO_BLOCKS", "MOERL_EP_SOLO_PREFETCH", "MOERL_EP_SOLO_WARPS_PER_ROW",
+                            "MOERL_EP_SOLO_UNROLL", "MOERL_EP_SOLO_CACHE"};
+    const uint64_t seed = std::random_device{}();
+    for (const auto& knobs : settings) {
+        std::string label;
+        for (int i = 0; i < 5; ++i) label += std::string(i ? " " : "") + names[i] + "=" + knobs[i];
+        for (const Case& tc : one_rank) {
+            const std::string dir = unique_dir("gpuknobs");
+            auto results = run_ranks(
+                1,
+                [&](int) {
+                    for (int i = 0; i < 5; ++i) setenv(names[i], knobs[i], 1);
+                    conformance(tc, 0, seed, dir);
+                },
+                std::chrono::seconds(240));
+            EXPECT_EQ(results[0].exit_code, 0) << label << ", " << testing::PrintToString(tc) << " (seed "
+                                               << seed << "): " << results[0].message;
+            std::filesystem::remove_all(dir);
+        }
+    }
+}
 
 // The tokens of `more` after those of `in`.
 void append_tokens(RankInput& in, const RankInput& more) {

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 
 #include "builtin.hpp"
@@ -84,6 +85,7 @@ class CudaEngine final : public Engine {
         MOERL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
         blocks_ = std::max(1, std::min(c_.num_sms, sms));
         async_ = env::get_int("MOERL_EP_CUDA_ASYNC", 0) != 0;
+        read_solo_knobs();
 
         region_ = DeviceMemory(sym_.total);
         ctrl_ = DeviceMemory(align256(kNumDeviceChannels * 8) + align256(kNumDeviceChannels * 4) +
@@ -105,7 +107,7 @@ class CudaEngine final : public Engine {
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_mirror), host_error_.get(), 0));
         MOERL_CUDA_CHECK(cudaEventCreateWithFlags(&counts_ready_, cudaEventDisableTiming));
         ll_ = std::make_unique<LowLatencyState>(c_);
-        layout_ = std::make_unique<LayoutState>(c_, W == 1 ? blocks_ : 1);
+        layout_ = std::make_unique<LayoutState>(c_, W == 1 ? std::max(blocks_, solo_blocks_) : 1);
         stage_ = PinnedMemory(staging_bytes());
         // Handle state comes from an engine-owned pool that keeps its memory across synchronisations
         // (the default pool returns it at each one, so every dispatch would map fresh memory).
@@ -353,7 +355,7 @@ class CudaEngine final : public Engine {
             a.y = y.data;
             a.send_pos = st.send_pos;
             a.num_tokens = h.num_tokens;
-            a.tile_tokens = solo_tile_tokens(h.num_tokens);
+            a.tile_tokens = solo_tile_tokens(h.num_tokens, blocks_);
             a.out = out.data;
             launch_solo_combine(a, solo_tiles(h.num_tokens, a.tile_tokens), stream);
             MOERL_CUDA_CHECK(cudaGetLastError());
@@ -507,7 +509,7 @@ class CudaEngine final : public Engine {
         a.topk_idx = topk_idx.data;
         a.topk_weights = topk_weights.data;
         a.num_tokens = T;
-        a.tile_tokens = solo_tile_tokens(T);
+        a.tile_tokens = solo_tile_tokens(T, solo_blocks_);
         const int tiles = solo_tiles(T, a.tile_tokens);
         a.seq = layout_->next(a.scratch, stream);
         a.send_pos = fresh->send_pos;
@@ -526,6 +528,7 @@ class CudaEngine final : public Engine {
         a.max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
         a.error = sig_.error;
         a.error_mirror = sig_.error_mirror;
+        a.tuning = solo_tuning_;
         launch_solo_dispatch(a, tiles, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         if (async_) {
@@ -602,10 +605,44 @@ class CudaEngine final : public Engine {
         }
     }
 
-    // Tokens per block of the one-rank kernels, and their blocks: at most blocks_ (one tile_state word each).
-    int solo_tile_tokens(int num_tokens) const { return std::max(1, (num_tokens + blocks_ - 1) / blocks_); }
+    // Tokens per block of the one-rank kernels, and their blocks: at most `blocks` (one tile_state word
+    // each).
+    static int solo_tile_tokens(int num_tokens, int blocks) {
+        return std::max(1, (num_tokens + blocks - 1) / blocks);
+    }
     static int solo_tiles(int num_tokens, int tile_tokens) {
         return std::max(1, (num_tokens + tile_tokens - 1) / tile_tokens);
+    }
+
+    // Knobs of the one-rank dispatch, for finding its fastest variant on a GPU (scripts/ep_solo_sweep.sh).
+    // Every accepted value gives the same result; a value out of range keeps the default, with a warning.
+    // - MOERL_EP_SOLO_BLOCKS: blocks (tiles), 1..kMaxSoloBlocks; 0 (default): blocks_ as every kernel. Blocks
+    //   need not be resident at once: a block waits only on tiles whose blocks started before it.
+    // - MOERL_EP_SOLO_PREFETCH: rows of each tile asked into L2 while its block counts, >= 0 (default 16).
+    // - MOERL_EP_SOLO_WARPS_PER_ROW: warps that share a row, 1..16; 0 (default): one, or more while a tile
+    //   has fewer rows than the block has warps.
+    // - MOERL_EP_SOLO_UNROLL: 16-byte loads in flight per lane, 4, 8 (default) or 16.
+    // - MOERL_EP_SOLO_CACHE: bit 0 loads of x, bit 1 stores to recv_x evict first, 0..3 (default 0).
+    void read_solo_knobs() {
+        auto knob = [](const char* name, int fallback, long lo, long hi) {
+            const long v = env::get_int(name, fallback);
+            if (v >= lo && v <= hi) return static_cast<int>(v);
+            std::fprintf(stderr, "moerl: %s = %ld is outside [%ld, %ld]; using %d\n", name, v, lo, hi,
+                         fallback);
+            return fallback;
+        };
+        const int blocks = knob("MOERL_EP_SOLO_BLOCKS", 0, 0, kMaxSoloBlocks);
+        solo_blocks_ = blocks > 0 ? blocks : blocks_;
+        solo_tuning_.prefetch_rows = knob("MOERL_EP_SOLO_PREFETCH", solo_tuning_.prefetch_rows, 0, 1 << 30);
+        solo_tuning_.warps_per_row =
+            knob("MOERL_EP_SOLO_WARPS_PER_ROW", solo_tuning_.warps_per_row, 0, kDataThreads / 32);
+        solo_tuning_.unroll = knob("MOERL_EP_SOLO_UNROLL", solo_tuning_.unroll, 4, 16);
+        if (solo_tuning_.unroll != 4 && solo_tuning_.unroll != 8 && solo_tuning_.unroll != 16) {
+            std::fprintf(stderr, "moerl: MOERL_EP_SOLO_UNROLL = %d is not 4, 8 or 16; using 8\n",
+                         solo_tuning_.unroll);
+            solo_tuning_.unroll = 8;
+        }
+        solo_tuning_.cache = knob("MOERL_EP_SOLO_CACHE", solo_tuning_.cache, 0, 3);
     }
 
     static bool aligned16(const void* p) {
@@ -735,6 +772,9 @@ class CudaEngine final : public Engine {
     PinnedMemory host_solo_;           // one rank: written by the dispatch kernel (solo_offset())
     int* device_summaries_ = nullptr;  // host_summaries_ as the device sees it
     uint8_t* device_solo_ = nullptr;   // host_solo_ as the device sees it
+    static constexpr int kMaxSoloBlocks = 4096;
+    int solo_blocks_ = 1;                 // blocks of the one-rank dispatch kernel (read_solo_knobs())
+    SoloTuning solo_tuning_;              // how it copies rows (read_solo_knobs())
     cudaEvent_t counts_ready_ = nullptr;  // after the layout of the running dispatch
     std::unique_ptr<LayoutState> layout_;
     PinnedMemory stage_;            // device-to-host copies of handle vectors (staging_bytes())

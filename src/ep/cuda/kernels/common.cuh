@@ -238,10 +238,10 @@ __device__ __forceinline__ void warp_copy_fanout(uint8_t* dst, const void* src, 
 
 // Quantizes one bf16 row of H columns (H % 128 == 0) to e4m3 with one scale per 128 columns
 // (amax / 448, 1 for an all-zero block); scales may be null. A half-warp covers one block: 16 lanes x 8
-// columns.
+// columns. part < parts: the warp takes every parts-th pair of blocks, starting at pair `part`.
 __device__ __forceinline__ void warp_quantize_row(uint8_t* q, float* scales, const __nv_bfloat16* src, int H,
-                                                  int lane) {
-    for (int c0 = 0; c0 < H; c0 += 2 * kFp8Cols) {
+                                                  int lane, int part = 0, int parts = 1) {
+    for (int c0 = part * 2 * kFp8Cols; c0 < H; c0 += parts * 2 * kFp8Cols) {
         const int col = c0 + lane * 8;
         const bool active = col < H;
         float v[8];

@@ -178,6 +178,15 @@ struct CombineRecvArgs {
 };
 void launch_combine_recv(const CombineRecvArgs& a, int blocks, cudaStream_t stream);
 
+// Knobs of the one-rank dispatch kernel (MOERL_EP_SOLO_*, read once by the engine). Every value in range
+// gives the same result; they change only how the rows are copied.
+struct SoloTuning {
+    int prefetch_rows = 16;  // rows at the start of each tile asked into L2 while the block counts (0: none)
+    int warps_per_row = 0;  // 1..16 warps share a row; 0: one, or more while a tile has fewer rows than warps
+    int unroll = 8;         // 16-byte loads in flight per lane: 4, 8 or 16
+    int cache = 0;          // bit 0: loads of x evict first (ld.global.cs); bit 1: stores evict first
+};
+
 // Normal dispatch of one rank in one kernel (a permute): counts, rows and the copy, no layout kernel
 // and no signals. A grid of `tiles` blocks; the block with ticket j (start order) handles tokens
 // [j * tile_tokens, (j+1) * tile_tokens). Token t gets row = number of earlier tokens that name a
@@ -207,6 +216,7 @@ struct SoloDispatchArgs {
     int max_rows;                // rows of the outputs; rows past it are not stored
     DeviceError* error;
     DeviceError* error_mirror;  // host-mapped copy of *error, or null
+    SoloTuning tuning;
 };
 void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream);
 

@@ -3,8 +3,9 @@
 // started first and publish without waiting, so the wait ends) and copies its rows. The last block to
 // learn its offset writes the summaries, which the host reads from mapped memory: no layout kernel, no
 // copy on the stream, no gap between two kernels. While a block counts and waits for its offset, the
-// first row of each of its warps is already on its way into L2. Combine is the inverse gather: each
-// block loads the send_pos of its tokens at once, so that no warp waits on it before its row loads.
+// first rows of its tile are already on their way into L2. How the rows are copied (warps per row,
+// loads in flight, cache hints, prefetch) follows SoloTuning (kernels.hpp). Combine is the inverse gather:
+// each block loads the send_pos of its tokens at once, so that no warp waits on it before its row loads.
 #include "common.cuh"
 
 namespace moerl::ep::cuda {
@@ -43,10 +44,60 @@ __device__ __forceinline__ int warp_rows_before(const unsigned long long* tile_s
     return __reduce_add_sync(kFullMask, sum);
 }
 
-// Asks L2 for a row the warp copies once the block knows its offset (a hint; no data is consumed).
-__device__ __forceinline__ void warp_prefetch_l2(const uint8_t* p, int bytes, int lane) {
-    for (int off = lane * 128; off < bytes; off += 32 * 128)
+// Asks L2 for `bytes` from p, spread over the block (a hint; no data is consumed).
+__device__ __forceinline__ void block_prefetch_l2(const uint8_t* p, size_t bytes) {
+    for (size_t off = threadIdx.x * size_t{128}; off < bytes; off += kDataThreads * size_t{128})
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+
+// Part `part` of `parts` of a row copy: a contiguous range of 16-byte units (bounds on 128-byte steps),
+// kUnroll loads in flight per lane. kCache bit 0: loads evict first; bit 1: stores evict first. The
+// source is the caller's x, which nothing writes during the kernel. Rows that are not 16-byte multiples
+// take 4- or 1-byte accesses, split the same way.
+template <int kUnroll, int kCache>
+__device__ __forceinline__ void warp_copy_part(uint8_t* dst, const uint8_t* src, int bytes, int part,
+                                               int parts, int lane) {
+    const uintptr_t align =
+        reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+    if ((align & 15) != 0) {
+        const int unit = (align & 3) == 0 ? 4 : 1;
+        const int n = bytes / unit;
+        const int lo = static_cast<int>(static_cast<long long>(n) * part / parts);
+        const int hi = static_cast<int>(static_cast<long long>(n) * (part + 1) / parts);
+        if (unit == 4) {
+            for (int i = lo + lane; i < hi; i += 32)
+                reinterpret_cast<int*>(dst)[i] = reinterpret_cast<const int*>(src)[i];
+        } else {
+            for (int i = lo + lane; i < hi; i += 32) dst[i] = src[i];
+        }
+        return;
+    }
+    const int n = bytes / 16;
+    const int lo = part == 0 ? 0 : static_cast<int>(static_cast<long long>(n) * part / parts) & ~7;
+    const int hi =
+        part == parts - 1 ? n : static_cast<int>(static_cast<long long>(n) * (part + 1) / parts) & ~7;
+    auto* d = reinterpret_cast<int4*>(dst);
+    const auto* s = reinterpret_cast<const int4*>(src);
+    for (int i0 = lo; i0 < hi; i0 += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + u * 32 + lane;
+            if constexpr ((kCache & 1) != 0)
+                v[u] = i < hi ? __ldcs(s + i) : make_int4(0, 0, 0, 0);
+            else
+                v[u] = i < hi ? s[i] : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + u * 32 + lane;
+            if (i >= hi) continue;
+            if constexpr ((kCache & 2) != 0)
+                __stcs(d + i, v[u]);
+            else
+                d[i] = v[u];
+        }
+    }
 }
 
 // Whether token t names an expert in [0, E); other ids name none.
@@ -59,15 +110,18 @@ __device__ __forceinline__ bool names_expert(const int64_t* topk_idx, int t, int
     return any;
 }
 
-// Token t into output row i: data (or e4m3 + scales), the token's ids and weights (one rank owns every
-// expert, so local ids are the global ones). Ids and weights are loaded first, so that they travel
-// with the row's first loads.
-__device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t, int i, int lane) {
+// Part `part` of `parts` of token t into output row i: data (or e4m3 + scales), and with part 0 the
+// token's ids and weights (one rank owns every expert, so local ids are the global ones). Ids and
+// weights are loaded first, so that they travel with the row's first loads.
+template <int kUnroll, int kCache>
+__device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t, int i, int part, int parts,
+                                               int lane) {
     const Routing& rt = a.rt;
     const int K = rt.top_k;
+    const bool meta = part == 0 && lane < K;
     const size_t entry = static_cast<size_t>(t) * K + lane;
-    const long long e = lane < K ? a.topk_idx[entry] : -1;
-    const float w = lane < K && a.topk_weights != nullptr ? a.topk_weights[entry] : 0.0f;
+    const long long e = meta ? a.topk_idx[entry] : -1;
+    const float w = meta && a.topk_weights != nullptr ? a.topk_weights[entry] : 0.0f;
     const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
     const auto* src = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t) * x_row_bytes;
     auto* dst = static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(i) * a.row.data_bytes;
@@ -75,11 +129,11 @@ __device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t,
         const int num_scales = rt.hidden / kFp8Cols;
         warp_quantize_row(
             dst, a.recv_x_scales != nullptr ? a.recv_x_scales + static_cast<size_t>(i) * num_scales : nullptr,
-            reinterpret_cast<const __nv_bfloat16*>(src), rt.hidden, lane);
+            reinterpret_cast<const __nv_bfloat16*>(src), rt.hidden, lane, part, parts);
     } else {
-        warp_copy(dst, src, static_cast<int>(x_row_bytes), lane);
+        warp_copy_part<kUnroll, kCache>(dst, src, static_cast<int>(x_row_bytes), part, parts, lane);
     }
-    if (lane < K) {
+    if (meta) {
         const bool valid = e >= 0 && e < rt.num_experts;
         if (a.recv_topk_idx != nullptr) a.recv_topk_idx[static_cast<size_t>(i) * K + lane] = valid ? e : -1;
         if (a.recv_topk_weights != nullptr)
@@ -87,6 +141,7 @@ __device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t,
     }
 }
 
+template <int kUnroll, int kCache>
 __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatchArgs a) {
     const Routing rt = a.rt;
     const int K = rt.top_k, E = rt.num_experts, L = rt.num_local_experts;
@@ -105,9 +160,9 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     __syncthreads();
     const int t0 = min(a.num_tokens, tile * a.tile_tokens);
     const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
-    if (t0 + warp < t1)
-        warp_prefetch_l2(static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t0 + warp) * x_row_bytes,
-                         static_cast<int>(x_row_bytes), lane);
+    // x [T, H]: the tile's first rows are contiguous
+    block_prefetch_l2(static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t0) * x_row_bytes,
+                      static_cast<size_t>(min(t1 - t0, a.tuning.prefetch_rows)) * x_row_bytes);
 
     // Count the tile: tokens with a valid expert, entries per expert; ids out of range are reported
     // and dropped.
@@ -181,7 +236,8 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     }
 
     // Rows, in groups of one token per thread: the block's offset plus the valid tokens before it in the
-    // tile; then the warps copy the group's rows, one row per warp at a time.
+    // tile; then the warps copy the group's rows, `parts` warps per row (parts of one row on neighbouring
+    // warps).
     int base = tile_base;
     for (int g0 = t0; g0 < t1; g0 += kDataThreads) {
         const int t = g0 + tid;
@@ -206,10 +262,12 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         rows[tid] = row;
         __syncthreads();
         const int n = min(kDataThreads, t1 - g0);
-        for (int j = warp; j < n; j += kSoloWarps) {
+        const int parts = a.tuning.warps_per_row > 0 ? a.tuning.warps_per_row : max(1, kSoloWarps / n);
+        for (int item = warp; item < n * parts; item += kSoloWarps) {
+            const int j = item / parts, part = item - j * parts;
             const int i = rows[j];
             if (i < 0 || i >= a.max_rows) continue;  // the host reports the short output
-            warp_write_row(a, g0 + j, i, lane);
+            warp_write_row<kUnroll, kCache>(a, g0 + j, i, part, parts, lane);
         }
         base += group_rows;
         __syncthreads();  // rows and warp_count are rewritten by the next group
@@ -255,10 +313,38 @@ __global__ void __launch_bounds__(kDataThreads) solo_combine_kernel(SoloCombineA
     }
 }
 
+template <int kUnroll>
+void launch_solo_dispatch_unrolled(const SoloDispatchArgs& a, int tiles, cudaStream_t stream) {
+    switch (a.tuning.cache) {
+        case 1:
+            solo_dispatch_kernel<kUnroll, 1><<<tiles, kDataThreads, 0, stream>>>(a);
+            break;
+        case 2:
+            solo_dispatch_kernel<kUnroll, 2><<<tiles, kDataThreads, 0, stream>>>(a);
+            break;
+        case 3:
+            solo_dispatch_kernel<kUnroll, 3><<<tiles, kDataThreads, 0, stream>>>(a);
+            break;
+        default:
+            solo_dispatch_kernel<kUnroll, 0><<<tiles, kDataThreads, 0, stream>>>(a);
+            break;
+    }
+}
+
 }  // namespace
 
 void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream) {
-    solo_dispatch_kernel<<<tiles, kDataThreads, 0, stream>>>(a);
+    switch (a.tuning.unroll) {
+        case 4:
+            launch_solo_dispatch_unrolled<4>(a, tiles, stream);
+            break;
+        case 16:
+            launch_solo_dispatch_unrolled<16>(a, tiles, stream);
+            break;
+        default:
+            launch_solo_dispatch_unrolled<8>(a, tiles, stream);
+            break;
+    }
 }
 
 void launch_solo_combine(const SoloCombineArgs& a, int tiles, cudaStream_t stream) {
