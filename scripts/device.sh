@@ -69,6 +69,10 @@ if [ -x "$MOERL" ]; then
   [ "${MOERL_DEVICE_EP:-1}" = 1 ] && timeout 60 "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 --iters 20 >"$OUT/bench-cuda.log" 2>&1
   [ "${MOERL_DEVICE_EP:-1}" = 1 ] && timeout 60 "$MOERL" bench ep --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
   step bench_cuda "rc=$?"
+  if [ "${MOERL_DEVICE_EP_SWEEP:-0}" = 1 ] && [ -x scripts/ep_solo_sweep.sh ]; then
+    timeout 120 scripts/ep_solo_sweep.sh "$MOERL" >"$OUT/ep-sweep.log" 2>&1
+    step ep_sweep "rc=$?"
+  fi
   if [ "$NGPU" -ge 2 ]; then
     timeout 100 "$MOERL" bench ep --transport nccl --ranks 2 --tokens 4096 --iters 20 >"$OUT/bench-nccl.log" 2>&1
     step bench_nccl "rc=$?"
@@ -84,6 +88,16 @@ if [ -x "$MOERL" ]; then
       --prompt 128 --new ${MOERL_DEVICE_NEW:-64} --hf-dir "$HF_DIR" >"$OUT/bench-rollout.log" 2>&1
     step bench_rollout "rc=$?"
     rm -rf "$HF_DIR"
+    if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
+      # Time per kernel kind (eager steps), default expert kernels and one weight row per warp.
+      MOERL_GENERATOR_PROFILE=1 timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
+        --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
+      MOERL_GENERATOR_PROFILE=1 MOERL_GENERATOR_GATE_UP_ROWS=1 MOERL_GENERATOR_DOWN_ROWS=1 timeout 120 "$MOERL" \
+        bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64,256 --prompt 128 --new 16 \
+        --no-graphs >"$OUT/bench-profile-rows1.log" 2>&1
+      MOERL_GENERATOR_GROUPED_MIN_BATCH=16 timeout 120 "$MOERL" bench rollout --device cuda \
+        --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64 --prompt 128 --new 32 >"$OUT/bench-grouped16.log" 2>&1
+    fi
     # The same engine without graphs: what launching every kernel costs.
     timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
       --prompt 128 --new 32 --no-graphs >"$OUT/bench-rollout-eager.log" 2>&1
@@ -119,10 +133,11 @@ fi
 echo
 [ -f "$OUT/bench-rollout.log" ] && grep -E "^\| |copy bandwidth|^batch|error" "$OUT/bench-rollout.log"
 [ -f "$OUT/bench-rollout-eager.log" ] && grep -E "^batch|error" "$OUT/bench-rollout-eager.log"
+[ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"
 [ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda bench_nccl bench_rollout ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
+for k in configure build ctest_gpu bench bench_cuda ep_sweep bench_nccl bench_rollout ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done

@@ -124,6 +124,8 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
         static_cast<double>(gen.dense_bytes_per_step()) +
         static_cast<double>(st.expert_weight_reads) / timed * static_cast<double>(gen.expert_bytes()) +
         static_cast<double>(st.kv_tokens_read) / timed * static_cast<double>(gen.kv_bytes_per_token());
+    for (const auto& [kind, ms] : gen.profile())
+        std::printf("  profile batch %d: %-20s %8.3f ms/step\n", B, kind.c_str(), ms / timed);
     for (int s : slots) gen.release(s);
     return row;
 }
@@ -182,6 +184,14 @@ void bench_cuda(const RolloutArgs& a) {
         "weights "
         "but the embedding, the distinct experts routed to, the KV cache attended) / step time\n",
         copy_bw / 1e9);
+    {
+        // Warm-up: the first prefill and decode pay for library initialisation (cuBLAS, kernels).
+        const int s = gen.acquire();
+        model::GenerationStep w = gen.prefill({s}, {std::vector<int64_t>(a.prompt, 1)});
+        gen.decode({s}, w.greedy);
+        torch::cuda::synchronize();
+        gen.release(s);
+    }
     std::vector<Row> rows;
     for (int B : a.batches) {
         MOERL_CHECK(B >= 1, "--batch values must be >= 1, got ", B);

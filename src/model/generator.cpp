@@ -9,10 +9,15 @@
 #include <map>
 
 #include "model_impl.hpp"
+#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/model/layers.hpp"
 
 #ifdef MOERL_HAVE_CUDA_GENERATOR
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define MOERL_HAVE_GROUPED_MM 1
+#endif
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -64,6 +69,37 @@ struct Generator::Impl {
     at::Tensor topk_idx, topk_weights, expert_offset, active_experts, num_active, expert_slots, experts_read;
     std::map<int, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
 
+    // MOERL_GENERATOR_PROFILE=1 with eager steps: time per kernel kind, summed over steps.
+    bool profile = env::get_int("MOERL_GENERATOR_PROFILE", 0) != 0;
+    std::vector<std::pair<const char*, cudaEvent_t>> marks;
+    std::map<std::string, double> profile_ms;
+
+    void mark(const char* name) {
+        if (!profile || !opt_eager_now) return;
+        cudaEvent_t e;
+        cudaEventCreate(&e);
+        cudaEventRecord(e, at::cuda::getCurrentCUDAStream().stream());
+        marks.push_back({name, e});
+    }
+    void collect_profile() {
+        if (marks.empty()) return;
+        cudaEventSynchronize(marks.back().second);
+        for (size_t i = 1; i < marks.size(); ++i) {
+            float ms = 0;
+            cudaEventElapsedTime(&ms, marks[i - 1].second, marks[i].second);
+            profile_ms[marks[i].first] += ms;
+        }
+        for (auto& [name, e] : marks) cudaEventDestroy(e);
+        marks.clear();
+    }
+    bool opt_eager_now = false;
+    // Weight rows per warp of the expert kernels (1, 2 or 4; 0 = the kernels' default), for tuning.
+    int gate_up_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GATE_UP_ROWS", 0));
+    int down_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_DOWN_ROWS", 0));
+    // From this batch bucket on (bf16), the experts run as grouped GEMMs on the tensor cores.
+    int grouped_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GROUPED_MIN_BATCH", 128));
+    bool use_grouped_mm = false;
+
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner), m(weights), opt(o), device(weights.options.device) {}
 
@@ -99,9 +135,11 @@ struct Generator::Impl {
         const int* slots = slot.data_ptr<int>();
         const int* tbl = table.data_ptr<int>();
         auto rows = [B](const at::Tensor& t) { return t.narrow(0, 0, B); };
+        mark("start");
         cuda::launch_embed_rmsnorm(dtype, tokens.data_ptr<int64_t>(), m.embed.data_ptr(),
                                    m.layers[0].input_norm.data_ptr(), eps, B, static_cast<int>(V), H,
                                    x.data_ptr(), h.data_ptr(), stream);
+        mark("embed+norm");
         const cuda::MoeRouting r = routing();
         const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
         for (size_t l = 0; l < m.layers.size(); ++l) {
@@ -109,42 +147,82 @@ struct Generator::Impl {
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
             at::Tensor qkv_b = rows(qkv);
             at::mm_out(qkv_b, rows(h), qkv_weight[l].t());
+            mark("qkv mm");
             cuda::launch_qk_norm_rope_store(dtype, qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
                                             eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
                                             max_blocks, opt.block_size, B, Hq, Hkv, D, q.data_ptr(),
                                             k_pool[l].data_ptr(), v_pool[l].data_ptr(), stream);
+            mark("qk norm+rope+store");
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
                                          attn.data_ptr(), stream);
+            mark("attention");
             at::Tensor o_b = rows(o);
             at::mm_out(o_b, rows(attn), w.o_proj.t());
+            mark("o mm");
             cuda::launch_add_rmsnorm(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, B,
                                      H, h.data_ptr(), stream);
+            mark("add+norm");
             if (w.moe_index >= 0) {
                 at::Tensor logits_b = rows(router_logits);
                 at::mm_out(logits_b, rows(h), w.router.t());
+                mark("router mm");
                 cuda::launch_route(dtype, router_logits.data_ptr(), pos, B, E, K, c.norm_topk_prob, r,
                                    stream);
-                cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
-                                         w.experts_up.data_ptr(), r, B, K, H, I, max_active, act.data_ptr(),
-                                         stream);
-                cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
-                                      max_active, y.data_ptr<float>(), stream);
+                mark("route");
+                if (B >= grouped_min_batch && use_grouped_mm) {
+                    experts_grouped(B, w);
+                    mark("experts grouped gemm");
+                } else {
+                    cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
+                                             w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
+                                             act.data_ptr(), stream);
+                    mark("experts gate+up");
+                    cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
+                                          max_active, down_rows, y.data_ptr<float>(), stream);
+                    mark("experts down");
+                }
                 cuda::launch_moe_combine_rmsnorm(dtype, x.data_ptr(), y.data_ptr<float>(), r,
                                                  next_norm.data_ptr(), eps, pos, B, K, H, h.data_ptr(),
                                                  stream);
+                mark("combine+norm");
             } else {
                 at::Tensor mlp = swiglu(rows(h), w.gate_proj, w.up_proj, w.down_proj).contiguous();
                 cuda::launch_add_rmsnorm(dtype, x.data_ptr(), mlp.data_ptr(), next_norm.data_ptr(), eps, pos,
                                          B, H, h.data_ptr(), stream);
+                mark("dense mlp");
             }
         }
         at::Tensor logits_b = rows(logits);
         at::mm_out(logits_b, rows(h), m.output_weight().t());
+        mark("lm_head mm");
         cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), greedy.data_ptr<int64_t>(),
                             stream);
+        mark("argmax");
         const cudaError_t err = cudaGetLastError();
         MOERL_CHECK(err == cudaSuccess, "decode step kernels failed to launch: ", cudaGetErrorString(err));
+    }
+
+    // Large batches: tokens sorted by expert (the routing's slot lists), one grouped GEMM per
+    // projection on the tensor cores, results scattered back to their slots. Capturable: every
+    // size is fixed by the bucket; slots past the routed total go to y's spare last row.
+    void experts_grouped(int B, const LayerWeights& w) {
+#ifdef MOERL_HAVE_GROUPED_MM
+        const int64_t S = int64_t{B} * K;
+        at::Tensor slots = expert_slots.narrow(0, 0, S).to(at::kLong);
+        at::Tensor xs = h.index_select(0, at::div(slots, K, "floor"));
+        at::Tensor offs = expert_offset.narrow(0, 1, E);  // cumulative ends per expert
+        at::Tensor g = at::_grouped_mm(xs, w.experts_gate.transpose(-2, -1), offs);
+        at::Tensor u = at::_grouped_mm(xs, w.experts_up.transpose(-2, -1), offs);
+        at::Tensor o = at::_grouped_mm(at::silu(g) * u, w.experts_down.transpose(-2, -1), offs);
+        at::Tensor routed = at::arange(S, slots.options()) < expert_offset.narrow(0, E, 1).to(at::kLong);
+        at::Tensor dst = at::where(routed, slots, at::full({}, y.size(0) - 1, slots.options()));
+        y.index_copy_(0, dst, o.to(at::kFloat));
+#else
+        (void)B;
+        (void)w;
+        MOERL_FAIL("grouped expert GEMM needs LibTorch >= 2.8");
+#endif
     }
 
     // Replays the graph of bucket B, capturing it first (after one eager warm-up on the capture
@@ -221,6 +299,9 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
                 ", expected >= 1");
     MOERL_CHECK(options.block_size >= 1, "Generator: block_size = ", options.block_size, ", expected >= 1");
     g.dtype = m.options.dtype == at::kFloat ? 0 : 1;
+#ifdef MOERL_HAVE_GROUPED_MM
+    g.use_grouped_mm = g.dtype == 1;
+#endif
     g.H = c.hidden_size, g.Hq = c.num_attention_heads, g.Hkv = c.num_key_value_heads, g.D = c.head_dim;
     g.E = c.num_experts, g.K = c.num_experts_per_tok, g.I = c.moe_intermediate_size, g.V = c.vocab_size;
     const int64_t vec = g.dtype == 0 ? 4 : 8;  // elements per 16 bytes
@@ -266,7 +347,7 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
     g.o = at::zeros({B, g.H}, t);
     g.router_logits = at::zeros({B, std::max<int64_t>(g.E, 1)}, t);
     g.act = at::zeros({B * g.K, g.I}, t);
-    g.y = at::zeros({B * g.K, g.H}, t.dtype(at::kFloat));
+    g.y = at::zeros({B * g.K + 1, g.H}, t.dtype(at::kFloat));  // + a spare row for unrouted slots
     g.logits = at::zeros({B, g.V}, t);
     g.greedy = at::zeros({B}, t.dtype(at::kLong));
     g.topk_idx = at::zeros({B * g.K}, i32);
@@ -439,8 +520,12 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     g.upload_table();
     if (g.opt.cuda_graphs)
         g.replay(B);
-    else
+    else {
+        g.opt_eager_now = true;
         g.run_step(B);
+        g.opt_eager_now = false;
+        g.collect_profile();
+    }
     for (int i = 0; i < n; ++i) {
         g.host_stats.kv_tokens_read += g.length[slots[i]] + 1;
         ++g.length[slots[i]];
@@ -465,6 +550,11 @@ GeneratorStats Generator::stats() const {
 void Generator::reset_stats() {
     impl_->host_stats = {};
     impl_->experts_read.zero_();
+    impl_->profile_ms.clear();
+}
+
+std::vector<std::pair<std::string, double>> Generator::profile() const {
+    return {impl_->profile_ms.begin(), impl_->profile_ms.end()};
 }
 
 int64_t Generator::dense_bytes_per_step() const {
@@ -515,6 +605,7 @@ GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std
 GenerationStep Generator::decode(const std::vector<int>&, const at::Tensor&) { unavailable(); }
 void Generator::refresh_weights() { unavailable(); }
 GeneratorStats Generator::stats() const { unavailable(); }
+std::vector<std::pair<std::string, double>> Generator::profile() const { unavailable(); }
 void Generator::reset_stats() { unavailable(); }
 int64_t Generator::dense_bytes_per_step() const { unavailable(); }
 int64_t Generator::expert_bytes() const { unavailable(); }

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "moerl/model/model.hpp"
@@ -76,6 +78,9 @@ class Generator {
 
     GeneratorStats stats() const;  // synchronises with the device
     void reset_stats();
+    // With MOERL_GENERATOR_PROFILE=1 and eager steps (cuda_graphs = false): milliseconds per kernel
+    // kind summed over the decode steps since reset_stats().
+    std::vector<std::pair<std::string, double>> profile() const;
     // Bytes one decode step reads besides the routed experts and the KV cache (dense weights and
     // the output projection), and the bytes of one expert (gate + up + down).
     int64_t dense_bytes_per_step() const;

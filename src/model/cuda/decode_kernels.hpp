@@ -60,13 +60,15 @@ void launch_route(int dtype, const void* router_logits, const int* position, int
                   bool norm_topk_prob, const MoeRouting& r, cudaStream_t stream);
 
 // act[s] = silu(h[s / K] gate_e^T) * (h[s / K] up_e^T) for every slot s routed to expert e.
-// gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)).
+// gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)). rows_per_warp: 1, 2
+// or 4 weight rows per warp (0 = default).
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
-                        int B, int K, int H, int I, int max_active, void* act, cudaStream_t stream);
+                        int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
+                        cudaStream_t stream);
 
 // y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, float* y, cudaStream_t stream);
+                     int I, int max_active, int rows_per_warp, float* y, cudaStream_t stream);
 
 // x[b] += sum_k w[b, k] y[b * K + k]; h[b] = rms_norm(x[b]) * norm_weight. Padding rows skipped.
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,

@@ -10,7 +10,7 @@ namespace moerl::model::cuda {
 namespace {
 
 constexpr int kRouteWarps = 16;
-constexpr int kMoeWarps = 8;  // one output row per warp
+constexpr int kMoeWarps = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kRouteWarps * 32)
@@ -123,94 +123,77 @@ __device__ __forceinline__ void load_tile(const T* src, const int* expert_slots,
     }
 }
 
-template <typename T>
+// Rows [row0, row0 + kRows) of expert e's weights applied to every slot routed to e, kTile
+// slots per pass over the weights. Gated: act[s] = silu(in[s / K] gate^T) * (in[s / K] up^T) (weights
+// gate/up [E, out_rows, cols]); otherwise y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out).
+template <typename T, bool kGated, int kRows, int kTile>
 __global__ void __launch_bounds__(kMoeWarps * 32)
-    gate_up_kernel(const T* h, const T* gate, const T* up, MoeRouting r, int K, int H, int I, T* act) {
+    expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
+                       int out_rows, T* act, float* y) {
     extern __shared__ __align__(16) unsigned char tile_bytes[];
-    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kMoeTokenTile, H]
+    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kTile, cols]
     if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
     const int e = r.active_experts[blockIdx.y];
     const int first = r.expert_offset[e], n = r.expert_offset[e + 1] - first;
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
-    const T* g_row = gate + (static_cast<size_t>(e) * I + row) * H;  // gate, up [E, I, H]
-    const T* u_row = up + (static_cast<size_t>(e) * I + row) * H;
-    for (int c0 = 0; c0 < n; c0 += kMoeTokenTile) {
-        const int nt = min(kMoeTokenTile, n - c0);
-        __syncthreads();
-        load_tile(h, r.expert_slots, first + c0, nt, K, H, tile);
-        __syncthreads();
-        if (row >= I) continue;
-        float acc_g[kMoeTokenTile], acc_u[kMoeTokenTile];
+    const int row0 = (blockIdx.x * kMoeWarps + (threadIdx.x >> 5)) * kRows;
+    constexpr int kMats = kGated ? 2 : 1;
+    const T* w[kMats][kRows];
 #pragma unroll
-        for (int j = 0; j < kMoeTokenTile; ++j) acc_g[j] = acc_u[j] = 0.0f;
-#pragma unroll 2
-        for (int c = lane * 8; c < H; c += 256) {
-            float wg[8], wu[8];
-            load8(g_row + c, wg);
-            load8(u_row + c, wu);
+    for (int i = 0; i < kRows; ++i) {
+        const int row = min(row0 + i, out_rows - 1);  // rows past the end repeat the last (not stored)
+        w[0][i] = w0 + (static_cast<size_t>(e) * out_rows + row) * cols;
+        if constexpr (kGated) w[kMats - 1][i] = w1 + (static_cast<size_t>(e) * out_rows + row) * cols;
+    }
+    for (int c0 = 0; c0 < n; c0 += kTile) {
+        const int nt = min(kTile, n - c0);
+        __syncthreads();
+        load_tile(in, r.expert_slots, first + c0, nt, row_div, cols, tile);
+        __syncthreads();
+        if (row0 >= out_rows) continue;
+        float acc[kMats][kRows][kTile];
 #pragma unroll
-            for (int j = 0; j < kMoeTokenTile; ++j) {
+        for (int m = 0; m < kMats; ++m)
+#pragma unroll
+            for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                for (int j = 0; j < kTile; ++j) acc[m][i][j] = 0.0f;
+        for (int c = lane * 8; c < cols; c += 256) {
+            float wv[kMats][kRows][8];
+#pragma unroll
+            for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                for (int i = 0; i < kRows; ++i) load8(w[m][i] + c, wv[m][i]);
+#pragma unroll
+            for (int j = 0; j < kTile; ++j) {
                 if (j >= nt) break;
                 float xv[8];
-                load8(tile + j * H + c, xv);
+                load8(tile + j * cols + c, xv);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    acc_g[j] += wg[i] * xv[i];
-                    acc_u[j] += wu[i] * xv[i];
+                for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[m][i][j] += wv[m][i][k] * xv[k];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kTile; ++j) {
+            if (j >= nt) break;
+            const int s = r.expert_slots[first + c0 + j];
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                const float v0 = round_to<T>(warp_sum(acc[0][i][j]));
+                if constexpr (kGated) {
+                    const float v1 = round_to<T>(warp_sum(acc[kMats - 1][i][j]));
+                    if (lane == i && row0 + i < out_rows)
+                        act[static_cast<size_t>(s) * out_rows + row0 + i] =
+                            from_float<T>(round_to<T>(silu(v0)) * v1);
+                } else {
+                    if (lane == i && row0 + i < out_rows)
+                        y[static_cast<size_t>(s) * out_rows + row0 + i] = v0;
                 }
             }
-        }
-#pragma unroll
-        for (int j = 0; j < kMoeTokenTile; ++j) {
-            if (j >= nt) break;
-            const float g = round_to<T>(warp_sum(acc_g[j])), u = round_to<T>(warp_sum(acc_u[j]));
-            if (lane == 0) {
-                const int s = r.expert_slots[first + c0 + j];
-                act[static_cast<size_t>(s) * I + row] = from_float<T>(round_to<T>(silu(g)) * u);
-            }
-        }
-    }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kMoeWarps * 32)
-    down_kernel(const T* act, const T* down, MoeRouting r, int H, int I, float* y) {
-    extern __shared__ __align__(16) unsigned char tile_bytes[];
-    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kMoeTokenTile, I]
-    if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
-    const int e = r.active_experts[blockIdx.y];
-    const int first = r.expert_offset[e], n = r.expert_offset[e + 1] - first;
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
-    const T* d_row = down + (static_cast<size_t>(e) * H + row) * I;  // down [E, H, I]
-    for (int c0 = 0; c0 < n; c0 += kMoeTokenTile) {
-        const int nt = min(kMoeTokenTile, n - c0);
-        __syncthreads();
-        load_tile(act, r.expert_slots, first + c0, nt, 1, I, tile);
-        __syncthreads();
-        if (row >= H) continue;
-        float acc[kMoeTokenTile];
-#pragma unroll
-        for (int j = 0; j < kMoeTokenTile; ++j) acc[j] = 0.0f;
-#pragma unroll 2
-        for (int c = lane * 8; c < I; c += 256) {
-            float wd[8];
-            load8(d_row + c, wd);
-#pragma unroll
-            for (int j = 0; j < kMoeTokenTile; ++j) {
-                if (j >= nt) break;
-                float xv[8];
-                load8(tile + j * I + c, xv);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[j] += wd[i] * xv[i];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < kMoeTokenTile; ++j) {
-            if (j >= nt) break;
-            const float v = round_to<T>(warp_sum(acc[j]));
-            if (lane == 0) y[static_cast<size_t>(r.expert_slots[first + c0 + j]) * H + row] = v;
         }
     }
 }
@@ -237,24 +220,41 @@ __global__ void __launch_bounds__(256)
     row_rmsnorm(xr, w, eps, H, h + static_cast<size_t>(b) * H, sum_sq, scratch);
 }
 
-template <typename T>
-void launch_moe(const void* h, const void* gate, const void* up, const void* down, const void* act_in,
-                const MoeRouting& r, int K, int H, int I, int max_active, void* act_out, float* y,
-                cudaStream_t stream) {
+template <typename T, bool kGated, int kRows, int kTile>
+void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
+                 int out_rows, int max_active, void* act, float* y, cudaStream_t stream) {
+    const size_t smem = sizeof(T) * kTile * cols;
+    auto kernel = expert_rows_kernel<T, kGated, kRows, kTile>;
+    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+    constexpr int kRowsPerBlock = kMoeWarps * kRows;
+    kernel<<<dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32, smem,
+             stream>>>(static_cast<const T*>(in), static_cast<const T*>(w0), static_cast<const T*>(w1), r,
+                       row_div, cols, out_rows, static_cast<T*>(act), y);
+}
+
+// Slots per pass from the batch (a bound on the tokens of one expert); rows per warp from the
+// caller (0 = default: 2 for gate/up, 4 for down).
+template <typename T, bool kGated>
+void launch_expert_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B,
+                        int row_div, int cols, int out_rows, int max_active, int rows_per_warp, void* act,
+                        float* y, cudaStream_t stream) {
     if (max_active == 0) return;
-    if (act_out != nullptr) {
-        const size_t smem = sizeof(T) * kMoeTokenTile * H;
-        ensure_dynamic_smem(reinterpret_cast<const void*>(gate_up_kernel<T>), smem);
-        gate_up_kernel<T>
-            <<<dim3((I + kMoeWarps - 1) / kMoeWarps, max_active), kMoeWarps * 32, smem, stream>>>(
-                static_cast<const T*>(h), static_cast<const T*>(gate), static_cast<const T*>(up), r, K, H, I,
-                static_cast<T*>(act_out));
-    } else {
-        const size_t smem = sizeof(T) * kMoeTokenTile * I;
-        ensure_dynamic_smem(reinterpret_cast<const void*>(down_kernel<T>), smem);
-        down_kernel<T><<<dim3((H + kMoeWarps - 1) / kMoeWarps, max_active), kMoeWarps * 32, smem, stream>>>(
-            static_cast<const T*>(act_in), static_cast<const T*>(down), r, H, I, y);
-    }
+    if (rows_per_warp == 0) rows_per_warp = kGated ? 2 : 4;
+    const int tile = B <= 1 ? 1 : (B <= 16 ? 4 : kMoeTokenTile);
+#define MOERL_ROWS_CASE(rows, t)                                                                           \
+    if (rows_per_warp == rows && tile == t)                                                                \
+        return launch_rows<T, kGated, rows, t>(in, w0, w1, r, row_div, cols, out_rows, max_active, act, y, \
+                                               stream);
+    MOERL_ROWS_CASE(1, 1)
+    MOERL_ROWS_CASE(1, 4)
+    MOERL_ROWS_CASE(1, kMoeTokenTile)
+    MOERL_ROWS_CASE(2, 1)
+    MOERL_ROWS_CASE(2, 4)
+    MOERL_ROWS_CASE(2, kMoeTokenTile)
+    MOERL_ROWS_CASE(4, 1)
+    MOERL_ROWS_CASE(4, 4)
+    MOERL_ROWS_CASE(4, kMoeTokenTile)
+#undef MOERL_ROWS_CASE
 }
 
 }  // namespace
@@ -274,23 +274,25 @@ void launch_route(int dtype, const void* router_logits, const int* position, int
 }
 
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
-                        int B, int K, int H, int I, int max_active, void* act, cudaStream_t stream) {
-    (void)B;
+                        int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
+                        cudaStream_t stream) {
     if (dtype == 0)
-        launch_moe<float>(h, gate, up, nullptr, nullptr, r, K, H, I, max_active, act, nullptr, stream);
+        launch_expert_rows<float, true>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act, nullptr,
+                                        stream);
     else
-        launch_moe<__nv_bfloat16>(h, gate, up, nullptr, nullptr, r, K, H, I, max_active, act, nullptr,
-                                  stream);
+        launch_expert_rows<__nv_bfloat16, true>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act,
+                                                nullptr, stream);
 }
 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, float* y, cudaStream_t stream) {
-    (void)B;
+                     int I, int max_active, int rows_per_warp, float* y, cudaStream_t stream) {
+    (void)K;
     if (dtype == 0)
-        launch_moe<float>(nullptr, nullptr, nullptr, down, act, r, K, H, I, max_active, nullptr, y, stream);
+        launch_expert_rows<float, false>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
+                                         nullptr, y, stream);
     else
-        launch_moe<__nv_bfloat16>(nullptr, nullptr, nullptr, down, act, r, K, H, I, max_active, nullptr, y,
-                                  stream);
+        launch_expert_rows<__nv_bfloat16, false>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
+                                                 nullptr, y, stream);
 }
 
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
