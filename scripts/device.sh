@@ -92,11 +92,14 @@ if [ -x "$MOERL" ]; then
       # Time per kernel kind (eager steps), default expert kernels and one weight row per warp.
       MOERL_GENERATOR_PROFILE=1 timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
-      MOERL_GENERATOR_PROFILE=1 MOERL_GENERATOR_GATE_UP_ROWS=1 MOERL_GENERATOR_DOWN_ROWS=1 timeout 120 "$MOERL" \
-        bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64,256 --prompt 128 --new 16 \
-        --no-graphs >"$OUT/bench-profile-rows1.log" 2>&1
-      MOERL_GENERATOR_GROUPED_MIN_BATCH=16 timeout 120 "$MOERL" bench rollout --device cuda \
-        --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64 --prompt 128 --new 32 >"$OUT/bench-grouped16.log" 2>&1
+      # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
+      for v in "GATE_UP_ROWS=1 DOWN_ROWS=2" "GATE_UP_ROWS=1 DOWN_ROWS=1" "GATE_UP_ROWS=2 DOWN_ROWS=2" \
+               "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=1 DOWN_ROWS=4" "GEMV_MAX_BATCH=0" "GEMV_ROWS=2" \
+               "GROUPED_MIN_BATCH=64"; do
+        env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
+          --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64 --prompt 128 --new 32 2>&1 |
+          grep -E "^batch" | sed "s/^/[$v] /" >>"$OUT/bench-variants.log"
+      done
     fi
     # The same engine without graphs: what launching every kernel costs.
     timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
@@ -134,6 +137,7 @@ echo
 [ -f "$OUT/bench-rollout.log" ] && grep -E "^\| |copy bandwidth|^batch|error" "$OUT/bench-rollout.log"
 [ -f "$OUT/bench-rollout-eager.log" ] && grep -E "^batch|error" "$OUT/bench-rollout-eager.log"
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"
+[ -f "$OUT/bench-variants.log" ] && cat "$OUT/bench-variants.log"
 [ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
 echo
 echo "| step | result |"

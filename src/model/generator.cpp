@@ -65,7 +65,7 @@ struct Generator::Impl {
 
     // Static step buffers (graphs read and write them in place), max_batch rows.
     at::Tensor tokens, position, slot, table;
-    at::Tensor x, h, qkv, q, attn, o, router_logits, act, y, logits, greedy;
+    at::Tensor x, h, qkv, q, attn, attn_partial, o, router_logits, act, y, logits, greedy, argmax_scratch;
     at::Tensor topk_idx, topk_weights, expert_offset, active_experts, num_active, expert_slots, experts_read;
     std::map<int, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
 
@@ -99,6 +99,9 @@ struct Generator::Impl {
     // From this batch bucket on (bf16), the experts run as grouped GEMMs on the tensor cores.
     int grouped_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GROUPED_MIN_BATCH", 128));
     bool use_grouped_mm = false;
+    // Up to this batch bucket the dense projections (q/k/v, o, router) use the GEMV kernel.
+    int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 16));
+    int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner), m(weights), opt(o), device(weights.options.device) {}
@@ -126,6 +129,18 @@ struct Generator::Impl {
         }
     }
 
+    // out[:B] = in[:B] weight^T: the GEMV kernel for few rows, cuBLAS otherwise.
+    void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B) {
+        if (B <= gemv_max_batch) {
+            cuda::launch_dense_rows(dtype, in.data_ptr(), weight.data_ptr(), B,
+                                    static_cast<int>(weight.size(1)), static_cast<int>(weight.size(0)),
+                                    gemv_rows, out.data_ptr(), at::cuda::getCurrentCUDAStream().stream());
+            return;
+        }
+        at::Tensor out_b = out.narrow(0, 0, B);
+        at::mm_out(out_b, in.narrow(0, 0, B), weight.t());
+    }
+
     // The kernels of one decode step over rows [0, B) of the static buffers, on the current stream.
     void run_step(int B) {
         const ModelConfig& c = m.config;
@@ -145,8 +160,7 @@ struct Generator::Impl {
         for (size_t l = 0; l < m.layers.size(); ++l) {
             const LayerWeights& w = m.layers[l];
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
-            at::Tensor qkv_b = rows(qkv);
-            at::mm_out(qkv_b, rows(h), qkv_weight[l].t());
+            linear(h, qkv_weight[l], qkv, B);
             mark("qkv mm");
             cuda::launch_qk_norm_rope_store(dtype, qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
                                             eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
@@ -155,17 +169,15 @@ struct Generator::Impl {
             mark("qk norm+rope+store");
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
-                                         attn.data_ptr(), stream);
+                                         attn_partial.data_ptr<float>(), attn.data_ptr(), stream);
             mark("attention");
-            at::Tensor o_b = rows(o);
-            at::mm_out(o_b, rows(attn), w.o_proj.t());
+            linear(attn, w.o_proj, o, B);
             mark("o mm");
             cuda::launch_add_rmsnorm(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, B,
                                      H, h.data_ptr(), stream);
             mark("add+norm");
             if (w.moe_index >= 0) {
-                at::Tensor logits_b = rows(router_logits);
-                at::mm_out(logits_b, rows(h), w.router.t());
+                linear(h, w.router, router_logits, B);
                 mark("router mm");
                 cuda::launch_route(dtype, router_logits.data_ptr(), pos, B, E, K, c.norm_topk_prob, r,
                                    stream);
@@ -196,8 +208,9 @@ struct Generator::Impl {
         at::Tensor logits_b = rows(logits);
         at::mm_out(logits_b, rows(h), m.output_weight().t());
         mark("lm_head mm");
-        cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), greedy.data_ptr<int64_t>(),
-                            stream);
+        cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V),
+                            reinterpret_cast<unsigned long long*>(argmax_scratch.data_ptr<int64_t>()),
+                            greedy.data_ptr<int64_t>(), stream);
         mark("argmax");
         const cudaError_t err = cudaGetLastError();
         MOERL_CHECK(err == cudaSuccess, "decode step kernels failed to launch: ", cudaGetErrorString(err));
@@ -308,6 +321,8 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
     MOERL_CHECK(g.H % 8 == 0 && g.I % 8 == 0 && g.D % 8 == 0, "Generator: hidden_size ", g.H,
                 ", moe_intermediate_size ", g.I, " and head_dim ", g.D, " must be multiples of 8");
     MOERL_CHECK(g.H % vec == 0, "Generator: hidden_size must be a multiple of ", vec);
+    MOERL_CHECK(g.H <= cuda::kMaxHidden, "Generator: hidden_size ", g.H, " is above the ", cuda::kMaxHidden,
+                " the row kernels hold");
     MOERL_CHECK(g.D % 2 == 0 && g.D <= cuda::kMaxHeadDim, "Generator: head_dim ", g.D,
                 " must be even and <= ", cuda::kMaxHeadDim);
     MOERL_CHECK(cuda::attention_group_supported(static_cast<int>(g.Hq / g.Hkv)), "Generator: ", g.Hq,
@@ -344,12 +359,17 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
     g.qkv = at::zeros({B, (g.Hq + 2 * g.Hkv) * g.D}, t);
     g.q = at::zeros({B, g.Hq * g.D}, t);
     g.attn = at::zeros({B, g.Hq * g.D}, t);
+    g.attn_partial =
+        at::zeros({B * g.Hkv * cuda::attention_partial_splits(g.max_blocks * options.block_size) *
+                   (g.Hq / g.Hkv) * (g.D + 2)},
+                  t.dtype(at::kFloat));
     g.o = at::zeros({B, g.H}, t);
     g.router_logits = at::zeros({B, std::max<int64_t>(g.E, 1)}, t);
     g.act = at::zeros({B * g.K, g.I}, t);
     g.y = at::zeros({B * g.K + 1, g.H}, t.dtype(at::kFloat));  // + a spare row for unrouted slots
     g.logits = at::zeros({B, g.V}, t);
     g.greedy = at::zeros({B}, t.dtype(at::kLong));
+    g.argmax_scratch = at::zeros({B}, t.dtype(at::kLong));
     g.topk_idx = at::zeros({B * g.K}, i32);
     g.topk_weights = at::zeros({B * g.K}, t.dtype(at::kFloat));
     g.expert_offset = at::zeros({g.E + 1}, i32);

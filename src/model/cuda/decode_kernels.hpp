@@ -18,6 +18,7 @@
 namespace moerl::model::cuda {
 
 constexpr int kMaxExperts = 512;  // router softmax and per-expert counters live in shared memory
+constexpr int kMaxHidden = 8192;  // residual rows live in registers of the row kernels
 constexpr int kMaxHeadDim = 256;  // per-lane registers of the attention and RoPE kernels
 constexpr int kMoeTokenTile = 8;  // tokens of one expert multiplied per pass over its weights
 
@@ -49,10 +50,18 @@ void launch_qk_norm_rope_store(int dtype, const void* qkv, const void* q_norm, c
 // Query heads per key-value head the attention kernel is built for (1, 2, 4, 8, 16).
 bool attention_group_supported(int group);
 
+// Sequence chunk of the split attention's smallest split; partials per (row, kv head) for
+// sequences of max_seq_len tokens.
+constexpr int kAttentionMinChunk = 64;
+int attention_partial_splits(int max_seq_len);
+
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
+// partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
+// * (D + 2) elements (split-sequence partial results).
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
-                            int block_size, int B, int Hq, int Hkv, int D, void* out, cudaStream_t stream);
+                            int block_size, int B, int Hq, int Hkv, int D, float* partial, void* out,
+                            cudaStream_t stream);
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.
@@ -70,12 +79,19 @@ void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
                      int I, int max_active, int rows_per_warp, float* y, cudaStream_t stream);
 
+// out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
+// (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes.
+void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
+                       int rows_per_warp, void* out, cudaStream_t stream);
+
 // x[b] += sum_k w[b, k] y[b * K + k]; h[b] = rms_norm(x[b]) * norm_weight. Padding rows skipped.
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
                                 const void* norm_weight, float eps, const int* position, int B, int K, int H,
                                 void* h, cudaStream_t stream);
 
-// out[b] = argmax of logits[b, :V] (lowest index on ties).
-void launch_argmax(int dtype, const void* logits, int B, int V, int64_t* out, cudaStream_t stream);
+// out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number).
+// scratch: B 64-bit words.
+void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
+                   cudaStream_t stream);
 
 }  // namespace moerl::model::cuda

@@ -1,10 +1,12 @@
-// Decode attention over the paged KV cache: one block per (row, key-value head) serves the G query
-// heads of that group, so every cached key and value is read once per step.
+// Decode attention over the paged KV cache, split over the sequence (flash-decoding): block
+// (kv_head, row, split) serves the G query heads of one key-value head over one chunk of the cached
+// tokens, so every key and value is read once per step and short batches still fill the GPU.
 //
 // Each warp takes 32 tokens at a time: lane t scores token t against the G queries (its key row
-// read whole, 16-byte loads), an online softmax keeps (max, sum) per query head, then the warp
-// accumulates the values with lane i holding dims i, i + 32, ... The warps' partial states are
-// merged at the end.
+// read whole with 16-byte loads, the queries broadcast from shared memory), an online softmax keeps
+// (max, sum) per query head, then the warp accumulates the values with lane i holding dims i,
+// i + 32, ... The warps' states are merged in shared memory; with one split the block writes the
+// output, otherwise a partial (max, sum, unnormalised output) that the merge kernel combines.
 #include <cfloat>
 
 #include "common.cuh"
@@ -12,33 +14,45 @@
 namespace moerl::model::cuda {
 namespace {
 
-constexpr int kAttnWarps = 4;
+constexpr int kAttnWarps = 2;
+
+// Partial of split s of (row b, kv head h): ml [B, Hkv, splits, G, 2] (max, sum), acc [B, Hkv,
+// splits, G, D].
+struct Partials {
+    float* ml = nullptr;
+    float* acc = nullptr;
+    int splits = 0;  // allocated splits per (row, kv head)
+};
 
 // G query heads per key-value head; kDimsPerLane = ceil(D / 32).
 template <typename T, int G, int kDimsPerLane>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
-                           T* out) {
-    extern __shared__ float smem[];
+                           int chunk, Partials part, T* out) {
+    extern __shared__ __align__(16) float smem[];
     float* q_s = smem;                    // [G, D]
     float* m_s = q_s + G * D;             // [warps, G]
     float* l_s = m_s + kAttnWarps * G;    // [warps, G]
     float* acc_s = l_s + kAttnWarps * G;  // [warps, G, D]
-    const int kv_head = blockIdx.x, b = blockIdx.y;
+    const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = position[b];
+    const bool direct = gridDim.z == 1;
     T* out_row = out + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // out [B, Hq, D]
     if (pos < 0) {
-        for (int i = threadIdx.x; i < G * D; i += blockDim.x) out_row[i] = from_float<T>(0.0f);
+        if (split == 0)
+            for (int i = threadIdx.x; i < G * D; i += blockDim.x) out_row[i] = from_float<T>(0.0f);
         return;
     }
+    const int num_tokens = pos + 1;
+    const int first = split * chunk, last = min(num_tokens, first + chunk);
+    if (first >= last) return;  // past the sequence: the merge kernel skips this split
     const float scale = rsqrtf(static_cast<float>(D));
     const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_float(q_row[i]) * scale;
     __syncthreads();
 
-    const int num_tokens = pos + 1;
     const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
     const size_t head_stride = static_cast<size_t>(Hkv) * D;  // one token's row in the pool
     float m[G], l[G], acc[G][kDimsPerLane];
@@ -49,9 +63,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
         for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] = 0.0f;
     }
-    for (int base = warp * 32; base < num_tokens; base += kAttnWarps * 32) {
+    for (int base = first + warp * 32; base < last; base += kAttnWarps * 32) {
         const int t = base + lane;
-        const bool valid = t < num_tokens;
+        const bool valid = t < last;
         size_t row = 0;  // element offset of token t's (kv_head) row in the pools
         float s[G];
 #pragma unroll
@@ -65,9 +79,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                 load8(k_row + d, kv);
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
-                    const float* qg = q_s + g * D + d;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) s[g] += qg[i] * kv[i];
+                    const float4 qa = *reinterpret_cast<const float4*>(q_s + g * D + d);
+                    const float4 qb = *reinterpret_cast<const float4*>(q_s + g * D + d + 4);
+                    s[g] += qa.x * kv[0] + qa.y * kv[1] + qa.z * kv[2] + qa.w * kv[3] + qb.x * kv[4] +
+                            qb.y * kv[5] + qb.z * kv[6] + qb.w * kv[7];
                 }
             }
         }
@@ -83,7 +98,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
             for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] *= correction;
         }
-        const int count = min(32, num_tokens - base);
+        const int count = min(32, last - base);
         for (int j = 0; j < count; ++j) {
             const size_t vrow = __shfl_sync(kFullMask, row, j);
             const T* v_row = v_pool + vrow;
@@ -115,6 +130,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             if (d < D) acc_s[(warp * G + g) * D + d] = acc[g][i];
         }
     __syncthreads();
+    const size_t pidx = (static_cast<size_t>(b) * Hkv + kv_head) * part.splits + split;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         float mx = -FLT_MAX;
@@ -126,6 +142,39 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             sum += l_s[w * G + g] * f;
             value += acc_s[(w * G + g) * D + (i % D)] * f;
         }
+        if (direct) {
+            out_row[i] = from_float<T>(value / sum);
+        } else {
+            part.acc[pidx * G * D + i] = value;
+            if (i % D == 0) {
+                part.ml[(pidx * G + g) * 2] = mx;
+                part.ml[(pidx * G + g) * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
+// out[b, h*G + g] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M) over the splits that hold tokens.
+template <typename T>
+__global__ void merge_splits_kernel(const int* position, int Hq, int Hkv, int D, int chunk, Partials part,
+                                    T* out) {
+    const int kv_head = blockIdx.x, b = blockIdx.y;
+    const int G = Hq / Hkv;
+    const int pos = position[b];
+    if (pos < 0) return;                     // the attention kernel wrote zeros
+    const int used = (pos + chunk) / chunk;  // splits with tokens: ceil((pos + 1) / chunk)
+    const size_t base = (static_cast<size_t>(b) * Hkv + kv_head) * part.splits;
+    T* out_row = out + (static_cast<size_t>(b) * Hq + kv_head * G) * D;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D;
+        float mx = -FLT_MAX;
+        for (int s = 0; s < used; ++s) mx = fmaxf(mx, part.ml[((base + s) * G + g) * 2]);
+        float sum = 0.0f, value = 0.0f;
+        for (int s = 0; s < used; ++s) {
+            const float f = __expf(part.ml[((base + s) * G + g) * 2] - mx);
+            sum += part.ml[((base + s) * G + g) * 2 + 1] * f;
+            value += part.acc[(base + s) * G * D + i] * f;
+        }
         out_row[i] = from_float<T>(value / sum);
     }
 }
@@ -133,42 +182,45 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 template <typename T, int G, int kDimsPerLane>
 void launch_group(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
                   const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
-                  void* out, cudaStream_t stream) {
+                  int chunk, int splits, const Partials& part, void* out, cudaStream_t stream) {
     const size_t smem = sizeof(float) * (G * D + 2 * kAttnWarps * G + kAttnWarps * G * D);
     auto kernel = paged_attention_kernel<T, G, kDimsPerLane>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<dim3(Hkv, B), kAttnWarps * 32, smem, stream>>>(
+    kernel<<<dim3(Hkv, B, splits), kAttnWarps * 32, smem, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k_pool), static_cast<const T*>(v_pool), position,
-        slot, block_table, max_blocks, block_size, Hq, Hkv, D, static_cast<T*>(out));
+        slot, block_table, max_blocks, block_size, Hq, Hkv, D, chunk, part, static_cast<T*>(out));
+    if (splits > 1)
+        merge_splits_kernel<T>
+            <<<dim3(Hkv, B), 256, 0, stream>>>(position, Hq, Hkv, D, chunk, part, static_cast<T*>(out));
 }
 
 template <typename T, int G>
 void launch_dims(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
                  const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
-                 void* out, cudaStream_t stream) {
+                 int chunk, int splits, const Partials& part, void* out, cudaStream_t stream) {
     if (D <= 32)
         launch_group<T, G, 1>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, out, stream);
+                              Hkv, D, chunk, splits, part, out, stream);
     else if (D <= 64)
         launch_group<T, G, 2>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, out, stream);
+                              Hkv, D, chunk, splits, part, out, stream);
     else if (D <= 128)
         launch_group<T, G, 4>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, out, stream);
+                              Hkv, D, chunk, splits, part, out, stream);
     else
         launch_group<T, G, 8>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, out, stream);
+                              Hkv, D, chunk, splits, part, out, stream);
 }
 
 template <typename T>
 void launch_typed(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
                   const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
-                  void* out, cudaStream_t stream) {
+                  int chunk, int splits, const Partials& part, void* out, cudaStream_t stream) {
     switch (Hq / Hkv) {
 #define MOERL_ATTN_CASE(g)                                                                               \
     case g:                                                                                              \
         launch_dims<T, g>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq, \
-                          Hkv, D, out, stream);                                                          \
+                          Hkv, D, chunk, splits, part, out, stream);                                     \
         break;
         MOERL_ATTN_CASE(1)
         MOERL_ATTN_CASE(2)
@@ -187,16 +239,35 @@ bool attention_group_supported(int group) {
     return group == 1 || group == 2 || group == 4 || group == 8 || group == 16;
 }
 
+int attention_partial_splits(int max_seq_len) {
+    return (max_seq_len + kAttentionMinChunk - 1) / kAttentionMinChunk;
+}
+
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
-                            int block_size, int B, int Hq, int Hkv, int D, void* out, cudaStream_t stream) {
+                            int block_size, int B, int Hq, int Hkv, int D, float* partial, void* out,
+                            cudaStream_t stream) {
     if (B == 0) return;
+    // Chunks of the sequence per block: short ones when rows are few, so the GPU fills up; one
+    // split (no merge) when rows alone give enough blocks.
+    const int max_seq_len = max_blocks * block_size;
+    const int blocks_without_split = B * Hkv;
+    int chunk = kAttentionMinChunk;
+    while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 2048)
+        chunk *= 2;
+    const int splits = (max_seq_len + chunk - 1) / chunk;
+    const int alloc_splits = attention_partial_splits(max_seq_len);
+    const int G = Hq / Hkv;
+    Partials part;
+    part.splits = alloc_splits;
+    part.ml = partial;
+    part.acc = partial + static_cast<size_t>(B) * Hkv * alloc_splits * G * 2;
     if (dtype == 0)
         launch_typed<float>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                            Hkv, D, out, stream);
+                            Hkv, D, chunk, splits, part, out, stream);
     else
         launch_typed<__nv_bfloat16>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B,
-                                    Hq, Hkv, D, out, stream);
+                                    Hq, Hkv, D, chunk, splits, part, out, stream);
 }
 
 }  // namespace moerl::model::cuda

@@ -64,6 +64,37 @@ __device__ __forceinline__ void load8(const float* p, float* out) {
     out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
 
+// Eight consecutive elements kept as loaded (converted later), for software pipelining.
+template <typename T>
+struct Raw8;
+template <>
+struct Raw8<__nv_bfloat16> {
+    uint4 v;
+};
+template <>
+struct Raw8<float> {
+    float4 a, b;
+};
+__device__ __forceinline__ Raw8<__nv_bfloat16> load_raw8(const __nv_bfloat16* p) {
+    return {*reinterpret_cast<const uint4*>(p)};
+}
+__device__ __forceinline__ Raw8<float> load_raw8(const float* p) {
+    return {reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1]};
+}
+__device__ __forceinline__ void raw8_to_float(const Raw8<__nv_bfloat16>& r, float* out) {
+    const auto* v = reinterpret_cast<const __nv_bfloat162*>(&r.v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(v[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void raw8_to_float(const Raw8<float>& r, float* out) {
+    out[0] = r.a.x, out[1] = r.a.y, out[2] = r.a.z, out[3] = r.a.w;
+    out[4] = r.b.x, out[5] = r.b.y, out[6] = r.b.z, out[7] = r.b.w;
+}
+
 // Eight consecutive elements, streamed (read once, kept out of L1).
 __device__ __forceinline__ void load8_stream(const __nv_bfloat16* p, float* out) {
     const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
@@ -105,14 +136,40 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] share
     return warp_sum(total);
 }
 
-// h = round(w * round(x * inv_rms)) over one row already in x (global), one block per row.
+// Eight consecutive elements stored from floats (16-byte aligned for bf16, 32-byte for fp32).
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float* v) {
+    uint4 raw;
+    auto* out = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = raw;
+}
+__device__ __forceinline__ void store8(float* p, const float* v) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// Row kernels (residual add + RMSNorm): one block of kNormThreads per row, thread t owns the
+// 8-element chunks at columns (t + i * kNormThreads) * 8, kept in registers between the two passes.
+constexpr int kNormThreads = 256;
+constexpr int kNormChunks = 4;
+static_assert(kNormThreads * 8 * kNormChunks == kMaxHidden);
+
+// h = round(w * round(x * inv_rms)) from this thread's chunks xv of the (already stored) row x.
 template <typename T>
-__device__ __forceinline__ void row_rmsnorm(const T* x, const T* w, float eps, int H, T* h, float sum_sq,
-                                            float* scratch) {
-    const float total = block_sum(sum_sq, scratch);
-    const float inv = rsqrtf(total / static_cast<float>(H) + eps);
-    for (int c = threadIdx.x; c < H; c += blockDim.x)
-        h[c] = from_float<T>(to_float(w[c]) * round_to<T>(to_float(x[c]) * inv));
+__device__ __forceinline__ void rmsnorm_chunks(const float (&xv)[kNormChunks][8], float sum_sq, const T* w,
+                                               float eps, int H, T* h, float* scratch /* [32] shared */) {
+    const float inv = rsqrtf(block_sum(sum_sq, scratch) / static_cast<float>(H) + eps);
+#pragma unroll
+    for (int i = 0; i < kNormChunks; ++i) {
+        const int c = (threadIdx.x + i * kNormThreads) * 8;
+        if (c >= H) break;
+        float wv[8], out[8];
+        load8(w + c, wv);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) out[k] = wv[k] * round_to<T>(xv[i][k] * inv);
+        store8(h + c, out);
+    }
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }

@@ -117,24 +117,33 @@ __device__ __forceinline__ void load_tile(const T* src, const int* expert_slots,
     constexpr int kVec = 16 / sizeof(T);
     for (int i = threadIdx.x * kVec; i < n * cols; i += blockDim.x * kVec) {
         const int j = i / cols, c = i % cols;
-        const int src_row = expert_slots[first + j] / row_div;
+        const int src_row = expert_slots != nullptr ? expert_slots[first + j] / row_div : first + j;
         *reinterpret_cast<uint4*>(tile + i) =
             *reinterpret_cast<const uint4*>(src + static_cast<size_t>(src_row) * cols + c);
     }
 }
 
+enum RowsMode { kGatedExperts, kExperts, kDense };
+
 // Rows [row0, row0 + kRows) of expert e's weights applied to every slot routed to e, kTile
-// slots per pass over the weights. Gated: act[s] = silu(in[s / K] gate^T) * (in[s / K] up^T) (weights
-// gate/up [E, out_rows, cols]); otherwise y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out).
-template <typename T, bool kGated, int kRows, int kTile>
+// slots per pass over the weights. kGatedExperts: act[s] = silu(in[s / K] gate^T) * (in[s / K] up^T)
+// (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
+// kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
+template <typename T, int kMode, int kRows, int kTile>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, T* act, float* y) {
+                       int out_rows, int num_rows, T* act, float* y) {
     extern __shared__ __align__(16) unsigned char tile_bytes[];
     T* tile = reinterpret_cast<T*>(tile_bytes);  // [kTile, cols]
-    if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
-    const int e = r.active_experts[blockIdx.y];
-    const int first = r.expert_offset[e], n = r.expert_offset[e + 1] - first;
+    constexpr bool kGated = kMode == kGatedExperts;
+    int e = 0, first = 0, n = num_rows;
+    if constexpr (kMode != kDense) {
+        if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
+        e = r.active_experts[blockIdx.y];
+        first = r.expert_offset[e];
+        n = r.expert_offset[e + 1] - first;
+    }
+    const int* slots = kMode == kDense ? nullptr : r.expert_slots;
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * kMoeWarps + (threadIdx.x >> 5)) * kRows;
     constexpr int kMats = kGated ? 2 : 1;
@@ -148,7 +157,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     for (int c0 = 0; c0 < n; c0 += kTile) {
         const int nt = min(kTile, n - c0);
         __syncthreads();
-        load_tile(in, r.expert_slots, first + c0, nt, row_div, cols, tile);
+        load_tile(in, slots, first + c0, nt, row_div, cols, tile);
         __syncthreads();
         if (row0 >= out_rows) continue;
         float acc[kMats][kRows][kTile];
@@ -158,12 +167,28 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int j = 0; j < kTile; ++j) acc[m][i][j] = 0.0f;
-        for (int c = lane * 8; c < cols; c += 256) {
+        // The next chunk's weights are loaded before this chunk's arithmetic (one chunk in flight
+        // ahead), so each lane keeps 2 * kMats * kRows 16-byte loads outstanding.
+        Raw8<T> cur[kMats][kRows], nxt[kMats][kRows];
+        int c = lane * 8;
+        if (c < cols) {
+#pragma unroll
+            for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                for (int i = 0; i < kRows; ++i) cur[m][i] = load_raw8(w[m][i] + c);
+        }
+        for (; c < cols; c += 256) {
+            if (c + 256 < cols) {
+#pragma unroll
+                for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                    for (int i = 0; i < kRows; ++i) nxt[m][i] = load_raw8(w[m][i] + c + 256);
+            }
             float wv[kMats][kRows][8];
 #pragma unroll
             for (int m = 0; m < kMats; ++m)
 #pragma unroll
-                for (int i = 0; i < kRows; ++i) load8(w[m][i] + c, wv[m][i]);
+                for (int i = 0; i < kRows; ++i) raw8_to_float(cur[m][i], wv[m][i]);
 #pragma unroll
             for (int j = 0; j < kTile; ++j) {
                 if (j >= nt) break;
@@ -176,22 +201,28 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 #pragma unroll
                         for (int k = 0; k < 8; ++k) acc[m][i][j] += wv[m][i][k] * xv[k];
             }
+#pragma unroll
+            for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                for (int i = 0; i < kRows; ++i) cur[m][i] = nxt[m][i];
         }
 #pragma unroll
         for (int j = 0; j < kTile; ++j) {
             if (j >= nt) break;
-            const int s = r.expert_slots[first + c0 + j];
+            const int s = kMode == kDense ? c0 + j : r.expert_slots[first + c0 + j];
 #pragma unroll
             for (int i = 0; i < kRows; ++i) {
+                // Both sums before any lane leaves: the shuffles need the whole warp.
                 const float v0 = round_to<T>(warp_sum(acc[0][i][j]));
+                const float v1 = kGated ? round_to<T>(warp_sum(acc[kMats - 1][i][j])) : 0.0f;
+                if (lane != i || row0 + i >= out_rows) continue;
+                const size_t at = static_cast<size_t>(s) * out_rows + row0 + i;
                 if constexpr (kGated) {
-                    const float v1 = round_to<T>(warp_sum(acc[kMats - 1][i][j]));
-                    if (lane == i && row0 + i < out_rows)
-                        act[static_cast<size_t>(s) * out_rows + row0 + i] =
-                            from_float<T>(round_to<T>(silu(v0)) * v1);
+                    act[at] = from_float<T>(round_to<T>(silu(v0)) * v1);
+                } else if constexpr (kMode == kDense) {
+                    act[at] = from_float<T>(v0);
                 } else {
-                    if (lane == i && row0 + i < out_rows)
-                        y[static_cast<size_t>(s) * out_rows + row0 + i] = v0;
+                    y[at] = v0;
                 }
             }
         }
@@ -199,7 +230,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kNormThreads)
     combine_rmsnorm_kernel(T* x, const float* y, MoeRouting r, const T* w, float eps, const int* position,
                            int K, int H, T* h) {
     __shared__ float scratch[32];
@@ -207,44 +238,58 @@ __global__ void __launch_bounds__(256)
     if (position[b] < 0) return;
     T* xr = x + static_cast<size_t>(b) * H;
     const float* yr = y + static_cast<size_t>(b) * K * H;  // y [B, K, H]
+    float xv[kNormChunks][8];
     float sum_sq = 0.0f;
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k)
-            if (r.topk_idx[b * K + k] >= 0)
-                acc += r.topk_weights[b * K + k] * yr[static_cast<size_t>(k) * H + c];
-        const float f = round_to<T>(to_float(xr[c]) + round_to<T>(acc));
-        xr[c] = from_float<T>(f);
-        sum_sq += f * f;
+#pragma unroll
+    for (int i = 0; i < kNormChunks; ++i) {
+        const int c = (threadIdx.x + i * kNormThreads) * 8;
+        if (c >= H) break;
+        float acc[8] = {};
+        for (int k = 0; k < K; ++k) {
+            if (r.topk_idx[b * K + k] < 0) continue;
+            const float wk = r.topk_weights[b * K + k];
+            const float4 lo = *reinterpret_cast<const float4*>(yr + static_cast<size_t>(k) * H + c);
+            const float4 hi = *reinterpret_cast<const float4*>(yr + static_cast<size_t>(k) * H + c + 4);
+            acc[0] += wk * lo.x, acc[1] += wk * lo.y, acc[2] += wk * lo.z, acc[3] += wk * lo.w;
+            acc[4] += wk * hi.x, acc[5] += wk * hi.y, acc[6] += wk * hi.z, acc[7] += wk * hi.w;
+        }
+        load8(xr + c, xv[i]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            xv[i][k] = round_to<T>(xv[i][k] + round_to<T>(acc[k]));
+            sum_sq += xv[i][k] * xv[i][k];
+        }
+        store8(xr + c, xv[i]);
     }
-    row_rmsnorm(xr, w, eps, H, h + static_cast<size_t>(b) * H, sum_sq, scratch);
+    rmsnorm_chunks(xv, sum_sq, w, eps, H, h + static_cast<size_t>(b) * H, scratch);
 }
 
-template <typename T, bool kGated, int kRows, int kTile>
+template <typename T, int kMode, int kRows, int kTile>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
-                 int out_rows, int max_active, void* act, float* y, cudaStream_t stream) {
+                 int out_rows, int num_rows, int max_active, void* act, float* y, cudaStream_t stream) {
     const size_t smem = sizeof(T) * kTile * cols;
-    auto kernel = expert_rows_kernel<T, kGated, kRows, kTile>;
+    auto kernel = expert_rows_kernel<T, kMode, kRows, kTile>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
     kernel<<<dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32, smem,
              stream>>>(static_cast<const T*>(in), static_cast<const T*>(w0), static_cast<const T*>(w1), r,
-                       row_div, cols, out_rows, static_cast<T*>(act), y);
+                       row_div, cols, out_rows, num_rows, static_cast<T*>(act), y);
 }
 
-// Slots per pass from the batch (a bound on the tokens of one expert); rows per warp from the
-// caller (0 = default: 2 for gate/up, 4 for down).
-template <typename T, bool kGated>
+// Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
+// the caller (0 = default: 1 for gate/up, which reads two matrices, else 2).
+template <typename T, int kMode>
 void launch_expert_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B,
                         int row_div, int cols, int out_rows, int max_active, int rows_per_warp, void* act,
                         float* y, cudaStream_t stream) {
-    if (max_active == 0) return;
-    if (rows_per_warp == 0) rows_per_warp = kGated ? 2 : 4;
+    if (max_active == 0 || B == 0) return;
+    if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4)
+        rows_per_warp = kMode == kGatedExperts ? 1 : 2;
     const int tile = B <= 1 ? 1 : (B <= 16 ? 4 : kMoeTokenTile);
-#define MOERL_ROWS_CASE(rows, t)                                                                           \
-    if (rows_per_warp == rows && tile == t)                                                                \
-        return launch_rows<T, kGated, rows, t>(in, w0, w1, r, row_div, cols, out_rows, max_active, act, y, \
-                                               stream);
+#define MOERL_ROWS_CASE(rows, t)                                                                             \
+    if (rows_per_warp == rows && tile == t)                                                                  \
+        return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act, y, \
+                                              stream);
     MOERL_ROWS_CASE(1, 1)
     MOERL_ROWS_CASE(1, 4)
     MOERL_ROWS_CASE(1, kMoeTokenTile)
@@ -277,22 +322,32 @@ void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* 
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
                         cudaStream_t stream) {
     if (dtype == 0)
-        launch_expert_rows<float, true>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act, nullptr,
-                                        stream);
+        launch_expert_rows<float, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act,
+                                                 nullptr, stream);
     else
-        launch_expert_rows<__nv_bfloat16, true>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act,
-                                                nullptr, stream);
+        launch_expert_rows<__nv_bfloat16, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active,
+                                                         rows_per_warp, act, nullptr, stream);
 }
 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
                      int I, int max_active, int rows_per_warp, float* y, cudaStream_t stream) {
     (void)K;
     if (dtype == 0)
-        launch_expert_rows<float, false>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
-                                         nullptr, y, stream);
+        launch_expert_rows<float, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
+                                            nullptr, y, stream);
     else
-        launch_expert_rows<__nv_bfloat16, false>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
-                                                 nullptr, y, stream);
+        launch_expert_rows<__nv_bfloat16, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active,
+                                                    rows_per_warp, nullptr, y, stream);
+}
+
+void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
+                       int rows_per_warp, void* out, cudaStream_t stream) {
+    if (dtype == 0)
+        launch_expert_rows<float, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
+                                          rows_per_warp, out, nullptr, stream);
+    else
+        launch_expert_rows<__nv_bfloat16, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
+                                                  rows_per_warp, out, nullptr, stream);
 }
 
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
@@ -300,11 +355,11 @@ void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRou
                                 void* h, cudaStream_t stream) {
     if (B == 0) return;
     if (dtype == 0)
-        combine_rmsnorm_kernel<float><<<B, 256, 0, stream>>>(static_cast<float*>(x), y, r,
-                                                             static_cast<const float*>(norm_weight), eps,
-                                                             position, K, H, static_cast<float*>(h));
+        combine_rmsnorm_kernel<float><<<B, kNormThreads, 0, stream>>>(
+            static_cast<float*>(x), y, r, static_cast<const float*>(norm_weight), eps, position, K, H,
+            static_cast<float*>(h));
     else
-        combine_rmsnorm_kernel<__nv_bfloat16><<<B, 256, 0, stream>>>(
+        combine_rmsnorm_kernel<__nv_bfloat16><<<B, kNormThreads, 0, stream>>>(
             static_cast<__nv_bfloat16*>(x), y, r, static_cast<const __nv_bfloat16*>(norm_weight), eps,
             position, K, H, static_cast<__nv_bfloat16*>(h));
 }

@@ -6,8 +6,6 @@
 namespace moerl::model::cuda {
 namespace {
 
-constexpr int kNormThreads = 256;
-
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     embed_rmsnorm_kernel(const int64_t* tokens, const T* embed, const T* w, float eps, int V, int H, T* x,
@@ -17,14 +15,18 @@ __global__ void __launch_bounds__(kNormThreads)
     const int64_t token = min(max(tokens[b], int64_t{0}), static_cast<int64_t>(V - 1));
     const T* src = embed + token * H;  // embed [V, H]
     T* xr = x + static_cast<size_t>(b) * H;
+    float xv[kNormChunks][8];
     float sum_sq = 0.0f;
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        const T v = src[c];
-        xr[c] = v;
-        const float f = to_float(v);
-        sum_sq += f * f;
+#pragma unroll
+    for (int i = 0; i < kNormChunks; ++i) {
+        const int c = (threadIdx.x + i * kNormThreads) * 8;
+        if (c >= H) break;
+        load8(src + c, xv[i]);
+        store8(xr + c, xv[i]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum_sq += xv[i][k] * xv[i][k];
     }
-    row_rmsnorm(xr, w, eps, H, h + static_cast<size_t>(b) * H, sum_sq, scratch);
+    rmsnorm_chunks(xv, sum_sq, w, eps, H, h + static_cast<size_t>(b) * H, scratch);
 }
 
 template <typename T>
@@ -35,16 +37,24 @@ __global__ void __launch_bounds__(kNormThreads)
     if (position != nullptr && position[b] < 0) return;
     T* xr = x + static_cast<size_t>(b) * H;
     const T* dr = delta != nullptr ? delta + static_cast<size_t>(b) * H : nullptr;
+    float xv[kNormChunks][8];
     float sum_sq = 0.0f;
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        float f = to_float(xr[c]);
+#pragma unroll
+    for (int i = 0; i < kNormChunks; ++i) {
+        const int c = (threadIdx.x + i * kNormThreads) * 8;
+        if (c >= H) break;
+        load8(xr + c, xv[i]);
         if (dr != nullptr) {
-            f = round_to<T>(f + to_float(dr[c]));
-            xr[c] = from_float<T>(f);
+            float dv[8];
+            load8(dr + c, dv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) xv[i][k] = round_to<T>(xv[i][k] + dv[k]);
+            store8(xr + c, xv[i]);
         }
-        sum_sq += f * f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum_sq += xv[i][k] * xv[i][k];
     }
-    row_rmsnorm(xr, w, eps, H, h + static_cast<size_t>(b) * H, sum_sq, scratch);
+    rmsnorm_chunks(xv, sum_sq, w, eps, H, h + static_cast<size_t>(b) * H, scratch);
 }
 
 // One warp per (row, head) over the Hq query, Hkv key and Hkv value heads of the fused projection.

@@ -1,4 +1,7 @@
-// Greedy token choice on the device, so a decode step needs no logits on the host.
+// Greedy token choice on the device, so a decode step needs no logits on the host. Many blocks per
+// row (a vocabulary of 150k is too long for one block to scan quickly): each folds its range into
+// one 64-bit key (orderable value bits, then the inverted index so ties go to the lowest index) and
+// the row's maximum key is kept with one atomicMax.
 #include <cfloat>
 
 #include "common.cuh"
@@ -6,50 +9,58 @@
 namespace moerl::model::cuda {
 namespace {
 
-constexpr int kArgmaxThreads = 512;
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxPerThread = 32;
+constexpr int kArgmaxPerBlock = kArgmaxThreads * kArgmaxPerThread;
+
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+    const unsigned u = __float_as_uint(v);
+    const unsigned ordered = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+    return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(i));
+}
 
 template <typename T>
-__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const T* logits, int V, int64_t* out) {
-    __shared__ float best_s[32];
-    __shared__ int idx_s[32];
-    const int b = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const T* logits, int V, unsigned long long* best_key) {
+    __shared__ unsigned long long warp_best[kArgmaxThreads / 32];
+    const int b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const T* row = logits + static_cast<size_t>(b) * V;  // logits [B, V]
-    float best = -FLT_MAX;
-    int best_i = V;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        const float v = to_float(row[i]);
-        if (v > best) best = v, best_i = i;  // strided scan: the first hit is the lowest index
+    const int first = blockIdx.x * kArgmaxPerBlock;
+    unsigned long long best = 0;
+#pragma unroll 8
+    for (int j = 0; j < kArgmaxPerThread; ++j) {
+        const int i = first + j * kArgmaxThreads + threadIdx.x;
+        if (i < V) best = max(best, argmax_key(to_float(row[i]), i));
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ob = __shfl_xor_sync(kFullMask, best, o);
-        const int oi = __shfl_xor_sync(kFullMask, best_i, o);
-        if (ob > best || (ob == best && oi < best_i)) best = ob, best_i = oi;
-    }
-    if (lane == 0) best_s[warp] = best, idx_s[warp] = best_i;
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(kFullMask, best, o));
+    if (lane == 0) warp_best[warp] = best;
     __syncthreads();
-    if (warp == 0) {
-        best = lane < (kArgmaxThreads >> 5) ? best_s[lane] : -FLT_MAX;
-        best_i = lane < (kArgmaxThreads >> 5) ? idx_s[lane] : V;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(kFullMask, best, o);
-            const int oi = __shfl_xor_sync(kFullMask, best_i, o);
-            if (ob > best || (ob == best && oi < best_i)) best = ob, best_i = oi;
-        }
-        if (lane == 0) out[b] = best_i < V ? best_i : 0;
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kArgmaxThreads / 32; ++w) best = max(best, warp_best[w]);
+        atomicMax(best_key + b, best);
     }
+}
+
+__global__ void argmax_finish_kernel(const unsigned long long* best_key, int B, int64_t* out) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < B) out[b] = static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(best_key[b] & 0xffffffffu));
 }
 
 }  // namespace
 
-void launch_argmax(int dtype, const void* logits, int B, int V, int64_t* out, cudaStream_t stream) {
+void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
+                   cudaStream_t stream) {
     if (B == 0) return;
+    cudaMemsetAsync(scratch, 0, sizeof(unsigned long long) * B, stream);
+    const dim3 grid((V + kArgmaxPerBlock - 1) / kArgmaxPerBlock, B);
     if (dtype == 0)
-        argmax_kernel<float><<<B, kArgmaxThreads, 0, stream>>>(static_cast<const float*>(logits), V, out);
+        argmax_kernel<float>
+            <<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const float*>(logits), V, scratch);
     else
         argmax_kernel<__nv_bfloat16>
-            <<<B, kArgmaxThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(logits), V, out);
+            <<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(logits), V, scratch);
+    argmax_finish_kernel<<<(B + 255) / 256, 256, 0, stream>>>(scratch, B, out);
 }
 
 }  // namespace moerl::model::cuda
