@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -117,6 +118,31 @@ struct NormalState {
 
   private:
     void* block_ = nullptr;
+};
+
+// NormalStates of one engine, each sized for max_tokens_per_rank. A released handle gives its state
+// back for the next fresh dispatch on the same stream, so that a dispatch neither allocates nor frees:
+// stream order covers the reuse, as it covers cudaFreeAsync and cudaMallocFromPoolAsync on one stream.
+// Thread-safe (handles may be released on any thread).
+class NormalStateCache : public std::enable_shared_from_this<NormalStateCache> {
+  public:
+    NormalStateCache(const void* owner, int max_tokens, int world, int max_recv, cudaMemPool_t pool)
+        : owner_(owner), max_tokens_(max_tokens), world_(world), max_recv_(max_recv), pool_(pool) {}
+    // A state for a dispatch on `stream`: one given back on that stream, or a new one.
+    std::shared_ptr<NormalState> take(cudaStream_t stream);
+    // Frees the states given back; states released later are freed at once.
+    void close();
+
+  private:
+    static constexpr size_t kMaxKept = 64;
+    void give_back(NormalState* s);
+
+    const void* owner_;
+    int max_tokens_, world_, max_recv_;
+    cudaMemPool_t pool_;
+    std::mutex mu_;
+    std::vector<std::unique_ptr<NormalState>> kept_;  // GUARDED_BY(mu_)
+    bool closed_ = false;                             // GUARDED_BY(mu_)
 };
 
 // Looks up the NormalState of a handle made by `owner`; throws when it is not one.
