@@ -93,16 +93,15 @@ if [ -x "$MOERL" ]; then
       MOERL_GENERATOR_PROFILE=1 timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
-      for v in "GATE_UP_ROWS=1 DOWN_ROWS=2" "GATE_UP_ROWS=1 DOWN_ROWS=1" "GATE_UP_ROWS=2 DOWN_ROWS=2" \
-               "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=1 DOWN_ROWS=4" "GEMV_MAX_BATCH=0" "GEMV_ROWS=2" \
-               "GROUPED_MIN_BATCH=64"; do
+      for v in "DEFAULTS=1" "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=2 DOWN_ROWS=2" "GEMV_MAX_BATCH=0" \
+               "GEMV_MAX_BATCH=4" "GROUPED_MIN_BATCH=128" "GROUPED_MIN_BATCH=16"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
           --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64 --prompt 128 --new 32 2>&1 |
           grep -E "^batch" | sed "s/^/[$v] /" >>"$OUT/bench-variants.log"
       done
     fi
     # The same engine without graphs: what launching every kernel costs.
-    timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
+    [ "${MOERL_DEVICE_EAGER:-1}" = 1 ] && timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
       --prompt 128 --new 32 --no-graphs >"$OUT/bench-rollout-eager.log" 2>&1
   fi
   for f in "$OUT"/bench-*.log; do tail -n 12 "$f"; done

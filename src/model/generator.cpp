@@ -97,10 +97,10 @@ struct Generator::Impl {
     int gate_up_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GATE_UP_ROWS", 0));
     int down_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_DOWN_ROWS", 0));
     // From this batch bucket on (bf16), the experts run as grouped GEMMs on the tensor cores.
-    int grouped_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GROUPED_MIN_BATCH", 128));
+    int grouped_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GROUPED_MIN_BATCH", 64));
     bool use_grouped_mm = false;
     // Up to this batch bucket the dense projections (q/k/v, o, router) use the GEMV kernel.
-    int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 16));
+    int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 1));
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)

@@ -74,9 +74,19 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
                   static_cast<size_t>(kv_head) * D;
             const T* k_row = k_pool + row;
-            for (int d = 0; d < D; d += 8) {
+            // The whole key row (D / 8 chunks of 8) is requested before any arithmetic: one memory
+            // latency per 32 tokens instead of one per chunk.
+            constexpr int kChunks = kDimsPerLane * 4;
+            Raw8<T> kraw[kChunks];
+#pragma unroll
+            for (int u = 0; u < kChunks; ++u)
+                if (u * 8 < D) kraw[u] = load_raw8(k_row + u * 8);
+#pragma unroll
+            for (int u = 0; u < kChunks; ++u) {
+                if (u * 8 >= D) break;
+                const int d = u * 8;
                 float kv[8];
-                load8(k_row + d, kv);
+                raw8_to_float(kraw[u], kv);
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
                     const float4 qa = *reinterpret_cast<const float4*>(q_s + g * D + d);
@@ -98,21 +108,29 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
             for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] *= correction;
         }
+        // Values kVGroup tokens at a time, their loads issued together.
+        constexpr int kVGroup = 8;
         const int count = min(32, last - base);
-        for (int j = 0; j < count; ++j) {
-            const size_t vrow = __shfl_sync(kFullMask, row, j);
-            const T* v_row = v_pool + vrow;
-            float v[kDimsPerLane];
+        for (int j0 = 0; j0 < count; j0 += kVGroup) {
+            float v[kVGroup][kDimsPerLane];
 #pragma unroll
-            for (int i = 0; i < kDimsPerLane; ++i) {
-                const int d = lane + 32 * i;
-                v[i] = d < D ? to_float(v_row[d]) : 0.0f;
+            for (int jj = 0; jj < kVGroup; ++jj) {
+                const size_t vrow = __shfl_sync(kFullMask, row, (j0 + jj) & 31);
+                const T* v_row = v_pool + vrow;
+#pragma unroll
+                for (int i = 0; i < kDimsPerLane; ++i) {
+                    const int d = lane + 32 * i;
+                    v[jj][i] = j0 + jj < count && d < D ? to_float(v_row[d]) : 0.0f;
+                }
             }
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float pj = __shfl_sync(kFullMask, p[g], j);
+            for (int jj = 0; jj < kVGroup; ++jj) {
 #pragma unroll
-                for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] += pj * v[i];
+                for (int g = 0; g < G; ++g) {
+                    const float pj = __shfl_sync(kFullMask, p[g], (j0 + jj) & 31);
+#pragma unroll
+                    for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] += pj * v[jj][i];
+                }
             }
         }
     }

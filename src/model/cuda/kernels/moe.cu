@@ -167,44 +167,40 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int j = 0; j < kTile; ++j) acc[m][i][j] = 0.0f;
-        // The next chunk's weights are loaded before this chunk's arithmetic (one chunk in flight
-        // ahead), so each lane keeps 2 * kMats * kRows 16-byte loads outstanding.
-        Raw8<T> cur[kMats][kRows], nxt[kMats][kRows];
-        int c = lane * 8;
-        if (c < cols) {
+        // kUnroll chunks of every weight row are requested before their arithmetic, so each lane
+        // keeps kUnroll * kMats * kRows 16-byte loads in flight.
+        constexpr int kUnroll = 4;
+        for (int cb = lane * 8; cb < cols; cb += 256 * kUnroll) {
+            Raw8<T> raw[kUnroll][kMats][kRows];
 #pragma unroll
-            for (int m = 0; m < kMats; ++m)
+            for (int u = 0; u < kUnroll; ++u)
+                if (cb + u * 256 < cols)
 #pragma unroll
-                for (int i = 0; i < kRows; ++i) cur[m][i] = load_raw8(w[m][i] + c);
-        }
-        for (; c < cols; c += 256) {
-            if (c + 256 < cols) {
+                    for (int m = 0; m < kMats; ++m)
 #pragma unroll
-                for (int m = 0; m < kMats; ++m)
+                        for (int i = 0; i < kRows; ++i) raw[u][m][i] = load_raw8(w[m][i] + cb + u * 256);
 #pragma unroll
-                    for (int i = 0; i < kRows; ++i) nxt[m][i] = load_raw8(w[m][i] + c + 256);
-            }
-            float wv[kMats][kRows][8];
-#pragma unroll
-            for (int m = 0; m < kMats; ++m)
-#pragma unroll
-                for (int i = 0; i < kRows; ++i) raw8_to_float(cur[m][i], wv[m][i]);
-#pragma unroll
-            for (int j = 0; j < kTile; ++j) {
-                if (j >= nt) break;
-                float xv[8];
-                load8(tile + j * cols + c, xv);
+            for (int u = 0; u < kUnroll; ++u) {
+                const int c = cb + u * 256;
+                if (c >= cols) break;
+                float wv[kMats][kRows][8];
 #pragma unroll
                 for (int m = 0; m < kMats; ++m)
 #pragma unroll
-                    for (int i = 0; i < kRows; ++i)
+                    for (int i = 0; i < kRows; ++i) raw8_to_float(raw[u][m][i], wv[m][i]);
 #pragma unroll
-                        for (int k = 0; k < 8; ++k) acc[m][i][j] += wv[m][i][k] * xv[k];
+                for (int j = 0; j < kTile; ++j) {
+                    if (j >= nt) break;
+                    float xv[8];
+                    load8(tile + j * cols + c, xv);
+#pragma unroll
+                    for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                            for (int k = 0; k < 8; ++k) acc[m][i][j] += wv[m][i][k] * xv[k];
+                }
             }
-#pragma unroll
-            for (int m = 0; m < kMats; ++m)
-#pragma unroll
-                for (int i = 0; i < kRows; ++i) cur[m][i] = nxt[m][i];
         }
 #pragma unroll
         for (int j = 0; j < kTile; ++j) {
