@@ -65,7 +65,8 @@ struct Generator::Impl {
 
     // Static step buffers (graphs read and write them in place), max_batch rows.
     at::Tensor tokens, position, slot, table;
-    at::Tensor x, h, qkv, q, attn, attn_partial, o, router_logits, act, y, logits, greedy, argmax_scratch;
+    at::Tensor x, h, qkv, q, attn, attn_partial, attn_split_done, o, router_logits, act, y, logits, greedy,
+        argmax_scratch;
     at::Tensor topk_idx, topk_weights, expert_offset, active_experts, num_active, expert_slots, experts_read;
     std::map<int, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
 
@@ -169,7 +170,8 @@ struct Generator::Impl {
             mark("qk norm+rope+store");
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
-                                         attn_partial.data_ptr<float>(), attn.data_ptr(), stream);
+                                         attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
+                                         attn.data_ptr(), stream);
             mark("attention");
             linear(attn, w.o_proj, o, B);
             mark("o mm");
@@ -363,6 +365,7 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
         at::zeros({B * g.Hkv * cuda::attention_partial_splits(g.max_blocks * options.block_size) *
                    (g.Hq / g.Hkv) * (g.D + 2)},
                   t.dtype(at::kFloat));
+    g.attn_split_done = at::zeros({B * g.Hkv}, i32);
     g.o = at::zeros({B, g.H}, t);
     g.router_logits = at::zeros({B, std::max<int64_t>(g.E, 1)}, t);
     g.act = at::zeros({B * g.K, g.I}, t);

@@ -21,7 +21,8 @@ constexpr int kAttnWarps = 2;
 struct Partials {
     float* ml = nullptr;
     float* acc = nullptr;
-    int splits = 0;  // allocated splits per (row, kv head)
+    int* done = nullptr;  // [B, Hkv] splits finished in the running step (0 between steps)
+    int splits = 0;       // allocated splits per (row, kv head)
 };
 
 // G query heads per key-value head; kDimsPerLane = ceil(D / 32).
@@ -47,10 +48,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
     const int num_tokens = pos + 1;
     const int first = split * chunk, last = min(num_tokens, first + chunk);
-    if (first >= last) return;  // past the sequence: the merge kernel skips this split
+    if (first >= last) return;  // past the sequence: not counted among the splits to merge
     const float scale = rsqrtf(static_cast<float>(D));
     const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_float(q_row[i]) * scale;
+    for (int i = threadIdx.x * 8; i < G * D; i += blockDim.x * 8) {        // D % 8 == 0
+        float v[8];
+        load8(q_row + i, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) q_s[i + k] = v[k] * scale;
+    }
     __syncthreads();
 
     const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
@@ -109,7 +115,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] *= correction;
         }
         // Values kVGroup tokens at a time, their loads issued together.
-        constexpr int kVGroup = 8;
+        constexpr int kVGroup = 16;
         const int count = min(32, last - base);
         for (int j0 = 0; j0 < count; j0 += kVGroup) {
             float v[kVGroup][kDimsPerLane];
@@ -170,30 +176,39 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             }
         }
     }
-}
-
-// out[b, h*G + g] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M) over the splits that hold tokens.
-template <typename T>
-__global__ void merge_splits_kernel(const int* position, int Hq, int Hkv, int D, int chunk, Partials part,
-                                    T* out) {
-    const int kv_head = blockIdx.x, b = blockIdx.y;
-    const int G = Hq / Hkv;
-    const int pos = position[b];
-    if (pos < 0) return;                     // the attention kernel wrote zeros
-    const int used = (pos + chunk) / chunk;  // splits with tokens: ceil((pos + 1) / chunk)
+    if (direct) return;
+    // The last split of (row, kv head) to finish merges all of them (and returns the counter to 0
+    // for the next step), so no second kernel is launched.
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    const int used = (num_tokens + chunk - 1) / chunk;
+    int* done = part.done + static_cast<size_t>(b) * Hkv + kv_head;
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(done, 1) == used - 1;
+        if (is_last) *done = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
     const size_t base = (static_cast<size_t>(b) * Hkv + kv_head) * part.splits;
-    T* out_row = out + (static_cast<size_t>(b) * Hq + kv_head * G) * D;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    for (int i = threadIdx.x * 4; i < G * D; i += blockDim.x * 4) {  // D % 4 == 0: one head per float4
         const int g = i / D;
         float mx = -FLT_MAX;
-        for (int s = 0; s < used; ++s) mx = fmaxf(mx, part.ml[((base + s) * G + g) * 2]);
-        float sum = 0.0f, value = 0.0f;
+        for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(part.ml + ((base + s) * G + g) * 2));
+        float sum = 0.0f;
+        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int s = 0; s < used; ++s) {
-            const float f = __expf(part.ml[((base + s) * G + g) * 2] - mx);
-            sum += part.ml[((base + s) * G + g) * 2 + 1] * f;
-            value += part.acc[(base + s) * G * D + i] * f;
+            const float f = __expf(__ldcg(part.ml + ((base + s) * G + g) * 2) - mx);
+            sum += __ldcg(part.ml + ((base + s) * G + g) * 2 + 1) * f;
+            const float4 a = __ldcg(reinterpret_cast<const float4*>(part.acc + (base + s) * G * D + i));
+            value.x += a.x * f, value.y += a.y * f, value.z += a.z * f, value.w += a.w * f;
         }
-        out_row[i] = from_float<T>(value / sum);
+        const float inv = 1.0f / sum;
+        out_row[i] = from_float<T>(value.x * inv);
+        out_row[i + 1] = from_float<T>(value.y * inv);
+        out_row[i + 2] = from_float<T>(value.z * inv);
+        out_row[i + 3] = from_float<T>(value.w * inv);
     }
 }
 
@@ -207,9 +222,6 @@ void launch_group(const void* q, const void* k_pool, const void* v_pool, const i
     kernel<<<dim3(Hkv, B, splits), kAttnWarps * 32, smem, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k_pool), static_cast<const T*>(v_pool), position,
         slot, block_table, max_blocks, block_size, Hq, Hkv, D, chunk, part, static_cast<T*>(out));
-    if (splits > 1)
-        merge_splits_kernel<T>
-            <<<dim3(Hkv, B), 256, 0, stream>>>(position, Hq, Hkv, D, chunk, part, static_cast<T*>(out));
 }
 
 template <typename T, int G>
@@ -263,21 +275,22 @@ int attention_partial_splits(int max_seq_len) {
 
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
-                            int block_size, int B, int Hq, int Hkv, int D, float* partial, void* out,
-                            cudaStream_t stream) {
+                            int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
+                            void* out, cudaStream_t stream) {
     if (B == 0) return;
     // Chunks of the sequence per block: short ones when rows are few, so the GPU fills up; one
     // split (no merge) when rows alone give enough blocks.
     const int max_seq_len = max_blocks * block_size;
     const int blocks_without_split = B * Hkv;
     int chunk = kAttentionMinChunk;
-    while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 2048)
+    while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
     const int splits = (max_seq_len + chunk - 1) / chunk;
     const int alloc_splits = attention_partial_splits(max_seq_len);
     const int G = Hq / Hkv;
     Partials part;
     part.splits = alloc_splits;
+    part.done = split_done;
     part.ml = partial;
     part.acc = partial + static_cast<size_t>(B) * Hkv * alloc_splits * G * 2;
     if (dtype == 0)
