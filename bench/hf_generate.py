@@ -12,6 +12,7 @@ import json
 import time
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 
@@ -29,7 +30,8 @@ def main():
     except (ImportError, ValueError):  # device_map needs accelerate
         model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.bfloat16).cuda()
     model.eval()
-    print(json.dumps({"loaded_s": round(time.time() - t0, 1),
+    print(json.dumps({"loaded_s": round(time.time() - t0, 1), "transformers": transformers.__version__,
+                      "torch": torch.__version__,
                       "attn": getattr(model.config, "_attn_implementation", "?")}), flush=True)
     gen = torch.Generator().manual_seed(a.seed)
     vocab = model.config.vocab_size
