@@ -91,15 +91,14 @@ class CudaEngine final : public Engine {
         region_ = DeviceMemory(sym_.total);
         ctrl_ = DeviceMemory(align256(kNumDeviceChannels * 8) + align256(kNumDeviceChannels * 4) +
                              sizeof(DeviceError));
-        const size_t summary = static_cast<size_t>(W) * (1 + c_.num_local_experts());
         // Written by the device (mapped pinned memory): the layout kernel's summaries, the error mirror,
         // and with one rank the dispatch kernel's ready word and handle vectors.
-        host_summaries_ = PinnedMemory(2 * summary * sizeof(int), cudaHostAllocMapped);
+        host_summaries_ = PinnedMemory(mapped_.summary_bytes(), cudaHostAllocMapped);
         host_error_ = PinnedMemory(sizeof(DeviceError), cudaHostAllocMapped);
         MOERL_CUDA_CHECK(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_summaries_), host_summaries_.get(), 0));
         if (W == 1) {
-            host_solo_ = PinnedMemory(solo_offset(3), cudaHostAllocMapped);
+            host_solo_ = PinnedMemory(mapped_.solo_offset[3], cudaHostAllocMapped);
             MOERL_CUDA_CHECK(
                 cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_solo_), host_solo_.get(), 0));
         }
@@ -216,7 +215,7 @@ class CudaEngine final : public Engine {
     Handle dispatch(View<const void> x, View<const int64_t> topk_idx, View<const float> topk_weights,
                     const DispatchOutput& out, const Handle* reuse) override {
         const cudaStream_t stream = begin("dispatch");
-        const int W = c_.world_size, L = c_.num_local_experts();
+        const int W = c_.world_size;
         const int T = static_cast<int>(x.rows);
         check_alignment(x.data, "dispatch: x");
         Handle h;
@@ -234,7 +233,7 @@ class CudaEngine final : public Engine {
             if (W == 1 && aligned16(out.recv_x.data))
                 return dispatch_solo(x, topk_idx, topk_weights, out, stream);
             fresh = states_->take(stream);
-            const size_t summary = static_cast<size_t>(W) * (1 + L);
+            const size_t summary = mapped_.summary_ints;
             LayoutArgs a{};
             a.rt = rt_;
             a.topk_idx = topk_idx.data;
@@ -515,16 +514,23 @@ class CudaEngine final : public Engine {
         a.num_tokens = T;
         a.tile_tokens = solo_tile_tokens(T, solo_blocks_);
         const int tiles = solo_tiles(T, a.tile_tokens);
+        // The kernel writes send_pos [T] and recv_src_token [R <= T] into the mapped copies.
+        MOERL_CHECK(static_cast<size_t>(T) <= mapped_.solo_tokens && tiles <= solo_blocks_, "dispatch: ", T,
+                    " tokens in ", tiles, " tiles, but the one-rank buffers hold ", mapped_.solo_tokens,
+                    " tokens in ", solo_blocks_, " tiles");
         a.seq = layout_->next(a.scratch, stream);
         a.send_pos = fresh->send_pos;
         a.recv_src_offset = fresh->recv_src_offset;
         a.recv_src_token = fresh->recv_src_token;
         if (!async_) {
-            a.host_send_pos = reinterpret_cast<int*>(device_solo_ + solo_offset(1));
-            a.host_recv_src_token = reinterpret_cast<int*>(device_solo_ + solo_offset(2));
+            a.host_send_pos = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[1]);
+            a.host_recv_src_token = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[2]);
         }
+        // While the kernel writes those host-mapped vectors, tiles go in start order and the summaries
+        // are final before any row (the pre-look-back order); without them it counts late tiles itself.
+        a.ticket_order = a.host_send_pos != nullptr;
         a.summary = device_summaries_;
-        a.counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + solo_offset(0));
+        a.counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + mapped_.solo_offset[0]);
         a.recv_x = out.recv_x.data;
         a.recv_x_scales = out.recv_x_scales.data;
         a.recv_topk_idx = out.recv_topk_idx.data;
@@ -552,10 +558,13 @@ class CudaEngine final : public Engine {
         fill_counts(T, h);
         h.device_state = fresh;
         const int R = h.num_recv_tokens();
+        MOERL_CHECK(R >= 0 && R <= T && h.num_send_per_rank[0] == R,
+                    "dispatch: the one-rank kernel reported ", R, " rows (sent ", h.num_send_per_rank[0],
+                    ") for ", T, " tokens");
         if (!async_) {
             const auto* base = host_solo_.get<uint8_t>();
-            const auto* pos = reinterpret_cast<const int*>(base + solo_offset(1));
-            const auto* tokens = reinterpret_cast<const int*>(base + solo_offset(2));
+            const auto* pos = reinterpret_cast<const int*>(base + mapped_.solo_offset[1]);
+            const auto* tokens = reinterpret_cast<const int*>(base + mapped_.solo_offset[2]);
             h.send_pos.assign(pos, pos + T);
             h.recv_src_token.assign(tokens, tokens + R);
         }
@@ -582,23 +591,12 @@ class CudaEngine final : public Engine {
         }
     }
 
-    // Mapped pinned memory of the one-rank dispatch: ready word, send_pos [maxT], recv_src_token [maxT]
-    // (each 16-byte aligned); solo_offset(3) is the total.
-    size_t solo_offset(int i) const {
-        const size_t sizes[3] = {sizeof(unsigned int),
-                                 static_cast<size_t>(c_.max_tokens_per_rank) * sizeof(int),
-                                 static_cast<size_t>(c_.max_tokens_per_rank) * sizeof(int)};
-        size_t off = 0;
-        for (int j = 0; j < i; ++j) off += align16(sizes[j]);
-        return off;
-    }
-
     // The handle's counts from the summaries in mapped memory (the layout kernel's or the one-rank
     // dispatch kernel's, once they are final).
     void fill_counts(int num_tokens, Handle& h) const {
         const int W = c_.world_size, L = c_.num_local_experts();
         const int* sent = host_summaries_.get<int>();
-        const int* got = sent + static_cast<size_t>(W) * (1 + L);
+        const int* got = sent + mapped_.summary_ints;
         h.num_tokens = num_tokens;
         h.num_send_per_rank.resize(W);
         h.num_recv_per_src.resize(W);
@@ -780,7 +778,8 @@ class CudaEngine final : public Engine {
     DeviceMemory tables_;              // peers [W], then dst pointers of the 4 data channels [W] each
     PinnedMemory host_summaries_;      // send then receive summaries [W, 1+L], written by the layout kernel
     PinnedMemory host_error_;          // mirror of the device error word, written by the device
-    PinnedMemory host_solo_;           // one rank: written by the dispatch kernel (solo_offset())
+    HostMappedSizes mapped_{c_};       // sizes of host_summaries_ and host_solo_
+    PinnedMemory host_solo_;           // one rank: written by the dispatch kernel (mapped_.solo_offset)
     int* device_summaries_ = nullptr;  // host_summaries_ as the device sees it
     uint8_t* device_solo_ = nullptr;   // host_solo_ as the device sees it
     static constexpr int kMaxSoloBlocks = 4096;

@@ -96,6 +96,22 @@ inline Routing make_routing(const Config& c) {
     return r;
 }
 
+// Sizes of the host-mapped memory the device writes, all from the config: the summaries [2, W, 1+L]
+// (what each rank sends, then what it receives) and, with one rank, the dispatch kernel's ready word,
+// send_pos [max_tokens_per_rank] and recv_src_token [max_tokens_per_rank] (each 16-byte aligned).
+struct HostMappedSizes {
+    size_t summary_ints = 0;     // one of the two halves: W * (1 + L)
+    size_t solo_tokens = 0;      // entries of the one-rank send_pos and recv_src_token copies
+    size_t solo_offset[4] = {};  // ready word, send_pos, recv_src_token, total bytes
+    explicit HostMappedSizes(const Config& c) {
+        summary_ints = static_cast<size_t>(c.world_size) * (1 + c.num_local_experts());
+        solo_tokens = static_cast<size_t>(c.max_tokens_per_rank);
+        const size_t sizes[3] = {sizeof(unsigned int), solo_tokens * sizeof(int), solo_tokens * sizeof(int)};
+        for (int j = 0; j < 3; ++j) solo_offset[j + 1] = solo_offset[j] + align16(sizes[j]);
+    }
+    size_t summary_bytes() const { return 2 * summary_ints * sizeof(int); }
+};
+
 // Limits of the device kernels; throws naming the field.
 void check_device_limits(const Config& c, const char* engine);
 

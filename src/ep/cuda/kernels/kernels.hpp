@@ -201,8 +201,8 @@ struct SoloDispatchArgs {
     const float* topk_weights;  // [T, K] or null (weights sent as 0)
     int num_tokens;
     int tile_tokens;  // >= 1; ceil(T / tile_tokens) tiles (at least one)
-    LayoutScratch
-        scratch;           // tile_state [>= tiles], expert_total [L], rank_total [1], counters [1] (arrivals)
+    // tile_state [>= tiles], expert_total [L], rank_total [1], counters [2] (tickets, arrivals)
+    LayoutScratch scratch;
     unsigned int seq;      // nonzero, different from the previous call's (tags tile_state)
     int* send_pos;         // out [T]: row of token t, or -1
     int* recv_src_offset;  // out [2]: {0, R}
@@ -219,6 +219,10 @@ struct SoloDispatchArgs {
     DeviceError* error;
     DeviceError* error_mirror;  // host-mapped copy of *error, or null
     SoloTuning tuning;
+    // Tiles in start order (a ticket from scratch.counters[0]) and the summaries written before any
+    // row, as before the look-back that counts late tiles itself; used while the kernel writes the
+    // host-mapped send_pos / recv_src_token.
+    bool ticket_order;
 };
 void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream);
 

@@ -8,6 +8,8 @@
 // tile are already on their way into L2. How the rows are copied (warps per row, loads in flight, cache
 // hints, prefetch) follows SoloTuning (kernels.hpp). Combine is the inverse gather: each block loads
 // the send_pos of its tokens at once, so that no warp waits on it before its row loads.
+#include <cstdio>
+
 #include "common.cuh"
 
 namespace moerl::ep::cuda {
@@ -51,7 +53,11 @@ __device__ __forceinline__ int warp_count_tile(const SoloDispatchArgs& a, int ti
 __device__ __forceinline__ int warp_rows_before(const SoloDispatchArgs& a, int tile, int lane) {
     const unsigned long long* tile_state = a.scratch.tile_state;
     const unsigned seq = a.seq;
-    const unsigned long long start = global_timer_ns(), patience = a.tuning.lookback_ns;
+    // In ticket order every earlier tile's block has started: wait for its count however long it takes.
+    const unsigned long long start = global_timer_ns(),
+                             patience = a.ticket_order
+                                            ? ~0ull
+                                            : static_cast<unsigned long long>(a.tuning.lookback_ns);
     int sum = 0;
     for (int base = 0; base < tile; base += 32 * kLookBackWords) {
         unsigned long long v[kLookBackWords];
@@ -198,6 +204,7 @@ __device__ __forceinline__ void warp_arrive(const SoloDispatchArgs& a, int lane)
         a.summary[1 + L] = total_rows;
         a.recv_src_offset[0] = 0;
         a.recv_src_offset[1] = total_rows;
+        if (a.ticket_order) g.counters[0] = 0;  // every block took its ticket before it arrived
         g.counters[1] = 0;
     }
     __threadfence_system();
@@ -221,8 +228,12 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     __shared__ int expert_count[kMaxExperts];
     __shared__ int rows[kDataThreads];  // output row of each token of the current group, or -1
     __shared__ int warp_count[kSoloWarps];
-    __shared__ int tile_count, tile_base;
-    const int tile = static_cast<int>(blockIdx.x);
+    __shared__ int tile_count, tile_base, ticket;
+    if (a.ticket_order) {  // tiles in start order (uniform branch)
+        if (tid == 0) ticket = static_cast<int>(atomicAdd(&g.counters[0], 1u));
+        __syncthreads();
+    }
+    const int tile = a.ticket_order ? ticket : static_cast<int>(blockIdx.x);
     const int t0 = min(a.num_tokens, tile * a.tile_tokens);
     const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
     // The first ids of the thread's first token are on their way before anything else.
@@ -281,6 +292,9 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         if (lane == 0) tile_base = before;
     }
     __syncthreads();
+    // Ticket order: the block arrives before it writes any row, so the summaries are final before the
+    // first host-visible row is written.
+    if (a.ticket_order && warp == 0) warp_arrive(a, lane);
 
     // Rows, in groups of one token per thread: the block's offset plus the valid tokens before it in the
     // tile; then the warps copy the group's rows, `parts` warps per row (parts of one row on neighbouring
@@ -298,6 +312,12 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
             group_rows += warp_count[w];
         }
         if (!valid) row = -1;
+        // Rows index host-mapped vectors of max_tokens_per_rank entries: a row past the tokens is a bug.
+        if (valid && row >= a.num_tokens) {
+            printf("moerl: one-rank dispatch: token %d got row %d, but there are only %d tokens\n", t, row,
+                   a.num_tokens);
+            __trap();
+        }
         if (t < t1) {
             a.send_pos[t] = row;
             if (a.host_send_pos != nullptr) a.host_send_pos[t] = row;
@@ -308,7 +328,7 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         }
         rows[tid] = row;
         __syncthreads();
-        if (g0 == t0 && warp == 0) warp_arrive(a, lane);
+        if (!a.ticket_order && g0 == t0 && warp == 0) warp_arrive(a, lane);
         const int n = min(kDataThreads, t1 - g0);
         const int parts = a.tuning.warps_per_row > 0 ? a.tuning.warps_per_row : max(1, kSoloWarps / n);
         for (int item = warp; item < n * parts; item += kSoloWarps) {
@@ -320,7 +340,7 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         base += group_rows;
         __syncthreads();  // rows and warp_count are rewritten by the next group
     }
-    if (t0 == t1 && warp == 0) warp_arrive(a, lane);  // an empty tile (no tokens at all)
+    if (!a.ticket_order && t0 == t1 && warp == 0) warp_arrive(a, lane);  // an empty tile (no tokens at all)
 }
 
 // out[t] = y[send_pos[t]] through the same fp32 sum as combine_recv_kernel (zeros for a token that was
