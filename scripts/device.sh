@@ -92,6 +92,8 @@ if [ -x "$MOERL" ]; then
       # Time per kernel kind (eager steps), default expert kernels and one weight row per warp.
       MOERL_GENERATOR_PROFILE=1 timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
+    fi
+    if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
       for v in "DEFAULTS=1" "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=2 DOWN_ROWS=2" "GEMV_MAX_BATCH=0" \
                "GEMV_MAX_BATCH=4" "GROUPED_MIN_BATCH=128" "GROUPED_MIN_BATCH=16"; do
