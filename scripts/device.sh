@@ -3,6 +3,10 @@
 # (memcheck, racecheck) on a 2-rank case, the EP benchmarks; logs under $OUT, a summary table last.
 #   OUT=/tmp/out scripts/device.sh            # everything (LibTorch found -> model/rl/cli built too)
 #   MOERL_DEVICE_TORCH=OFF scripts/device.sh  # only the EP library and the gpu tests (fast)
+# Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
+# MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_VARIANTS
+# (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels) and
+# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) default off.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +97,14 @@ if [ -x "$MOERL" ]; then
       MOERL_GENERATOR_PROFILE=1 timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
+    if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+      # Nsight Compute on the decode kernels at batch 1 (eager launches, 2 layers): duration, occupancy, stalls.
+      timeout 240 ncu --kernel-name regex:"paged_attention|expert_rows|route_kernel|qk_norm|combine_rmsnorm" \
+        --launch-skip 300 --launch-count 16 --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats "$MOERL" bench rollout --device cuda --layers 2 --batch 1 --prompt 128 --new 16 \
+        --no-graphs >"$OUT/ncu.log" 2>&1
+      step ncu "rc=$?"
+    fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
       for v in "DEFAULTS=1" "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=2 DOWN_ROWS=2" "GEMV_MAX_BATCH=0" \
@@ -143,6 +155,6 @@ echo
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ep_sweep bench_nccl bench_rollout ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
+for k in configure build ctest_gpu bench bench_cuda ep_sweep bench_nccl bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
