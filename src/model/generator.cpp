@@ -253,7 +253,8 @@ struct Generator::Impl {
             auto graph = std::make_unique<at::cuda::CUDAGraph>();
             {
                 c10::cuda::CUDAStreamGuard guard(side);
-                run_step(B);  // the real step's results (the graph replays the same step below)
+                run_step(
+                    B);  // this step's results; the capture below records the launches without running them
                 graph->capture_begin();
                 run_step(B);
                 graph->capture_end();
@@ -261,8 +262,6 @@ struct Generator::Impl {
             at::cuda::CUDAEvent done;
             done.record(side);
             done.block(caller);
-            // The eager warm-up already produced this step; replaying would count it twice in
-            // experts_read but is otherwise idempotent (same cache writes). Keep the eager result.
             graphs.emplace(B, std::move(graph));
             return;
         }
