@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moerl/core/error.hpp"
+#include "moerl/model/config.hpp"
 
 namespace moerl::cli {
 
@@ -67,6 +68,26 @@ inline double copy_bandwidth(const at::Device& device) {
         times.push_back(seconds_since(t0) / 10);
     }
     return 2.0 * n * 4 / median(times);
+}
+
+// A Qwen3-MoE-shaped benchmark config (dense MLP width 3 x hidden, normalised top-k, RoPE theta 1e6).
+inline model::ModelConfig bench_config(int hidden, int layers, int heads, int kv_heads, int head_dim,
+                                       int moe_width, int experts, int top_k, int vocab) {
+    model::ModelConfig c;
+    c.vocab_size = vocab;
+    c.hidden_size = hidden;
+    c.num_hidden_layers = layers;
+    c.num_attention_heads = heads;
+    c.num_key_value_heads = kv_heads;
+    c.head_dim = head_dim;
+    c.intermediate_size = 3 * hidden;
+    c.moe_intermediate_size = moe_width;
+    c.num_experts = experts;
+    c.num_experts_per_tok = top_k;
+    c.norm_topk_prob = true;
+    c.rope_theta = 1e6;
+    c.validate();
+    return c;
 }
 
 }  // namespace moerl::cli

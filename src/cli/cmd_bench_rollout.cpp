@@ -46,25 +46,8 @@ struct RolloutArgs {
 // Qwen3-30B-A3B's shape (hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of width
 // 768, top-8, vocabulary 151936) with fewer layers so a checkpoint fits one GPU and one disk.
 model::ModelConfig qwen3_30b_a3b_shape(int layers) {
-    model::ModelConfig c;
-    c.vocab_size = 151936;
-    c.hidden_size = 2048;
-    c.intermediate_size = 6144;
-    c.num_hidden_layers = layers;
-    c.num_attention_heads = 32;
-    c.num_key_value_heads = 4;
-    c.head_dim = 128;
-    c.moe_intermediate_size = 768;
-    c.num_experts = 128;
-    c.num_experts_per_tok = 8;
-    c.norm_topk_prob = true;
-    c.rope_theta = 1e6;
-    c.rms_norm_eps = 1e-6;
+    model::ModelConfig c = bench_config(2048, layers, 32, 4, 128, 768, 128, 8, 151936);
     c.max_position_embeddings = 40960;
-    c.tie_word_embeddings = false;
-    c.initializer_range = 0.02;
-    c.torch_dtype = "bfloat16";
-    c.validate();
     return c;
 }
 

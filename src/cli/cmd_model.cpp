@@ -107,26 +107,6 @@ void ckpt_inspect(const std::string& dir) {
     MOERL_FAIL("checkpoint ", dir, ": ", problems.size(), " problem(s), first: ", problems.front());
 }
 
-// Built-in benchmark shapes, the same as examples/models/small.json and medium.json.
-model::ModelConfig bench_config(int hidden, int layers, int heads, int kv_heads, int head_dim, int moe_width,
-                                int experts, int top_k, int vocab) {
-    model::ModelConfig c;
-    c.vocab_size = vocab;
-    c.hidden_size = hidden;
-    c.num_hidden_layers = layers;
-    c.num_attention_heads = heads;
-    c.num_key_value_heads = kv_heads;
-    c.head_dim = head_dim;
-    c.intermediate_size = 3 * hidden;
-    c.moe_intermediate_size = moe_width;
-    c.num_experts = experts;
-    c.num_experts_per_tok = top_k;
-    c.norm_topk_prob = true;
-    c.rope_theta = 1e6;
-    c.validate();
-    return c;
-}
-
 struct BenchArgs {
     std::string device = "cpu";
     std::string dtype;
@@ -209,6 +189,7 @@ void bench_model(const BenchArgs& a) {
         a.dtype.empty() ? (device.is_cuda() ? at::kBFloat16 : at::kFloat) : dtype_of(a.dtype);
     std::vector<std::pair<std::string, model::ModelConfig>> configs;
     if (a.configs.empty()) {
+        // The same shapes as examples/models/small.json and medium.json.
         configs.push_back({"small", bench_config(256, 4, 8, 2, 32, 128, 16, 4, 8192)});
         configs.push_back({"medium", bench_config(768, 8, 12, 4, 64, 384, 32, 4, 32000)});
     } else {

@@ -70,13 +70,14 @@ struct Generator::Impl {
     at::Tensor topk_idx, topk_weights, expert_offset, active_experts, num_active, expert_slots, experts_read;
     std::map<int, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
 
-    // MOERL_GENERATOR_PROFILE=1 with eager steps: time per kernel kind, summed over steps.
-    bool profile = env::get_int("MOERL_GENERATOR_PROFILE", 0) != 0;
+    // MOERL_GENERATOR_PROFILE=1 with eager steps (no graphs, so every run_step really runs): time per
+    // kernel kind, summed over steps.
+    bool profile = false;
     std::vector<std::pair<const char*, cudaEvent_t>> marks;
     std::map<std::string, double> profile_ms;
 
     void mark(const char* name) {
-        if (!profile || !opt_eager_now) return;
+        if (!profile) return;
         cudaEvent_t e;
         cudaEventCreate(&e);
         cudaEventRecord(e, at::cuda::getCurrentCUDAStream().stream());
@@ -93,7 +94,6 @@ struct Generator::Impl {
         for (auto& [name, e] : marks) cudaEventDestroy(e);
         marks.clear();
     }
-    bool opt_eager_now = false;
     // Weight rows per warp of the expert kernels (1, 2 or 4; 0 = the kernels' default), for tuning.
     int gate_up_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GATE_UP_ROWS", 0));
     int down_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_DOWN_ROWS", 0));
@@ -131,11 +131,11 @@ struct Generator::Impl {
     }
 
     // out[:B] = in[:B] weight^T: the GEMV kernel for few rows, cuBLAS otherwise.
-    void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B) {
+    void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B, cudaStream_t stream) {
         if (B <= gemv_max_batch) {
             cuda::launch_dense_rows(dtype, in.data_ptr(), weight.data_ptr(), B,
                                     static_cast<int>(weight.size(1)), static_cast<int>(weight.size(0)),
-                                    gemv_rows, out.data_ptr(), at::cuda::getCurrentCUDAStream().stream());
+                                    gemv_rows, out.data_ptr(), stream);
             return;
         }
         at::Tensor out_b = out.narrow(0, 0, B);
@@ -161,7 +161,7 @@ struct Generator::Impl {
         for (size_t l = 0; l < m.layers.size(); ++l) {
             const LayerWeights& w = m.layers[l];
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
-            linear(h, qkv_weight[l], qkv, B);
+            linear(h, qkv_weight[l], qkv, B, stream);
             mark("qkv mm");
             cuda::launch_qk_norm_rope_store(dtype, qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
                                             eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
@@ -173,13 +173,13 @@ struct Generator::Impl {
                                          attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
                                          attn.data_ptr(), stream);
             mark("attention");
-            linear(attn, w.o_proj, o, B);
+            linear(attn, w.o_proj, o, B, stream);
             mark("o mm");
             cuda::launch_add_rmsnorm(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, B,
                                      H, h.data_ptr(), stream);
             mark("add+norm");
             if (w.moe_index >= 0) {
-                linear(h, w.router, router_logits, B);
+                linear(h, w.router, router_logits, B, stream);
                 mark("router mm");
                 cuda::launch_route(dtype, router_logits.data_ptr(), pos, B, E, K, c.norm_topk_prob, r,
                                    stream);
@@ -274,11 +274,16 @@ struct Generator::Impl {
         return buckets.back();
     }
 
-    int take_block() {
+    // Gives the slot one more cache block (its next block-table entry); the callers have checked
+    // that enough blocks are free.
+    int add_block(int slot) {
         MOERL_CHECK(!free_list.empty(), "KV cache out of blocks: all ", num_blocks - 1,
                     " blocks are in use (raise GeneratorOptions::num_blocks or release sequences)");
         const int b = free_list.back();
         free_list.pop_back();
+        table_host.data_ptr<int>()[static_cast<int64_t>(slot) * max_blocks + slot_blocks[slot].size()] = b;
+        slot_blocks[slot].push_back(b);
+        table_dirty = true;
         return b;
     }
 
@@ -313,6 +318,7 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
                 ", expected >= 1");
     MOERL_CHECK(options.block_size >= 1, "Generator: block_size = ", options.block_size, ", expected >= 1");
     g.dtype = m.options.dtype == at::kFloat ? 0 : 1;
+    g.profile = !options.cuda_graphs && env::get_int("MOERL_GENERATOR_PROFILE", 0) != 0;
 #ifdef MOERL_HAVE_GROUPED_MM
     g.use_grouped_mm = g.dtype == 1;
 #endif
@@ -443,7 +449,6 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
     at::Tensor ids = at::zeros({n, longest}, at::kLong), mask = at::zeros({n, longest}, at::kLong);
     int64_t* ids_p = ids.data_ptr<int64_t>();
     int64_t* mask_p = mask.data_ptr<int64_t>();
-    int* table_p = g.table_host.data_ptr<int>();
     std::vector<int64_t> src, dst;  // token rows of the contiguous cache -> cache slots of the pool
     for (int64_t i = 0; i < n; ++i) {
         const int64_t len = static_cast<int64_t>(prompts[i].size()), pad = longest - len;
@@ -451,17 +456,12 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
         for (int64_t j = 0; j < len; ++j) {
             ids_p[i * longest + pad + j] = prompts[i][j];
             mask_p[i * longest + pad + j] = 1;
-            if (j % g.opt.block_size == 0) {
-                const int block = g.take_block();
-                g.slot_blocks[s].push_back(block);
-                table_p[static_cast<int64_t>(s) * g.max_blocks + j / g.opt.block_size] = block;
-            }
+            if (j % g.opt.block_size == 0) g.add_block(s);
             src.push_back(i * longest + pad + j);
             dst.push_back(int64_t{g.slot_blocks[s].back()} * g.opt.block_size + j % g.opt.block_size);
         }
         g.length[s] = len;
     }
-    g.table_dirty = true;
     KvCache cache = g.model.new_cache(n, longest);
     StepOutput out = g.model.prefill(cache, ids, mask);
     // ...then its keys and values into the blocks.
@@ -523,13 +523,7 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     for (int i = 0; i < n; ++i) {
         const int s = slots[i];
         const int64_t len = g.length[s];
-        if (len % g.opt.block_size == 0) {
-            const int block = g.take_block();
-            g.slot_blocks[s].push_back(block);
-            g.table_host.data_ptr<int>()[static_cast<int64_t>(s) * g.max_blocks + len / g.opt.block_size] =
-                block;
-            g.table_dirty = true;
-        }
+        if (len % g.opt.block_size == 0) g.add_block(s);
         pos[i] = static_cast<int>(len);
         slot_of_row[i] = s;
     }
@@ -543,9 +537,7 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     if (g.opt.cuda_graphs)
         g.replay(B);
     else {
-        g.opt_eager_now = true;
         g.run_step(B);
-        g.opt_eager_now = false;
         g.collect_profile();
     }
     for (int i = 0; i < n; ++i) {

@@ -591,18 +591,7 @@ class CudaEngine final : public Engine {
     void fill_counts(int num_tokens, Handle& h) const {
         const int W = c_.world_size, L = c_.num_local_experts();
         const int* sent = host_summaries_.get<int>();
-        const int* got = sent + static_cast<size_t>(W) * (1 + L);
-        h.num_tokens = num_tokens;
-        h.num_send_per_rank.resize(W);
-        h.num_recv_per_src.resize(W);
-        h.num_recv_tokens_per_expert.assign(L, 0);
-        h.recv_src_offset.assign(W + 1, 0);
-        for (int r = 0; r < W; ++r) {
-            h.num_send_per_rank[r] = sent[r * (1 + L)];
-            h.num_recv_per_src[r] = got[r * (1 + L)];
-            h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
-            for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
-        }
+        fill_handle_counts(sent, sent + static_cast<size_t>(W) * (1 + L), W, L, num_tokens, h);
     }
 
     // Tokens per block of the one-rank kernels, and their blocks: at most `blocks` (one tile_state word

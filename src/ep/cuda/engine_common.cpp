@@ -59,6 +59,20 @@ NormalState& normal_state(const Handle& h, const void* owner, const char* what) 
     return *s;
 }
 
+void fill_handle_counts(const int* sent, const int* got, int W, int L, int num_tokens, Handle& h) {
+    h.num_tokens = num_tokens;
+    h.num_send_per_rank.resize(W);
+    h.num_recv_per_src.resize(W);
+    h.num_recv_tokens_per_expert.assign(L, 0);
+    h.recv_src_offset.assign(W + 1, 0);
+    for (int r = 0; r < W; ++r) {
+        h.num_send_per_rank[r] = sent[r * (1 + L)];
+        h.num_recv_per_src[r] = got[r * (1 + L)];
+        h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
+        for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
+    }
+}
+
 LayoutState::LayoutState(const Config& c, int min_tiles) {
     const size_t W = c.world_size, L = c.num_local_experts();
     const size_t tiles = (static_cast<size_t>(c.max_tokens_per_rank) + kLayoutTile - 1) / kLayoutTile;

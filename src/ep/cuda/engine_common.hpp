@@ -122,6 +122,10 @@ struct NormalState {
 // Looks up the NormalState of a handle made by `owner`; throws when it is not one.
 NormalState& normal_state(const Handle& h, const void* owner, const char* what);
 
+// The handle's counts from the layout summaries: `sent` and `got` [W, 1 + L] (per rank: rows, then
+// rows per local expert), as the layout kernel writes them.
+void fill_handle_counts(const int* sent, const int* got, int W, int L, int num_tokens, Handle& h);
+
 // The scratch of the normal layout kernel (and of the one-rank dispatch kernel) and the seq of its
 // calls (one layout at a time: every caller synchronises with the host, or waits for the counts, before
 // the next dispatch).

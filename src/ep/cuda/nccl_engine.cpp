@@ -172,18 +172,7 @@ class NcclEngine final : public Engine {
                 clear_bad_input(stream);
             }
             const int* sent = host_summaries_.get<int>();
-            const int* got = sent + summary;
-            h.num_tokens = T;
-            h.num_send_per_rank.resize(W);
-            h.num_recv_per_src.resize(W);
-            h.num_recv_tokens_per_expert.assign(L, 0);
-            h.recv_src_offset.assign(W + 1, 0);
-            for (int r = 0; r < W; ++r) {
-                h.num_send_per_rank[r] = sent[r * (1 + L)];
-                h.num_recv_per_src[r] = got[r * (1 + L)];
-                h.recv_src_offset[r + 1] = h.recv_src_offset[r] + h.num_recv_per_src[r];
-                for (int l = 0; l < L; ++l) h.num_recv_tokens_per_expert[l] += got[r * (1 + L) + 1 + l];
-            }
+            fill_handle_counts(sent, sent + summary, W, L, T, h);
             MOERL_CUDA_CHECK(cudaMemcpyAsync(state->recv_src_offset, h.recv_src_offset.data(),
                                              (W + 1) * sizeof(int), cudaMemcpyHostToDevice, stream));
             h.device_state = state;

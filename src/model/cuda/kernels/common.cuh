@@ -46,25 +46,8 @@ __device__ __forceinline__ float round_to(float v) {
     return to_float(from_float<T>(v));
 }
 
-// Eight consecutive elements at p (16-byte aligned for bf16, 32-byte for fp32) as floats.
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const auto* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(v[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(const float* p, float* out) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-}
-
-// Eight consecutive elements kept as loaded (converted later), for software pipelining.
+// Eight consecutive elements as loaded (16-byte aligned), converted to floats when used: loads can
+// be issued well ahead of the arithmetic.
 template <typename T>
 struct Raw8;
 template <>
@@ -95,22 +78,10 @@ __device__ __forceinline__ void raw8_to_float(const Raw8<float>& r, float* out) 
     out[4] = r.b.x, out[5] = r.b.y, out[6] = r.b.z, out[7] = r.b.w;
 }
 
-// Eight consecutive elements, streamed (read once, kept out of L1).
-__device__ __forceinline__ void load8_stream(const __nv_bfloat16* p, float* out) {
-    const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
-    const auto* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(v[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8_stream(const float* p, float* out) {
-    const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldcs(reinterpret_cast<const float4*>(p) + 1);
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+// Eight consecutive elements at p (16-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* out) {
+    raw8_to_float(load_raw8(p), out);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -155,10 +126,22 @@ constexpr int kNormThreads = 256;
 constexpr int kNormChunks = 4;
 static_assert(kNormThreads * 8 * kNormChunks == kMaxHidden);
 
-// h = round(w * round(x * inv_rms)) from this thread's chunks xv of the (already stored) row x.
-template <typename T>
-__device__ __forceinline__ void rmsnorm_chunks(const float (&xv)[kNormChunks][8], float sum_sq, const T* w,
-                                               float eps, int H, T* h, float* scratch /* [32] shared */) {
+// One row of a fused residual update + RMSNorm: `next(c, v)` puts the new residual's eight elements
+// at column c into v (storing them as it sees fit); they stay in registers for the norm
+// h = round(w * round(x * inv_rms)).
+template <typename T, typename Next>
+__device__ __forceinline__ void residual_rmsnorm_row(int H, const T* w, float eps, T* h, Next&& next) {
+    __shared__ float scratch[32];
+    float xv[kNormChunks][8];
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormChunks; ++i) {
+        const int c = (threadIdx.x + i * kNormThreads) * 8;
+        if (c >= H) break;
+        next(c, xv[i]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum_sq += xv[i][k] * xv[i][k];
+    }
     const float inv = rsqrtf(block_sum(sum_sq, scratch) / static_cast<float>(H) + eps);
 #pragma unroll
     for (int i = 0; i < kNormChunks; ++i) {

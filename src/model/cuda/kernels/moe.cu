@@ -229,17 +229,11 @@ template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     combine_rmsnorm_kernel(T* x, const float* y, MoeRouting r, const T* w, float eps, const int* position,
                            int K, int H, T* h) {
-    __shared__ float scratch[32];
     const int b = blockIdx.x;
     if (position[b] < 0) return;
     T* xr = x + static_cast<size_t>(b) * H;
     const float* yr = y + static_cast<size_t>(b) * K * H;  // y [B, K, H]
-    float xv[kNormChunks][8];
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kNormChunks; ++i) {
-        const int c = (threadIdx.x + i * kNormThreads) * 8;
-        if (c >= H) break;
+    residual_rmsnorm_row(H, w, eps, h + static_cast<size_t>(b) * H, [&](int c, float(&v)[8]) {
         float acc[8] = {};
         for (int k = 0; k < K; ++k) {
             if (r.topk_idx[b * K + k] < 0) continue;
@@ -249,15 +243,11 @@ __global__ void __launch_bounds__(kNormThreads)
             acc[0] += wk * lo.x, acc[1] += wk * lo.y, acc[2] += wk * lo.z, acc[3] += wk * lo.w;
             acc[4] += wk * hi.x, acc[5] += wk * hi.y, acc[6] += wk * hi.z, acc[7] += wk * hi.w;
         }
-        load8(xr + c, xv[i]);
+        load8(xr + c, v);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            xv[i][k] = round_to<T>(xv[i][k] + round_to<T>(acc[k]));
-            sum_sq += xv[i][k] * xv[i][k];
-        }
-        store8(xr + c, xv[i]);
-    }
-    rmsnorm_chunks(xv, sum_sq, w, eps, H, h + static_cast<size_t>(b) * H, scratch);
+        for (int k = 0; k < 8; ++k) v[k] = round_to<T>(v[k] + round_to<T>(acc[k]));
+        store8(xr + c, v);
+    });
 }
 
 template <typename T, int kMode, int kRows, int kTile>

@@ -10,51 +10,32 @@ template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     embed_rmsnorm_kernel(const int64_t* tokens, const T* embed, const T* w, float eps, int V, int H, T* x,
                          T* h) {
-    __shared__ float scratch[32];
     const int b = blockIdx.x;
     const int64_t token = min(max(tokens[b], int64_t{0}), static_cast<int64_t>(V - 1));
     const T* src = embed + token * H;  // embed [V, H]
     T* xr = x + static_cast<size_t>(b) * H;
-    float xv[kNormChunks][8];
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kNormChunks; ++i) {
-        const int c = (threadIdx.x + i * kNormThreads) * 8;
-        if (c >= H) break;
-        load8(src + c, xv[i]);
-        store8(xr + c, xv[i]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) sum_sq += xv[i][k] * xv[i][k];
-    }
-    rmsnorm_chunks(xv, sum_sq, w, eps, H, h + static_cast<size_t>(b) * H, scratch);
+    residual_rmsnorm_row(H, w, eps, h + static_cast<size_t>(b) * H, [&](int c, float(&v)[8]) {
+        load8(src + c, v);
+        store8(xr + c, v);
+    });
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     add_rmsnorm_kernel(T* x, const T* delta, const T* w, float eps, const int* position, int H, T* h) {
-    __shared__ float scratch[32];
     const int b = blockIdx.x;
     if (position != nullptr && position[b] < 0) return;
     T* xr = x + static_cast<size_t>(b) * H;
     const T* dr = delta != nullptr ? delta + static_cast<size_t>(b) * H : nullptr;
-    float xv[kNormChunks][8];
-    float sum_sq = 0.0f;
+    residual_rmsnorm_row(H, w, eps, h + static_cast<size_t>(b) * H, [&](int c, float(&v)[8]) {
+        load8(xr + c, v);
+        if (dr == nullptr) return;
+        float dv[8];
+        load8(dr + c, dv);
 #pragma unroll
-    for (int i = 0; i < kNormChunks; ++i) {
-        const int c = (threadIdx.x + i * kNormThreads) * 8;
-        if (c >= H) break;
-        load8(xr + c, xv[i]);
-        if (dr != nullptr) {
-            float dv[8];
-            load8(dr + c, dv);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) xv[i][k] = round_to<T>(xv[i][k] + dv[k]);
-            store8(xr + c, xv[i]);
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) sum_sq += xv[i][k] * xv[i][k];
-    }
-    rmsnorm_chunks(xv, sum_sq, w, eps, H, h + static_cast<size_t>(b) * H, scratch);
+        for (int k = 0; k < 8; ++k) v[k] = round_to<T>(v[k] + dv[k]);
+        store8(xr + c, v);
+    });
 }
 
 // One warp per (row, head) over the Hq query, Hkv key and Hkv value heads of the fused projection.
