@@ -6,7 +6,8 @@
 # Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
 # MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_VARIANTS
 # (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels) and
-# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) default off.
+# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) default off. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
+# rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$O
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 
 # --- tests --------------------------------------------------------------------------------------------
-[ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && (cd "$BUILD" && timeout 200 ctest -L gpu --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
+[ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && (cd "$BUILD" && timeout 280 ctest -L gpu --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*|Not Run|Passed|Skipped" "$OUT/ctest.log" | tail -40
 step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
 
@@ -77,19 +78,27 @@ if [ -x "$MOERL" ]; then
     timeout 120 scripts/ep_solo_sweep.sh "$MOERL" >"$OUT/ep-sweep.log" 2>&1
     step ep_sweep "rc=$?"
   fi
-  if [ "$NGPU" -ge 2 ]; then
-    timeout 100 "$MOERL" bench ep --transport nccl --ranks 2 --tokens 4096 --iters 20 >"$OUT/bench-nccl.log" 2>&1
-    step bench_nccl "rc=$?"
+  if [ "$NGPU" -ge 2 ] && [ "${MOERL_DEVICE_MULTI:-1}" = 1 ]; then
+    # One rank per GPU: cuda against nccl on 2, 4, 8 GPUs (as many as there are), bf16 and fp8 dispatch,
+    # with the GPU-to-GPU copy bandwidth of the same run; then rollout with the MoE layers over EP.
+    WORLDS=2; [ "$NGPU" -ge 4 ] && WORLDS=2,4; [ "$NGPU" -ge 8 ] && WORLDS=2,4,8
+    timeout 240 "$MOERL" bench ep --transport cuda,nccl --ranks $WORLDS --tokens 4096 --dispatch bf16,fp8 \
+      --iters 20 >"$OUT/bench-multi.log" 2>&1
+    step bench_multi "rc=$?"
+    timeout 300 "$MOERL" bench rollout --device cuda --ep "$NGPU" --transport cuda,nccl --layers ${MOERL_DEVICE_LAYERS:-8} \
+      --batch ${MOERL_DEVICE_EP_BATCH:-16,64,256} --prompt 128 --new 32 >"$OUT/bench-rollout-ep.log" 2>&1
+    step bench_rollout_ep "rc=$?"
   else
-    step bench_nccl "skipped (one GPU)"
+    step bench_multi "skipped (one GPU)"
   fi
   if [ "${MOERL_DEVICE_ROLLOUT:-1}" = 1 ]; then
     # The generation engine on the Qwen3-30B-A3B shape (8 layers), then transformers' generate on the
     # same checkpoint (written to local disk, removed afterwards).
     HF_DIR=${TMPDIR:-/tmp}/moerl-rollout-ckpt
     rm -rf "$HF_DIR"
+    HF_ARGS=(--hf-dir "$HF_DIR"); [ "${MOERL_DEVICE_HF:-1}" = 1 ] || HF_ARGS=()
     timeout 330 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64,256 \
-      --prompt 128 --new ${MOERL_DEVICE_NEW:-64} --hf-dir "$HF_DIR" >"$OUT/bench-rollout.log" 2>&1
+      --prompt 128 --new ${MOERL_DEVICE_NEW:-64} "${HF_ARGS[@]}" >"$OUT/bench-rollout.log" 2>&1
     step bench_rollout "rc=$?"
     rm -rf "$HF_DIR"
     if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
@@ -152,9 +161,11 @@ echo
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"
 [ -f "$OUT/bench-variants.log" ] && cat "$OUT/bench-variants.log"
 [ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
+[ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"
+[ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ep_sweep bench_nccl bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
+for k in configure build ctest_gpu bench bench_cuda ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done

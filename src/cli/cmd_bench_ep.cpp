@@ -50,7 +50,16 @@ struct BenchOpts {
     int big_tokens = 512;
     bool baseline = true;
     bool low_latency = true;
-    int num_sms = 0;  // 0: the Config default
+    int num_sms = 0;                            // 0: the Config default
+    std::vector<std::string> dispatch{"bf16"};  // bf16 (as dtype) and/or fp8 (e4m3 dispatch)
+};
+
+// One configuration's figures, averaged over ranks (microseconds; 0 = not measured).
+struct BenchResult {
+    std::string transport, dispatch, error;
+    int world = 0;
+    std::string case_name;
+    double rows = 0, dispatch_us = 0, combine_us = 0, baseline_us = 0, ll_dispatch_us = 0, ll_combine_us = 0;
 };
 
 double median(std::vector<double> v) {
@@ -59,8 +68,8 @@ double median(std::vector<double> v) {
 }
 
 // One rank of one configuration; returns its measurements.
-Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase& bc, int world, int rank,
-              int port) {
+Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase& bc, bool fp8, int world,
+              int rank, int port) {
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(port);
     so.isServer = false;
@@ -77,6 +86,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     c.top_k = bc.top_k;
     c.max_tokens_per_rank = bc.tokens;
     c.dtype = ep::parse_dtype(o.dtype);
+    c.fp8_dispatch = fp8;
     c.low_latency = o.low_latency && bc.tokens <= 128;
     c.timeout_s = 120;
     if (o.num_sms > 0) c.num_sms = o.num_sms;
@@ -100,7 +110,12 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     auto weights = torch::rand({T, K}).contiguous();
     auto topk_d = topk.to(device), weights_d = weights.to(device);
     const int max_recv = c.max_recv_tokens();
-    auto recv_x = torch::empty({max_recv, H}, x.options());
+    const int scale_cols = H / ep::kFp8BlockCols;
+    // With fp8 dispatch the received rows are e4m3 bytes plus scales; combine takes bf16 rows.
+    auto recv_x = fp8 ? torch::empty({max_recv, H}, x.options().dtype(torch::kUInt8))
+                      : torch::empty({max_recv, H}, x.options());
+    auto recv_scales = torch::empty({fp8 ? max_recv : 0, scale_cols}, x.options().dtype(torch::kFloat32));
+    auto y = fp8 ? torch::randn({max_recv, H}, torch::TensorOptions().dtype(dt)).to(device) : recv_x;
     auto recv_idx = torch::empty({max_recv, K}, topk_d.options());
     auto recv_w = torch::empty({max_recv, K}, weights_d.options());
     auto out = torch::empty({T, H}, x.options());
@@ -108,6 +123,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
                             {},
                             {recv_idx.data_ptr<int64_t>(), max_recv, K},
                             {recv_w.data_ptr<float>(), max_recv, K}};
+    if (fp8) dout.recv_x_scales = {recv_scales.data_ptr<float>(), max_recv, scale_cols};
     ep::View<const void> xv{x.data_ptr(), T, H};
     ep::View<const int64_t> iv{topk_d.data_ptr<int64_t>(), T, K};
     ep::View<const float> wv{weights_d.data_ptr<float>(), T, K};
@@ -120,7 +136,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         h = buffer.dispatch(xv, iv, wv, dout);
         sync();
         auto t1 = std::chrono::steady_clock::now();
-        buffer.combine({recv_x.data_ptr(), h.num_recv_tokens(), H}, h, {out.data_ptr(), T, H});
+        buffer.combine({y.data_ptr(), h.num_recv_tokens(), H}, h, {out.data_ptr(), T, H});
         sync();
         auto t2 = std::chrono::steady_clock::now();
         if (i >= o.warmup) {
@@ -136,16 +152,21 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     if (c.low_latency) {
         const int L = c.num_local_experts();
         const int rows = L * c.low_latency_rows_per_expert();
-        auto ll_x = torch::empty({rows, H}, x.options());
+        auto ll_x = fp8 ? torch::empty({rows, H}, x.options().dtype(torch::kUInt8))
+                        : torch::empty({rows, H}, x.options());
+        auto ll_scales = torch::empty({fp8 ? rows : 0, scale_cols}, x.options().dtype(torch::kFloat32));
+        auto ll_y = fp8 ? torch::randn({rows, H}, torch::TensorOptions().dtype(dt)).to(device) : ll_x;
         auto ll_out = torch::empty({T, H}, x.options());
+        ep::LowLatencyOutput ll_dout{{ll_x.data_ptr(), rows, H}};
+        if (fp8) ll_dout.recv_x_scales = {ll_scales.data_ptr<float>(), rows, scale_cols};
         std::vector<double> t_ld, t_lc;
         for (int i = 0; i < o.warmup + o.iters; ++i) {
             sync();
             auto t0 = std::chrono::steady_clock::now();
-            auto lh = buffer.low_latency_dispatch(xv, iv, {{ll_x.data_ptr(), rows, H}});
+            auto lh = buffer.low_latency_dispatch(xv, iv, ll_dout);
             sync();
             auto t1 = std::chrono::steady_clock::now();
-            buffer.low_latency_combine({ll_x.data_ptr(), rows, H}, iv, wv, lh, {ll_out.data_ptr(), T, H});
+            buffer.low_latency_combine({ll_y.data_ptr(), rows, H}, iv, wv, lh, {ll_out.data_ptr(), T, H});
             sync();
             auto t2 = std::chrono::steady_clock::now();
             if (i >= o.warmup) {
@@ -210,7 +231,13 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     return r;
 }
 
-void run_config(const BenchOpts& o, const std::string& transport, const BenchCase& bc, int world) {
+BenchResult run_config(const BenchOpts& o, const std::string& transport, const BenchCase& bc, bool fp8,
+                       int world) {
+    BenchResult res;
+    res.transport = transport;
+    res.dispatch = fp8 ? "fp8" : o.dtype;
+    res.world = world;
+    res.case_name = bc.name;
     int port = 0;
     auto server = host_tcp_store(port, world);
     const std::string dir = (std::filesystem::temp_directory_path() /
@@ -224,7 +251,7 @@ void run_config(const BenchOpts& o, const std::string& transport, const BenchCas
             int code = 0;
             Json j;
             try {
-                j = run_rank(o, transport, bc, world, r, port);
+                j = run_rank(o, transport, bc, fp8, world, r, port);
             } catch (const std::exception& e) {
                 j["error"] = e.what();
                 code = 1;
@@ -235,47 +262,159 @@ void run_config(const BenchOpts& o, const std::string& transport, const BenchCas
         pids.push_back(pid);
     }
     for (pid_t p : pids) waitpid(p, nullptr, 0);
-    // Average over ranks; bandwidth per rank = received bytes / time.
-    const double elem = ep::dtype_size(ep::parse_dtype(o.dtype));
-    double rows = 0, d = 0, cmb = 0, g = 0, ld = 0, lc = 0;
-    std::string error;
     for (int r = 0; r < world; ++r) {
         std::ifstream f(dir + "/" + std::to_string(r));
         std::stringstream ss;
         ss << f.rdbuf();
         Json j = Json::parse(ss.str().empty() ? "{\"error\":\"rank crashed\"}" : ss.str());
         if (j.contains("error")) {
-            error = j["error"].get<std::string>();
+            res.error = "rank " + std::to_string(r) + ": " + j["error"].get<std::string>();
             break;
         }
-        rows += j["recv_rows"].get<double>();
-        d += j["dispatch_us"].get<double>();
-        cmb += j["combine_us"].get<double>();
-        g += j.value("baseline_us", 0.0);
-        ld += j.value("ll_dispatch_us", 0.0);
-        lc += j.value("ll_combine_us", 0.0);
+        res.rows += j["recv_rows"].get<double>() / world;
+        res.dispatch_us += j["dispatch_us"].get<double>() / world;
+        res.combine_us += j["combine_us"].get<double>() / world;
+        res.baseline_us += j.value("baseline_us", 0.0) / world;
+        res.ll_dispatch_us += j.value("ll_dispatch_us", 0.0) / world;
+        res.ll_combine_us += j.value("ll_combine_us", 0.0) / world;
     }
     // One file per rank, then the folder (remove_all is avoided: some LibTorch builds export a broken copy).
     for (int r = 0; r < world; ++r) std::remove((dir + "/" + std::to_string(r)).c_str());
     ::rmdir(dir.c_str());
-    if (!error.empty()) {
-        std::printf("| %-11s | %2d | %-9s | error: %s\n", transport.c_str(), world, bc.name.c_str(),
-                    error.c_str());
+    return res;
+}
+
+// Bytes one received row carries: the data (e4m3 + scales with fp8 dispatch) or the combined row.
+double row_bytes(const BenchOpts& o, const BenchCase& bc, bool fp8, bool combine) {
+    if (fp8 && !combine) return bc.hidden + bc.hidden / ep::kFp8BlockCols * 4.0;
+    return bc.hidden * static_cast<double>(ep::dtype_size(ep::parse_dtype(o.dtype)));
+}
+
+void print_row(const BenchOpts& o, const BenchCase& bc, const BenchResult& r) {
+    if (!r.error.empty()) {
+        std::printf("| %-11s | %2d | %-9s | %-4s | error: %s\n", r.transport.c_str(), r.world,
+                    bc.name.c_str(), r.dispatch.c_str(), r.error.c_str());
+        std::fflush(stdout);
         return;
     }
-    rows /= world, d /= world, cmb /= world, g /= world, ld /= world, lc /= world;
-    const double bytes = rows * bc.hidden * elem;
-    auto gbps = [&](double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
+    const bool fp8 = r.dispatch == "fp8";
+    const double d_bytes = r.rows * row_bytes(o, bc, fp8, false),
+                 c_bytes = r.rows * row_bytes(o, bc, fp8, true);
+    auto gbps = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
     std::printf(
-        "| %-11s | %2d | %-9s | %5d | %5d | %2d | %3d | %7.0f | %9.1f | %6.2f | %9.1f | %6.2f | %9.1f | "
-        "%6.2f |",
-        transport.c_str(), world, bc.name.c_str(), bc.tokens, bc.hidden, bc.top_k, bc.experts, rows, d,
-        gbps(d), cmb, gbps(cmb), g, gbps(g));
-    if (ld > 0)
-        std::printf(" %7.1f / %7.1f |\n", ld, lc);
+        "| %-11s | %2d | %-9s | %-4s | %5d | %5d | %2d | %3d | %7.0f | %9.1f | %6.1f | %9.1f | %6.1f | %9.1f "
+        "| "
+        "%6.1f |",
+        r.transport.c_str(), r.world, bc.name.c_str(), r.dispatch.c_str(), bc.tokens, bc.hidden, bc.top_k,
+        bc.experts, r.rows, r.dispatch_us, gbps(d_bytes, r.dispatch_us), r.combine_us,
+        gbps(c_bytes, r.combine_us), r.baseline_us, gbps(c_bytes, r.baseline_us));
+    if (r.ll_dispatch_us > 0)
+        std::printf(" %7.1f / %7.1f |\n", r.ll_dispatch_us, r.ll_combine_us);
     else
         std::printf("       - |\n");
     std::fflush(stdout);
+}
+
+// Each transport against the nccl one on the same world size, case and dispatch dtype.
+void print_ratios(const std::vector<BenchResult>& results) {
+    bool header = false;
+    for (const auto& r : results) {
+        if (r.transport == "nccl" || !r.error.empty()) continue;
+        for (const auto& n : results) {
+            if (n.transport != "nccl" || !n.error.empty() || n.world != r.world ||
+                n.case_name != r.case_name || n.dispatch != r.dispatch)
+                continue;
+            if (!header) {
+                std::printf(
+                    "\nagainst nccl (time ratio nccl / transport; > 1 = faster than the baseline)\n\n"
+                    "| transport | W | case | dispatch | dispatch x | combine x | LL dispatch+combine us | "
+                    "nccl LL us | LL x |\n|---|---|---|---|---|---|---|---|---|\n");
+                header = true;
+            }
+            const double ll = r.ll_dispatch_us + r.ll_combine_us, nll = n.ll_dispatch_us + n.ll_combine_us;
+            std::printf("| %s | %d | %s | %s | %.2f | %.2f | ", r.transport.c_str(), r.world,
+                        r.case_name.c_str(), r.dispatch.c_str(), n.dispatch_us / r.dispatch_us,
+                        n.combine_us / r.combine_us);
+            if (ll > 0 && nll > 0)
+                std::printf("%.1f | %.1f | %.2f |\n", ll, nll, nll / ll);
+            else
+                std::printf("- | - | - |\n");
+        }
+    }
+}
+
+// GPU-to-GPU copy bandwidth between devices 0 and 1 (cudaMemcpyPeerAsync, 256 MiB): one direction,
+// and both directions at once. Runs in a child process so the parent never initialises CUDA.
+void print_peer_copy_bandwidth() {
+#if defined(MOERL_HAVE_CUDA)
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("moerl-bench-peer-" + std::to_string(getpid()))).string();
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE* f = std::fopen(path.c_str(), "w");
+        int count = 0;
+        if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
+            if (f) std::fprintf(f, "GPU-to-GPU copy: fewer than 2 GPUs, not measured\n"), std::fclose(f);
+            _exit(0);
+        }
+        int can01 = 0, can10 = 0;
+        cudaDeviceCanAccessPeer(&can01, 0, 1);
+        cudaDeviceCanAccessPeer(&can10, 1, 0);
+        const size_t bytes = size_t{256} << 20;
+        void *src[2], *dst[2];
+        cudaStream_t st[2];
+        cudaEvent_t ev[2][2];
+        for (int d = 0; d < 2; ++d) {
+            cudaSetDevice(d);
+            if (can01 && can10) cudaDeviceEnablePeerAccess(1 - d, 0);
+            cudaMalloc(&src[d], bytes);
+            cudaMalloc(&dst[d], bytes);
+            cudaMemset(src[d], 1, bytes);
+            cudaStreamCreateWithFlags(&st[d], cudaStreamNonBlocking);
+            cudaEventCreate(&ev[d][0]);
+            cudaEventCreate(&ev[d][1]);
+        }
+        // Copies device d's src into the other device's dst, iters times, on device d's stream.
+        auto run = [&](bool both, int iters) {
+            for (int d = 0; d < (both ? 2 : 1); ++d) {
+                cudaSetDevice(d);
+                cudaEventRecord(ev[d][0], st[d]);
+                for (int i = 0; i < iters; ++i)
+                    cudaMemcpyPeerAsync(dst[1 - d], 1 - d, src[d], d, bytes, st[d]);
+                cudaEventRecord(ev[d][1], st[d]);
+            }
+            float ms = 0;
+            for (int d = 0; d < (both ? 2 : 1); ++d) {
+                cudaEventSynchronize(ev[d][1]);
+                float t = 0;
+                cudaEventElapsedTime(&t, ev[d][0], ev[d][1]);
+                ms = std::max(ms, t);
+            }
+            return static_cast<double>(bytes) * iters / (ms * 1e6);  // GB/s per direction
+        };
+        run(true, 2);
+        const double one = run(false, 10), both = run(true, 10);
+        const cudaError_t err = cudaGetLastError();
+        if (f) {
+            if (err != cudaSuccess)
+                std::fprintf(f, "GPU-to-GPU copy failed: %s\n", cudaGetErrorString(err));
+            else
+                std::fprintf(f,
+                             "GPU-to-GPU copy (cudaMemcpyPeerAsync, 256 MiB, GPU 0 <-> 1, peer access %s): "
+                             "%.0f GB/s one direction, %.0f GB/s per direction with both at once\n",
+                             can01 && can10 ? "on" : "off", one, both);
+            std::fclose(f);
+        }
+        _exit(0);
+    }
+    waitpid(pid, nullptr, 0);
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    std::remove(path.c_str());
+    std::printf("%s\n",
+                ss.str().empty() ? "GPU-to-GPU copy: the measuring process failed" : ss.str().c_str());
+#endif
 }
 
 }  // namespace
@@ -293,21 +432,37 @@ void register_bench_ep(CLI::App& bench) {
     cmd->add_flag("!--no-baseline", o->baseline,
                   "skip the baseline (Gloo all-to-all, or device copy for cuda)");
     cmd->add_option("--sms", o->num_sms, "SMs for the cuda kernels (Config.num_sms; 0 = default)");
+    cmd->add_option("--dispatch", o->dispatch,
+                    "dispatch formats: bf16 (the dtype) and/or fp8 (e4m3 + scales)")
+        ->delimiter(',');
     cmd->callback([o] {
         const std::vector<BenchCase> cases = {{"decode", 128, 7168, 8, 256},
                                               {"dsv3", o->big_tokens, 7168, 8, 256}};
+        for (const auto& d : o->dispatch)
+            MOERL_CHECK(d == "fp8" || d == o->dtype, "--dispatch ", d, " is not supported, expected ",
+                        o->dtype, " or fp8");
         std::printf(
-            "dtype %s, %d timed iterations, median; GB/s = received rows x hidden x element size / time, "
-            "per rank; baseline = c10d Gloo all-to-all of the same bytes (host memory) or a "
-            "device-to-device copy of the same bytes (cuda)\n\n",
+            "dtype %s, %d timed iterations, median; GB/s = received rows x row bytes (fp8 dispatch: e4m3 + "
+            "scales) / time, per rank; baseline = c10d Gloo all-to-all of the same bytes (host memory) or a "
+            "device-to-device copy of the same bytes on the rank's GPU (cuda, nccl)\n",
             o->dtype.c_str(), o->iters);
+        const bool device = std::any_of(o->transports.begin(), o->transports.end(),
+                                        [](const std::string& t) { return t == "cuda" || t == "nccl"; });
+        if (device && *std::max_element(o->ranks.begin(), o->ranks.end()) > 1) print_peer_copy_bandwidth();
         std::printf(
-            "| transport   |  W | case      | tok/r | hidden |  K | E   | rows/r | dispatch us | GB/s | "
+            "\n| transport   |  W | case      | disp | tok/r | hidden |  K | E   | rows/r | dispatch us | "
+            "GB/s | "
             "combine us | GB/s | baseline us | GB/s | LL disp/comb us |\n");
-        std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        std::vector<BenchResult> results;
         for (const auto& t : o->transports)
             for (int w : o->ranks)
-                for (const auto& bc : cases) run_config(*o, t, bc, w);
+                for (const auto& d : o->dispatch)
+                    for (const auto& bc : cases) {
+                        results.push_back(run_config(*o, t, bc, d == "fp8", w));
+                        print_row(*o, bc, results.back());
+                    }
+        print_ratios(results);
     });
 }
 

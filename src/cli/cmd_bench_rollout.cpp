@@ -6,17 +6,27 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
+#include <sys/wait.h>
 #include <torch/cuda.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "bench_util.hpp"
+#include "c10d_store.hpp"
 #include "commands.hpp"
+#include "launch.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/ep/buffer.hpp"
 #include "moerl/model/config.hpp"
 #include "moerl/model/generator.hpp"
 #include "moerl/model/model.hpp"
@@ -41,6 +51,8 @@ struct RolloutArgs {
     std::string hf_dir;  // write the checkpoint here and run the transformers reference
     std::string hf_script = "bench/hf_generate.py";
     uint64_t seed = 1;
+    int ep_ranks = 0;  // > 0: expert parallelism over this many GPUs (one process each)
+    std::vector<std::string> transports{"cuda", "nccl"};
 };
 
 // Qwen3-30B-A3B's shape (hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of width
@@ -206,6 +218,156 @@ void bench_cuda(const RolloutArgs& a) {
     }
 }
 
+// One rank of the expert-parallel rollout: its own batch of sequences (attention is data parallel),
+// the experts of every MoE layer split over the ranks and reached through the EP buffer, eager
+// model steps. Returns per batch size: prefill seconds and decode seconds.
+nlohmann::json ep_rollout_rank(const RolloutArgs& a, const std::string& transport, int world, int rank,
+                               int port) {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(port);
+    so.isServer = false;
+    so.numWorkers = world;
+    so.timeout = std::chrono::seconds(300);
+    auto tcp = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep-rollout", tcp));
+    const model::ModelConfig c =
+        a.config.empty() ? qwen3_30b_a3b_shape(a.layers) : model::ModelConfig::load(a.config);
+    const int max_batch = *std::max_element(a.batches.begin(), a.batches.end());
+    const int gpus = static_cast<int>(torch::cuda::device_count());
+    MOERL_CHECK(gpus > 0, "bench rollout --ep: no CUDA device is available");
+    const int dev = rank % gpus;
+    setenv("MOERL_EP_DEVICE", std::to_string(dev).c_str(), 1);
+    ep::Config ec;
+    ec.world_size = world;
+    ec.rank = rank;
+    ec.num_experts = c.num_experts;
+    ec.hidden = c.hidden_size;
+    ec.top_k = c.num_experts_per_tok;
+    ec.max_tokens_per_rank = max_batch * a.prompt;  // the prefill of the largest batch
+    ec.dtype = ep::DType::kBFloat16;
+    ec.timeout_s = 300;
+    ec.job_id = "bench-rollout";
+    ec.set_transport(transport);
+    ep::Buffer buffer(ec, &store);
+    const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(dev));
+    model::MoeModel m(c, {device, at::kBFloat16, &buffer});
+    m.set_requires_grad(false);
+    init_on_device(m, a.seed);
+    c10::NoGradGuard no_grad;
+    nlohmann::json out = nlohmann::json::array();
+    at::manual_seed(a.seed * 1000 + rank);
+    for (int B : a.batches) {
+        // Two passes: the first pays for kernel and communicator set-up, the second is reported.
+        nlohmann::json row;
+        for (int pass = 0; pass < 2; ++pass) {
+            model::KvCache cache = m.new_cache(B, a.prompt + a.new_tokens + 1);
+            at::Tensor ids = at::randint(0, c.vocab_size, {B, a.prompt},
+                                         at::TensorOptions().device(device).dtype(at::kLong));
+            torch::cuda::synchronize(dev);
+            auto t0 = Clock::now();
+            at::Tensor tok = m.prefill(cache, ids, {}).logits.argmax(-1);
+            torch::cuda::synchronize(dev);
+            const double prefill_s = seconds_since(t0);
+            auto t1 = Clock::now();
+            for (int i = 1; i < a.new_tokens; ++i) tok = m.decode(cache, tok).logits.argmax(-1);
+            torch::cuda::synchronize(dev);
+            row = {{"batch", B}, {"prefill_s", prefill_s}, {"decode_s", seconds_since(t1)}};
+        }
+        out.push_back(row);
+    }
+    buffer.destroy();
+    return out;
+}
+
+// Expert-parallel rollout over --ep GPUs per transport: aggregate tokens/s, then each transport
+// against nccl (the stack without accelerated EP).
+void bench_ep_rollout(const RolloutArgs& a) {
+    const model::ModelConfig c =
+        a.config.empty() ? qwen3_30b_a3b_shape(a.layers) : model::ModelConfig::load(a.config);
+    MOERL_CHECK(c.num_experts % a.ep_ranks == 0, "--ep ", a.ep_ranks, " does not divide the ", c.num_experts,
+                " experts");
+    std::printf(
+        "moerl bench rollout --ep %d: CUDA bf16, %s params, %d layers, hidden %d, %d experts top-%d (%d per "
+        "rank); each rank decodes its own batch (eager model steps), every MoE layer dispatches and combines "
+        "through the EP transport; prompt %d, %d new tokens, greedy\n\n",
+        a.ep_ranks, human_count(static_cast<double>(c.num_parameters())).c_str(), c.num_hidden_layers,
+        c.hidden_size, c.num_experts, c.num_experts_per_tok, c.num_experts / a.ep_ranks, a.prompt,
+        a.new_tokens);
+    std::printf(
+        "| transport | GPUs | batch/rank | prefill s | step ms | decode tok/s (all ranks) | e2e tok/s (all "
+        "ranks) |\n|---|---|---|---|---|---|---|\n");
+    std::map<std::string, std::map<int, std::pair<double, double>>>
+        tok_s;  // transport -> batch -> decode, e2e
+    for (const auto& transport : a.transports) {
+        const int W = a.ep_ranks;
+        int port = 0;
+        auto server = host_tcp_store(port, W);
+        const std::string dir =
+            (std::filesystem::temp_directory_path() /
+             ("moerl-rollout-ep-" + std::to_string(getpid()) + "-" + std::to_string(port)))
+                .string();
+        std::filesystem::create_directories(dir);
+        std::vector<pid_t> pids;
+        for (int r = 0; r < W; ++r) {
+            const pid_t pid = fork();
+            if (pid == 0) {
+                nlohmann::json j;
+                int code = 0;
+                try {
+                    j = ep_rollout_rank(a, transport, W, r, port);
+                } catch (const std::exception& e) {
+                    j = {{"error", e.what()}};
+                    code = 1;
+                }
+                std::ofstream(dir + "/" + std::to_string(r)) << j.dump();
+                _exit(code);
+            }
+            pids.push_back(pid);
+        }
+        for (pid_t p : pids) waitpid(p, nullptr, 0);
+        std::vector<nlohmann::json> ranks;
+        std::string error;
+        for (int r = 0; r < W; ++r) {
+            std::ifstream f(dir + "/" + std::to_string(r));
+            std::stringstream ss;
+            ss << f.rdbuf();
+            ranks.push_back(
+                nlohmann::json::parse(ss.str().empty() ? "{\"error\":\"rank crashed\"}" : ss.str()));
+            if (ranks.back().is_object() && ranks.back().contains("error") && error.empty())
+                error = "rank " + std::to_string(r) + ": " + ranks.back()["error"].get<std::string>();
+            std::remove((dir + "/" + std::to_string(r)).c_str());
+        }
+        ::rmdir(dir.c_str());
+        if (!error.empty()) {
+            std::printf("| %s | %d | error: %s |\n", transport.c_str(), W, error.c_str());
+            continue;
+        }
+        for (size_t i = 0; i < a.batches.size(); ++i) {
+            const int B = a.batches[i];
+            double prefill = 0, decode = 0, dec_tok = 0, e2e_tok = 0;
+            for (const auto& rj : ranks) {
+                const double p = rj[i]["prefill_s"].get<double>(), d = rj[i]["decode_s"].get<double>();
+                prefill = std::max(prefill, p), decode = std::max(decode, d);
+                dec_tok += B * (a.new_tokens - 1) / d;
+                e2e_tok += B * static_cast<double>(a.new_tokens) / (p + d);
+            }
+            tok_s[transport][B] = {dec_tok, e2e_tok};
+            std::printf("| %s | %d | %d | %.3f | %.2f | %.0f | %.0f |\n", transport.c_str(), W, B, prefill,
+                        1e3 * decode / (a.new_tokens - 1), dec_tok, e2e_tok);
+            std::fflush(stdout);
+        }
+    }
+    if (!tok_s.count("nccl")) return;
+    std::printf("\n| transport | batch/rank | decode x nccl | e2e x nccl |\n|---|---|---|---|\n");
+    for (const auto& [t, rows] : tok_s) {
+        if (t == "nccl") continue;
+        for (const auto& [B, v] : rows)
+            if (tok_s["nccl"].count(B))
+                std::printf("| %s | %d | %.2f | %.2f |\n", t.c_str(), B, v.first / tok_s["nccl"][B].first,
+                            v.second / tok_s["nccl"][B].second);
+    }
+}
+
 void bench_cpu(const RolloutArgs& a) {
 #ifdef MOERL_HAVE_CMD_RUN
     rl::RunConfig cfg =
@@ -246,11 +408,16 @@ void register_bench_rollout(CLI::App& bench) {
                   "cuda: write the checkpoint here and run Hugging Face transformers' generate on it");
     b->add_option("--hf-script", a->hf_script, "cuda: the reference script");
     b->add_option("--seed", a->seed, "Weight and prompt seed");
+    b->add_option("--ep", a->ep_ranks,
+                  "cuda: expert parallelism over this many GPUs (one rank each; the eager model path)");
+    b->add_option("--transport", a->transports, "cuda --ep: EP transports to compare (nccl is the baseline)")
+        ->delimiter(',');
     b->callback([a] {
         if (a->device == "cpu") return bench_cpu(*a);
         MOERL_CHECK(a->device.rfind("cuda", 0) == 0, "--device ", a->device,
                     " is not supported, expected cpu or cuda");
         MOERL_CHECK(a->new_tokens >= 3, "--new must be >= 3, got ", a->new_tokens);
+        if (a->ep_ranks > 0) return bench_ep_rollout(*a);
         bench_cuda(*a);
     });
 }
