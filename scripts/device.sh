@@ -85,7 +85,12 @@ if [ -x "$MOERL" ]; then
     timeout 240 "$MOERL" bench ep --transport cuda,nccl --ranks $WORLDS --tokens 4096 --dispatch bf16,fp8 \
       --iters 20 >"$OUT/bench-multi.log" 2>&1
     step bench_multi "rc=$?"
-    timeout 300 "$MOERL" bench rollout --device cuda --ep "$NGPU" --transport cuda,nccl --layers ${MOERL_DEVICE_LAYERS:-8} \
+    # SMs given to the cuda kernels, one rank per GPU (MOERL_DEVICE_SMS="24 48 ...").
+    for sms in ${MOERL_DEVICE_SMS:-}; do
+      timeout 60 "$MOERL" bench ep --transport cuda --ranks 2 --tokens 4096 --dispatch bf16,fp8 --sms "$sms" \
+        --iters 20 --no-baseline 2>&1 | grep -E "^\| cuda" | sed "s/^/[sms $sms] /" >>"$OUT/bench-sms.log"
+    done
+    [ "${MOERL_DEVICE_ROLLOUT_EP:-1}" = 1 ] && timeout 300 "$MOERL" bench rollout --device cuda --ep "$NGPU" --transport cuda,nccl --layers ${MOERL_DEVICE_LAYERS:-8} \
       --batch ${MOERL_DEVICE_EP_BATCH:-16,64,256} --prompt 128 --new 32 >"$OUT/bench-rollout-ep.log" 2>&1
     step bench_rollout_ep "rc=$?"
   else
@@ -108,9 +113,9 @@ if [ -x "$MOERL" ]; then
     fi
     if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
       # Nsight Compute on the decode kernels at batch 1 (eager launches, 2 layers): duration, occupancy, stalls.
-      timeout 240 ncu --kernel-name regex:"paged_attention|expert_rows|route_kernel|qk_norm|combine_rmsnorm" \
-        --launch-skip 300 --launch-count 16 --section SpeedOfLight --section LaunchStats --section Occupancy \
-        --section WarpStateStats "$MOERL" bench rollout --device cuda --layers 2 --batch 1 --prompt 128 --new 16 \
+      # Every kernel of two decode steps (2 layers: ~30 kernels a step), after the warm-up and prefill.
+      timeout 240 ncu --launch-skip 400 --launch-count 60 --section SpeedOfLight --section LaunchStats \
+        --section Occupancy "$MOERL" bench rollout --device cuda --layers 2 --batch 1 --prompt 128 --new 24 \
         --no-graphs >"$OUT/ncu.log" 2>&1
       step ncu "rc=$?"
     fi
@@ -159,6 +164,7 @@ echo
 [ -f "$OUT/bench-rollout.log" ] && grep -E "^\| |copy bandwidth|^batch|error" "$OUT/bench-rollout.log"
 [ -f "$OUT/bench-rollout-eager.log" ] && grep -E "^batch|error" "$OUT/bench-rollout-eager.log"
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"
+[ -f "$OUT/bench-sms.log" ] && cat "$OUT/bench-sms.log"
 [ -f "$OUT/bench-variants.log" ] && cat "$OUT/bench-variants.log"
 [ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"

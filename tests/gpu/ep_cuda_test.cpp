@@ -745,10 +745,10 @@ TEST(BadInput, OneRankExpertIdOutOfRangeIsReported) {
 
 // The nccl engine refuses two ranks on one GPU with a clear error.
 TEST(Nccl, RefusesTwoRanksOnOneGpu) {
-    const int devices = device_count();
-    if (devices != 1) GTEST_SKIP() << "needs exactly one GPU, found " << devices;
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
     const std::string dir = unique_dir("ncclone");
     auto results = run_ranks(2, [&](int rank) {
+        setenv("MOERL_EP_DEVICE", "0", 1);  // both ranks on GPU 0, however many there are
         auto store = ep::make_file_store(dir);
         const ep::Config c = make_config({"nccl", 2, ep::DType::kFloat32, 8, 2}, rank, "nccl");
         try {

@@ -236,51 +236,79 @@ __device__ __forceinline__ void warp_copy_fanout(uint8_t* dst, const void* src, 
     }
 }
 
-// Quantizes one bf16 row of H columns (H % 128 == 0) to e4m3 with one scale per 128 columns
-// (amax / 448, 1 for an all-zero block); scales may be null. A half-warp covers one block: 16 lanes x 8
-// columns. part < parts: the warp takes every parts-th pair of blocks, starting at pair `part`.
-__device__ __forceinline__ void warp_quantize_row(uint8_t* q, float* scales, const __nv_bfloat16* src, int H,
-                                                  int lane, int part = 0, int parts = 1) {
-    for (int c0 = part * 2 * kFp8Cols; c0 < H; c0 += parts * 2 * kFp8Cols) {
-        const int col = c0 + lane * 8;
-        const bool active = col < H;
-        float v[8];
-        if (active) {
-            const int4 raw = __ldg(reinterpret_cast<const int4*>(src + col));
-            const auto* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+constexpr int kQuantUnroll = 4;  // pairs of 128-column blocks quantized per pass (loads in flight per lane)
+
+// Quantizes kQuantUnroll pairs of 128-column blocks of a bf16 row to e4m3 in registers: pair u covers
+// columns c0 + u * stride + [0, 256), lane l its 8 columns at + 8 l; a half-warp spans one block, whose
+// scale is amax / 448 (1 for an all-zero block). All loads are issued before any arithmetic.
+__device__ __forceinline__ void quantize_pairs(const __nv_bfloat16* src, int H, int c0, int stride, int lane,
+                                               uint2 (&q)[kQuantUnroll], float (&scale)[kQuantUnroll]) {
+    int4 raw[kQuantUnroll];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(h[j]);
-        } else {
+    for (int u = 0; u < kQuantUnroll; ++u) {
+        const int col = c0 + u * stride + lane * 8;
+        raw[u] = col < H ? __ldg(reinterpret_cast<const int4*>(src + col)) : make_int4(0, 0, 0, 0);
+    }
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = 0.0f;
-        }
-        float amax = 0.0f;
+    for (int u = 0; u < kQuantUnroll; ++u) {
+        const auto* h = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+        float v[8], amax = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+        for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(h[j]), amax = fmaxf(amax, fabsf(v[j]));
 #pragma unroll
         for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-        const float scale = amax > 0.0f ? amax / kFp8MaxDev : 1.0f;
-        if (active) {
-            uint8_t out[8];
+        scale[u] = amax > 0.0f ? amax / kFp8MaxDev : 1.0f;
+        uint8_t out[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                out[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3));
-            *reinterpret_cast<uint2*>(q + col) = *reinterpret_cast<const uint2*>(out);
-            if (scales != nullptr && (lane & 15) == 0) scales[col / kFp8Cols] = scale;
+        for (int j = 0; j < 8; ++j)
+            out[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale[u], __NV_SATFINITE, __NV_E4M3));
+        q[u] = *reinterpret_cast<const uint2*>(out);
+    }
+}
+
+// Quantizes one bf16 row of H columns (H % 128 == 0) to e4m3 with one fp32 scale per 128 columns;
+// scales may be null. part < parts: the warp takes every parts-th pair of blocks, starting at `part`.
+__device__ __forceinline__ void warp_quantize_row(uint8_t* q, float* scales, const __nv_bfloat16* src, int H,
+                                                  int lane, int part = 0, int parts = 1) {
+    const int stride = parts * 2 * kFp8Cols;
+    for (int c0 = part * 2 * kFp8Cols; c0 < H; c0 += kQuantUnroll * stride) {
+        uint2 v[kQuantUnroll];
+        float sc[kQuantUnroll];
+        quantize_pairs(src, H, c0, stride, lane, v, sc);
+#pragma unroll
+        for (int u = 0; u < kQuantUnroll; ++u) {
+            const int col = c0 + u * stride + lane * 8;
+            if (col >= H) continue;
+            *reinterpret_cast<uint2*>(q + col) = v[u];
+            if (scales != nullptr && (lane & 15) == 0) scales[col / kFp8Cols] = sc[u];
         }
     }
 }
 
-// Writes the data part of a dispatched row: a copy, or e4m3 + scales with fp8 dispatch.
-__device__ __forceinline__ void warp_write_row_data(uint8_t* row, const RowLayout& rl, const Routing& rt,
-                                                    const void* x, int t, int lane) {
-    const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
-    const auto* src = static_cast<const uint8_t*>(x) + static_cast<size_t>(t) * x_row_bytes;
-    if (rt.fp8)
-        warp_quantize_row(row, reinterpret_cast<float*>(row + rl.scales_off),
-                          reinterpret_cast<const __nv_bfloat16*>(src), rt.hidden, lane);
-    else
-        warp_copy(row, src, static_cast<int>(x_row_bytes), lane);
+// warp_quantize_row into the (q, scales) of every lane whose q is set, quantizing once. Warp-uniform.
+__device__ __forceinline__ void warp_quantize_fanout(uint8_t* q, float* scales, const __nv_bfloat16* src, int H,
+                                                     int lane) {
+    const unsigned dests = __ballot_sync(kFullMask, q != nullptr);
+    if (dests == 0) return;
+    constexpr int stride = 2 * kFp8Cols;
+    for (int c0 = 0; c0 < H; c0 += kQuantUnroll * stride) {
+        uint2 v[kQuantUnroll];
+        float sc[kQuantUnroll];
+        quantize_pairs(src, H, c0, stride, lane, v, sc);
+        for (unsigned m = dests; m != 0; m &= m - 1) {
+            const int j = __ffs(m) - 1;
+            auto* d = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(q), j));
+            auto* ds =
+                reinterpret_cast<float*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(scales), j));
+#pragma unroll
+            for (int u = 0; u < kQuantUnroll; ++u) {
+                const int col = c0 + u * stride + lane * 8;
+                if (col >= H) continue;
+                *reinterpret_cast<uint2*>(d + col) = v[u];
+                if (ds != nullptr && (lane & 15) == 0) ds[col / kFp8Cols] = sc[u];
+            }
+        }
+    }
 }
 
 // 16 bytes of fp32 or bf16 values, accumulated in fp32.

@@ -43,7 +43,17 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_send_kernel(DispatchSen
                     data = a.dst[r] + static_cast<size_t>(pos) * rl.row_bytes;
                 }
             }
-            if (!rt.fp8) warp_copy_fanout(data, x_row, static_cast<int>(x_row_bytes), lane);
+            if (!rt.fp8) {
+                warp_copy_fanout(data, x_row, static_cast<int>(x_row_bytes), lane);
+            } else {
+                // Scales: beside the row in a peer's slot, or the caller's scale output for this rank.
+                float* scales = nullptr;
+                if (data != nullptr && r != self)
+                    scales = reinterpret_cast<float*>(data + rl.scales_off);
+                else if (data != nullptr && a.self_recv_x_scales != nullptr)
+                    scales = a.self_recv_x_scales + static_cast<size_t>(self_first + pos) * num_scales;
+                warp_quantize_fanout(data, scales, reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden, lane);
+            }
             for (unsigned dests = __ballot_sync(kFullMask, data != nullptr); dests != 0; dests &= dests - 1) {
                 const int j = __ffs(dests) - 1;
                 const int p = __shfl_sync(kFullMask, pos, j);
@@ -51,12 +61,6 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_send_kernel(DispatchSen
                     __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(data), j));
                 if (base + j == self) {
                     const int i = self_first + p;
-                    if (rt.fp8)
-                        warp_quantize_row(d,
-                                          a.self_recv_x_scales != nullptr
-                                              ? a.self_recv_x_scales + static_cast<size_t>(i) * num_scales
-                                              : nullptr,
-                                          reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden, lane);
                     if (lane < K) {
                         const int local = id - self * L;
                         const bool mine = id >= 0 && local >= 0 && local < L;
@@ -68,9 +72,6 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_send_kernel(DispatchSen
                     if (lane == 0) a.self_recv_src_token[i] = t;
                 } else {
                     // d: row p of this rank's slot at rank base + j
-                    if (rt.fp8)
-                        warp_quantize_row(d, reinterpret_cast<float*>(d + rl.scales_off),
-                                          reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden, lane);
                     if (lane < K) {
                         reinterpret_cast<int*>(d + rl.ids_off)[lane] = id;
                         reinterpret_cast<float*>(d + rl.weights_off)[lane] = w;

@@ -29,18 +29,11 @@ __global__ void __launch_bounds__(kDataThreads) ll_send_kernel(LLSendArgs a) {
             }
         }
         const uint8_t* x_row = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t) * x_row_bytes;
-        if (!rt.fp8) {
+        if (!rt.fp8)
             warp_copy_fanout(row, x_row, static_cast<int>(x_row_bytes), lane);
-        } else {
-            for (unsigned entries = __ballot_sync(kFullMask, row != nullptr); entries != 0;
-                 entries &= entries - 1) {
-                const int k = __ffs(entries) - 1;
-                auto* d = reinterpret_cast<uint8_t*>(
-                    __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(row), k));
-                warp_quantize_row(d, reinterpret_cast<float*>(d + rl.scales_off),
-                                  reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden, lane);
-            }
-        }
+        else
+            warp_quantize_fanout(row, row != nullptr ? reinterpret_cast<float*>(row + rl.scales_off) : nullptr,
+                                 reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden, lane);
     }
     block_signal_data(a.sig, kChLLDispatch);
 }
