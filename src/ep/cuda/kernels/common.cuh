@@ -286,8 +286,8 @@ __device__ __forceinline__ void warp_quantize_row(uint8_t* q, float* scales, con
 }
 
 // warp_quantize_row into the (q, scales) of every lane whose q is set, quantizing once. Warp-uniform.
-__device__ __forceinline__ void warp_quantize_fanout(uint8_t* q, float* scales, const __nv_bfloat16* src, int H,
-                                                     int lane) {
+__device__ __forceinline__ void warp_quantize_fanout(uint8_t* q, float* scales, const __nv_bfloat16* src,
+                                                     int H, int lane) {
     const unsigned dests = __ballot_sync(kFullMask, q != nullptr);
     if (dests == 0) return;
     constexpr int stride = 2 * kFp8Cols;
@@ -297,9 +297,10 @@ __device__ __forceinline__ void warp_quantize_fanout(uint8_t* q, float* scales, 
         quantize_pairs(src, H, c0, stride, lane, v, sc);
         for (unsigned m = dests; m != 0; m &= m - 1) {
             const int j = __ffs(m) - 1;
-            auto* d = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(q), j));
-            auto* ds =
-                reinterpret_cast<float*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(scales), j));
+            auto* d = reinterpret_cast<uint8_t*>(
+                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(q), j));
+            auto* ds = reinterpret_cast<float*>(
+                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(scales), j));
 #pragma unroll
             for (int u = 0; u < kQuantUnroll; ++u) {
                 const int col = c0 + u * stride + lane * 8;

@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_send_kernel(DispatchSen
                     scales = reinterpret_cast<float*>(data + rl.scales_off);
                 else if (data != nullptr && a.self_recv_x_scales != nullptr)
                     scales = a.self_recv_x_scales + static_cast<size_t>(self_first + pos) * num_scales;
-                warp_quantize_fanout(data, scales, reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden, lane);
+                warp_quantize_fanout(data, scales, reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden,
+                                     lane);
             }
             for (unsigned dests = __ballot_sync(kFullMask, data != nullptr); dests != 0; dests &= dests - 1) {
                 const int j = __ffs(dests) - 1;

@@ -32,7 +32,8 @@ __global__ void __launch_bounds__(kDataThreads) ll_send_kernel(LLSendArgs a) {
         if (!rt.fp8)
             warp_copy_fanout(row, x_row, static_cast<int>(x_row_bytes), lane);
         else
-            warp_quantize_fanout(row, row != nullptr ? reinterpret_cast<float*>(row + rl.scales_off) : nullptr,
+            warp_quantize_fanout(row,
+                                 row != nullptr ? reinterpret_cast<float*>(row + rl.scales_off) : nullptr,
                                  reinterpret_cast<const __nv_bfloat16*>(x_row), rt.hidden, lane);
     }
     block_signal_data(a.sig, kChLLDispatch);
