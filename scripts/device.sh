@@ -118,6 +118,11 @@ if [ -x "$MOERL" ]; then
         --section Occupancy "$MOERL" bench rollout --device cuda --layers 2 --batch 1 --prompt 128 --new 24 \
         --no-graphs >"$OUT/ncu.log" 2>&1
       step ncu "rc=$?"
+      # One line a kernel: name, duration, memory and DRAM throughput (% of peak), achieved occupancy.
+      awk '/Context [0-9]+, Stream/ {if (name) print name, d, m, r, o; split($1, a, "("); name = a[1]; d = m = r = o = "-"}
+           /^ *Duration / {d = $NF $(NF-1)} /^ *Memory Throughput / {m = "mem" $NF "%"}
+           /^ *DRAM Throughput / {r = "dram" $NF "%"} /^ *Achieved Occupancy / {o = "occ" $NF "%"}
+           END {if (name) print name, d, m, r, o}' "$OUT/ncu.log" >"$OUT/ncu-summary.txt"
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
@@ -169,6 +174,9 @@ echo
 [ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"
 [ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
+[ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
+# At most 8 files come back from the machine: every log goes into one archive.
+(cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo
 echo "| step | result |"
 echo "|---|---|"
