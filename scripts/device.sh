@@ -82,7 +82,7 @@ if [ -x "$MOERL" ]; then
     # One rank per GPU: cuda against nccl on 2, 4, 8 GPUs (as many as there are), bf16 and fp8 dispatch,
     # with the GPU-to-GPU copy bandwidth of the same run; then rollout with the MoE layers over EP.
     WORLDS=2; [ "$NGPU" -ge 4 ] && WORLDS=2,4; [ "$NGPU" -ge 8 ] && WORLDS=2,4,8
-    timeout 240 "$MOERL" bench ep --transport cuda,nccl --ranks $WORLDS --tokens 4096 --dispatch bf16,fp8 \
+    [ "${MOERL_DEVICE_MULTI_EP:-1}" = 1 ] && timeout 240 "$MOERL" bench ep --transport cuda,nccl --ranks $WORLDS --tokens 4096 --dispatch bf16,fp8 \
       --iters 20 >"$OUT/bench-multi.log" 2>&1
     step bench_multi "rc=$?"
     # SMs given to the cuda kernels, one rank per GPU (MOERL_DEVICE_SMS="24 48 ...").
@@ -111,19 +111,6 @@ if [ -x "$MOERL" ]; then
       MOERL_GENERATOR_PROFILE=1 timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
-    if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-      # Nsight Compute on the decode kernels at batch 1 (eager launches, 2 layers): duration, occupancy, stalls.
-      # Every kernel of two decode steps (2 layers: ~30 kernels a step), after the warm-up and prefill.
-      timeout 240 ncu --launch-skip 400 --launch-count 60 --section SpeedOfLight --section LaunchStats \
-        --section Occupancy "$MOERL" bench rollout --device cuda --layers 2 --batch 1 --prompt 128 --new 24 \
-        --no-graphs >"$OUT/ncu.log" 2>&1
-      step ncu "rc=$?"
-      # One line a kernel: name, duration, memory and DRAM throughput (% of peak), achieved occupancy.
-      awk '/Context [0-9]+, Stream/ {if (name) print name, d, m, r, o; split($1, a, "("); name = a[1]; d = m = r = o = "-"}
-           /^ *Duration / {d = $NF $(NF-1)} /^ *Memory Throughput / {m = "mem" $NF "%"}
-           /^ *DRAM Throughput / {r = "dram" $NF "%"} /^ *Achieved Occupancy / {o = "occ" $NF "%"}
-           END {if (name) print name, d, m, r, o}' "$OUT/ncu.log" >"$OUT/ncu-summary.txt"
-    fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
       for v in "DEFAULTS=1" "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=2 DOWN_ROWS=2" "GEMV_MAX_BATCH=0" \
@@ -136,6 +123,20 @@ if [ -x "$MOERL" ]; then
     # The same engine without graphs: what launching every kernel costs.
     [ "${MOERL_DEVICE_EAGER:-1}" = 1 ] && timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
       --prompt 128 --new 32 --no-graphs >"$OUT/bench-rollout-eager.log" 2>&1
+  fi
+  if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+    # Nsight Compute on the kernels of the timed decode steps at batch 1 (graph nodes, 2 layers):
+    # collection starts at the bench's cudaProfilerStart, so initialisation and prefill are not seen.
+    MOERL_BENCH_PROFILE_RANGE=1 timeout 240 ncu --profile-from-start off --launch-count ${MOERL_DEVICE_NCU_COUNT:-40} \
+      --section SpeedOfLight --section LaunchStats --section Occupancy "$MOERL" bench rollout --device cuda \
+      --layers 2 --batch 1 --prompt 128 --new 8 >"$OUT/ncu.log" 2>&1
+    step ncu "rc=$?"
+    # One line a kernel: name, duration, memory and DRAM throughput (% of peak), achieved occupancy.
+    awk '/Context [0-9]+, Stream/ {if (name) print name, d, m, r, o; n = $0; sub(/^ *void /, "", n);
+           sub(/[<(].*/, "", n); name = n; d = m = r = o = "-"}
+         /^ *Duration / {d = $NF $(NF-1)} /^ *Memory Throughput / {m = "mem" $NF "%"}
+         /^ *DRAM Throughput / {r = "dram" $NF "%"} /^ *Achieved Occupancy / {o = "occ" $NF "%"}
+         END {if (name) print name, d, m, r, o}' "$OUT/ncu.log" >"$OUT/ncu-summary.txt"
   fi
   for f in "$OUT"/bench-*.log; do tail -n 12 "$f"; done
 else

@@ -8,6 +8,9 @@
 #include <c10/core/GradMode.h>
 #include <sys/wait.h>
 #include <torch/cuda.h>
+#if defined(MOERL_HAVE_CUDA)
+#include <cuda_profiler_api.h>
+#endif
 #include <unistd.h>
 
 #include <cstdio>
@@ -25,6 +28,7 @@
 #include "c10d_store.hpp"
 #include "commands.hpp"
 #include "launch.hpp"
+#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/model/config.hpp"
@@ -106,10 +110,21 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
     const double first_step = seconds_since(t1);
     gen.reset_stats();
     const int timed = a.new_tokens - 2;
+    // MOERL_BENCH_PROFILE_RANGE=1: a profiler started with its collection off (ncu --profile-from-start
+    // off) sees only the timed decode steps of the first batch size.
+    static bool range_done = false;
+    const bool range = !range_done && env::get_int("MOERL_BENCH_PROFILE_RANGE", 0) == 1;
+#if defined(MOERL_HAVE_CUDA)
+    if (range) cudaProfilerStart();
+#endif
     const auto t2 = Clock::now();
     for (int s = 0; s < timed; ++s) next = gen.decode(slots, next).greedy;
     torch::cuda::synchronize();
     const double decode_s = seconds_since(t2);
+#if defined(MOERL_HAVE_CUDA)
+    if (range) cudaProfilerStop();
+#endif
+    range_done = range_done || range;
     row.step_s = decode_s / timed;
     row.e2e_tok_s = static_cast<double>(B) * a.new_tokens / (row.prefill_s + first_step + decode_s);
     const model::GeneratorStats st = gen.stats();
