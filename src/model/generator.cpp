@@ -370,7 +370,7 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
         at::zeros({B * g.Hkv * cuda::attention_partial_splits(g.max_blocks * options.block_size) *
                    (g.Hq / g.Hkv) * (g.D + 2)},
                   t.dtype(at::kFloat));
-    g.attn_split_done = at::zeros({B * g.Hkv}, i32);
+    g.attn_split_done = at::zeros({B * g.Hq}, i32);
     g.o = at::zeros({B, g.H}, t);
     g.router_logits = at::zeros({B, std::max<int64_t>(g.E, 1)}, t);
     g.act = at::zeros({B * g.K, g.I}, t);

@@ -57,7 +57,7 @@ int attention_partial_splits(int max_seq_len);
 
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
 // partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
-// * (D + 2) elements (split-sequence partial results); split_done: B * Hkv ints, zero before the
+// * (D + 2) elements (split-sequence partial results); split_done: B * Hq ints, zero before the
 // first call (each call leaves them zero).
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,

@@ -1,12 +1,16 @@
 // Decode attention over the paged KV cache, split over the sequence (flash-decoding): block
-// (kv_head, row, split) serves the G query heads of one key-value head over one chunk of the cached
-// tokens, so every key and value is read once per step and short batches still fill the GPU.
+// (head group, row, split) serves G query heads of one key-value head over one chunk of the cached
+// tokens. With many rows a group is all the query heads of a key-value head, so every key and value
+// is read once per step; with few rows the heads are split into groups of two, whose blocks read
+// the same keys (from L2) but each does a quarter of the arithmetic and the merging, which is what
+// bounds a step when the GPU holds only a few dozen warps.
 //
 // Each warp takes 32 tokens at a time: lane t scores token t against the G queries (its key row
 // read whole with 16-byte loads, the queries broadcast from shared memory), an online softmax keeps
 // (max, sum) per query head, then the warp accumulates the values with lane i holding dims i,
 // i + 32, ... The warps' states are merged in shared memory; with one split the block writes the
 // output, otherwise a partial (max, sum, unnormalised output) that the merge kernel combines.
+#include <algorithm>
 #include <cfloat>
 
 #include "common.cuh"
@@ -15,17 +19,19 @@ namespace moerl::model::cuda {
 namespace {
 
 constexpr int kAttnWarps = 2;
+// (row, key-value head) pairs from which a block serves all of a key-value head's query heads.
+constexpr int kAttentionRowsForFullGroups = 32;
 
-// Partial of split s of (row b, kv head h): ml [B, Hkv, splits, G, 2] (max, sum), acc [B, Hkv,
-// splits, G, D].
+// Partial of split s of (row b, head group x): ml [B, X, splits, G, 2] (max, sum), acc [B, X, splits,
+// G, D], X = Hq / G groups.
 struct Partials {
     float* ml = nullptr;
     float* acc = nullptr;
-    int* done = nullptr;  // [B, Hkv] splits finished in the running step (0 between steps)
-    int splits = 0;       // allocated splits per (row, kv head)
+    int* done = nullptr;  // [B, X] splits finished in the running step (0 between steps)
+    int splits = 0;       // allocated splits per (row, group)
 };
 
-// G query heads per key-value head; kDimsPerLane = ceil(D / 32).
+// G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32).
 template <typename T, int G, int kDimsPerLane>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
@@ -36,11 +42,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     float* m_s = q_s + G * D;             // [warps, G]
     float* l_s = m_s + kAttnWarps * G;    // [warps, G]
     float* acc_s = l_s + kAttnWarps * G;  // [warps, G, D]
-    const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+    const int group = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+    const int kv_head = group * G / (Hq / Hkv);  // the groups of a key-value head are adjacent
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = position[b];
     const bool direct = gridDim.z == 1;
-    T* out_row = out + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // out [B, Hq, D]
+    T* out_row = out + (static_cast<size_t>(b) * Hq + group * G) * D;  // out [B, Hq, D]
     if (pos < 0) {
         if (split == 0)
             for (int i = threadIdx.x; i < G * D; i += blockDim.x) out_row[i] = from_float<T>(0.0f);
@@ -50,8 +57,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     const int first = split * chunk, last = min(num_tokens, first + chunk);
     if (first >= last) return;  // past the sequence: not counted among the splits to merge
     const float scale = rsqrtf(static_cast<float>(D));
-    const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
-    for (int i = threadIdx.x * 8; i < G * D; i += blockDim.x * 8) {        // D % 8 == 0
+    const T* q_row = q + (static_cast<size_t>(b) * Hq + group * G) * D;  // q [B, Hq, D]
+    for (int i = threadIdx.x * 8; i < G * D; i += blockDim.x * 8) {      // D % 8 == 0
         float v[8];
         load8(q_row + i, v);
 #pragma unroll
@@ -154,7 +161,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             if (d < D) acc_s[(warp * G + g) * D + d] = acc[g][i];
         }
     __syncthreads();
-    const size_t pidx = (static_cast<size_t>(b) * Hkv + kv_head) * part.splits + split;
+    const size_t pidx = (static_cast<size_t>(b) * gridDim.x + group) * part.splits + split;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         float mx = -FLT_MAX;
@@ -183,7 +190,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     __threadfence();
     __syncthreads();
     const int used = (num_tokens + chunk - 1) / chunk;
-    int* done = part.done + static_cast<size_t>(b) * Hkv + kv_head;
+    int* done = part.done + static_cast<size_t>(b) * gridDim.x + group;
     if (threadIdx.x == 0) {
         is_last = atomicAdd(done, 1) == used - 1;
         if (is_last) *done = 0;
@@ -191,13 +198,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    const size_t base = (static_cast<size_t>(b) * Hkv + kv_head) * part.splits;
+    const size_t base = (static_cast<size_t>(b) * gridDim.x + group) * part.splits;
     for (int i = threadIdx.x * 4; i < G * D; i += blockDim.x * 4) {  // D % 4 == 0: one head per float4
         const int g = i / D;
         float mx = -FLT_MAX;
+#pragma unroll 4
         for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(part.ml + ((base + s) * G + g) * 2));
         float sum = 0.0f;
         float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
         for (int s = 0; s < used; ++s) {
             const float f = __expf(__ldcg(part.ml + ((base + s) * G + g) * 2) - mx);
             sum += __ldcg(part.ml + ((base + s) * G + g) * 2 + 1) * f;
@@ -219,7 +228,7 @@ void launch_group(const void* q, const void* k_pool, const void* v_pool, const i
     const size_t smem = sizeof(float) * (G * D + 2 * kAttnWarps * G + kAttnWarps * G * D);
     auto kernel = paged_attention_kernel<T, G, kDimsPerLane>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<dim3(Hkv, B, splits), kAttnWarps * 32, smem, stream>>>(
+    kernel<<<dim3(Hq / G, B, splits), kAttnWarps * 32, smem, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k_pool), static_cast<const T*>(v_pool), position,
         slot, block_table, max_blocks, block_size, Hq, Hkv, D, chunk, part, static_cast<T*>(out));
 }
@@ -242,11 +251,17 @@ void launch_dims(const void* q, const void* k_pool, const void* v_pool, const in
                               Hkv, D, chunk, splits, part, out, stream);
 }
 
+// Query heads per block: all of a key-value head's when rows alone give enough blocks, else two.
+int heads_per_block(int B, int Hq, int Hkv) {
+    const int group = Hq / Hkv;
+    return B * Hkv >= kAttentionRowsForFullGroups ? group : std::min(group, 2);
+}
+
 template <typename T>
 void launch_typed(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
                   const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
                   int chunk, int splits, const Partials& part, void* out, cudaStream_t stream) {
-    switch (Hq / Hkv) {
+    switch (heads_per_block(B, Hq, Hkv)) {
 #define MOERL_ATTN_CASE(g)                                                                               \
     case g:                                                                                              \
         launch_dims<T, g>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq, \
@@ -281,18 +296,17 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
     // Chunks of the sequence per block: short ones when rows are few, so the GPU fills up; one
     // split (no merge) when rows alone give enough blocks.
     const int max_seq_len = max_blocks * block_size;
-    const int blocks_without_split = B * Hkv;
+    const int blocks_without_split = B * (Hq / heads_per_block(B, Hq, Hkv));
     int chunk = kAttentionMinChunk;
     while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
     const int splits = (max_seq_len + chunk - 1) / chunk;
     const int alloc_splits = attention_partial_splits(max_seq_len);
-    const int G = Hq / Hkv;
     Partials part;
     part.splits = alloc_splits;
     part.done = split_done;
     part.ml = partial;
-    part.acc = partial + static_cast<size_t>(B) * Hkv * alloc_splits * G * 2;
+    part.acc = partial + static_cast<size_t>(B) * Hq * alloc_splits * 2;  // after ml [B, Hq, splits, 2]
     if (dtype == 0)
         launch_typed<float>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
                             Hkv, D, chunk, splits, part, out, stream);
