@@ -94,7 +94,7 @@ if [ -x "$MOERL" ]; then
       --batch ${MOERL_DEVICE_EP_BATCH:-16,64,256} --prompt 128 --new 32 >"$OUT/bench-rollout-ep.log" 2>&1
     step bench_rollout_ep "rc=$?"
   else
-    step bench_multi "skipped (one GPU)"
+    step bench_multi "skipped (one GPU, or MOERL_DEVICE_MULTI=0)"
   fi
   if [ "${MOERL_DEVICE_ROLLOUT:-1}" = 1 ]; then
     # The generation engine on the Qwen3-30B-A3B shape (8 layers), then transformers' generate on the
