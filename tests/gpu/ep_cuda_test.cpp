@@ -172,6 +172,8 @@ void compare_floats(Mismatches& m, const ep::Config& c, const std::string& what,
 // One rank: for several rounds of fresh data, every call on the host reference and on the device
 // engine, outputs poisoned first, results compared.
 void conformance(const Case& tc, int rank, uint64_t seed, const std::string& dir) {
+    // The handles' host copies (send_pos, recv_src_token) are compared: the engine must make them.
+    unsetenv("MOERL_EP_CUDA_ASYNC");
     auto store = ep::make_file_store(dir);
     const ep::Config hc = make_config(tc, rank, "host");
     const ep::Config dc = make_config(tc, rank, tc.transport);
