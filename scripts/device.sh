@@ -26,7 +26,7 @@ echo "GPUs: $NGPU"; cat "$OUT/gpu.txt"
 # --- configure ------------------------------------------------------------------------------------
 ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOERL_WITH_CUDA=ON -DMOERL_WITH_FABRIC=OFF -DMOERL_WITH_REDIS=OFF
       -DMOERL_WITH_RL=${MOERL_DEVICE_RL:-OFF}
-      -DCMAKE_CUDA_ARCHITECTURES=90
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-lineinfo
       -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
 TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
 if [ "${MOERL_DEVICE_TORCH:-ON}" = ON ] && [ -n "$TORCH_PREFIX" ]; then
@@ -114,7 +114,7 @@ if [ -x "$MOERL" ]; then
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
       for v in "DEFAULTS=1" "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=2 DOWN_ROWS=2" "GEMV_MAX_BATCH=0" \
-               "GEMV_MAX_BATCH=4" "GROUPED_MIN_BATCH=128" "GROUPED_MIN_BATCH=16"; do
+               "GEMV_MAX_BATCH=4" "GROUPED_MIN_BATCH=128" "GROUPED_MIN_BATCH=16" "ATTENTION_WARPS=8"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
           --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64 --prompt 128 --new 32 2>&1 |
           grep -E "^batch" | sed "s/^/[$v] /" >>"$OUT/bench-variants.log"
@@ -131,6 +131,13 @@ if [ -x "$MOERL" ]; then
       --section SpeedOfLight --section LaunchStats --section Occupancy "$MOERL" bench rollout --device cuda \
       --layers 2 --batch 1 --prompt 128 --new 8 >"$OUT/ncu.log" 2>&1
     step ncu "rc=$?"
+    # The attention kernel alone, both block shapes: where its warps stall and on which source lines.
+    for warps in 2 8; do
+      MOERL_GENERATOR_ATTENTION_WARPS=$warps MOERL_BENCH_PROFILE_RANGE=1 timeout 120 ncu --profile-from-start off \
+        --kernel-name regex:paged_attention --launch-count 2 --section SpeedOfLight --section WarpStateStats \
+        --section SourceCounters --section Occupancy "$MOERL" bench rollout --device cuda --layers 2 --batch 1 \
+        --prompt 128 --new 8 >"$OUT/ncu-attention-$warps.log" 2>&1
+    done
     # One line a kernel: name, duration, memory and DRAM throughput (% of peak), achieved occupancy.
     awk '/Context [0-9]+, Stream/ {if (name) print name, d, m, r, o; n = $0; sub(/^ *void /, "", n);
            sub(/[<(].*/, "", n); name = n; d = m = r = o = "-"}

@@ -103,6 +103,8 @@ struct Generator::Impl {
     // Up to this batch bucket the dense projections (q/k/v, o, router) use the GEMV kernel.
     int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 1));
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
+    // Warps per attention block: 2, or 8 (few rows: 256-token chunks, no merge across blocks).
+    int attention_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_WARPS", 2));
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner), m(weights), opt(o), device(weights.options.device) {}
@@ -171,7 +173,7 @@ struct Generator::Impl {
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
                                          attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
-                                         attn.data_ptr(), stream);
+                                         attn.data_ptr(), stream, attention_warps);
             mark("attention");
             linear(attn, w.o_proj, o, B, stream);
             mark("o mm");

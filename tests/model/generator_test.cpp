@@ -153,16 +153,24 @@ TEST(Generator, ContinuousBatchingGreedyEqualsCpu) {
     }
 }
 
-// Logits of a step against the CPU model's, same weights, fp32 on both.
-TEST(Generator, DecodeLogitsMatchCpu) {
+// Logits of a step against the CPU model's, same weights, fp32 on both; attention blocks of 2 warps
+// (the default) and of 8 (MOERL_GENERATOR_ATTENTION_WARPS, read when the generator is made), with a
+// short prompt (one block per head group) and a long one (the sequence split over blocks and merged).
+class GeneratorAttention : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
     SKIP_WITHOUT_ENGINE();
-    const ModelConfig c = engine_config();
+    ModelConfig c = engine_config();
+    c.max_position_embeddings = 512;
     Twins t(c);
-    std::vector<int64_t> prompt = random_prompt(10, c.vocab_size, 11);
+    const auto [warps, prompt_len] = GetParam();
+    std::vector<int64_t> prompt = random_prompt(prompt_len, c.vocab_size, 11);
     c10::NoGradGuard no_grad;
-    KvCache cache = t.cpu.new_cache(1, 20);
+    KvCache cache = t.cpu.new_cache(1, prompt_len + 10);
     at::Tensor ref = t.cpu.prefill(cache, at::tensor(prompt, at::kLong).unsqueeze(0), at::Tensor()).logits;
-    Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = 32, .block_size = 8});
+    setenv("MOERL_GENERATOR_ATTENTION_WARPS", std::to_string(warps).c_str(), 1);
+    Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = prompt_len + 22, .block_size = 8});
+    unsetenv("MOERL_GENERATOR_ATTENTION_WARPS");
     const int s = gen.acquire();
     at::Tensor got = gen.prefill({s}, {prompt}).logits.cpu().to(at::kFloat);
     EXPECT_LT((got - ref).abs().max().item<float>(), 1e-4);
@@ -173,6 +181,9 @@ TEST(Generator, DecodeLogitsMatchCpu) {
         EXPECT_LT((got - ref).abs().max().item<float>(), 1e-4) << "step " << step;
     }
 }
+
+INSTANTIATE_TEST_SUITE_P(WarpsAndPrompt, GeneratorAttention,
+                         ::testing::Combine(::testing::Values(2, 8), ::testing::Values(10, 300)));
 
 // The captured graphs replay exactly what eager launches compute (bf16, a padded bucket of 3 of 4).
 TEST(Generator, GraphReplayEqualsEager) {

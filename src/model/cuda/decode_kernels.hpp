@@ -58,11 +58,12 @@ int attention_partial_splits(int max_seq_len);
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
 // partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
 // * (D + 2) elements (split-sequence partial results); split_done: B * Hq ints, zero before the
-// first call (each call leaves them zero).
+// first call (each call leaves them zero). warps: 2 per block, or 8 with few rows (256-token chunks,
+// no merge across blocks up to that length).
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, cudaStream_t stream);
+                            void* out, cudaStream_t stream, int warps = 2);
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.

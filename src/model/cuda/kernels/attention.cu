@@ -18,7 +18,6 @@
 namespace moerl::model::cuda {
 namespace {
 
-constexpr int kAttnWarps = 2;
 // (row, key-value head) pairs from which a block serves all of a key-value head's query heads.
 constexpr int kAttentionRowsForFullGroups = 32;
 
@@ -31,8 +30,9 @@ struct Partials {
     int splits = 0;       // allocated splits per (row, group)
 };
 
-// G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32).
-template <typename T, int G, int kDimsPerLane>
+// G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32);
+// kAttnWarps warps per block, each taking 32 tokens of the block's chunk at a time.
+template <typename T, int G, int kDimsPerLane, int kAttnWarps>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
@@ -221,34 +221,39 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
 }
 
-template <typename T, int G, int kDimsPerLane>
-void launch_group(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
-                  const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
-                  int chunk, int splits, const Partials& part, void* out, cudaStream_t stream) {
-    const size_t smem = sizeof(float) * (G * D + 2 * kAttnWarps * G + kAttnWarps * G * D);
-    auto kernel = paged_attention_kernel<T, G, kDimsPerLane>;
+// What one launch needs, passed down the template dispatch.
+struct AttnLaunch {
+    const void *q, *k_pool, *v_pool;
+    const int *position, *slot, *block_table;
+    int max_blocks, block_size, B, Hq, Hkv, D, chunk, splits;
+    Partials part;
+    void* out;
+    cudaStream_t stream;
+};
+
+template <typename T, int G, int kDimsPerLane, int kWarps>
+void launch_group(const AttnLaunch& l) {
+    const size_t smem = sizeof(float) * (G * l.D + 2 * kWarps * G + kWarps * G * l.D);
+    auto kernel = paged_attention_kernel<T, G, kDimsPerLane, kWarps>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<dim3(Hq / G, B, splits), kAttnWarps * 32, smem, stream>>>(
-        static_cast<const T*>(q), static_cast<const T*>(k_pool), static_cast<const T*>(v_pool), position,
-        slot, block_table, max_blocks, block_size, Hq, Hkv, D, chunk, part, static_cast<T*>(out));
+    kernel<<<dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.stream>>>(
+        static_cast<const T*>(l.q), static_cast<const T*>(l.k_pool), static_cast<const T*>(l.v_pool),
+        l.position, l.slot, l.block_table, l.max_blocks, l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part,
+        static_cast<T*>(l.out));
 }
 
-template <typename T, int G>
-void launch_dims(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
-                 const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
-                 int chunk, int splits, const Partials& part, void* out, cudaStream_t stream) {
-    if (D <= 32)
-        launch_group<T, G, 1>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, chunk, splits, part, out, stream);
-    else if (D <= 64)
-        launch_group<T, G, 2>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, chunk, splits, part, out, stream);
-    else if (D <= 128)
-        launch_group<T, G, 4>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, chunk, splits, part, out, stream);
+// kWide: 8 warps a block (only built for one or two heads a block, the few-rows case), else 2.
+template <typename T, int G, bool kWide>
+void launch_dims(const AttnLaunch& l) {
+    constexpr int kWarps = kWide && G <= 2 ? 8 : 2;
+    if (l.D <= 32)
+        launch_group<T, G, 1, kWarps>(l);
+    else if (l.D <= 64)
+        launch_group<T, G, 2, kWarps>(l);
+    else if (l.D <= 128)
+        launch_group<T, G, 4, kWarps>(l);
     else
-        launch_group<T, G, 8>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                              Hkv, D, chunk, splits, part, out, stream);
+        launch_group<T, G, 8, kWarps>(l);
 }
 
 // Query heads per block: all of a key-value head's when rows alone give enough blocks, else two.
@@ -257,24 +262,21 @@ int heads_per_block(int B, int Hq, int Hkv) {
     return B * Hkv >= kAttentionRowsForFullGroups ? group : std::min(group, 2);
 }
 
-template <typename T>
-void launch_typed(const void* q, const void* k_pool, const void* v_pool, const int* position, const int* slot,
-                  const int* block_table, int max_blocks, int block_size, int B, int Hq, int Hkv, int D,
-                  int chunk, int splits, const Partials& part, void* out, cudaStream_t stream) {
-    switch (heads_per_block(B, Hq, Hkv)) {
-#define MOERL_ATTN_CASE(g)                                                                               \
-    case g:                                                                                              \
-        launch_dims<T, g>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq, \
-                          Hkv, D, chunk, splits, part, out, stream);                                     \
-        break;
-        MOERL_ATTN_CASE(1)
-        MOERL_ATTN_CASE(2)
-        MOERL_ATTN_CASE(4)
-        MOERL_ATTN_CASE(8)
-        MOERL_ATTN_CASE(16)
-#undef MOERL_ATTN_CASE
+template <typename T, bool kWide>
+void launch_typed(const AttnLaunch& l) {
+    switch (heads_per_block(l.B, l.Hq, l.Hkv)) {
+        case 1:
+            return launch_dims<T, 1, kWide>(l);
+        case 2:
+            return launch_dims<T, 2, kWide>(l);
+        case 4:
+            return launch_dims<T, 4, false>(l);
+        case 8:
+            return launch_dims<T, 8, false>(l);
+        case 16:
+            return launch_dims<T, 16, false>(l);
         default:
-            break;  // refused by the generator before any launch
+            return;  // refused by the generator before any launch
     }
 }
 
@@ -291,28 +293,29 @@ int attention_partial_splits(int max_seq_len) {
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, cudaStream_t stream) {
+                            void* out, cudaStream_t stream, int warps) {
     if (B == 0) return;
     // Chunks of the sequence per block: short ones when rows are few, so the GPU fills up; one
-    // split (no merge) when rows alone give enough blocks.
+    // split (no merge) when rows alone give enough blocks. Wide blocks (8 warps, few rows only) take
+    // 256-token chunks: sequences up to that length need no merge across blocks.
     const int max_seq_len = max_blocks * block_size;
-    const int blocks_without_split = B * (Hq / heads_per_block(B, Hq, Hkv));
-    int chunk = kAttentionMinChunk;
+    const int heads = heads_per_block(B, Hq, Hkv);
+    const bool wide = warps == 8 && heads <= 2;
+    const int blocks_without_split = B * (Hq / heads);
+    int chunk = wide ? 256 : kAttentionMinChunk;
     while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
-    const int splits = (max_seq_len + chunk - 1) / chunk;
-    const int alloc_splits = attention_partial_splits(max_seq_len);
-    Partials part;
-    part.splits = alloc_splits;
-    part.done = split_done;
-    part.ml = partial;
-    part.acc = partial + static_cast<size_t>(B) * Hq * alloc_splits * 2;  // after ml [B, Hq, splits, 2]
+    AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
+                 block_size, B,      Hq,     Hkv,      D,    chunk,       (max_seq_len + chunk - 1) / chunk,
+                 {},         out,    stream};
+    l.part.splits = attention_partial_splits(max_seq_len);
+    l.part.done = split_done;
+    l.part.ml = partial;
+    l.part.acc = partial + static_cast<size_t>(B) * Hq * l.part.splits * 2;  // after ml [B, Hq, splits, 2]
     if (dtype == 0)
-        launch_typed<float>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B, Hq,
-                            Hkv, D, chunk, splits, part, out, stream);
+        wide ? launch_typed<float, true>(l) : launch_typed<float, false>(l);
     else
-        launch_typed<__nv_bfloat16>(q, k_pool, v_pool, position, slot, block_table, max_blocks, block_size, B,
-                                    Hq, Hkv, D, chunk, splits, part, out, stream);
+        wide ? launch_typed<__nv_bfloat16, true>(l) : launch_typed<__nv_bfloat16, false>(l);
 }
 
 }  // namespace moerl::model::cuda
