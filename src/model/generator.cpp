@@ -103,6 +103,8 @@ struct Generator::Impl {
     // Up to this batch bucket the dense projections (q/k/v, o, router) use the GEMV kernel.
     int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 1));
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
+    // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
+    bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 0) != 0;
     // Warps per attention block: 2, or 8 (few rows: 256-token chunks, no merge across blocks).
     int attention_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_WARPS", 2));
 
@@ -133,11 +135,12 @@ struct Generator::Impl {
     }
 
     // out[:B] = in[:B] weight^T: the GEMV kernel for few rows, cuBLAS otherwise.
-    void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B, cudaStream_t stream) {
+    void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B,
+                const cuda::Launch& launch) {
         if (B <= gemv_max_batch) {
             cuda::launch_dense_rows(dtype, in.data_ptr(), weight.data_ptr(), B,
                                     static_cast<int>(weight.size(1)), static_cast<int>(weight.size(0)),
-                                    gemv_rows, out.data_ptr(), stream);
+                                    gemv_rows, out.data_ptr(), launch);
             return;
         }
         at::Tensor out_b = out.narrow(0, 0, B);
@@ -147,7 +150,8 @@ struct Generator::Impl {
     // The kernels of one decode step over rows [0, B) of the static buffers, on the current stream.
     void run_step(int B) {
         const ModelConfig& c = m.config;
-        const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+        // Overlapped launches only without per-kernel profiling (its events sit between the kernels).
+        const cuda::Launch launch{at::cuda::getCurrentCUDAStream().stream(), overlap_launches && !profile};
         const float eps = static_cast<float>(c.rms_norm_eps);
         const int* pos = position.data_ptr<int>();
         const int* slots = slot.data_ptr<int>();
@@ -156,35 +160,35 @@ struct Generator::Impl {
         mark("start");
         cuda::launch_embed_rmsnorm(dtype, tokens.data_ptr<int64_t>(), m.embed.data_ptr(),
                                    m.layers[0].input_norm.data_ptr(), eps, B, static_cast<int>(V), H,
-                                   x.data_ptr(), h.data_ptr(), stream);
+                                   x.data_ptr(), h.data_ptr(), launch);
         mark("embed+norm");
         const cuda::MoeRouting r = routing();
         const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
         for (size_t l = 0; l < m.layers.size(); ++l) {
             const LayerWeights& w = m.layers[l];
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
-            linear(h, qkv_weight[l], qkv, B, stream);
+            linear(h, qkv_weight[l], qkv, B, launch);
             mark("qkv mm");
             cuda::launch_qk_norm_rope_store(dtype, qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
                                             eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
                                             max_blocks, opt.block_size, B, Hq, Hkv, D, q.data_ptr(),
-                                            k_pool[l].data_ptr(), v_pool[l].data_ptr(), stream);
+                                            k_pool[l].data_ptr(), v_pool[l].data_ptr(), launch);
             mark("qk norm+rope+store");
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
                                          attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
-                                         attn.data_ptr(), stream, attention_warps);
+                                         attn.data_ptr(), launch, attention_warps);
             mark("attention");
-            linear(attn, w.o_proj, o, B, stream);
+            linear(attn, w.o_proj, o, B, launch);
             mark("o mm");
             cuda::launch_add_rmsnorm(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, B,
-                                     H, h.data_ptr(), stream);
+                                     H, h.data_ptr(), launch);
             mark("add+norm");
             if (w.moe_index >= 0) {
-                linear(h, w.router, router_logits, B, stream);
+                linear(h, w.router, router_logits, B, launch);
                 mark("router mm");
                 cuda::launch_route(dtype, router_logits.data_ptr(), pos, B, E, K, c.norm_topk_prob, r,
-                                   stream);
+                                   launch);
                 mark("route");
                 if (B >= grouped_min_batch && use_grouped_mm) {
                     experts_grouped(B, w);
@@ -192,20 +196,20 @@ struct Generator::Impl {
                 } else {
                     cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                              w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
-                                             act.data_ptr(), stream);
+                                             act.data_ptr(), launch);
                     mark("experts gate+up");
                     cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
-                                          max_active, down_rows, y.data_ptr<float>(), stream);
+                                          max_active, down_rows, y.data_ptr<float>(), launch);
                     mark("experts down");
                 }
                 cuda::launch_moe_combine_rmsnorm(dtype, x.data_ptr(), y.data_ptr<float>(), r,
                                                  next_norm.data_ptr(), eps, pos, B, K, H, h.data_ptr(),
-                                                 stream);
+                                                 launch);
                 mark("combine+norm");
             } else {
                 at::Tensor mlp = swiglu(rows(h), w.gate_proj, w.up_proj, w.down_proj).contiguous();
                 cuda::launch_add_rmsnorm(dtype, x.data_ptr(), mlp.data_ptr(), next_norm.data_ptr(), eps, pos,
-                                         B, H, h.data_ptr(), stream);
+                                         B, H, h.data_ptr(), launch);
                 mark("dense mlp");
             }
         }
@@ -214,7 +218,7 @@ struct Generator::Impl {
         mark("lm_head mm");
         cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V),
                             reinterpret_cast<unsigned long long*>(argmax_scratch.data_ptr<int64_t>()),
-                            greedy.data_ptr<int64_t>(), stream);
+                            greedy.data_ptr<int64_t>(), launch);
         mark("argmax");
         const cudaError_t err = cudaGetLastError();
         MOERL_CHECK(err == cudaSuccess, "decode step kernels failed to launch: ", cudaGetErrorString(err));

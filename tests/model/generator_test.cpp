@@ -8,7 +8,11 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <cstdlib>
 #include <map>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "model_test_util.hpp"
 #include "moerl/core/error.hpp"
@@ -153,24 +157,35 @@ TEST(Generator, ContinuousBatchingGreedyEqualsCpu) {
     }
 }
 
+// Sets an environment variable for the lifetime of the object (the generator reads its tuning
+// switches when it is made).
+struct ScopedEnv {
+    std::string name;
+    ScopedEnv(std::string n, const std::string& value) : name(std::move(n)) {
+        setenv(name.c_str(), value.c_str(), 1);
+    }
+    ~ScopedEnv() { unsetenv(name.c_str()); }
+};
+
 // Logits of a step against the CPU model's, same weights, fp32 on both; attention blocks of 2 warps
-// (the default) and of 8 (MOERL_GENERATOR_ATTENTION_WARPS, read when the generator is made), with a
-// short prompt (one block per head group) and a long one (the sequence split over blocks and merged).
-class GeneratorAttention : public ::testing::TestWithParam<std::tuple<int, int>> {};
+// (the default) and of 8 (MOERL_GENERATOR_ATTENTION_WARPS), with a short prompt (one block per head
+// group) and a long one (the sequence split over blocks and merged); kernels launched in plain stream
+// order and overlapped (MOERL_GENERATOR_PDL).
+class GeneratorAttention : public ::testing::TestWithParam<std::tuple<int, int, bool>> {};
 
 TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
     SKIP_WITHOUT_ENGINE();
     ModelConfig c = engine_config();
     c.max_position_embeddings = 512;
     Twins t(c);
-    const auto [warps, prompt_len] = GetParam();
+    const auto [warps, prompt_len, overlap] = GetParam();
     std::vector<int64_t> prompt = random_prompt(prompt_len, c.vocab_size, 11);
     c10::NoGradGuard no_grad;
     KvCache cache = t.cpu.new_cache(1, prompt_len + 10);
     at::Tensor ref = t.cpu.prefill(cache, at::tensor(prompt, at::kLong).unsqueeze(0), at::Tensor()).logits;
-    setenv("MOERL_GENERATOR_ATTENTION_WARPS", std::to_string(warps).c_str(), 1);
+    const ScopedEnv env_warps("MOERL_GENERATOR_ATTENTION_WARPS", std::to_string(warps));
+    const ScopedEnv env_overlap("MOERL_GENERATOR_PDL", overlap ? "1" : "0");
     Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = prompt_len + 22, .block_size = 8});
-    unsetenv("MOERL_GENERATOR_ATTENTION_WARPS");
     const int s = gen.acquire();
     at::Tensor got = gen.prefill({s}, {prompt}).logits.cpu().to(at::kFloat);
     EXPECT_LT((got - ref).abs().max().item<float>(), 1e-4);
@@ -182,12 +197,17 @@ TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(WarpsAndPrompt, GeneratorAttention,
-                         ::testing::Combine(::testing::Values(2, 8), ::testing::Values(10, 300)));
+INSTANTIATE_TEST_SUITE_P(WarpsPromptOverlap, GeneratorAttention,
+                         ::testing::Combine(::testing::Values(2, 8), ::testing::Values(10, 300),
+                                            ::testing::Bool()));
 
-// The captured graphs replay exactly what eager launches compute (bf16, a padded bucket of 3 of 4).
-TEST(Generator, GraphReplayEqualsEager) {
+// The captured graphs replay exactly what eager launches compute (bf16, a padded bucket of 3 of 4), with
+// the kernels in plain stream order and overlapped (programmatic edges in the graphs).
+class GeneratorGraphs : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GeneratorGraphs, ReplayEqualsEager) {
     SKIP_WITHOUT_ENGINE();
+    const ScopedEnv env_overlap("MOERL_GENERATOR_PDL", GetParam() ? "1" : "0");
     const ModelConfig c = engine_config();
     Twins t(c, at::kBFloat16);
     std::vector<std::vector<int64_t>> prompts = {random_prompt(5, c.vocab_size, 21),
@@ -210,6 +230,8 @@ TEST(Generator, GraphReplayEqualsEager) {
     EXPECT_EQ(graphs.stats().decode_steps, 20);
     EXPECT_GT(graphs.stats().expert_weight_reads, 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Overlap, GeneratorGraphs, ::testing::Bool());
 
 TEST(Generator, BadInputIsRefusedAndTheEngineStaysUsable) {
     SKIP_WITHOUT_ENGINE();

@@ -1,5 +1,5 @@
 // Internal: the kernels of the CUDA decode step (no LibTorch inside), plain launchers taking pointers,
-// sizes and a stream. Every launcher is capturable in a CUDA graph: fixed grids, no host sync, no
+// sizes and a Launch (stream). Every launcher is capturable in a CUDA graph: fixed grids, no host sync, no
 // allocation. Element type: `dtype` 0 = fp32, 1 = bf16 for every T* argument; math is in fp32.
 //
 // Shapes: B rows (sequences) of one decode step, H hidden, Hq / Hkv query / key-value heads of D
@@ -22,6 +22,15 @@ constexpr int kMaxHidden = 8192;  // residual rows live in registers of the row 
 constexpr int kMaxHeadDim = 256;  // per-lane registers of the attention and RoPE kernels
 constexpr int kMoeTokenTile = 8;  // tokens of one expert multiplied per pass over its weights
 
+// Where the kernels of a step go: the stream, and whether they overlap (programmatic dependent
+// launch, Hopper): each kernel may then start while the previous one on the stream drains, does what
+// needs nothing from it (the dense GEMV prefetches its weights into L2), and waits for it before
+// touching anything the previous kernels read or write. Off: plain stream order.
+struct Launch {
+    cudaStream_t stream = nullptr;
+    bool overlap = false;
+};
+
 struct MoeRouting {
     int* topk_idx = nullptr;        // [B, K] global expert, -1 for padding rows
     float* topk_weights = nullptr;  // [B, K]
@@ -34,18 +43,18 @@ struct MoeRouting {
 
 // x[b] = embed[tokens[b]] (ids clamped to [0, V)); h[b] = rms_norm(x[b]) * norm_weight.
 void launch_embed_rmsnorm(int dtype, const int64_t* tokens, const void* embed, const void* norm_weight,
-                          float eps, int B, int V, int H, void* x, void* h, cudaStream_t stream);
+                          float eps, int B, int V, int H, void* x, void* h, const Launch& launch);
 
 // x += delta (when delta != nullptr); h = rms_norm(x) * norm_weight. Rows with position < 0 skipped.
 void launch_add_rmsnorm(int dtype, void* x, const void* delta, const void* norm_weight, float eps,
-                        const int* position, int B, int H, void* h, cudaStream_t stream);
+                        const int* position, int B, int H, void* h, const Launch& launch);
 
 // qkv [B, (Hq + 2 Hkv) D] from the fused projection: q and k heads are RMS-normalised (q_norm,
 // k_norm [D]) and rotated at position[b]; q goes to q_out [B, Hq, D], k and v into the pools.
 void launch_qk_norm_rope_store(int dtype, const void* qkv, const void* q_norm, const void* k_norm, float eps,
                                float rope_theta, const int* position, const int* slot, const int* block_table,
                                int max_blocks, int block_size, int B, int Hq, int Hkv, int D, void* q_out,
-                               void* k_pool, void* v_pool, cudaStream_t stream);
+                               void* k_pool, void* v_pool, const Launch& launch);
 
 // Query heads per key-value head the attention kernel is built for (1, 2, 4, 8, 16).
 bool attention_group_supported(int group);
@@ -63,37 +72,37 @@ int attention_partial_splits(int max_seq_len);
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, cudaStream_t stream, int warps = 2);
+                            void* out, const Launch& launch, int warps = 2);
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.
 void launch_route(int dtype, const void* router_logits, const int* position, int B, int E, int K,
-                  bool norm_topk_prob, const MoeRouting& r, cudaStream_t stream);
+                  bool norm_topk_prob, const MoeRouting& r, const Launch& launch);
 
 // act[s] = silu(h[s / K] gate_e^T) * (h[s / K] up_e^T) for every slot s routed to expert e.
 // gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)). rows_per_warp: 1, 2
 // or 4 weight rows per warp (0 = default).
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        cudaStream_t stream);
+                        const Launch& launch);
 
 // y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, int rows_per_warp, float* y, cudaStream_t stream);
+                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch);
 
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes.
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
-                       int rows_per_warp, void* out, cudaStream_t stream);
+                       int rows_per_warp, void* out, const Launch& launch);
 
 // x[b] += sum_k w[b, k] y[b * K + k]; h[b] = rms_norm(x[b]) * norm_weight. Padding rows skipped.
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
                                 const void* norm_weight, float eps, const int* position, int B, int K, int H,
-                                void* h, cudaStream_t stream);
+                                void* h, const Launch& launch);
 
 // out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number).
 // scratch: B 64-bit words.
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
-                   cudaStream_t stream);
+                   const Launch& launch);
 
 }  // namespace moerl::model::cuda

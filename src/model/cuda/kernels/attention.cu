@@ -37,6 +37,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
                            int chunk, Partials part, T* out) {
+    griddep_wait();
+    griddep_launch_dependents();
     extern __shared__ __align__(16) float smem[];
     float* q_s = smem;                    // [G, D]
     float* m_s = q_s + G * D;             // [warps, G]
@@ -228,7 +230,7 @@ struct AttnLaunch {
     int max_blocks, block_size, B, Hq, Hkv, D, chunk, splits;
     Partials part;
     void* out;
-    cudaStream_t stream;
+    Launch launch;
 };
 
 template <typename T, int G, int kDimsPerLane, int kWarps>
@@ -236,10 +238,10 @@ void launch_group(const AttnLaunch& l) {
     const size_t smem = sizeof(float) * (G * l.D + 2 * kWarps * G + kWarps * G * l.D);
     auto kernel = paged_attention_kernel<T, G, kDimsPerLane, kWarps>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.stream>>>(
-        static_cast<const T*>(l.q), static_cast<const T*>(l.k_pool), static_cast<const T*>(l.v_pool),
-        l.position, l.slot, l.block_table, l.max_blocks, l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part,
-        static_cast<T*>(l.out));
+    launch_kernel(kernel, dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.launch,
+                  static_cast<const T*>(l.q), static_cast<const T*>(l.k_pool),
+                  static_cast<const T*>(l.v_pool), l.position, l.slot, l.block_table, l.max_blocks,
+                  l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part, static_cast<T*>(l.out));
 }
 
 // kWide: 8 warps a block (only built for one or two heads a block, the few-rows case), else 2.
@@ -293,7 +295,7 @@ int attention_partial_splits(int max_seq_len) {
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, cudaStream_t stream, int warps) {
+                            void* out, const Launch& launch, int warps) {
     if (B == 0) return;
     // Chunks of the sequence per block: short ones when rows are few, so the GPU fills up; one
     // split (no merge) when rows alone give enough blocks. Wide blocks (8 warps, few rows only) take
@@ -307,7 +309,7 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
         chunk *= 2;
     AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
                  block_size, B,      Hq,     Hkv,      D,    chunk,       (max_seq_len + chunk - 1) / chunk,
-                 {},         out,    stream};
+                 {},         out,    launch};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
     l.part.ml = partial;

@@ -6,12 +6,48 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 #include "../decode_kernels.hpp"
 
 namespace moerl::model::cuda {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// Programmatic dependent launch, device side. Every decode kernel calls griddep_wait() before its
+// first access to memory the previous kernels of the stream write or read, then
+// griddep_launch_dependents() so the next kernel may be scheduled; both are no-ops in a kernel
+// launched without overlap.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, launch.stream>>>(args...), with programmatic stream serialisation
+// when launch.overlap (the kernel may start before the previous one on the stream has finished).
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, const Launch& launch,
+                   Args&&... args) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = launch.stream;
+    cudaLaunchAttribute attribute = {};
+    if (launch.overlap) {
+        attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attribute.val.programmaticStreamSerializationAllowed = 1;
+        config.attrs = &attribute;
+        config.numAttrs = 1;
+    }
+    cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 // Raises a kernel's dynamic shared memory limit once (before a graph capture, by the eager warm-up
 // step), so launches inside a capture make no attribute calls.

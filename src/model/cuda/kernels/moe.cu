@@ -16,6 +16,8 @@ template <typename T>
 __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const T* logits, const int* position, int B, int E, int K, bool norm_topk_prob,
                  MoeRouting r) {
+    griddep_wait();
+    griddep_launch_dependents();
     extern __shared__ float smem[];
     float* probs = smem;                                           // [warps, E]
     int* count = reinterpret_cast<int*>(probs + kRouteWarps * E);  // [E]
@@ -125,6 +127,19 @@ __device__ __forceinline__ void load_tile(const T* src, const int* expert_slots,
 
 enum RowsMode { kGatedExperts, kExperts, kDense };
 
+// Asks L2 for rows [row0, row0 + rows) of w [out_rows, cols] (the rows one block reads), a 128-byte
+// line per thread and step. Issued before griddep_wait(): the weights do not depend on the previous
+// kernel, so a GEMV that starts early finds them in L2 instead of DRAM.
+template <typename T>
+__device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows, int out_rows, int cols) {
+    const size_t row_bytes = static_cast<size_t>(cols) * sizeof(T);
+    const int first = min(row0, out_rows), last = min(row0 + rows, out_rows);
+    const char* base = reinterpret_cast<const char*>(w) + first * row_bytes;
+    const size_t bytes = (last - first) * row_bytes;
+    for (size_t off = threadIdx.x * size_t{128}; off < bytes; off += blockDim.x * size_t{128})
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
+}
+
 // Rows [row0, row0 + kRows) of expert e's weights applied to every slot routed to e, kTile
 // slots per pass over the weights. kGatedExperts: act[s] = silu(in[s / K] gate^T) * (in[s / K] up^T)
 // (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
@@ -133,6 +148,8 @@ template <typename T, int kMode, int kRows, int kTile>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
                        int out_rows, int num_rows, T* act, float* y) {
+    griddep_wait();
+    griddep_launch_dependents();
     extern __shared__ __align__(16) unsigned char tile_bytes[];
     T* tile = reinterpret_cast<T*>(tile_bytes);  // [kTile, cols]
     constexpr bool kGated = kMode == kGatedExperts;
@@ -229,6 +246,8 @@ template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     combine_rmsnorm_kernel(T* x, const float* y, MoeRouting r, const T* w, float eps, const int* position,
                            int K, int H, T* h) {
+    griddep_wait();
+    griddep_launch_dependents();
     const int b = blockIdx.x;
     if (position[b] < 0) return;
     T* xr = x + static_cast<size_t>(b) * H;
@@ -252,14 +271,14 @@ __global__ void __launch_bounds__(kNormThreads)
 
 template <typename T, int kMode, int kRows, int kTile>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
-                 int out_rows, int num_rows, int max_active, void* act, float* y, cudaStream_t stream) {
+                 int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch) {
     const size_t smem = sizeof(T) * kTile * cols;
     auto kernel = expert_rows_kernel<T, kMode, kRows, kTile>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
-    kernel<<<dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32, smem,
-             stream>>>(static_cast<const T*>(in), static_cast<const T*>(w0), static_cast<const T*>(w1), r,
-                       row_div, cols, out_rows, num_rows, static_cast<T*>(act), y);
+    launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
+                  smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
+                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, static_cast<T*>(act), y);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
@@ -267,7 +286,7 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
 template <typename T, int kMode>
 void launch_expert_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B,
                         int row_div, int cols, int out_rows, int max_active, int rows_per_warp, void* act,
-                        float* y, cudaStream_t stream) {
+                        float* y, const Launch& launch) {
     if (max_active == 0 || B == 0) return;
     if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4)
         rows_per_warp = kMode == kGatedExperts ? 1 : 2;
@@ -275,7 +294,7 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 #define MOERL_ROWS_CASE(rows, t)                                                                             \
     if (rows_per_warp == rows && tile == t)                                                                  \
         return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act, y, \
-                                              stream);
+                                              launch);
     MOERL_ROWS_CASE(1, 1)
     MOERL_ROWS_CASE(1, 4)
     MOERL_ROWS_CASE(1, kMoeTokenTile)
@@ -291,63 +310,62 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 }  // namespace
 
 void launch_route(int dtype, const void* router_logits, const int* position, int B, int E, int K,
-                  bool norm_topk_prob, const MoeRouting& r, cudaStream_t stream) {
+                  bool norm_topk_prob, const MoeRouting& r, const Launch& launch) {
     const size_t smem = sizeof(float) * kRouteWarps * E + sizeof(int) * (3 * E + 1);
     if (dtype == 0) {
         ensure_dynamic_smem(reinterpret_cast<const void*>(route_kernel<float>), smem);
-        route_kernel<float><<<1, kRouteWarps * 32, smem, stream>>>(static_cast<const float*>(router_logits),
-                                                                   position, B, E, K, norm_topk_prob, r);
+        launch_kernel(route_kernel<float>, 1, kRouteWarps * 32, smem, launch,
+                      static_cast<const float*>(router_logits), position, B, E, K, norm_topk_prob, r);
     } else {
         ensure_dynamic_smem(reinterpret_cast<const void*>(route_kernel<__nv_bfloat16>), smem);
-        route_kernel<__nv_bfloat16><<<1, kRouteWarps * 32, smem, stream>>>(
-            static_cast<const __nv_bfloat16*>(router_logits), position, B, E, K, norm_topk_prob, r);
+        launch_kernel(route_kernel<__nv_bfloat16>, 1, kRouteWarps * 32, smem, launch,
+                      static_cast<const __nv_bfloat16*>(router_logits), position, B, E, K, norm_topk_prob, r);
     }
 }
 
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        cudaStream_t stream) {
+                        const Launch& launch) {
     if (dtype == 0)
         launch_expert_rows<float, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act,
-                                                 nullptr, stream);
+                                                 nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active,
-                                                         rows_per_warp, act, nullptr, stream);
+                                                         rows_per_warp, act, nullptr, launch);
 }
 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, int rows_per_warp, float* y, cudaStream_t stream) {
+                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch) {
     (void)K;
     if (dtype == 0)
         launch_expert_rows<float, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
-                                            nullptr, y, stream);
+                                            nullptr, y, launch);
     else
         launch_expert_rows<__nv_bfloat16, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active,
-                                                    rows_per_warp, nullptr, y, stream);
+                                                    rows_per_warp, nullptr, y, launch);
 }
 
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
-                       int rows_per_warp, void* out, cudaStream_t stream) {
+                       int rows_per_warp, void* out, const Launch& launch) {
     if (dtype == 0)
         launch_expert_rows<float, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                          rows_per_warp, out, nullptr, stream);
+                                          rows_per_warp, out, nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                                  rows_per_warp, out, nullptr, stream);
+                                                  rows_per_warp, out, nullptr, launch);
 }
 
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
                                 const void* norm_weight, float eps, const int* position, int B, int K, int H,
-                                void* h, cudaStream_t stream) {
+                                void* h, const Launch& launch) {
     if (B == 0) return;
     if (dtype == 0)
-        combine_rmsnorm_kernel<float><<<B, kNormThreads, 0, stream>>>(
-            static_cast<float*>(x), y, r, static_cast<const float*>(norm_weight), eps, position, K, H,
-            static_cast<float*>(h));
+        launch_kernel(combine_rmsnorm_kernel<float>, B, kNormThreads, 0, launch, static_cast<float*>(x), y, r,
+                      static_cast<const float*>(norm_weight), eps, position, K, H, static_cast<float*>(h));
     else
-        combine_rmsnorm_kernel<__nv_bfloat16><<<B, kNormThreads, 0, stream>>>(
-            static_cast<__nv_bfloat16*>(x), y, r, static_cast<const __nv_bfloat16*>(norm_weight), eps,
-            position, K, H, static_cast<__nv_bfloat16*>(h));
+        launch_kernel(combine_rmsnorm_kernel<__nv_bfloat16>, B, kNormThreads, 0, launch,
+                      static_cast<__nv_bfloat16*>(x), y, r, static_cast<const __nv_bfloat16*>(norm_weight),
+                      eps, position, K, H, static_cast<__nv_bfloat16*>(h));
 }
 
 }  // namespace moerl::model::cuda

@@ -10,6 +10,8 @@ template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     embed_rmsnorm_kernel(const int64_t* tokens, const T* embed, const T* w, float eps, int V, int H, T* x,
                          T* h) {
+    griddep_wait();
+    griddep_launch_dependents();
     const int b = blockIdx.x;
     const int64_t token = min(max(tokens[b], int64_t{0}), static_cast<int64_t>(V - 1));
     const T* src = embed + token * H;  // embed [V, H]
@@ -23,6 +25,8 @@ __global__ void __launch_bounds__(kNormThreads)
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     add_rmsnorm_kernel(T* x, const T* delta, const T* w, float eps, const int* position, int H, T* h) {
+    griddep_wait();
+    griddep_launch_dependents();
     const int b = blockIdx.x;
     if (position != nullptr && position[b] < 0) return;
     T* xr = x + static_cast<size_t>(b) * H;
@@ -45,6 +49,8 @@ __global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T
                                           float rope_theta, const int* position, const int* slot,
                                           const int* block_table, int max_blocks, int block_size, int B,
                                           int Hq, int Hkv, int D, T* q_out, T* k_pool, T* v_pool) {
+    griddep_wait();
+    griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
     const int heads = Hq + 2 * Hkv;
     const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -97,51 +103,53 @@ __global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T
 }  // namespace
 
 void launch_embed_rmsnorm(int dtype, const int64_t* tokens, const void* embed, const void* norm_weight,
-                          float eps, int B, int V, int H, void* x, void* h, cudaStream_t stream) {
+                          float eps, int B, int V, int H, void* x, void* h, const Launch& launch) {
     if (B == 0) return;
     if (dtype == 0)
-        embed_rmsnorm_kernel<float><<<B, kNormThreads, 0, stream>>>(
-            tokens, static_cast<const float*>(embed), static_cast<const float*>(norm_weight), eps, V, H,
-            static_cast<float*>(x), static_cast<float*>(h));
+        launch_kernel(embed_rmsnorm_kernel<float>, B, kNormThreads, 0, launch, tokens,
+                      static_cast<const float*>(embed), static_cast<const float*>(norm_weight), eps, V, H,
+                      static_cast<float*>(x), static_cast<float*>(h));
     else
-        embed_rmsnorm_kernel<__nv_bfloat16><<<B, kNormThreads, 0, stream>>>(
-            tokens, static_cast<const __nv_bfloat16*>(embed), static_cast<const __nv_bfloat16*>(norm_weight),
-            eps, V, H, static_cast<__nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(h));
+        launch_kernel(embed_rmsnorm_kernel<__nv_bfloat16>, B, kNormThreads, 0, launch, tokens,
+                      static_cast<const __nv_bfloat16*>(embed),
+                      static_cast<const __nv_bfloat16*>(norm_weight), eps, V, H,
+                      static_cast<__nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(h));
 }
 
 void launch_add_rmsnorm(int dtype, void* x, const void* delta, const void* norm_weight, float eps,
-                        const int* position, int B, int H, void* h, cudaStream_t stream) {
+                        const int* position, int B, int H, void* h, const Launch& launch) {
     if (B == 0) return;
     if (dtype == 0)
-        add_rmsnorm_kernel<float><<<B, kNormThreads, 0, stream>>>(
-            static_cast<float*>(x), static_cast<const float*>(delta), static_cast<const float*>(norm_weight),
-            eps, position, H, static_cast<float*>(h));
+        launch_kernel(add_rmsnorm_kernel<float>, B, kNormThreads, 0, launch, static_cast<float*>(x),
+                      static_cast<const float*>(delta), static_cast<const float*>(norm_weight), eps, position,
+                      H, static_cast<float*>(h));
     else
-        add_rmsnorm_kernel<__nv_bfloat16><<<B, kNormThreads, 0, stream>>>(
-            static_cast<__nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(delta),
-            static_cast<const __nv_bfloat16*>(norm_weight), eps, position, H, static_cast<__nv_bfloat16*>(h));
+        launch_kernel(add_rmsnorm_kernel<__nv_bfloat16>, B, kNormThreads, 0, launch,
+                      static_cast<__nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(delta),
+                      static_cast<const __nv_bfloat16*>(norm_weight), eps, position, H,
+                      static_cast<__nv_bfloat16*>(h));
 }
 
 void launch_qk_norm_rope_store(int dtype, const void* qkv, const void* q_norm, const void* k_norm, float eps,
                                float rope_theta, const int* position, const int* slot, const int* block_table,
                                int max_blocks, int block_size, int B, int Hq, int Hkv, int D, void* q_out,
-                               void* k_pool, void* v_pool, cudaStream_t stream) {
+                               void* k_pool, void* v_pool, const Launch& launch) {
     const int tasks = B * (Hq + 2 * Hkv);
     if (tasks == 0) return;
     constexpr int kWarps = 8;
     const int blocks = (tasks + kWarps - 1) / kWarps;
     if (dtype == 0)
-        qk_norm_rope_store_kernel<float><<<blocks, kWarps * 32, 0, stream>>>(
-            static_cast<const float*>(qkv), static_cast<const float*>(q_norm),
-            static_cast<const float*>(k_norm), eps, rope_theta, position, slot, block_table, max_blocks,
-            block_size, B, Hq, Hkv, D, static_cast<float*>(q_out), static_cast<float*>(k_pool),
-            static_cast<float*>(v_pool));
+        launch_kernel(qk_norm_rope_store_kernel<float>, blocks, kWarps * 32, 0, launch,
+                      static_cast<const float*>(qkv), static_cast<const float*>(q_norm),
+                      static_cast<const float*>(k_norm), eps, rope_theta, position, slot, block_table,
+                      max_blocks, block_size, B, Hq, Hkv, D, static_cast<float*>(q_out),
+                      static_cast<float*>(k_pool), static_cast<float*>(v_pool));
     else
-        qk_norm_rope_store_kernel<__nv_bfloat16><<<blocks, kWarps * 32, 0, stream>>>(
-            static_cast<const __nv_bfloat16*>(qkv), static_cast<const __nv_bfloat16*>(q_norm),
-            static_cast<const __nv_bfloat16*>(k_norm), eps, rope_theta, position, slot, block_table,
-            max_blocks, block_size, B, Hq, Hkv, D, static_cast<__nv_bfloat16*>(q_out),
-            static_cast<__nv_bfloat16*>(k_pool), static_cast<__nv_bfloat16*>(v_pool));
+        launch_kernel(qk_norm_rope_store_kernel<__nv_bfloat16>, blocks, kWarps * 32, 0, launch,
+                      static_cast<const __nv_bfloat16*>(qkv), static_cast<const __nv_bfloat16*>(q_norm),
+                      static_cast<const __nv_bfloat16*>(k_norm), eps, rope_theta, position, slot, block_table,
+                      max_blocks, block_size, B, Hq, Hkv, D, static_cast<__nv_bfloat16*>(q_out),
+                      static_cast<__nv_bfloat16*>(k_pool), static_cast<__nv_bfloat16*>(v_pool));
 }
 
 }  // namespace moerl::model::cuda

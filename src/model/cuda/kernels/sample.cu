@@ -22,6 +22,8 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
 template <typename T>
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const T* logits, int V, unsigned long long* best_key) {
+    griddep_wait();
+    griddep_launch_dependents();
     __shared__ unsigned long long warp_best[kArgmaxThreads / 32];
     const int b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const T* row = logits + static_cast<size_t>(b) * V;  // logits [B, V]
@@ -43,6 +45,8 @@ __global__ void __launch_bounds__(kArgmaxThreads)
 }
 
 __global__ void argmax_finish_kernel(const unsigned long long* best_key, int B, int64_t* out) {
+    griddep_wait();
+    griddep_launch_dependents();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b < B) out[b] = static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(best_key[b] & 0xffffffffu));
 }
@@ -50,17 +54,17 @@ __global__ void argmax_finish_kernel(const unsigned long long* best_key, int B, 
 }  // namespace
 
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
-                   cudaStream_t stream) {
+                   const Launch& launch) {
     if (B == 0) return;
-    cudaMemsetAsync(scratch, 0, sizeof(unsigned long long) * B, stream);
+    cudaMemsetAsync(scratch, 0, sizeof(unsigned long long) * B, launch.stream);
     const dim3 grid((V + kArgmaxPerBlock - 1) / kArgmaxPerBlock, B);
     if (dtype == 0)
-        argmax_kernel<float>
-            <<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const float*>(logits), V, scratch);
+        launch_kernel(argmax_kernel<float>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const float*>(logits), V, scratch);
     else
-        argmax_kernel<__nv_bfloat16>
-            <<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(logits), V, scratch);
-    argmax_finish_kernel<<<(B + 255) / 256, 256, 0, stream>>>(scratch, B, out);
+        launch_kernel(argmax_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const __nv_bfloat16*>(logits), V, scratch);
+    launch_kernel(argmax_finish_kernel, (B + 255) / 256, 256, 0, launch, scratch, B, out);
 }
 
 }  // namespace moerl::model::cuda
