@@ -125,15 +125,33 @@ class CudaEngine final : public Engine {
         peers_[c_.rank] = region_.get<uint8_t>();
         MOERL_CUDA_CHECK(cudaDeviceSynchronize());
         if (W > 1) {
+            // Each rank publishes its region's IPC handle, its GPU's UUID and SM count.
             cudaIpcMemHandle_t mine;
             MOERL_CUDA_CHECK(cudaIpcGetMemHandle(&mine, region_.get()));
-            std::vector<uint8_t> bytes(sizeof(mine));
+            cudaDeviceProp prop{};
+            MOERL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+            constexpr size_t kUuid = sizeof(mine), kSms = kUuid + sizeof(prop.uuid);
+            std::vector<uint8_t> bytes(kSms + sizeof(int));
             std::memcpy(bytes.data(), &mine, sizeof(mine));
+            std::memcpy(bytes.data() + kUuid, &prop.uuid, sizeof(prop.uuid));
+            std::memcpy(bytes.data() + kSms, &sms, sizeof(int));
             auto all = all_gather(*store_, c_.job_id + "/cuda/ipc", c_.rank, W, bytes, timeout_ms());
+            for (int r = 0; r < W; ++r)
+                MOERL_CHECK(all[r].size() == bytes.size(), "cuda engine: rank ", r,
+                            " published a bad IPC handle");
+            // Ranks sharing a GPU split its SMs: one rank's kernels wait on another's, so all of them
+            // must fit on it at once. Every rank takes the same count (the receive kernels expect as
+            // many signals from each peer as they have blocks themselves).
+            for (int r = 0; r < W; ++r) {
+                int sharing = 0, sms_r = 0;
+                for (int q = 0; q < W; ++q)
+                    sharing +=
+                        std::memcmp(all[q].data() + kUuid, all[r].data() + kUuid, sizeof(prop.uuid)) == 0;
+                std::memcpy(&sms_r, all[r].data() + kSms, sizeof(int));
+                blocks_ = std::max(1, std::min(blocks_, sms_r / sharing));
+            }
             for (int r = 0; r < W; ++r) {
                 if (r == c_.rank) continue;
-                MOERL_CHECK(all[r].size() == sizeof(cudaIpcMemHandle_t), "cuda engine: rank ", r,
-                            " published a bad IPC handle");
                 cudaIpcMemHandle_t h;
                 std::memcpy(&h, all[r].data(), sizeof(h));
                 void* p = nullptr;
