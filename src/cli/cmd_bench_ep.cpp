@@ -1,17 +1,12 @@
 // `moerl bench ep`: dispatch/combine time and bandwidth per transport and rank count, with an
 // all-to-all of the same bytes through c10d (Gloo on CPU) measured in the same run as the baseline.
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #if __has_include(<gloo/algorithm.h>)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -70,12 +65,7 @@ double median(std::vector<double> v) {
 // One rank of one configuration; returns its measurements.
 Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase& bc, bool fp8, int world,
               int rank, int port) {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(port);
-    so.isServer = false;
-    so.numWorkers = world;
-    so.timeout = std::chrono::seconds(120);
-    auto tcp = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    auto tcp = connect_local_store(port, world, std::chrono::seconds(120));
     C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep", tcp));
 
     ep::Config c;
@@ -238,35 +228,10 @@ BenchResult run_config(const BenchOpts& o, const std::string& transport, const B
     res.dispatch = fp8 ? "fp8" : o.dtype;
     res.world = world;
     res.case_name = bc.name;
-    int port = 0;
-    auto server = host_tcp_store(port, world);
-    const std::string dir = (std::filesystem::temp_directory_path() /
-                             ("moerl-bench-" + std::to_string(getpid()) + "-" + std::to_string(port)))
-                                .string();
-    std::filesystem::create_directories(dir);
-    std::vector<pid_t> pids;
+    const std::vector<Json> ranks = run_forked_ranks(
+        world, [&](int r, int port) { return run_rank(o, transport, bc, fp8, world, r, port); });
     for (int r = 0; r < world; ++r) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            int code = 0;
-            Json j;
-            try {
-                j = run_rank(o, transport, bc, fp8, world, r, port);
-            } catch (const std::exception& e) {
-                j["error"] = e.what();
-                code = 1;
-            }
-            std::ofstream(dir + "/" + std::to_string(r)) << j.dump();
-            _exit(code);
-        }
-        pids.push_back(pid);
-    }
-    for (pid_t p : pids) waitpid(p, nullptr, 0);
-    for (int r = 0; r < world; ++r) {
-        std::ifstream f(dir + "/" + std::to_string(r));
-        std::stringstream ss;
-        ss << f.rdbuf();
-        Json j = Json::parse(ss.str().empty() ? "{\"error\":\"rank crashed\"}" : ss.str());
+        const Json& j = ranks[r];
         if (j.contains("error")) {
             res.error = "rank " + std::to_string(r) + ": " + j["error"].get<std::string>();
             break;
@@ -278,9 +243,6 @@ BenchResult run_config(const BenchOpts& o, const std::string& transport, const B
         res.ll_dispatch_us += j.value("ll_dispatch_us", 0.0) / world;
         res.ll_combine_us += j.value("ll_combine_us", 0.0) / world;
     }
-    // One file per rank, then the folder (remove_all is avoided: some LibTorch builds export a broken copy).
-    for (int r = 0; r < world; ++r) std::remove((dir + "/" + std::to_string(r)).c_str());
-    ::rmdir(dir.c_str());
     return res;
 }
 
@@ -347,16 +309,10 @@ void print_ratios(const std::vector<BenchResult>& results) {
 // and both directions at once. Runs in a child process so the parent never initialises CUDA.
 void print_peer_copy_bandwidth() {
 #if defined(MOERL_HAVE_CUDA)
-    const std::string path =
-        (std::filesystem::temp_directory_path() / ("moerl-bench-peer-" + std::to_string(getpid()))).string();
-    pid_t pid = fork();
-    if (pid == 0) {
-        FILE* f = std::fopen(path.c_str(), "w");
+    const Json j = run_forked_ranks(1, [](int, int) -> Json {
         int count = 0;
-        if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
-            if (f) std::fprintf(f, "GPU-to-GPU copy: fewer than 2 GPUs, not measured\n"), std::fclose(f);
-            _exit(0);
-        }
+        if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2)
+            return {{"line", "GPU-to-GPU copy: fewer than 2 GPUs, not measured"}};
         int can01 = 0, can10 = 0;
         cudaDeviceCanAccessPeer(&can01, 0, 1);
         cudaDeviceCanAccessPeer(&can10, 1, 0);
@@ -395,25 +351,18 @@ void print_peer_copy_bandwidth() {
         run(true, 2);
         const double one = run(false, 10), both = run(true, 10);
         const cudaError_t err = cudaGetLastError();
-        if (f) {
-            if (err != cudaSuccess)
-                std::fprintf(f, "GPU-to-GPU copy failed: %s\n", cudaGetErrorString(err));
-            else
-                std::fprintf(f,
-                             "GPU-to-GPU copy (cudaMemcpyPeerAsync, 256 MiB, GPU 0 <-> 1, peer access %s): "
-                             "%.0f GB/s one direction, %.0f GB/s per direction with both at once\n",
-                             can01 && can10 ? "on" : "off", one, both);
-            std::fclose(f);
-        }
-        _exit(0);
-    }
-    waitpid(pid, nullptr, 0);
-    std::ifstream f(path);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    std::remove(path.c_str());
-    std::printf("%s\n",
-                ss.str().empty() ? "GPU-to-GPU copy: the measuring process failed" : ss.str().c_str());
+        if (err != cudaSuccess)
+            return {{"line", std::string("GPU-to-GPU copy failed: ") + cudaGetErrorString(err)}};
+        char line[256];
+        std::snprintf(
+            line, sizeof line,
+            "GPU-to-GPU copy (cudaMemcpyPeerAsync, 256 MiB, GPU 0 <-> 1, peer access %s): %.0f GB/s one "
+            "direction, %.0f GB/s per direction with both at once",
+            can01 && can10 ? "on" : "off", one, both);
+        return {{"line", line}};
+    })[0];
+    std::printf("%s\n", j.contains("error") ? ("GPU-to-GPU copy: " + j["error"].get<std::string>()).c_str()
+                                            : j["line"].get<std::string>().c_str());
 #endif
 }
 

@@ -6,17 +6,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
-#include <sys/wait.h>
 #include <torch/cuda.h>
 #if defined(MOERL_HAVE_CUDA)
 #include <cuda_profiler_api.h>
 #endif
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -238,12 +234,7 @@ void bench_cuda(const RolloutArgs& a) {
 // model steps. Returns per batch size: prefill seconds and decode seconds.
 nlohmann::json ep_rollout_rank(const RolloutArgs& a, const std::string& transport, int world, int rank,
                                int port) {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(port);
-    so.isServer = false;
-    so.numWorkers = world;
-    so.timeout = std::chrono::seconds(300);
-    auto tcp = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    auto tcp = connect_local_store(port, world, std::chrono::seconds(300));
     C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep-rollout", tcp));
     const model::ModelConfig c =
         a.config.empty() ? qwen3_30b_a3b_shape(a.layers) : model::ModelConfig::load(a.config);
@@ -315,44 +306,12 @@ void bench_ep_rollout(const RolloutArgs& a) {
         tok_s;  // transport -> batch -> decode, e2e
     for (const auto& transport : a.transports) {
         const int W = a.ep_ranks;
-        int port = 0;
-        auto server = host_tcp_store(port, W);
-        const std::string dir =
-            (std::filesystem::temp_directory_path() /
-             ("moerl-rollout-ep-" + std::to_string(getpid()) + "-" + std::to_string(port)))
-                .string();
-        std::filesystem::create_directories(dir);
-        std::vector<pid_t> pids;
-        for (int r = 0; r < W; ++r) {
-            const pid_t pid = fork();
-            if (pid == 0) {
-                nlohmann::json j;
-                int code = 0;
-                try {
-                    j = ep_rollout_rank(a, transport, W, r, port);
-                } catch (const std::exception& e) {
-                    j = {{"error", e.what()}};
-                    code = 1;
-                }
-                std::ofstream(dir + "/" + std::to_string(r)) << j.dump();
-                _exit(code);
-            }
-            pids.push_back(pid);
-        }
-        for (pid_t p : pids) waitpid(p, nullptr, 0);
-        std::vector<nlohmann::json> ranks;
+        const std::vector<nlohmann::json> ranks =
+            run_forked_ranks(W, [&](int r, int port) { return ep_rollout_rank(a, transport, W, r, port); });
         std::string error;
-        for (int r = 0; r < W; ++r) {
-            std::ifstream f(dir + "/" + std::to_string(r));
-            std::stringstream ss;
-            ss << f.rdbuf();
-            ranks.push_back(
-                nlohmann::json::parse(ss.str().empty() ? "{\"error\":\"rank crashed\"}" : ss.str()));
-            if (ranks.back().is_object() && ranks.back().contains("error") && error.empty())
-                error = "rank " + std::to_string(r) + ": " + ranks.back()["error"].get<std::string>();
-            std::remove((dir + "/" + std::to_string(r)).c_str());
-        }
-        ::rmdir(dir.c_str());
+        for (int r = 0; r < W && error.empty(); ++r)
+            if (ranks[r].is_object() && ranks[r].contains("error"))
+                error = "rank " + std::to_string(r) + ": " + ranks[r]["error"].get<std::string>();
         if (!error.empty()) {
             std::printf("| %s | %d | error: %s |\n", transport.c_str(), W, error.c_str());
             continue;

@@ -5,8 +5,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -62,6 +66,57 @@ std::shared_ptr<void> host_tcp_store(int& port, int world_size) {
     port = store->getPort();
     auto holder = std::make_shared<c10::intrusive_ptr<c10d::TCPStore>>(std::move(store));
     return std::static_pointer_cast<void>(holder);
+}
+
+c10::intrusive_ptr<c10d::TCPStore> connect_local_store(int port, int world_size,
+                                                       std::chrono::seconds timeout) {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(port);
+    o.isServer = false;
+    o.numWorkers = world_size;
+    o.timeout = timeout;
+    return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+}
+
+std::vector<nlohmann::json> run_forked_ranks(int world_size,
+                                             const std::function<nlohmann::json(int rank, int port)>& fn) {
+    int port = 0;
+    auto server = host_tcp_store(port, world_size);
+    const std::string dir = (std::filesystem::temp_directory_path() /
+                             ("moerl-ranks-" + std::to_string(getpid()) + "-" + std::to_string(port)))
+                                .string();
+    std::filesystem::create_directories(dir);
+    std::vector<pid_t> pids;
+    for (int r = 0; r < world_size; ++r) {
+        const pid_t pid = fork();
+        MOERL_CHECK(pid >= 0, "fork failed: ", std::strerror(errno));
+        if (pid == 0) {
+            nlohmann::json j;
+            int code = 0;
+            try {
+                j = fn(r, port);
+            } catch (const std::exception& e) {
+                j = {{"error", e.what()}};
+                code = 1;
+            }
+            std::ofstream(dir + "/" + std::to_string(r)) << j.dump();
+            _exit(code);
+        }
+        pids.push_back(pid);
+    }
+    for (pid_t p : pids) waitpid(p, nullptr, 0);
+    std::vector<nlohmann::json> results;
+    for (int r = 0; r < world_size; ++r) {
+        const std::string file = dir + "/" + std::to_string(r);
+        std::stringstream ss;
+        ss << std::ifstream(file).rdbuf();
+        results.push_back(ss.str().empty() ? nlohmann::json{{"error", "rank crashed"}}
+                                           : nlohmann::json::parse(ss.str()));
+        std::remove(file.c_str());
+    }
+    ::rmdir(
+        dir.c_str());  // one file per rank, then the folder (some LibTorch builds export a broken remove_all)
+    return results;
 }
 
 int launch_local(int num_ranks, const std::vector<std::string>& argv, int master_port, double grace_s) {

@@ -1,8 +1,12 @@
 // Local launcher and rendezvous: torchrun's environment, c10d's TCPStore.
 #pragma once
 
+#include <chrono>
+#include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "moerl/ep/store.hpp"
@@ -26,6 +30,16 @@ RankEnv rank_env_from_environment();
 std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s);
 // Hosts a TCPStore server on a free port of 127.0.0.1 (or `port` when non-zero); returns its port.
 std::shared_ptr<void> host_tcp_store(int& port, int world_size);
+
+// A client of the TCPStore that host_tcp_store serves on 127.0.0.1:port.
+c10::intrusive_ptr<c10d::TCPStore> connect_local_store(int port, int world_size,
+                                                       std::chrono::seconds timeout);
+
+// Runs fn(rank, port) in `world_size` forked processes around a TCPStore this process hosts on a free
+// port, and returns each rank's result ({"error": "..."} for a rank that threw or died). This
+// process must not have initialised CUDA: a forked child could not use it.
+std::vector<nlohmann::json> run_forked_ranks(int world_size,
+                                             const std::function<nlohmann::json(int rank, int port)>& fn);
 
 // Runs `argv` as `num_ranks` local ranks with torchrun's environment. If one rank fails, the others
 // are stopped (SIGTERM, then SIGKILL after grace_s) and its exit status is returned.
