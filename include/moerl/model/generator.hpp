@@ -12,6 +12,12 @@
 //   auto r = gen.prefill(slots, {prompt_a, prompt_b});    // r.greedy: next tokens [2]
 //   for (...) r = gen.decode(slots, r.greedy);
 //   gen.release(slots[0]);
+//
+// Tuning switches, read when a generator is made (defaults in brackets): MOERL_GENERATOR_GATE_UP_ROWS /
+// _DOWN_ROWS (expert weight rows per warp [kernel default]), _GEMV_MAX_BATCH (largest bucket whose
+// dense projections use the GEMV kernel instead of cuBLAS [1]), _GROUPED_MIN_BATCH (smallest bucket
+// whose experts run as grouped GEMMs [64]), _ATTENTION_WARPS (2, or 8: wide attention blocks for few
+// rows [2]), _PDL (1: programmatic dependent launch of the decode kernels [0]), _PROFILE (below).
 #pragma once
 
 #include <ATen/core/Tensor.h>
