@@ -239,10 +239,20 @@ nlohmann::json ep_rollout_rank(const RolloutArgs& a, const std::string& transpor
     const model::ModelConfig c =
         a.config.empty() ? qwen3_30b_a3b_shape(a.layers) : model::ModelConfig::load(a.config);
     const int max_batch = *std::max_element(a.batches.begin(), a.batches.end());
-    const int gpus = static_cast<int>(torch::cuda::device_count());
-    MOERL_CHECK(gpus > 0, "bench rollout --ep: no CUDA device is available");
-    const int dev = rank % gpus;
-    setenv("MOERL_EP_DEVICE", std::to_string(dev).c_str(), 1);
+    // On CUDA: bf16, rank r on GPU r mod count. On the CPU (host or fabric transport): fp32.
+    const bool on_gpu = a.device.rfind("cuda", 0) == 0;
+    int dev = 0;
+    if (on_gpu) {
+        const int gpus = static_cast<int>(torch::cuda::device_count());
+        MOERL_CHECK(gpus > 0, "bench rollout --ep: no CUDA device is available");
+        dev = rank % gpus;
+        setenv("MOERL_EP_DEVICE", std::to_string(dev).c_str(), 1);
+    }
+    const at::ScalarType dtype = on_gpu ? at::kBFloat16 : at::kFloat;
+    const at::Device device = on_gpu ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)) : at::kCPU;
+    auto sync = [&] {
+        if (on_gpu) torch::cuda::synchronize(dev);
+    };
     ep::Config ec;
     ec.world_size = world;
     ec.rank = rank;
@@ -250,13 +260,12 @@ nlohmann::json ep_rollout_rank(const RolloutArgs& a, const std::string& transpor
     ec.hidden = c.hidden_size;
     ec.top_k = c.num_experts_per_tok;
     ec.max_tokens_per_rank = max_batch * a.prompt;  // the prefill of the largest batch
-    ec.dtype = ep::DType::kBFloat16;
+    ec.dtype = on_gpu ? ep::DType::kBFloat16 : ep::DType::kFloat32;
     ec.timeout_s = 300;
     ec.job_id = "bench-rollout";
     ec.set_transport(transport);
     ep::Buffer buffer(ec, &store);
-    const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(dev));
-    model::MoeModel m(c, {device, at::kBFloat16, &buffer});
+    model::MoeModel m(c, {device, dtype, &buffer});
     m.set_requires_grad(false);
     init_on_device(m, a.seed);
     c10::NoGradGuard no_grad;
@@ -269,14 +278,14 @@ nlohmann::json ep_rollout_rank(const RolloutArgs& a, const std::string& transpor
             model::KvCache cache = m.new_cache(B, a.prompt + a.new_tokens + 1);
             at::Tensor ids = at::randint(0, c.vocab_size, {B, a.prompt},
                                          at::TensorOptions().device(device).dtype(at::kLong));
-            torch::cuda::synchronize(dev);
+            sync();
             auto t0 = Clock::now();
             at::Tensor tok = m.prefill(cache, ids, {}).logits.argmax(-1);
-            torch::cuda::synchronize(dev);
+            sync();
             const double prefill_s = seconds_since(t0);
             auto t1 = Clock::now();
             for (int i = 1; i < a.new_tokens; ++i) tok = m.decode(cache, tok).logits.argmax(-1);
-            torch::cuda::synchronize(dev);
+            sync();
             row = {{"batch", B}, {"prefill_s", prefill_s}, {"decode_s", seconds_since(t1)}};
         }
         out.push_back(row);
@@ -293,14 +302,14 @@ void bench_ep_rollout(const RolloutArgs& a) {
     MOERL_CHECK(c.num_experts % a.ep_ranks == 0, "--ep ", a.ep_ranks, " does not divide the ", c.num_experts,
                 " experts");
     std::printf(
-        "moerl bench rollout --ep %d: CUDA bf16, %s params, %d layers, hidden %d, %d experts top-%d (%d per "
+        "moerl bench rollout --ep %d: %s, %s params, %d layers, hidden %d, %d experts top-%d (%d per "
         "rank); each rank decodes its own batch (eager model steps), every MoE layer dispatches and combines "
         "through the EP transport; prompt %d, %d new tokens, greedy\n\n",
-        a.ep_ranks, human_count(static_cast<double>(c.num_parameters())).c_str(), c.num_hidden_layers,
-        c.hidden_size, c.num_experts, c.num_experts_per_tok, c.num_experts / a.ep_ranks, a.prompt,
-        a.new_tokens);
+        a.ep_ranks, a.device == "cpu" ? "CPU fp32" : "CUDA bf16",
+        human_count(static_cast<double>(c.num_parameters())).c_str(), c.num_hidden_layers, c.hidden_size,
+        c.num_experts, c.num_experts_per_tok, c.num_experts / a.ep_ranks, a.prompt, a.new_tokens);
     std::printf(
-        "| transport | GPUs | batch/rank | prefill s | step ms | decode tok/s (all ranks) | e2e tok/s (all "
+        "| transport | ranks | batch/rank | prefill s | step ms | decode tok/s (all ranks) | e2e tok/s (all "
         "ranks) |\n|---|---|---|---|---|---|---|\n");
     std::map<std::string, std::map<int, std::pair<double, double>>>
         tok_s;  // transport -> batch -> decode, e2e
@@ -383,15 +392,22 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--hf-script", a->hf_script, "cuda: the reference script");
     b->add_option("--seed", a->seed, "Weight and prompt seed");
     b->add_option("--ep", a->ep_ranks,
-                  "cuda: expert parallelism over this many GPUs (one rank each; the eager model path)");
-    b->add_option("--transport", a->transports, "cuda --ep: EP transports to compare (nccl is the baseline)")
+                  "expert parallelism over this many ranks (processes; on cuda one GPU each; the eager model "
+                  "path)");
+    b->add_option("--transport", a->transports,
+                  "--ep: EP transports to compare (cuda, nccl: the baseline; on the CPU host or fabric/tcp)")
         ->delimiter(',');
     b->callback([a] {
+        if (a->ep_ranks > 0) {
+            MOERL_CHECK(a->device == "cpu" || a->device.rfind("cuda", 0) == 0, "--device ", a->device,
+                        " is not supported, expected cpu or cuda");
+            MOERL_CHECK(a->new_tokens >= 2, "--new must be >= 2 with --ep, got ", a->new_tokens);
+            return bench_ep_rollout(*a);
+        }
         if (a->device == "cpu") return bench_cpu(*a);
         MOERL_CHECK(a->device.rfind("cuda", 0) == 0, "--device ", a->device,
                     " is not supported, expected cpu or cuda");
         MOERL_CHECK(a->new_tokens >= 3, "--new must be >= 3, got ", a->new_tokens);
-        if (a->ep_ranks > 0) return bench_ep_rollout(*a);
         bench_cuda(*a);
     });
 }

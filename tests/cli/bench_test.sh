@@ -16,8 +16,24 @@ echo "$out" | grep -E '^\| host .*\| fp8 ' | grep -qE '\| +[0-9]+\.[0-9] \|' || 
 out=$("$moerl" bench ep --transport host --ranks 2 --dtype fp32 --dispatch bf16 2>&1) && fail "fp32 with bf16 accepted"
 echo "$out" | grep -q -- "--dispatch bf16" || fail "unclear refusal: $out"
 
-# Rollout over EP on a machine without the GPUs: every transport's row names the missing device.
 if ! "$moerl" bench rollout --help >/dev/null 2>&1; then echo "bench rollout not built: skipped"; exit 0; fi
+
+# Rollout with the MoE layers over two host-memory EP ranks: a tiny model, a row per batch size.
+cat >tiny.json <<'JSON'
+{"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+ "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+ "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
+ "max_position_embeddings": 128}
+JSON
+out=$("$moerl" bench rollout --device cpu --ep 2 --transport host --config tiny.json --batch 2,4 --prompt 8 \
+  --new 4 2>&1) || fail "bench rollout --ep exited non-zero: $out"
+echo "$out" | grep -q "error" && fail "a rank failed: $out"
+[ "$(echo "$out" | grep -cE '^\| host \| 2 \| [24] \| [0-9.]+ \| [0-9.]+ \| [1-9][0-9]* \|')" -eq 2 ] ||
+  fail "expected 2 host rows with tokens/s: $out"
+out=$("$moerl" bench rollout --device cpu --ep 3 --transport host --config tiny.json 2>&1) && fail "--ep 3 accepted"
+echo "$out" | grep -q "does not divide" || fail "unclear refusal of --ep 3: $out"
+
+# Rollout over EP on a machine without the GPUs: every transport's row names the missing device.
 out=$(CUDA_VISIBLE_DEVICES= "$moerl" bench rollout --device cuda --ep 2 --transport cuda,nccl --layers 1 --batch 1 \
   --new 3 2>&1)
 if echo "$out" | grep -qE '^\| cuda \| 2 \| 1 \|'; then
