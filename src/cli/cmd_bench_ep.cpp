@@ -54,7 +54,8 @@ struct BenchResult {
     std::string transport, dispatch, error;
     int world = 0;
     std::string case_name;
-    double rows = 0, dispatch_us = 0, combine_us = 0, baseline_us = 0, ll_dispatch_us = 0, ll_combine_us = 0;
+    double rows = 0, remote_rows = 0, dispatch_us = 0, combine_us = 0, baseline_us = 0, ll_dispatch_us = 0,
+           ll_combine_us = 0;
 };
 
 double median(std::vector<double> v) {
@@ -136,6 +137,9 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     }
     Json r;
     r["recv_rows"] = h.num_recv_tokens();
+    // Rows from other ranks: what crosses NVLink (or the network) rather than a local copy.
+    r["remote_rows"] = h.num_recv_tokens() -
+                       (static_cast<int>(h.num_recv_per_src.size()) > rank ? h.num_recv_per_src[rank] : 0);
     r["dispatch_us"] = median(t_dispatch);
     r["combine_us"] = median(t_combine);
 
@@ -237,6 +241,7 @@ BenchResult run_config(const BenchOpts& o, const std::string& transport, const B
             break;
         }
         res.rows += j["recv_rows"].get<double>() / world;
+        res.remote_rows += j["remote_rows"].get<double>() / world;
         res.dispatch_us += j["dispatch_us"].get<double>() / world;
         res.combine_us += j["combine_us"].get<double>() / world;
         res.baseline_us += j.value("baseline_us", 0.0) / world;
@@ -264,12 +269,14 @@ void print_row(const BenchOpts& o, const BenchCase& bc, const BenchResult& r) {
                  c_bytes = r.rows * row_bytes(o, bc, fp8, true);
     auto gbps = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
     std::printf(
-        "| %-11s | %2d | %-9s | %-4s | %5d | %5d | %2d | %3d | %7.0f | %9.1f | %6.1f | %9.1f | %6.1f | %9.1f "
-        "| "
-        "%6.1f |",
+        "| %-11s | %2d | %-9s | %-4s | %5d | %5d | %2d | %3d | %7.0f | %9.1f | %6.1f | %9.1f | %6.1f | %6.1f "
+        "/ "
+        "%6.1f | %9.1f | %6.1f |",
         r.transport.c_str(), r.world, bc.name.c_str(), r.dispatch.c_str(), bc.tokens, bc.hidden, bc.top_k,
         bc.experts, r.rows, r.dispatch_us, gbps(d_bytes, r.dispatch_us), r.combine_us,
-        gbps(c_bytes, r.combine_us), r.baseline_us, gbps(c_bytes, r.baseline_us));
+        gbps(c_bytes, r.combine_us), gbps(d_bytes * r.remote_rows / std::max(r.rows, 1.0), r.dispatch_us),
+        gbps(c_bytes * r.remote_rows / std::max(r.rows, 1.0), r.combine_us), r.baseline_us,
+        gbps(c_bytes, r.baseline_us));
     if (r.ll_dispatch_us > 0)
         std::printf(" %7.1f / %7.1f |\n", r.ll_dispatch_us, r.ll_combine_us);
     else
@@ -392,7 +399,8 @@ void register_bench_ep(CLI::App& bench) {
                         o->dtype, " or fp8");
         std::printf(
             "dtype %s, %d timed iterations, median; GB/s = received rows x row bytes (fp8 dispatch: e4m3 + "
-            "scales) / time, per rank; baseline = c10d Gloo all-to-all of the same bytes (host memory) or a "
+            "scales) / time, per rank; from peers: the rows other ranks sent (NVLink or network); baseline = "
+            "c10d Gloo all-to-all of the same bytes (host memory) or a "
             "device-to-device copy of the same bytes on the rank's GPU (cuda, nccl)\n",
             o->dtype.c_str(), o->iters);
         const bool device = std::any_of(o->transports.begin(), o->transports.end(),
@@ -401,8 +409,8 @@ void register_bench_ep(CLI::App& bench) {
         std::printf(
             "\n| transport   |  W | case      | disp | tok/r | hidden |  K | E   | rows/r | dispatch us | "
             "GB/s | "
-            "combine us | GB/s | baseline us | GB/s | LL disp/comb us |\n");
-        std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+            "combine us | GB/s | from peers GB/s d / c | baseline us | GB/s | LL disp/comb us |\n");
+        std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
         std::vector<BenchResult> results;
         for (const auto& t : o->transports)
             for (int w : o->ranks)
