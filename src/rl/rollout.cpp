@@ -67,39 +67,41 @@ double uniform_draw(uint64_t seed, uint64_t draw) {
            0x1.0p-53;
 }
 
+std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const SamplingParams& p,
+                                                 const std::vector<double>& uniforms) {
+    MOERL_CHECK(logits.dim() == 2, "sample_tokens: logits must be [rows, vocab], got ", logits.dim(),
+                " dims");
+    const int64_t B = logits.size(0), V = logits.size(1);
+    MOERL_CHECK(static_cast<int64_t>(uniforms.size()) == B, "sample_tokens: ", uniforms.size(),
+                " uniform draws for ", B, " rows");
+    if (B == 0) return {};
+    MOERL_CHECK(V >= 1, "sample_tokens: empty vocabulary");
+    // In double on the logits' device: tempered log-probabilities, sorted (stable) most likely first.
+    at::NoGradGuard no_grad;
+    const at::Tensor z = logits.detach().to(at::kDouble) / p.temperature;
+    const at::Tensor log_norm = at::logsumexp(z, 1, /*keepdim=*/true);
+    auto [sorted, order] = at::sort(z, /*stable=*/true, /*dim=*/1, /*descending=*/true);
+    const at::Tensor mass = at::cumsum(at::exp(sorted - log_norm), 1);  // mass of the i most likely + 1
+    // Kept: the top_k most likely, then as few as reach top_p of the mass.
+    const int64_t top_k = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
+    at::Tensor keep = at::full({B, 1}, top_k, order.options());
+    if (p.top_p < 1.0) keep = at::minimum(keep, (mass.narrow(1, 0, top_k) < p.top_p).sum(1, true) + 1);
+    // Inverse CDF over the kept mass: the first token whose running mass exceeds u * kept.
+    const at::Tensor u = at::tensor(uniforms, at::kDouble).to(z.device()).unsqueeze(1);
+    const at::Tensor target = u * mass.gather(1, keep - 1);
+    const at::Tensor pick = at::minimum((mass <= target).sum(1, true), keep - 1);
+    const at::Tensor tokens = order.gather(1, pick).squeeze(1).to(at::kCPU);
+    const at::Tensor logprobs = (sorted.gather(1, pick) - log_norm).squeeze(1).to(at::kCPU);
+    std::vector<std::pair<int, float>> out(B);
+    for (int64_t i = 0; i < B; ++i)
+        out[i] = {static_cast<int>(tokens[i].item<int64_t>()),
+                  static_cast<float>(logprobs[i].item<double>())};
+    return out;
+}
+
 std::pair<int, float> sample_token(const float* logits, int V, const SamplingParams& p, double u) {
-    std::vector<double> z(V);
-    double mx = -INFINITY;
-    for (int i = 0; i < V; ++i) mx = std::max(mx, z[i] = logits[i] / p.temperature);
-    double sum = 0;
-    for (int i = 0; i < V; ++i) sum += std::exp(z[i] - mx);
-    const double log_norm = mx + std::log(sum);
-    std::vector<int> order(V);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[a] > z[b]; });
-    int keep = (p.top_k > 0) ? std::min(p.top_k, V) : V;
-    if (p.top_p < 1.0) {
-        double mass = 0;
-        for (int i = 0; i < keep; ++i) {
-            mass += std::exp(z[order[i]] - log_norm);
-            if (mass >= p.top_p) {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
-    double kept = 0;
-    for (int i = 0; i < keep; ++i) kept += std::exp(z[order[i]] - log_norm);
-    double target = u * kept, acc = 0;
-    int token = order[keep - 1];
-    for (int i = 0; i < keep; ++i) {
-        acc += std::exp(z[order[i]] - log_norm);
-        if (target < acc) {
-            token = order[i];
-            break;
-        }
-    }
-    return {token, static_cast<float>(z[token] - log_norm)};
+    const at::Tensor row = at::from_blob(const_cast<float*>(logits), {1, V}, at::kFloat);
+    return sample_tokens(row, p, {u})[0];
 }
 
 struct RolloutEngine::Impl {
@@ -134,10 +136,15 @@ struct RolloutEngine::Impl {
         s.traj.routing.insert(s.traj.routing.end(), p, p + part.numel());
     }
 
-    // Samples the next token of s from logits; returns true when s is finished.
-    bool sample(Seq& s, const float* logits, int64_t version) {
-        const double u = uniform_draw(s.req.seed, s.traj.rng_draws++);
-        auto [tok, lp] = sample_token(logits, vocab, params, u);
+    // Draws the next token of each sequence in `rows` from the matching row of logits [rows, V].
+    std::vector<std::pair<int, float>> draw(const std::vector<Seq*>& rows, const at::Tensor& logits) {
+        std::vector<double> u;
+        for (Seq* s : rows) u.push_back(uniform_draw(s->req.seed, s->traj.rng_draws++));
+        return sample_tokens(logits, params, u);
+    }
+
+    // Appends a sampled token to s; returns true when s is finished.
+    bool take(Seq& s, int tok, float lp, int64_t version) {
         s.traj.tokens.push_back(tok);
         s.traj.logprobs.push_back(lp);
         s.traj.versions.push_back(version);
@@ -206,13 +213,28 @@ struct RolloutEngine::Impl {
             room = std::max<int64_t>(room, s.req.max_new_tokens - (int64_t)s.traj.tokens.size());
         model::KvCache fresh = model.new_cache(B, longest + room + 1);
         model::StepOutput out = model.prefill(fresh, ids, mask, record_routing);
-        at::Tensor logits = out.logits.contiguous();
-        std::vector<int64_t> keep;
+        // Sequences that still need tokens draw one from their prefill logits.
+        std::vector<int64_t> drawing;
+        std::vector<Seq*> drawn;
         for (size_t i = 0; i < n; ++i) {
+            if (record_routing) append_routing(joining[i], out.routing[i], pad[i]);
+            if (static_cast<int>(joining[i].traj.tokens.size()) < joining[i].req.max_new_tokens) {
+                drawing.push_back(static_cast<int64_t>(i));
+                drawn.push_back(&joining[i]);
+            }
+        }
+        std::vector<std::pair<int, float>> tokens;
+        if (!drawing.empty())
+            tokens = draw(drawn,
+                          out.logits.index_select(0, at::tensor(drawing, at::kLong).to(out.logits.device())));
+        std::vector<int64_t> keep;
+        for (size_t i = 0, d = 0; i < n; ++i) {
             Seq& s = joining[i];
-            if (record_routing) append_routing(s, out.routing[i], pad[i]);
-            bool finished = static_cast<int>(s.traj.tokens.size()) >= s.req.max_new_tokens ||
-                            sample(s, logits[i].data_ptr<float>(), version);
+            bool finished = true;
+            if (d < drawing.size() && drawing[d] == static_cast<int64_t>(i)) {
+                finished = take(s, tokens[d].first, tokens[d].second, version);
+                ++d;
+            }
             if (finished) {
                 done.push_back(finish(s));
             } else {
@@ -235,12 +257,14 @@ struct RolloutEngine::Impl {
         std::vector<int64_t> in;
         for (auto& s : active) in.push_back(s.next_input);
         model::StepOutput out = model.decode(cache, at::tensor(in, at::kLong), record_routing);
-        at::Tensor logits = out.logits.contiguous();
+        std::vector<Seq*> rows;
+        for (auto& s : active) rows.push_back(&s);
+        const std::vector<std::pair<int, float>> tokens = draw(rows, out.logits);
         std::vector<int64_t> keep;
         for (size_t i = 0; i < active.size(); ++i) {
             Seq& s = active[i];
             if (record_routing) append_routing(s, out.routing[i], 0);
-            if (sample(s, logits[i].data_ptr<float>(), version)) {
+            if (take(s, tokens[i].first, tokens[i].second, version)) {
                 done.push_back(finish(s));
             } else {
                 keep.push_back(static_cast<int64_t>(i));

@@ -1,10 +1,13 @@
 // Tokenizer, tasks and verifiers, sampling, experience records and config errors.
 #include "moerl/rl/env.hpp"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <random>
 
 #include "moerl/core/error.hpp"
 #include "moerl/rl/config.hpp"
@@ -53,6 +56,53 @@ TEST(Tasks, SortAndAddVerify) {
     EXPECT_EQ(r.answer, std::to_string(x + y));
     EXPECT_DOUBLE_EQ(add->verify(r, r.answer, true), 1.0);
     EXPECT_DOUBLE_EQ(add->verify(r, r.answer + "1", true), 0.0);
+}
+
+// Straightforward per-row sampling (sort, truncate, walk the cumulative mass) to check the batched one.
+std::pair<int, double> reference_sample(const std::vector<float>& logits, const SamplingParams& p, double u) {
+    const int V = static_cast<int>(logits.size());
+    std::vector<double> z(V);
+    double mx = -INFINITY, sum = 0;
+    for (int i = 0; i < V; ++i) mx = std::max(mx, z[i] = logits[i] / p.temperature);
+    for (int i = 0; i < V; ++i) sum += std::exp(z[i] - mx);
+    const double log_norm = mx + std::log(sum);
+    std::vector<int> order(V);
+    for (int i = 0; i < V; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[a] > z[b]; });
+    int keep = p.top_k > 0 ? std::min(p.top_k, V) : V;
+    double mass = 0;
+    for (int i = 0; i < keep && p.top_p < 1.0; ++i)
+        if ((mass += std::exp(z[order[i]] - log_norm)) >= p.top_p) keep = i + 1;
+    double kept = 0, acc = 0;
+    for (int i = 0; i < keep; ++i) kept += std::exp(z[order[i]] - log_norm);
+    for (int i = 0; i < keep; ++i)
+        if (u * kept < (acc += std::exp(z[order[i]] - log_norm))) return {order[i], z[order[i]] - log_norm};
+    return {order[keep - 1], z[order[keep - 1]] - log_norm};
+}
+
+// Batched sampling equals the per-row reference: random logits, draws and parameters.
+TEST(Sampling, BatchedEqualsPerRow) {
+    std::mt19937 rng(3);
+    std::normal_distribution<float> logit(0.0f, 2.0f);
+    std::uniform_real_distribution<double> unit(0.0, 1.0);
+    const int V = 50, B = 64;
+    for (SamplingParams p : {SamplingParams{}, SamplingParams{0.7, 0.9, 0}, SamplingParams{1.3, 1.0, 5},
+                             SamplingParams{1.0, 0.5, 10}}) {
+        std::vector<float> flat;
+        std::vector<double> u;
+        for (int i = 0; i < B * V; ++i) flat.push_back(logit(rng));
+        for (int b = 0; b < B; ++b) u.push_back(unit(rng));
+        const auto got = sample_tokens(at::from_blob(flat.data(), {B, V}, at::kFloat), p, u);
+        ASSERT_EQ(static_cast<int>(got.size()), B);
+        for (int b = 0; b < B; ++b) {
+            const auto want = reference_sample(
+                std::vector<float>(flat.begin() + b * V, flat.begin() + (b + 1) * V), p, u[b]);
+            EXPECT_EQ(got[b].first, want.first)
+                << "row " << b << " top_k " << p.top_k << " top_p " << p.top_p;
+            EXPECT_NEAR(got[b].second, want.second, 1e-5) << "row " << b;
+        }
+    }
+    EXPECT_THROW(sample_tokens(at::zeros({2, 4}), SamplingParams{}, {0.5}), moerl::Error);
 }
 
 TEST(Sampling, TopKTopPAndTemperature) {

@@ -3,8 +3,11 @@
 // limits, per-token behaviour log-probs and policy versions, and routing records for replay.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "moerl/rl/config.hpp"
@@ -29,9 +32,13 @@ struct GenResult {
     Trajectory trajectory;
 };
 
-// Samples one token from logits [V]: temperature, then top-k, then top-p. `uniform` in [0, 1).
-// Returns the token and its log-probability under the tempered (untruncated) distribution, which
-// is what the trainer recomputes.
+// Samples one token per row of logits [rows, V] (any float dtype, CPU or CUDA; computed in double
+// there): temperature, then top-k, then top-p, then the inverse CDF of the kept mass at uniforms[row]
+// (in [0, 1)). Returns each row's token and its log-probability under the tempered (untruncated)
+// distribution, which is what the trainer recomputes.
+std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const SamplingParams& params,
+                                                 const std::vector<double>& uniforms);
+// The same for one row of logits [V].
 std::pair<int, float> sample_token(const float* logits, int vocab_size, const SamplingParams& params,
                                    double uniform);
 // Counter-based uniform draw: the same (seed, draw) gives the same number on any batch layout.
