@@ -381,13 +381,15 @@ void register_bench_ep(CLI::App& bench) {
     auto o = std::make_shared<BenchOpts>();
     cmd->add_option("--transport", o->transports, "transports: host, fabric/tcp, fabric/shm, cuda")
         ->delimiter(',');
-    cmd->add_option("--ranks", o->ranks, "rank counts")->delimiter(',');
+    cmd->add_option("--ranks", o->ranks, "rank counts")->delimiter(',')->check(CLI::Range(1, 1024));
     cmd->add_option("--dtype", o->dtype, "bf16 or fp32");
-    cmd->add_option("--iters", o->iters, "timed iterations (median reported)");
-    cmd->add_option("--tokens", o->big_tokens, "tokens per rank of the DeepSeek-V3-shaped case");
+    cmd->add_option("--iters", o->iters, "timed iterations (median reported)")->check(CLI::Range(1, 1 << 24));
+    cmd->add_option("--tokens", o->big_tokens, "tokens per rank of the DeepSeek-V3-shaped case")
+        ->check(CLI::Range(1, 1 << 24));
     cmd->add_flag("!--no-baseline", o->baseline,
                   "skip the baseline (Gloo all-to-all, or device copy for cuda)");
-    cmd->add_option("--sms", o->num_sms, "SMs for the cuda kernels (Config.num_sms; 0 = default)");
+    cmd->add_option("--sms", o->num_sms, "SMs for the cuda kernels (Config.num_sms; 0 = default)")
+        ->check(CLI::Range(0, 1024));
     cmd->add_option("--dispatch", o->dispatch,
                     "dispatch formats: bf16 (the dtype) and/or fp8 (e4m3 + scales)")
         ->delimiter(',');

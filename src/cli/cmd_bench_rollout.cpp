@@ -380,10 +380,11 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--config", a->config,
                   "cpu: run configuration (YAML, default built-in); cuda: model config.json (default: the "
                   "Qwen3-30B-A3B shape with --layers layers)");
-    b->add_option("--layers", a->layers, "cuda, built-in model: layers");
+    b->add_option("--layers", a->layers, "cuda, built-in model: layers")->check(CLI::Range(1, 1 << 24));
     b->add_option("--batch", a->batches, "Batch sizes, e.g. 1,16,64,256 (cpu: max_batch values)")
-        ->delimiter(',');
-    b->add_option("--prompt", a->prompt, "cuda: prompt tokens per sequence");
+        ->delimiter(',')
+        ->check(CLI::Range(1, 1 << 24));
+    b->add_option("--prompt", a->prompt, "cuda: prompt tokens per sequence")->check(CLI::Range(1, 1 << 24));
     b->add_option("--new", a->new_tokens, "cuda: generated tokens per sequence (>= 3)");
     b->add_option("--sequences", a->sequences, "cpu: sequences generated per row");
     b->add_flag("--no-graphs", a->no_graphs, "cuda: launch every decode step eagerly");
@@ -393,7 +394,8 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--seed", a->seed, "Weight and prompt seed");
     b->add_option("--ep", a->ep_ranks,
                   "expert parallelism over this many ranks (processes; on cuda one GPU each; the eager model "
-                  "path)");
+                  "path)")
+        ->check(CLI::Range(0, 1024));
     b->add_option("--transport", a->transports,
                   "--ep: EP transports to compare (cuda, nccl: the baseline; on the CPU host or fabric/tcp)")
         ->delimiter(',');

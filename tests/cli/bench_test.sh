@@ -12,6 +12,12 @@ echo "$out" | grep -q "error" && fail "a rank failed: $out"
 [ "$(echo "$out" | grep -cE '^\| host +\|  2 \|')" -eq 4 ] || fail "expected 4 host rows: $out"
 echo "$out" | grep -E '^\| host .*\| fp8 ' | grep -qE '\| +[0-9]+\.[0-9] \|' || fail "no fp8 timing: $out"
 
+# Rank counts, iterations and token counts out of range are refused by name, before any rank starts.
+out=$("$moerl" bench ep --transport host --ranks 0 2>&1) && fail "--ranks 0 accepted"
+echo "$out" | grep -q -- "--ranks: Value 0 not in range" || fail "unclear refusal of --ranks 0: $out"
+out=$("$moerl" bench ep --transport host --iters 0 2>&1) && fail "--iters 0 accepted"
+echo "$out" | grep -q -- "--iters" || fail "unclear refusal of --iters 0: $out"
+
 # A dispatch format the dtype cannot take is refused by name.
 out=$("$moerl" bench ep --transport host --ranks 2 --dtype fp32 --dispatch bf16 2>&1) && fail "fp32 with bf16 accepted"
 echo "$out" | grep -q -- "--dispatch bf16" || fail "unclear refusal: $out"
@@ -32,6 +38,11 @@ echo "$out" | grep -q "error" && fail "a rank failed: $out"
   fail "expected 2 host rows with tokens/s: $out"
 out=$("$moerl" bench rollout --device cpu --ep 3 --transport host --config tiny.json 2>&1) && fail "--ep 3 accepted"
 echo "$out" | grep -q "does not divide" || fail "unclear refusal of --ep 3: $out"
+out=$("$moerl" bench rollout --device cpu --ep -1 2>&1) && fail "--ep -1 accepted"
+echo "$out" | grep -q -- "--ep: Value -1 not in range" || fail "unclear refusal of --ep -1: $out"
+out=$("$moerl" bench rollout --device cpu --ep 2 --transport host --config tiny.json --batch 0 2>&1) &&
+  fail "--batch 0 accepted"
+echo "$out" | grep -q -- "--batch: Value 0 not in range" || fail "unclear refusal of --batch 0: $out"
 
 # Rollout over EP on a machine without the GPUs: every transport's row names the missing device.
 out=$(CUDA_VISIBLE_DEVICES= "$moerl" bench rollout --device cuda --ep 2 --transport cuda,nccl --layers 1 --batch 1 \
