@@ -161,6 +161,27 @@ __device__ __forceinline__ void report_bad_id(DeviceError* err, DeviceError* mir
     }
 }
 
+// Calls on_expert(e) for each entry of token t's row of topk_idx [*, K] that names an expert in [0, E),
+// eight loads in flight; -1 is skipped, any other id is reported (when err is set) and skipped.
+template <typename F>
+__device__ __forceinline__ void for_each_routed_expert(const int64_t* topk_idx, int t, int K, int E,
+                                                       DeviceError* err, DeviceError* mirror, F&& on_expert) {
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        long long ids[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ids[j] = k0 + j < K ? topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const long long e = ids[j];
+            if (e < -1 || e >= E) {
+                if (err != nullptr) report_bad_id(err, mirror, t, k0 + j, e);
+                continue;
+            }
+            if (e >= 0) on_expert(static_cast<int>(e));
+        }
+    }
+}
+
 constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane in the row copies
 
 // Copies `bytes` with the widest access the alignment allows; the warp's lanes stride the row, each

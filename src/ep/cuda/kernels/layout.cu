@@ -68,25 +68,11 @@ __global__ void __launch_bounds__(kLayoutTile) layout_kernel(LayoutArgs a) {
 
     const int t = tile * kLayoutTile + tid;
     unsigned long long mask = 0;  // ranks token t goes to
-    if (t < T) {
-        for (int k0 = 0; k0 < K; k0 += 8) {
-            long long ids[8];  // eight loads in flight
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                ids[j] = k0 + j < K ? a.topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const long long e = ids[j];
-                if (e < -1 || e >= rt.num_experts) {
-                    if (a.sig.error != nullptr) report_bad_id(a.sig.error, a.sig.error_mirror, t, k0 + j, e);
-                    continue;
-                }
-                if (e < 0) continue;
-                atomicAdd(&expert_count[e], 1);
-                mask |= 1ull << (e / L);
-            }
-        }
-    }
+    if (t < T)
+        for_each_routed_expert(a.topk_idx, t, K, rt.num_experts, a.sig.error, a.sig.error_mirror, [&](int e) {
+            atomicAdd(&expert_count[e], 1);
+            mask |= 1ull << (e / L);
+        });
     for (int r = 0; r < W; ++r) {
         const unsigned b = __ballot_sync(kFullMask, (mask >> r) & 1);
         if (lane == 0) warp_rank_count[warp][r] = __popc(b);

@@ -170,23 +170,10 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     bool first_valid = false;  // token t0 + tid, the thread's token in the first group below
     for (int t = t0 + tid; t < t1; t += kDataThreads) {
         bool any = false;
-        for (int k0 = 0; k0 < K; k0 += 8) {
-            long long ids[8];  // eight loads in flight
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                ids[j] = k0 + j < K ? a.topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const long long e = ids[j];
-                if (e < -1 || e >= E) {
-                    report_bad_id(a.error, a.error_mirror, t, k0 + j, e);
-                    continue;
-                }
-                if (e < 0) continue;
-                atomicAdd(&expert_count[e], 1);
-                any = true;
-            }
-        }
+        for_each_routed_expert(a.topk_idx, t, K, E, a.error, a.error_mirror, [&](int e) {
+            atomicAdd(&expert_count[e], 1);
+            any = true;
+        });
         count += any ? 1 : 0;
         if (t == t0 + tid) first_valid = any;
     }
