@@ -51,6 +51,16 @@ class Mismatches {
     std::string first_;
 };
 
+// The counts of a dispatch handle against the host reference's (the host vectors are checked apart:
+// asynchronous mode leaves them empty).
+void expect_same_counts(Mismatches& m, const ep::Handle& got, const ep::Handle& want) {
+    m.expect(got.num_tokens == want.num_tokens, "num_tokens");
+    m.expect(got.num_recv_per_src == want.num_recv_per_src, "num_recv_per_src");
+    m.expect(got.recv_src_offset == want.recv_src_offset, "recv_src_offset");
+    m.expect(got.num_send_per_rank == want.num_send_per_rank, "num_send_per_rank");
+    m.expect(got.num_recv_tokens_per_expert == want.num_recv_tokens_per_expert, "num_recv_tokens_per_expert");
+}
+
 // Device memory filled from / read back to host vectors.
 struct Dev {
     void* p = nullptr;
@@ -221,14 +231,9 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& dir
 
         auto check_dispatch = [&](const std::string& what, const ep::Handle& got) {
             Mismatches m(what + tag);
-            m.expect(got.num_tokens == hh.num_tokens, "num_tokens");
-            m.expect(got.num_recv_per_src == hh.num_recv_per_src, "num_recv_per_src");
-            m.expect(got.recv_src_offset == hh.recv_src_offset, "recv_src_offset");
-            m.expect(got.num_send_per_rank == hh.num_send_per_rank, "num_send_per_rank");
+            expect_same_counts(m, got, hh);
             m.expect(got.send_pos == hh.send_pos, "send_pos");
             m.expect(got.recv_src_token == hh.recv_src_token, "recv_src_token");
-            m.expect(got.num_recv_tokens_per_expert == hh.num_recv_tokens_per_expert,
-                     "num_recv_tokens_per_expert");
             m.done();
             const auto gx = d_x.read<uint8_t>(static_cast<size_t>(R) * out_row);
             const auto gs = d_scales.read<float>(static_cast<size_t>(R) * nb);
@@ -472,12 +477,7 @@ TEST(OneRank, AsyncDispatchMatchesHostReference) {
             ep::View<const float> dwv{w.as<float>(), T, K};
             auto check = [&](const std::string& what, const ep::Handle& got) {
                 Mismatches m(what + tag);
-                m.expect(got.num_tokens == hh.num_tokens, "num_tokens");
-                m.expect(got.num_recv_per_src == hh.num_recv_per_src, "num_recv_per_src");
-                m.expect(got.recv_src_offset == hh.recv_src_offset, "recv_src_offset");
-                m.expect(got.num_send_per_rank == hh.num_send_per_rank, "num_send_per_rank");
-                m.expect(got.num_recv_tokens_per_expert == hh.num_recv_tokens_per_expert,
-                         "num_recv_tokens_per_expert");
+                expect_same_counts(m, got, hh);
                 m.expect(got.send_pos.empty() && got.recv_src_token.empty(),
                          "asynchronous mode: host vectors other than the counts stay empty");
                 std::vector<uint8_t> gx(static_cast<size_t>(R) * row);
