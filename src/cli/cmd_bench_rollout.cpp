@@ -232,12 +232,10 @@ void bench_cuda(const RolloutArgs& a) {
 // One rank of the expert-parallel rollout: its own batch of sequences (attention is data parallel),
 // the experts of every MoE layer split over the ranks and reached through the EP buffer, eager
 // model steps. Returns per batch size: prefill seconds and decode seconds.
-nlohmann::json ep_rollout_rank(const RolloutArgs& a, const std::string& transport, int world, int rank,
-                               int port) {
+nlohmann::json ep_rollout_rank(const RolloutArgs& a, const model::ModelConfig& c,
+                               const std::string& transport, int world, int rank, int port) {
     auto tcp = connect_local_store(port, world, std::chrono::seconds(300));
     C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep-rollout", tcp));
-    const model::ModelConfig c =
-        a.config.empty() ? qwen3_30b_a3b_shape(a.layers) : model::ModelConfig::load(a.config);
     const int max_batch = *std::max_element(a.batches.begin(), a.batches.end());
     // On CUDA: bf16, rank r on GPU r mod count. On the CPU (host or fabric transport): fp32.
     const bool on_gpu = a.device.rfind("cuda", 0) == 0;
@@ -315,8 +313,8 @@ void bench_ep_rollout(const RolloutArgs& a) {
         tok_s;  // transport -> batch -> decode, e2e
     for (const auto& transport : a.transports) {
         const int W = a.ep_ranks;
-        const std::vector<nlohmann::json> ranks =
-            run_forked_ranks(W, [&](int r, int port) { return ep_rollout_rank(a, transport, W, r, port); });
+        const std::vector<nlohmann::json> ranks = run_forked_ranks(
+            W, [&](int r, int port) { return ep_rollout_rank(a, c, transport, W, r, port); });
         std::string error;
         for (int r = 0; r < W && error.empty(); ++r)
             if (ranks[r].is_object() && ranks[r].contains("error"))

@@ -90,12 +90,12 @@ std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const
     const at::Tensor u = at::tensor(uniforms, at::kDouble).to(z.device()).unsqueeze(1);
     const at::Tensor target = u * mass.gather(1, keep - 1);
     const at::Tensor pick = at::minimum((mass <= target).sum(1, true), keep - 1);
-    const at::Tensor tokens = order.gather(1, pick).squeeze(1).to(at::kCPU);
-    const at::Tensor logprobs = (sorted.gather(1, pick) - log_norm).squeeze(1).to(at::kCPU);
+    const at::Tensor tokens = order.gather(1, pick).squeeze(1).to(at::kCPU).contiguous();
+    const at::Tensor logprobs = (sorted.gather(1, pick) - log_norm).squeeze(1).to(at::kCPU).contiguous();
+    const int64_t* tok = tokens.data_ptr<int64_t>();
+    const double* lp = logprobs.data_ptr<double>();
     std::vector<std::pair<int, float>> out(B);
-    for (int64_t i = 0; i < B; ++i)
-        out[i] = {static_cast<int>(tokens[i].item<int64_t>()),
-                  static_cast<float>(logprobs[i].item<double>())};
+    for (int64_t i = 0; i < B; ++i) out[i] = {static_cast<int>(tok[i]), static_cast<float>(lp[i])};
     return out;
 }
 

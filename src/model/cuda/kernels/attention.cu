@@ -228,6 +228,7 @@ struct AttnLaunch {
     const void *q, *k_pool, *v_pool;
     const int *position, *slot, *block_table;
     int max_blocks, block_size, B, Hq, Hkv, D, chunk, splits;
+    int heads;  // query heads per block (heads_per_block)
     Partials part;
     void* out;
     Launch launch;
@@ -266,7 +267,7 @@ int heads_per_block(int B, int Hq, int Hkv) {
 
 template <typename T, bool kWide>
 void launch_typed(const AttnLaunch& l) {
-    switch (heads_per_block(l.B, l.Hq, l.Hkv)) {
+    switch (l.heads) {
         case 1:
             return launch_dims<T, 1, kWide>(l);
         case 2:
@@ -309,7 +310,7 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
         chunk *= 2;
     AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
                  block_size, B,      Hq,     Hkv,      D,    chunk,       (max_seq_len + chunk - 1) / chunk,
-                 {},         out,    launch};
+                 heads,      {},     out,    launch};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
     l.part.ml = partial;
