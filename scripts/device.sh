@@ -113,8 +113,10 @@ if [ -x "$MOERL" ]; then
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
-      for v in "DEFAULTS=1" "GATE_UP_ROWS=2 DOWN_ROWS=4" "GATE_UP_ROWS=2 DOWN_ROWS=2" "GEMV_MAX_BATCH=0" \
-               "GEMV_MAX_BATCH=4" "GROUPED_MIN_BATCH=128" "GROUPED_MIN_BATCH=16" "ATTENTION_WARPS=8" "PDL=1" "PDL=1 ATTENTION_WARPS=8"; do
+      # MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between variants).
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;GATE_UP_ROWS=2 DOWN_ROWS=4;GATE_UP_ROWS=2 DOWN_ROWS=2;GEMV_MAX_BATCH=0;GEMV_MAX_BATCH=4;GROUPED_MIN_BATCH=128;GROUPED_MIN_BATCH=16;ATTENTION_WARPS=8;PDL=1;PDL=1 ATTENTION_WARPS=8"}
+      IFS=';' read -ra VARIANTS <<<"$LIST"
+      for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
           --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64 --prompt 128 --new 32 2>&1 |
           grep -E "^batch" | sed "s/^/[$v] /" >>"$OUT/bench-variants.log"

@@ -2,6 +2,7 @@
 // Ranks are forked processes; inputs are regenerated from the run seed on every rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -37,11 +38,12 @@ struct Case {
     int num_experts;
     int top_k;
     bool fp8 = false;
+    bool crowd = false;  // every token of every rank names expert 0 in all entries (crowd_one_expert)
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
     *os << c.transport << " world=" << c.world << " " << ep::dtype_name(c.dtype) << (c.fp8 ? "+fp8" : "")
-        << " experts=" << c.num_experts << " top_k=" << c.top_k;
+        << " experts=" << c.num_experts << " top_k=" << c.top_k << (c.crowd ? " crowd" : "");
 }
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -50,7 +52,7 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
     for (char& ch : t)
         if (ch == '/') ch = '_';
     return t + "_w" + std::to_string(c.world) + "_" + ep::dtype_name(c.dtype) + (c.fp8 ? "_fp8" : "") + "_e" +
-           std::to_string(c.num_experts) + "_k" + std::to_string(c.top_k);
+           std::to_string(c.num_experts) + "_k" + std::to_string(c.top_k) + (c.crowd ? "_crowd" : "");
 }
 
 ep::Config make_config(const Case& tc, int rank, const std::string& job) {
@@ -95,7 +97,10 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
     const int W = c.world_size, K = c.top_k, H = c.hidden, L = c.num_local_experts();
     const int zero_rank = W > 1 ? W - 1 : -1;
     std::vector<RankInput> all;
-    for (int r = 0; r < W; ++r) all.push_back(make_input(c, seed, r, zero_rank));
+    for (int r = 0; r < W; ++r) {
+        all.push_back(make_input(c, seed, r, zero_rank));
+        if (tc.crowd) crowd_one_expert(c, all.back(), r, 0);
+    }
     const RankInput& in = all[rank];
     const int T = in.num_tokens;
     const size_t out_row = c.fp8_dispatch ? H : H * c.element_bytes();
@@ -260,24 +265,25 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& sto
             const int e = c.first_local_expert(rank) + l;
             int i = 0;
             for (int s = 0; s < W; ++s)
-                for (int t = 0; t < all[s].num_tokens; ++t)
-                    for (int k = 0; k < K; ++k) {
-                        if (all[s].topk_idx[static_cast<size_t>(t) * K + k] != e) continue;
-                        const size_t row_idx = static_cast<size_t>(l) * rows_per_expert + i;
-                        const std::string where = "expert " + std::to_string(l) + " row " + std::to_string(i);
-                        m.expect(lh.recv_src_token[row_idx] == t, where + ": source token");
-                        const uint8_t* row = ll_x.data() + row_idx * out_row;
-                        if (!c.fp8_dispatch)
-                            m.expect(std::memcmp(row, all[s].x.data() + static_cast<size_t>(t) * out_row,
-                                                 out_row) == 0,
-                                     where + ": data differs");
-                        else
-                            for (int j = 0; j < H; ++j)
-                                m.expect(close(c, dequant(c, row, &ll_scales[row_idx * nb], j),
-                                               x_at(c, all[s], t, j), block_amax(c, all[s], t, j)),
-                                         where + " col " + std::to_string(j));
-                        ++i;
-                    }
+                for (int t = 0; t < all[s].num_tokens; ++t) {
+                    // once per token, however many of its entries name e
+                    const int64_t* ids = all[s].topk_idx.data() + static_cast<size_t>(t) * K;
+                    if (std::find(ids, ids + K, e) == ids + K) continue;
+                    const size_t row_idx = static_cast<size_t>(l) * rows_per_expert + i;
+                    const std::string where = "expert " + std::to_string(l) + " row " + std::to_string(i);
+                    m.expect(lh.recv_src_token[row_idx] == t, where + ": source token");
+                    const uint8_t* row = ll_x.data() + row_idx * out_row;
+                    if (!c.fp8_dispatch)
+                        m.expect(std::memcmp(row, all[s].x.data() + static_cast<size_t>(t) * out_row,
+                                             out_row) == 0,
+                                 where + ": data differs");
+                    else
+                        for (int j = 0; j < H; ++j)
+                            m.expect(close(c, dequant(c, row, &ll_scales[row_idx * nb], j),
+                                           x_at(c, all[s], t, j), block_amax(c, all[s], t, j)),
+                                     where + " col " + std::to_string(j));
+                    ++i;
+                }
             m.expect(ll_count[l] == i, "recv_count[" + std::to_string(l) + "] = " +
                                            std::to_string(ll_count[l]) + ", expected " + std::to_string(i));
         }
@@ -335,6 +341,10 @@ std::vector<Case> cases() {
         out.push_back({tr, 3, ep::DType::kBFloat16, 12, 4, true});
     }
     out.push_back({"host", 1, ep::DType::kFloat32, 4, 2});
+    // One expert gets every token of every rank, each token naming it top_k times.
+    out.push_back({"host", 2, ep::DType::kBFloat16, 8, 4, false, true});
+    out.push_back({"host", 1, ep::DType::kBFloat16, 16, 8, true, true});
+    out.push_back({"fabric/tcp", 3, ep::DType::kFloat32, 6, 3, false, true});
     return out;
 }
 

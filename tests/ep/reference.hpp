@@ -56,6 +56,27 @@ inline RankInput make_input(const ep::Config& c, uint64_t seed, int r, int zero_
     return in;
 }
 
+// The most rows one expert can receive in low-latency mode: rank r's input grows to max_tokens_per_rank
+// tokens (new rows drawn like make_input's) and every entry of every token names expert e, so the expert
+// gets each token once however often the token names it.
+inline void crowd_one_expert(const ep::Config& c, RankInput& in, int r, int64_t e) {
+    const int T = c.max_tokens_per_rank, H = c.hidden, K = c.top_k;
+    const size_t row = static_cast<size_t>(H) * c.element_bytes();
+    std::mt19937_64 rng(static_cast<uint64_t>(r) * 7919 + in.num_tokens);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    in.x.resize(static_cast<size_t>(T) * row);
+    for (int t = in.num_tokens; t < T; ++t)
+        for (int j = 0; j < H; ++j) {
+            const float v = j == 0 ? r : j == 1 ? t % 256 : j == 2 ? t / 256 : normal(rng);
+            ep::store_from_float(in.x.data() + static_cast<size_t>(t) * row, j, v, c.dtype);
+        }
+    in.topk_idx.assign(static_cast<size_t>(T) * K, e);
+    in.topk_weights.resize(static_cast<size_t>(T) * K);
+    for (int t = in.num_tokens; t < T; ++t)
+        for (int k = 0; k < K; ++k) in.topk_weights[static_cast<size_t>(t) * K + k] = 0.25f + 0.125f * k;
+    in.num_tokens = T;
+}
+
 inline float x_at(const ep::Config& c, const RankInput& in, int t, int j) {
     return ep::load_as_float(in.x.data() + static_cast<size_t>(t) * c.hidden * c.element_bytes(), j, c.dtype);
 }

@@ -99,12 +99,13 @@ struct Case {
     int max_tokens = 40;
     int num_sms = 8;
     int empty_every = 0;  // > 0: tokens t with t % empty_every == 1 name no expert (all ids -1)
+    bool crowd = false;   // every token of every rank names expert 0 in all entries (crowd_one_expert)
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
     *os << c.transport << " world=" << c.world << " " << ep::dtype_name(c.dtype) << (c.fp8 ? "+fp8" : "")
         << " experts=" << c.num_experts << " top_k=" << c.top_k << " hidden=" << c.hidden
-        << " max_tokens=" << c.max_tokens;
+        << " max_tokens=" << c.max_tokens << (c.crowd ? " crowd" : "");
 }
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -112,7 +113,7 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
     return c.transport + "_w" + std::to_string(c.world) + "_" + ep::dtype_name(c.dtype) +
            (c.fp8 ? "_fp8" : "") + "_e" + std::to_string(c.num_experts) + "_k" + std::to_string(c.top_k) +
            "_h" + std::to_string(c.hidden) + "_t" + std::to_string(c.max_tokens) +
-           (c.empty_every > 0 ? "_empty" + std::to_string(c.empty_every) : "");
+           (c.empty_every > 0 ? "_empty" + std::to_string(c.empty_every) : "") + (c.crowd ? "_crowd" : "");
 }
 
 // Tokens t with t % every == 1 % every lose all their experts (every one of them for every = 1; none for
@@ -203,6 +204,7 @@ void conformance(const Case& tc, int rank, uint64_t seed, const std::string& dir
         const std::string tag = " (rank " + std::to_string(rank) + ", round " + std::to_string(round) + ")";
         RankInput in = make_input(c, seed + round, rank, W > 1 ? (round % W) : -1);
         clear_experts(in, K, tc.empty_every);
+        if (tc.crowd) crowd_one_expert(c, in, rank, 0);
         const int T = in.num_tokens;
         Dev x(in.x), idx(in.topk_idx), w(in.topk_weights);
 
@@ -369,6 +371,10 @@ std::vector<Case> cases() {
         {"nccl", 2, DType::kBFloat16, 8, 4},
         {"nccl", 2, DType::kFloat32, 8, 4},
         {"nccl", 2, DType::kBFloat16, 16, 4, true, 256},
+        // One expert gets every token of every rank, each token naming it top_k times.
+        {"cuda", 1, DType::kBFloat16, 16, 8, true, 256, 40, 8, 0, true},
+        {"cuda", 2, DType::kBFloat16, 8, 4, false, 72, 40, 8, 0, true},
+        {"nccl", 2, DType::kBFloat16, 8, 4, false, 72, 40, 8, 0, true},
     };
     return out;
 }

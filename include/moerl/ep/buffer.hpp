@@ -90,7 +90,9 @@ class Buffer {
     // y [R, H] of config.dtype; out [T, H] = sum over ranks of the rows sent back (fp32 accumulate).
     void combine(View<const void> y, const Handle& handle, View<void> out);
 
-    // Low-latency mode: fixed buffers, no count exchange; expert-major output.
+    // Low-latency mode: fixed buffers, no count exchange; expert-major output. A token goes once to each
+    // expert it names, so an expert receives at most W*maxT rows; an id repeated in a token's top-k
+    // shares that row, and combine adds it once per entry with the entry's weight.
     LowLatencyHandle low_latency_dispatch(View<const void> x, View<const int64_t> topk_idx,
                                           const LowLatencyOutput& out);
     // y [L * W*maxT, H] expert outputs; out [T, H] = sum_k weight[t,k] * y[row of (t,k)].

@@ -30,6 +30,9 @@ constexpr int kUsedChannels = 5;
 
 size_t align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
+// Whether a token's top-k ids name expert e (low-latency mode sends a token once to each such expert).
+bool names_expert(const int64_t* ids, int K, int64_t e) { return std::find(ids, ids + K, e) != ids + K; }
+
 // acc[j] += w * row[j]; the dtype branch sits outside the loop so it vectorizes.
 void accumulate_row(float* acc, const std::byte* row, int n, DType t, float w) {
     if (t == DType::kFloat32) {
@@ -243,11 +246,10 @@ class HostEngine final : public Engine {
                     const int64_t e = c_.first_local_expert(p) + l;
                     counts[l] = 0;
                     for (int t = 0; t < T; ++t)
-                        for (int k = 0; k < K; ++k)
-                            if (h.topk_idx[static_cast<size_t>(t) * K + k] == e) {
-                                pack_row(rows + n++ * row_bytes, x.data, t, nullptr, nullptr);
-                                counts[l]++;
-                            }
+                        if (names_expert(h.topk_idx.data() + static_cast<size_t>(t) * K, K, e)) {
+                            pack_row(rows + n++ * row_bytes, x.data, t, nullptr, nullptr);
+                            counts[l]++;
+                        }
                 }
                 return header + n * row_bytes;
             },
@@ -292,18 +294,22 @@ class HostEngine final : public Engine {
                 return n * row_bytes;
             },
             [&](int src, const std::byte* slot) {
-                // Rows come back in the order this rank sent them: expert, then token, then k.
+                // Rows come back in the order this rank sent them: expert, then token; every entry k
+                // that names the expert adds the token's one row with its own weight.
                 int n = 0;
                 for (int l = 0; l < L; ++l) {
                     const int64_t e = c_.first_local_expert(src) + l;
-                    for (int t = 0; t < T; ++t)
+                    for (int t = 0; t < T; ++t) {
+                        const int64_t* ids = h.topk_idx.data() + static_cast<size_t>(t) * K;
+                        if (!names_expert(ids, K, e)) continue;
+                        const std::byte* row = slot + n++ * row_bytes;
                         for (int k = 0; k < K; ++k) {
-                            if (h.topk_idx[static_cast<size_t>(t) * K + k] != e) continue;
-                            const std::byte* row = slot + n++ * row_bytes;
+                            if (ids[k] != e) continue;
                             const float w =
                                 topk_weights.data ? topk_weights.data[static_cast<size_t>(t) * K + k] : 1.0f;
                             accumulate_row(acc.data() + static_cast<size_t>(t) * H, row, H, c_.dtype, w);
                         }
+                    }
                 }
             });
         for (int t = 0; t < T; ++t)

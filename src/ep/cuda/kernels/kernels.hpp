@@ -238,7 +238,7 @@ struct LLLayoutArgs {
     const int64_t* topk_idx;  // [T, K]
     int num_tokens;
     int* topk32;         // out [T, K]: validated ids (-1 for none or out of range)
-    int* pos_in_expert;  // out [T, K]: index of entry (t, k) among the entries of its expert
+    int* pos_in_expert;  // out [T, K]: row of entry (t, k) among its expert's (a repeat: its first's)
     int* expert_count;   // out [W*L]
     int* expert_offset;  // out [W*L]: first row of expert e in the rows sent to its rank
     int* send_rows;      // out [W]: rows sent to each rank
@@ -247,7 +247,7 @@ struct LLLayoutArgs {
 };
 void launch_ll_layout(const LLLayoutArgs& a, cudaStream_t stream);
 
-// A low-latency slot: int32 counts[L] padded to header_bytes, then rows ordered by (expert, token, k).
+// A low-latency slot: int32 counts[L] padded to header_bytes, then rows ordered by (expert, token).
 struct LLSendArgs {
     Routing rt;
     RowLayout row;

@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kLayoutTile) layout_kernel(LayoutArgs a) {
 }
 
 // One block; entries i = t*K + k in chunks of kLayoutThreads, the warps of a chunk take turns so that
-// positions within an expert follow (t, k) order.
+// positions within an expert follow token order. A token goes once to each expert: an id repeated in its
+// top-k takes no position of its own and shares the row of the id's first entry.
 __global__ void __launch_bounds__(kLayoutThreads, 1) ll_layout_kernel(LLLayoutArgs a) {
     const Routing rt = a.rt;
     const int W = rt.world, L = rt.num_local_experts, K = rt.top_k;
@@ -185,15 +186,18 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) ll_layout_kernel(LLLayoutAr
     __syncthreads();
     for (int chunk = 0; chunk < N; chunk += kLayoutThreads) {
         const int i = chunk + tid;
-        int e = -1;
+        int e = -1;  // the entry's expert, -1 for none, out of range or an earlier entry's repeat
         if (i < N) {
             const long long v = a.topk_idx[i];
             if (v < -1 || v >= rt.num_experts) {
                 report_bad_id(a.error, a.error_mirror, i / K, i % K, v);
+                a.topk32[i] = -1;
             } else {
+                a.topk32[i] = static_cast<int>(v);
                 e = static_cast<int>(v);
+                for (int j = i - i % K; j < i && e >= 0; ++j)
+                    if (a.topk_idx[j] == v) e = -1;
             }
-            a.topk32[i] = e;
         }
         const unsigned same = __match_any_sync(kFullMask, e);
         const int leader = __ffs(same) - 1;
@@ -209,6 +213,16 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) ll_layout_kernel(LLLayoutAr
         if (i < N) a.pos_in_expert[i] = e >= 0 ? base + __popc(same & lanemask_lt()) : -1;
     }
     __syncthreads();
+    // Repeats take the position of the first entry with their id (written above, never rewritten here).
+    for (int i = tid; i < N; i += blockDim.x) {
+        const int e = a.topk32[i];
+        if (e < 0 || a.pos_in_expert[i] >= 0) continue;
+        for (int j = i - i % K; j < i; ++j)
+            if (a.topk32[j] == e) {
+                a.pos_in_expert[i] = a.pos_in_expert[j];
+                break;
+            }
+    }
     for (int i = tid; i < W * L; i += blockDim.x) a.expert_count[i] = expert_count[i];
     if (tid < W) {
         int run = 0;

@@ -18,15 +18,15 @@ __global__ void __launch_bounds__(kDataThreads) ll_send_kernel(LLSendArgs a) {
         for (int i = threadIdx.x; i < W * L; i += blockDim.x)
             reinterpret_cast<int*>(a.dst[i / L])[i % L] = a.expert_count[i];
     for (int t = global_warp(); t < a.num_tokens; t += num_warps()) {
-        // Lane k: entry k's row, dst[owner]: header, then rows ordered by (expert, token, k)
+        // Lane k: entry k's row, dst[owner]: header, then rows ordered by (expert, token); an id repeated
+        // in the token's top-k is written by the lane of its first entry only.
+        const int e = lane < K ? a.topk32[static_cast<size_t>(t) * K + lane] : -1;
+        const unsigned same = __match_any_sync(kFullMask, e);
         uint8_t* row = nullptr;
-        if (lane < K) {
-            const int e = a.topk32[static_cast<size_t>(t) * K + lane];
-            if (e >= 0) {
-                const int pos = a.expert_offset[e] + a.pos_in_expert[static_cast<size_t>(t) * K + lane];
-                row = a.dst[e / L] + a.header_bytes + static_cast<size_t>(pos) * rl.row_bytes;
-                *reinterpret_cast<int*>(row + rl.token_off) = t;
-            }
+        if (e >= 0 && lane == __ffs(same) - 1) {
+            const int pos = a.expert_offset[e] + a.pos_in_expert[static_cast<size_t>(t) * K + lane];
+            row = a.dst[e / L] + a.header_bytes + static_cast<size_t>(pos) * rl.row_bytes;
+            *reinterpret_cast<int*>(row + rl.token_off) = t;
         }
         const uint8_t* x_row = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t) * x_row_bytes;
         if (!rt.fp8)
