@@ -6,7 +6,8 @@
 # Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
 # MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_VARIANTS
 # (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels) and
-# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) default off. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
+# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
+# bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
@@ -58,6 +59,7 @@ TARGETS=(ep_cuda_test moerl)
 grep -q "model_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_test)
 grep -q "generator_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(generator_test)
 grep -q "model_hf_dump" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_hf_dump)
+grep -q "decode_kernels_bench" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(decode_kernels_bench)
 if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 
@@ -114,7 +116,7 @@ if [ -x "$MOERL" ]; then
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
       # MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between variants).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;GATE_UP_ROWS=2 DOWN_ROWS=4;GATE_UP_ROWS=2 DOWN_ROWS=2;GEMV_MAX_BATCH=0;GEMV_MAX_BATCH=4;GROUPED_MIN_BATCH=128;GROUPED_MIN_BATCH=16;ATTENTION_WARPS=8;PDL=1;PDL=1 ATTENTION_WARPS=8"}
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;PDL=0;ATTENTION_WARPS=2;PDL=0 ATTENTION_WARPS=2;GATE_UP_ROWS=2 DOWN_ROWS=4;GEMV_MAX_BATCH=0;GEMV_MAX_BATCH=4;GROUPED_MIN_BATCH=128;GROUPED_MIN_BATCH=16"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
@@ -126,7 +128,20 @@ if [ -x "$MOERL" ]; then
     [ "${MOERL_DEVICE_EAGER:-1}" = 1 ] && timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
       --prompt 128 --new 32 --no-graphs >"$OUT/bench-rollout-eager.log" 2>&1
   fi
-  if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+  # The latency-bound decode kernels alone, in graphs (no LibTorch needed).
+  KBENCH=$BUILD/bench/decode_kernels_bench
+  if [ "${MOERL_DEVICE_KERNELS:-1}" = 1 ] && [ -x "$KBENCH" ]; then
+    timeout 120 "$KBENCH" >"$OUT/bench-kernels.log" 2>&1
+    step bench_kernels "rc=$?"
+    if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+      for warps in 2 8; do  # where the attention warps stall, batch 1, 193 tokens
+        timeout 90 ncu --kernel-name regex:paged_attention --launch-count 1 --section SpeedOfLight \
+          --section WarpStateStats --section SourceCounters --section LaunchStats "$KBENCH" --batch 1 --len 193 \
+          --warps $warps --iters 1 >"$OUT/ncu-kernels-attention-$warps.log" 2>&1
+      done
+    fi
+  fi
+  if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && [ "${MOERL_DEVICE_NCU_MODEL:-1}" = 1 ] && command -v ncu >/dev/null; then
     # Nsight Compute on the kernels of the timed decode steps at batch 1 (graph nodes, 2 layers):
     # collection starts at the bench's cudaProfilerStart, so initialisation and prefill are not seen.
     MOERL_BENCH_PROFILE_RANGE=1 timeout 240 ncu --profile-from-start off --launch-count ${MOERL_DEVICE_NCU_COUNT:-40} \
@@ -182,6 +197,7 @@ echo
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"
 [ -f "$OUT/bench-sms.log" ] && cat "$OUT/bench-sms.log"
 [ -f "$OUT/bench-variants.log" ] && cat "$OUT/bench-variants.log"
+[ -f "$OUT/bench-kernels.log" ] && grep -E "^\|" "$OUT/bench-kernels.log"
 [ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"
 [ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
@@ -191,6 +207,6 @@ echo
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
+for k in configure build ctest_gpu bench bench_cuda bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done

@@ -104,9 +104,9 @@ struct Generator::Impl {
     int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 1));
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
-    bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 0) != 0;
+    bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Warps per attention block: 2, or 8 (few rows: 256-token chunks, no merge across blocks).
-    int attention_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_WARPS", 2));
+    int attention_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_WARPS", 8));
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner), m(weights), opt(o), device(weights.options.device) {}

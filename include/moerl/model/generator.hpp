@@ -17,7 +17,8 @@
 // _DOWN_ROWS (expert weight rows per warp [kernel default]), _GEMV_MAX_BATCH (largest bucket whose
 // dense projections use the GEMV kernel instead of cuBLAS [1]), _GROUPED_MIN_BATCH (smallest bucket
 // whose experts run as grouped GEMMs [64]), _ATTENTION_WARPS (2, or 8: wide attention blocks for few
-// rows [2]), _PDL (1: programmatic dependent launch of the decode kernels [0]), _PROFILE (below).
+// rows [8]), _PDL (programmatic dependent launch of the decode kernels; 0 = plain stream order [1]),
+// _PROFILE (below).
 #pragma once
 
 #include <ATen/core/Tensor.h>

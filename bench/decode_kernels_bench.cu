@@ -1,0 +1,272 @@
+// The decode step's latency-bound kernels one at a time, at the Qwen3-30B-A3B shape (hidden 2048,
+// 32 query / 4 key-value heads of 128, 128 experts top-8): the time of one launch inside a CUDA
+// graph of many back-to-back launches (what a decode step pays for it, launch gap included), plain
+// and with programmatic dependent launch, next to an empty kernel's. No LibTorch: it runs wherever
+// the decode kernels build.
+//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--warps 2,8]
+// (--len and --warps pick the attention rows; with --len the other kernels are left out.)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "decode_kernels.hpp"
+
+namespace {
+
+namespace mc = moerl::model::cuda;
+
+void check(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return;
+    std::fprintf(stderr, "decode_kernels_bench: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+}
+#define CK(x) check((x), #x)
+
+constexpr int kH = 2048, kHq = 32, kHkv = 4, kD = 128, kE = 128, kK = 8, kI = 768, kBlock = 16;
+
+// Device buffers of random bf16 (or zeroed ints), freed at exit.
+struct Pool {
+    std::vector<void*> ptrs;
+    std::mt19937 rng{7};
+    ~Pool() {
+        for (void* p : ptrs) cudaFree(p);
+    }
+    __nv_bfloat16* bf16(size_t n, float scale = 1.0f) {
+        std::vector<__nv_bfloat16> h(n);
+        std::normal_distribution<float> d(0.0f, scale);
+        for (auto& v : h) v = __float2bfloat16(d(rng));
+        void* p = nullptr;
+        CK(cudaMalloc(&p, n * 2));
+        CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
+        ptrs.push_back(p);
+        return static_cast<__nv_bfloat16*>(p);
+    }
+    template <typename T>
+    T* zeros(size_t n) {
+        void* p = nullptr;
+        CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+        CK(cudaMemset(p, 0, std::max<size_t>(n, 1) * sizeof(T)));
+        ptrs.push_back(p);
+        return static_cast<T*>(p);
+    }
+    template <typename T>
+    T* copy(const std::vector<T>& h) {
+        T* p = zeros<T>(h.size());
+        CK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+        return p;
+    }
+};
+
+__global__ void empty_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Microseconds per launch: `launch` captured `n` times into one graph, the graph replayed `iters`
+// times after a warm-up; median of five timings.
+double time_in_graph(cudaStream_t stream, int n, int iters, const std::function<void()>& launch) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < n; ++i) launch();
+    CK(cudaStreamEndCapture(stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    CK(cudaGraphLaunch(exec, stream));
+    CK(cudaStreamSynchronize(stream));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    std::vector<double> runs;
+    for (int r = 0; r < 5; ++r) {
+        CK(cudaEventRecord(a, stream));
+        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(exec, stream));
+        CK(cudaEventRecord(b, stream));
+        CK(cudaEventSynchronize(b));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        runs.push_back(1000.0 * ms / (static_cast<double>(iters) * n));
+    }
+    std::sort(runs.begin(), runs.end());
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return runs[2];
+}
+
+}  // namespace
+
+// "1,16,64" -> {1, 16, 64}; every entry must be in [1, 1 << 20].
+bool parse_list(const char* text, std::vector<int>& out) {
+    out.clear();
+    std::string item;
+    for (const char* c = text;; ++c) {
+        if (*c == ',' || *c == 0) {
+            char* end = nullptr;
+            const long v = std::strtol(item.c_str(), &end, 10);
+            if (item.empty() || *end != 0 || v < 1 || v > (1 << 20)) return false;
+            out.push_back(static_cast<int>(v));
+            item.clear();
+            if (*c == 0) return true;
+        } else {
+            item += *c;
+        }
+    }
+}
+
+int main(int argc, char** argv) {
+    int iters = 20;
+    std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096}, warp_counts = {2, 8};
+    bool attention_only = false;
+    for (int i = 1; i < argc; ++i) {
+        const std::string flag = argv[i];
+        bool ok = i + 1 < argc;
+        if (ok && flag == "--iters") {
+            char* end = nullptr;
+            iters = static_cast<int>(std::strtol(argv[++i], &end, 10));
+            ok = *end == 0 && iters >= 1;
+        } else if (ok && flag == "--batch") {
+            ok = parse_list(argv[++i], batches);
+        } else if (ok && flag == "--len") {
+            ok = parse_list(argv[++i], lens);
+            attention_only = true;
+        } else if (ok && flag == "--warps") {
+            ok = parse_list(argv[++i], warp_counts);
+            for (int w : warp_counts) ok = ok && (w == 2 || w == 8);
+        } else {
+            ok = false;
+        }
+        if (!ok) {
+            std::fprintf(
+                stderr,
+                "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
+                "[--batch 1,16,64] [--len 137,193,1024,4096] [--warps 2,8]\n",
+                argv[i]);
+            return 2;
+        }
+    }
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+        std::fprintf(stderr, "decode_kernels_bench: no CUDA device\n");
+        return 1;
+    }
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, 0));
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::printf("%s; shape hidden %d, heads %d/%d x %d, %d experts top-%d of width %d, KV blocks of %d\n",
+                prop.name, kH, kHq, kHkv, kD, kE, kK, kI, kBlock);
+    std::printf("us per launch inside a graph of 64 back-to-back launches (median of 5 x %d replays)\n\n",
+                iters);
+    std::printf("| kernel | batch | seq | plain us | overlap us |\n|---|---|---|---|---|\n");
+    constexpr int n = 64;
+    auto row = [&](const std::string& name, int B, int seq, const std::function<void(const mc::Launch&)>& f) {
+        const mc::Launch plain{stream, false}, overlap{stream, true};
+        const double t0 = time_in_graph(stream, n, iters, [&] { f(plain); });
+        const double t1 = time_in_graph(stream, n, iters, [&] { f(overlap); });
+        std::printf("| %s | %d | %s | %.2f | %.2f |\n", name.c_str(), B,
+                    seq > 0 ? std::to_string(seq).c_str() : "-", t0, t1);
+        std::fflush(stdout);
+    };
+    if (!attention_only)
+        row("empty", 1, 0, [&](const mc::Launch& l) {
+            cudaLaunchConfig_t config = {};
+            config.gridDim = dim3(1);
+            config.blockDim = dim3(32);
+            config.stream = l.stream;
+            cudaLaunchAttribute attribute = {};
+            if (l.overlap) {
+                attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                attribute.val.programmaticStreamSerializationAllowed = 1;
+                config.attrs = &attribute;
+                config.numAttrs = 1;
+            }
+            cudaLaunchKernelEx(&config, empty_kernel);
+        });
+
+    Pool pool;
+    for (int B : batches) {
+        // Norms, q/k norm + RoPE + cache store, route, combine: at a sequence of 193 tokens.
+        const int seq = 193, max_blocks = (seq + kBlock - 1) / kBlock, num_blocks = B * max_blocks + 1;
+        std::vector<int> position(B, seq - 1), slot(B), table(static_cast<size_t>(B) * max_blocks);
+        for (int b = 0; b < B; ++b) {
+            slot[b] = b;
+            for (int j = 0; j < max_blocks; ++j)
+                table[static_cast<size_t>(b) * max_blocks + j] = 1 + b * max_blocks + j;
+        }
+        int* d_pos = pool.copy(position);
+        int* d_slot = pool.copy(slot);
+        int* d_table = pool.copy(table);
+        const size_t pool_elems = static_cast<size_t>(num_blocks) * kBlock * kHkv * kD;
+        auto* k_pool = pool.bf16(pool_elems);
+        auto* v_pool = pool.bf16(pool_elems);
+        auto* x = pool.bf16(static_cast<size_t>(B) * kH);
+        auto* delta = pool.bf16(static_cast<size_t>(B) * kH);
+        auto* h = pool.bf16(static_cast<size_t>(B) * kH);
+        auto* norm_w = pool.bf16(kH);
+        auto* qkv = pool.bf16(static_cast<size_t>(B) * (kHq + 2 * kHkv) * kD);
+        auto* qn = pool.bf16(kD);
+        auto* kn = pool.bf16(kD);
+        auto* q = pool.bf16(static_cast<size_t>(B) * kHq * kD);
+        auto* attn_out = pool.bf16(static_cast<size_t>(B) * kHq * kD);
+        auto* logits = pool.bf16(static_cast<size_t>(B) * kE);
+        mc::MoeRouting r;
+        r.topk_idx = pool.zeros<int>(static_cast<size_t>(B) * kK);
+        r.topk_weights = pool.zeros<float>(static_cast<size_t>(B) * kK);
+        r.expert_offset = pool.zeros<int>(kE + 1);
+        r.active_experts = pool.zeros<int>(kE);
+        r.num_active = pool.zeros<int>(1);
+        r.expert_slots = pool.zeros<int>(static_cast<size_t>(B) * kK);
+        auto* y = pool.zeros<float>(static_cast<size_t>(B) * kK * kH);
+
+        if (!attention_only) {
+            row("add_rmsnorm", B, 0, [&](const mc::Launch& l) {
+                mc::launch_add_rmsnorm(1, x, delta, norm_w, 1e-6f, d_pos, B, kH, h, l);
+            });
+            row("qk_norm_rope_store", B, seq, [&](const mc::Launch& l) {
+                mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
+                                              kBlock, B, kHq, kHkv, kD, q, k_pool, v_pool, l);
+            });
+            row("route", B, 0,
+                [&](const mc::Launch& l) { mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, l); });
+            mc::launch_route(1, logits, d_pos, B, kE, kK, true, r,
+                             {stream, false});  // combine reads real routes
+            row("combine_rmsnorm", B, 0, [&](const mc::Launch& l) {
+                mc::launch_moe_combine_rmsnorm(1, x, y, r, norm_w, 1e-6f, d_pos, B, kK, kH, h, l);
+            });
+        }
+        // Attention at several sequence lengths and both block shapes.
+        for (int len : lens) {
+            const int mb = (len + kBlock - 1) / kBlock, nb = B * mb + 1;
+            std::vector<int> pos_len(B, len - 1), tab(static_cast<size_t>(B) * mb);
+            for (int b = 0; b < B; ++b)
+                for (int j = 0; j < mb; ++j) tab[static_cast<size_t>(b) * mb + j] = 1 + b * mb + j;
+            int* d_pos_len = pool.copy(pos_len);
+            int* d_tab = pool.copy(tab);
+            const size_t elems = static_cast<size_t>(nb) * kBlock * kHkv * kD;
+            auto* kp = pool.bf16(elems);
+            auto* vp = pool.bf16(elems);
+            const int splits = mc::attention_partial_splits(mb * kBlock);
+            auto* partial = pool.zeros<float>(static_cast<size_t>(B) * kHq * splits * (kD + 2));
+            int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
+            for (int warps : warp_counts) {
+                row("attention warps " + std::to_string(warps), B, len, [&](const mc::Launch& l) {
+                    mc::launch_paged_attention(1, q, kp, vp, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq,
+                                               kHkv, kD, partial, done, attn_out, l, warps);
+                });
+            }
+        }
+    }
+    CK(cudaStreamSynchronize(stream));
+    return 0;
+}
