@@ -3,8 +3,9 @@
 // graph of many back-to-back launches (what a decode step pays for it, launch gap included), plain
 // and with programmatic dependent launch, next to an empty kernel's. No LibTorch: it runs wherever
 // the decode kernels build.
-//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--warps 2,8]
-// (--len and --warps pick the attention rows; with --len the other kernels are left out.)
+//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4]
+// (--len and --shapes pick the attention rows, with --len the other kernels are left out; shapes: one
+// lane a token in blocks of 2 or 8 warps, two or four lanes a token.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -126,7 +127,8 @@ bool parse_list(const char* text, std::vector<int>& out) {
 
 int main(int argc, char** argv) {
     int iters = 20;
-    std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096}, warp_counts = {2, 8};
+    std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096};
+    std::vector<std::string> shapes = {"w2", "w8", "l2", "l4"};
     bool attention_only = false;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
@@ -140,9 +142,14 @@ int main(int argc, char** argv) {
         } else if (ok && flag == "--len") {
             ok = parse_list(argv[++i], lens);
             attention_only = true;
-        } else if (ok && flag == "--warps") {
-            ok = parse_list(argv[++i], warp_counts);
-            for (int w : warp_counts) ok = ok && (w == 2 || w == 8);
+        } else if (ok && flag == "--shapes") {
+            shapes.clear();
+            const std::string list = argv[++i] + std::string(",");
+            for (size_t at = 0, comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1) {
+                shapes.push_back(list.substr(at, comma - at));
+                const std::string& sh = shapes.back();
+                ok = ok && (sh == "w2" || sh == "w8" || sh == "l2" || sh == "l4");
+            }
         } else {
             ok = false;
         }
@@ -150,7 +157,7 @@ int main(int argc, char** argv) {
             std::fprintf(
                 stderr,
                 "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
-                "[--batch 1,16,64] [--len 137,193,1024,4096] [--warps 2,8]\n",
+                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4]\n",
                 argv[i]);
             return 2;
         }
@@ -259,10 +266,15 @@ int main(int argc, char** argv) {
             const int splits = mc::attention_partial_splits(mb * kBlock);
             auto* partial = pool.zeros<float>(static_cast<size_t>(B) * kHq * splits * (kD + 2));
             int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
-            for (int warps : warp_counts) {
-                row("attention warps " + std::to_string(warps), B, len, [&](const mc::Launch& l) {
+            for (const std::string& sh : shapes) {
+                const bool one_lane = sh[0] == 'w';
+                const mc::AttentionShape shape =
+                    mc::attention_shape(B, kHkv, one_lane ? sh[1] - '0' : 2, one_lane ? 1 : sh[1] - '0');
+                const std::string name = "attention " + sh + " (" + std::to_string(shape.warps) + " warps, " +
+                                         std::to_string(shape.lanes) + " lanes)";
+                row(name, B, len, [&](const mc::Launch& l) {
                     mc::launch_paged_attention(1, q, kp, vp, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq,
-                                               kHkv, kD, partial, done, attn_out, l, warps);
+                                               kHkv, kD, partial, done, attn_out, l, shape);
                 });
             }
         }

@@ -116,7 +116,7 @@ if [ -x "$MOERL" ]; then
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
       # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
       # MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between variants).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;PDL=0;ATTENTION_WARPS=2;PDL=0 ATTENTION_WARPS=2;GATE_UP_ROWS=2 DOWN_ROWS=4;GEMV_MAX_BATCH=0;GEMV_MAX_BATCH=4;GROUPED_MIN_BATCH=128;GROUPED_MIN_BATCH=16"}
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;PDL=0;ATTENTION_LANES=1;ATTENTION_LANES=2;ATTENTION_LANES=1 ATTENTION_WARPS=2 PDL=0;GATE_UP_ROWS=2 DOWN_ROWS=4;GEMV_MAX_BATCH=0;GEMV_MAX_BATCH=4;GROUPED_MIN_BATCH=128;GROUPED_MIN_BATCH=16"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
@@ -134,10 +134,10 @@ if [ -x "$MOERL" ]; then
     timeout 120 "$KBENCH" >"$OUT/bench-kernels.log" 2>&1
     step bench_kernels "rc=$?"
     if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-      for warps in 2 8; do  # where the attention warps stall, batch 1, 193 tokens
+      for shape in w8 l4; do  # where the attention warps stall, batch 1, 193 tokens
         timeout 90 ncu --kernel-name regex:paged_attention --launch-count 1 --section SpeedOfLight \
           --section WarpStateStats --section SourceCounters --section LaunchStats "$KBENCH" --batch 1 --len 193 \
-          --warps $warps --iters 1 >"$OUT/ncu-kernels-attention-$warps.log" 2>&1
+          --shapes $shape --iters 1 >"$OUT/ncu-kernels-attention-$shape.log" 2>&1
       done
     fi
   fi

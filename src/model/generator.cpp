@@ -105,7 +105,9 @@ struct Generator::Impl {
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
-    // Warps per attention block: 2, or 8 (few rows: 256-token chunks, no merge across blocks).
+    // Attention block shape: lanes per token (0 = by batch, 1, 2 or 4) and, with one lane, warps per
+    // block (2, or 8 for few rows: 256-token chunks, no merge across blocks).
+    int attention_lanes = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_LANES", 0));
     int attention_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_WARPS", 8));
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
@@ -177,7 +179,8 @@ struct Generator::Impl {
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
                                          attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
-                                         attn.data_ptr(), launch, attention_warps);
+                                         attn.data_ptr(), launch,
+                                         cuda::attention_shape(B, Hkv, attention_warps, attention_lanes));
             mark("attention");
             linear(attn, w.o_proj, o, B, launch);
             mark("o mm");

@@ -167,23 +167,26 @@ struct ScopedEnv {
     ~ScopedEnv() { unsetenv(name.c_str()); }
 };
 
-// Logits of a step against the CPU model's, same weights, fp32 on both; attention blocks of 2 warps
-// (the default) and of 8 (MOERL_GENERATOR_ATTENTION_WARPS), with a short prompt (one block per head
-// group) and a long one (the sequence split over blocks and merged); kernels launched in plain stream
-// order and overlapped (MOERL_GENERATOR_PDL).
-class GeneratorAttention : public ::testing::TestWithParam<std::tuple<int, int, bool>> {};
+// Logits of a step against the CPU model's, same weights, fp32 on both; every attention block shape
+// (one lane a token in blocks of 2 or 8 warps, two or four lanes a token: "w2", "w8", "l2", "l4";
+// MOERL_GENERATOR_ATTENTION_WARPS / _LANES), with a short prompt (one block per head group) and a long
+// one (the sequence split over blocks and merged); kernels launched in plain stream order and
+// overlapped (MOERL_GENERATOR_PDL).
+class GeneratorAttention : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
 
 TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
     SKIP_WITHOUT_ENGINE();
     ModelConfig c = engine_config();
     c.max_position_embeddings = 512;
     Twins t(c);
-    const auto [warps, prompt_len, overlap] = GetParam();
+    const auto [shape, prompt_len, overlap] = GetParam();
     std::vector<int64_t> prompt = random_prompt(prompt_len, c.vocab_size, 11);
     c10::NoGradGuard no_grad;
     KvCache cache = t.cpu.new_cache(1, prompt_len + 10);
     at::Tensor ref = t.cpu.prefill(cache, at::tensor(prompt, at::kLong).unsqueeze(0), at::Tensor()).logits;
-    const ScopedEnv env_warps("MOERL_GENERATOR_ATTENTION_WARPS", std::to_string(warps));
+    const bool one_lane = shape[0] == 'w';
+    const ScopedEnv env_warps("MOERL_GENERATOR_ATTENTION_WARPS", one_lane ? shape.substr(1) : "2");
+    const ScopedEnv env_lanes("MOERL_GENERATOR_ATTENTION_LANES", one_lane ? "1" : shape.substr(1));
     const ScopedEnv env_overlap("MOERL_GENERATOR_PDL", overlap ? "1" : "0");
     Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = prompt_len + 22, .block_size = 8});
     const int s = gen.acquire();
@@ -197,9 +200,9 @@ TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(WarpsPromptOverlap, GeneratorAttention,
-                         ::testing::Combine(::testing::Values(2, 8), ::testing::Values(10, 300),
-                                            ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(ShapePromptOverlap, GeneratorAttention,
+                         ::testing::Combine(::testing::Values("w2", "w8", "l2", "l4"),
+                                            ::testing::Values(10, 300), ::testing::Bool()));
 
 // The captured graphs replay exactly what eager launches compute (bf16, a padded bucket of 3 of 4), with
 // the kernels in plain stream order and overlapped (programmatic edges in the graphs).

@@ -64,15 +64,26 @@ bool attention_group_supported(int group);
 constexpr int kAttentionMinChunk = 64;
 int attention_partial_splits(int max_seq_len);
 
+// Block shape of the attention kernel: warps per block and lanes per token (1, 2 or 4; a token's
+// lanes share its key row).
+struct AttentionShape {
+    int warps = 2;
+    int lanes = 1;
+};
+
+// The shape for B rows: lanes 0 = the default for B (four lanes a token in blocks of 8 warps when
+// B * Hkv is small, else one lane in blocks of 2); lanes 2 or 4 = that many (4 or 8 warps, 64-token
+// passes); lanes 1 = one, with `warps` 8 (256-token passes, few rows only) or 2.
+AttentionShape attention_shape(int B, int Hkv, int warps, int lanes);
+
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
 // partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
 // * (D + 2) elements (split-sequence partial results); split_done: B * Hq ints, zero before the
-// first call (each call leaves them zero). warps: 2 per block, or 8 with few rows (256-token chunks,
-// no merge across blocks up to that length).
+// first call (each call leaves them zero). Every shape gives the same result up to fp32 rounding.
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, const Launch& launch, int warps = 2);
+                            void* out, const Launch& launch, AttentionShape shape = {});
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.

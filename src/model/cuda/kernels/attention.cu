@@ -5,11 +5,14 @@
 // the same keys (from L2) but each does a quarter of the arithmetic and the merging, which is what
 // bounds a step when the GPU holds only a few dozen warps.
 //
-// Each warp takes 32 tokens at a time: lane t scores token t against the G queries (its key row
-// read whole with 16-byte loads, the queries broadcast from shared memory), an online softmax keeps
-// (max, sum) per query head, then the warp accumulates the values with lane i holding dims i,
-// i + 32, ... The warps' states are merged in shared memory; with one split the block writes the
-// output, otherwise a partial (max, sum, unnormalised output) that the merge kernel combines.
+// Each warp takes 32 / kLanes tokens at a time: the kLanes lanes of a token score it against the G
+// queries (each a share of the key row, read with 16-byte loads; the queries broadcast from shared
+// memory) and add their parts, an online softmax keeps (max, sum) per query head, then the warp
+// accumulates the values with lane i holding dims i, i + 32, ... More lanes per token shorten each
+// warp's dependent chains (a quarter of the key row and of the tokens per lane with four), which is
+// what bounds the kernel when a step has only a few rows and the GPU holds a few warps per SM.
+// The warps' states are merged in shared memory; with one split the block writes the output,
+// otherwise a partial (max, sum, unnormalised output) that the last block of the row merges.
 #include <algorithm>
 #include <cfloat>
 
@@ -31,8 +34,8 @@ struct Partials {
 };
 
 // G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32);
-// kAttnWarps warps per block, each taking 32 tokens of the block's chunk at a time.
-template <typename T, int G, int kDimsPerLane, int kAttnWarps>
+// kAttnWarps warps per block, each taking 32 / kLanes tokens of the block's chunk at a time.
+template <typename T, int G, int kDimsPerLane, int kAttnWarps, int kLanes>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
@@ -78,8 +81,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
         for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] = 0.0f;
     }
-    for (int base = first + warp * 32; base < last; base += kAttnWarps * 32) {
-        const int t = base + lane;
+    constexpr int kTokens = 32 / kLanes;  // tokens of a warp pass
+    const int share = lane % kLanes;      // the lane's share of its token's key row
+    for (int base = first + warp * kTokens; base < last; base += kAttnWarps * kTokens) {
+        const int t = base + lane / kLanes;
         const bool valid = t < last;
         size_t row = 0;  // element offset of token t's (kv_head) row in the pools
         float s[G];
@@ -89,19 +94,19 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
                   static_cast<size_t>(kv_head) * D;
             const T* k_row = k_pool + row;
-            // The whole key row (D / 8 chunks of 8) is requested before any arithmetic: one memory
-            // latency per 32 tokens instead of one per chunk.
-            constexpr int kChunks = kDimsPerLane * 4;
-            Raw8<T> kraw[kChunks];
+            // The lane's chunks of 8 (every kLanes-th of the D / 8) are requested before any
+            // arithmetic: one memory latency per pass instead of one per chunk.
+            constexpr int kMine = kDimsPerLane * 4 / kLanes;
+            Raw8<T> kraw[kMine];
 #pragma unroll
-            for (int u = 0; u < kChunks; ++u)
-                if (u * 8 < D) kraw[u] = load_raw8(k_row + u * 8);
+            for (int c = 0; c < kMine; ++c)
+                if ((share + c * kLanes) * 8 < D) kraw[c] = load_raw8(k_row + (share + c * kLanes) * 8);
 #pragma unroll
-            for (int u = 0; u < kChunks; ++u) {
-                if (u * 8 >= D) break;
-                const int d = u * 8;
+            for (int c = 0; c < kMine; ++c) {
+                const int d = (share + c * kLanes) * 8;
+                if (d >= D) break;
                 float kv[8];
-                raw8_to_float(kraw[u], kv);
+                raw8_to_float(kraw[c], kv);
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
                     const float4 qa = *reinterpret_cast<const float4*>(q_s + g * D + d);
@@ -111,6 +116,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                 }
             }
         }
+        // The lanes of a token (kLanes adjacent lanes) add their parts: every one holds the score.
+#pragma unroll
+        for (int o = 1; o < kLanes; o <<= 1)
+#pragma unroll
+            for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(kFullMask, s[g], o);
         float p[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -118,19 +128,20 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             const float m_new = fmaxf(m[g], tile_max);
             const float correction = __expf(m[g] - m_new);
             p[g] = valid ? __expf(s[g] - m_new) : 0.0f;
-            l[g] = l[g] * correction + warp_sum(p[g]);
+            l[g] = l[g] * correction + warp_sum(share == 0 ? p[g] : 0.0f);
             m[g] = m_new;
 #pragma unroll
             for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] *= correction;
         }
-        // Values kVGroup tokens at a time, their loads issued together.
-        constexpr int kVGroup = 16;
-        const int count = min(32, last - base);
+        // Values kVGroup tokens at a time, their loads issued together; token j's row and weights
+        // come from its first lane, j * kLanes.
+        constexpr int kVGroup = kTokens < 16 ? kTokens : 16;
+        const int count = min(kTokens, last - base);
         for (int j0 = 0; j0 < count; j0 += kVGroup) {
             float v[kVGroup][kDimsPerLane];
 #pragma unroll
             for (int jj = 0; jj < kVGroup; ++jj) {
-                const size_t vrow = __shfl_sync(kFullMask, row, (j0 + jj) & 31);
+                const size_t vrow = __shfl_sync(kFullMask, row, ((j0 + jj) * kLanes) & 31);
                 const T* v_row = v_pool + vrow;
 #pragma unroll
                 for (int i = 0; i < kDimsPerLane; ++i) {
@@ -142,7 +153,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             for (int jj = 0; jj < kVGroup; ++jj) {
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
-                    const float pj = __shfl_sync(kFullMask, p[g], (j0 + jj) & 31);
+                    const float pj = __shfl_sync(kFullMask, p[g], ((j0 + jj) * kLanes) & 31);
 #pragma unroll
                     for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] += pj * v[jj][i];
                 }
@@ -234,10 +245,10 @@ struct AttnLaunch {
     Launch launch;
 };
 
-template <typename T, int G, int kDimsPerLane, int kWarps>
+template <typename T, int G, int kDimsPerLane, int kWarps, int kLanes>
 void launch_group(const AttnLaunch& l) {
     const size_t smem = sizeof(float) * (G * l.D + 2 * kWarps * G + kWarps * G * l.D);
-    auto kernel = paged_attention_kernel<T, G, kDimsPerLane, kWarps>;
+    auto kernel = paged_attention_kernel<T, G, kDimsPerLane, kWarps, kLanes>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     launch_kernel(kernel, dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.launch,
                   static_cast<const T*>(l.q), static_cast<const T*>(l.k_pool),
@@ -245,18 +256,40 @@ void launch_group(const AttnLaunch& l) {
                   l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part, static_cast<T*>(l.out));
 }
 
-// kWide: 8 warps a block (only built for one or two heads a block, the few-rows case), else 2.
-template <typename T, int G, bool kWide>
+template <typename T, int G, int kWarps, int kLanes>
 void launch_dims(const AttnLaunch& l) {
-    constexpr int kWarps = kWide && G <= 2 ? 8 : 2;
-    if (l.D <= 32)
-        launch_group<T, G, 1, kWarps>(l);
-    else if (l.D <= 64)
-        launch_group<T, G, 2, kWarps>(l);
-    else if (l.D <= 128)
-        launch_group<T, G, 4, kWarps>(l);
-    else
-        launch_group<T, G, 8, kWarps>(l);
+    if (l.D <= 32) {
+        launch_group<T, G, 1, kWarps, kLanes>(l);
+    } else if (l.D <= 64) {
+        launch_group<T, G, 2, kWarps, kLanes>(l);
+    } else if (l.D <= 128) {
+        launch_group<T, G, 4, kWarps, kLanes>(l);
+    } else {
+        if constexpr (kLanes == 1) launch_group<T, G, 8, kWarps, 1>(l);
+    }
+}
+
+// Block shapes (warps, lanes per token) built: (2, 1) everywhere; (8, 1) for one or two heads a block
+// (the few-rows case); the 64-token passes (4, 2) and (8, 4) up to 8 heads a block and 128 dims.
+// Anything else runs as (2, 1).
+template <typename T, int G>
+void launch_shape(const AttnLaunch& l, AttentionShape shape) {
+    if constexpr (G <= 8) {
+        if (shape.lanes > 1 && l.D <= 128) {
+            if (shape.lanes == 4)
+                launch_dims<T, G, 8, 4>(l);
+            else
+                launch_dims<T, G, 4, 2>(l);
+            return;
+        }
+    }
+    if constexpr (G <= 2) {
+        if (shape.warps == 8) {
+            launch_dims<T, G, 8, 1>(l);
+            return;
+        }
+    }
+    launch_dims<T, G, 2, 1>(l);
 }
 
 // Query heads per block: all of a key-value head's when rows alone give enough blocks, else two.
@@ -265,19 +298,19 @@ int heads_per_block(int B, int Hq, int Hkv) {
     return B * Hkv >= kAttentionRowsForFullGroups ? group : std::min(group, 2);
 }
 
-template <typename T, bool kWide>
-void launch_typed(const AttnLaunch& l) {
+template <typename T>
+void launch_typed(const AttnLaunch& l, AttentionShape shape) {
     switch (l.heads) {
         case 1:
-            return launch_dims<T, 1, kWide>(l);
+            return launch_shape<T, 1>(l, shape);
         case 2:
-            return launch_dims<T, 2, kWide>(l);
+            return launch_shape<T, 2>(l, shape);
         case 4:
-            return launch_dims<T, 4, false>(l);
+            return launch_shape<T, 4>(l, shape);
         case 8:
-            return launch_dims<T, 8, false>(l);
+            return launch_shape<T, 8>(l, shape);
         case 16:
-            return launch_dims<T, 16, false>(l);
+            return launch_shape<T, 16>(l, shape);
         default:
             return;  // refused by the generator before any launch
     }
@@ -293,19 +326,34 @@ int attention_partial_splits(int max_seq_len) {
     return (max_seq_len + kAttentionMinChunk - 1) / kAttentionMinChunk;
 }
 
+AttentionShape attention_shape(int B, int Hkv, int warps, int lanes) {
+    const bool few_rows = B * Hkv < kAttentionRowsForFullGroups;
+    AttentionShape shape;
+    if (lanes == 2 || lanes == 4) {
+        shape.lanes = lanes;
+        shape.warps = lanes == 4 ? 8 : 4;
+    } else if (lanes == 1) {
+        shape.warps = warps == 8 && few_rows ? 8 : 2;
+    } else {  // the measured best: four lanes a token for few rows, else one
+        shape = few_rows ? AttentionShape{8, 4} : AttentionShape{2, 1};
+    }
+    return shape;
+}
+
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, const Launch& launch, int warps) {
+                            void* out, const Launch& launch, AttentionShape shape) {
     if (B == 0) return;
-    // Chunks of the sequence per block: short ones when rows are few, so the GPU fills up; one
-    // split (no merge) when rows alone give enough blocks. Wide blocks (8 warps, few rows only) take
-    // 256-token chunks: sequences up to that length need no merge across blocks.
+    // Chunks of the sequence per block: one pass of the block's warps, at least kAttentionMinChunk
+    // tokens, longer while there would be more than 1024 blocks (one split, no merge, once rows alone
+    // give that many). 8 warps of one lane a token take 256 tokens a pass: sequences up to that
+    // length need no merge across blocks.
     const int max_seq_len = max_blocks * block_size;
     const int heads = heads_per_block(B, Hq, Hkv);
-    const bool wide = warps == 8 && heads <= 2;
     const int blocks_without_split = B * (Hq / heads);
-    int chunk = wide ? 256 : kAttentionMinChunk;
+    int chunk = std::max(kAttentionMinChunk, shape.warps * 32 / shape.lanes);
+    if (shape.lanes == 1 && !(shape.warps == 8 && heads <= 2)) chunk = kAttentionMinChunk;
     while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
     AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
@@ -316,9 +364,9 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
     l.part.ml = partial;
     l.part.acc = partial + static_cast<size_t>(B) * Hq * l.part.splits * 2;  // after ml [B, Hq, splits, 2]
     if (dtype == 0)
-        wide ? launch_typed<float, true>(l) : launch_typed<float, false>(l);
+        launch_typed<float>(l, shape);
     else
-        wide ? launch_typed<__nv_bfloat16, true>(l) : launch_typed<__nv_bfloat16, false>(l);
+        launch_typed<__nv_bfloat16>(l, shape);
 }
 
 }  // namespace moerl::model::cuda

@@ -9,7 +9,7 @@
 namespace moerl::model::cuda {
 namespace {
 
-constexpr int kRouteWarps = 16;
+constexpr int kRouteWarps = 32;
 constexpr int kMoeWarps = 8;
 
 template <typename T>
@@ -18,16 +18,16 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
                  MoeRouting r) {
     griddep_wait();
     griddep_launch_dependents();
-    extern __shared__ float smem[];
-    float* probs = smem;                                           // [warps, E]
-    int* count = reinterpret_cast<int*>(probs + kRouteWarps * E);  // [E]
-    int* cursor = count + E;                                       // [E]
-    int* offset = cursor + E;                                      // [E + 1]
+    extern __shared__ int smem_counts[];
+    int* count = smem_counts;  // [E]
+    int* cursor = count + E;   // [E]
+    int* offset = cursor + E;  // [E + 1]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = cursor[e] = 0;
     __syncthreads();
 
-    float* p = probs + warp * E;
+    // One warp a row, its probabilities in registers: lane l holds experts l, l + 32, ...
+    constexpr int kPerLane = kMaxExperts / 32;
     for (int b = warp; b < B; b += kRouteWarps) {
         if (position[b] < 0) {
             if (lane < K) {
@@ -37,16 +37,20 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
             continue;
         }
         const T* row = logits + static_cast<size_t>(b) * E;  // logits [B, E]
+        float p[kPerLane];
         float mx = -FLT_MAX;
-        for (int e = lane; e < E; e += 32) {
-            p[e] = to_float(row[e]);
-            mx = fmaxf(mx, p[e]);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            const int e = i * 32 + lane;
+            p[i] = e < E ? to_float(row[e]) : -FLT_MAX;
+            mx = fmaxf(mx, p[i]);
         }
         mx = warp_max(mx);
         float sum = 0.0f;
-        for (int e = lane; e < E; e += 32) {
-            p[e] = __expf(p[e] - mx);
-            sum += p[e];
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            p[i] = i * 32 + lane < E ? __expf(p[i] - mx) : -1.0f;  // -1: below every probability
+            sum += p[i] > 0.0f ? p[i] : 0.0f;
         }
         const float inv_sum = 1.0f / warp_sum(sum);
         // K rounds of a warp argmax (lowest index on ties); lane k keeps the k-th choice.
@@ -55,8 +59,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
         for (int k = 0; k < K; ++k) {
             float best = -1.0f;
             int best_e = E;
-            for (int e = lane; e < E; e += 32)
-                if (p[e] > best) best = p[e], best_e = e;
+#pragma unroll
+            for (int i = 0; i < kPerLane; ++i)
+                if (p[i] > best) best = p[i], best_e = i * 32 + lane;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
                 const float ob = __shfl_xor_sync(kFullMask, best, o);
@@ -64,9 +69,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
                 if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
             }
             if (lane == k) my_idx = best_e, my_w = best * inv_sum;
-            __syncwarp();
-            if (lane == 0) p[best_e] = -2.0f;  // taken
-            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < kPerLane; ++i)
+                if (i * 32 + lane == best_e) p[i] = -2.0f;  // taken
         }
         const float total = warp_sum(lane < K ? my_w : 0.0f);
         if (lane < K) {
@@ -311,7 +316,7 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 
 void launch_route(int dtype, const void* router_logits, const int* position, int B, int E, int K,
                   bool norm_topk_prob, const MoeRouting& r, const Launch& launch) {
-    const size_t smem = sizeof(float) * kRouteWarps * E + sizeof(int) * (3 * E + 1);
+    const size_t smem = sizeof(int) * (3 * E + 1);
     if (dtype == 0) {
         ensure_dynamic_smem(reinterpret_cast<const void*>(route_kernel<float>), smem);
         launch_kernel(route_kernel<float>, 1, kRouteWarps * 32, smem, launch,
