@@ -204,6 +204,54 @@ INSTANTIATE_TEST_SUITE_P(ShapePromptOverlap, GeneratorAttention,
                          ::testing::Combine(::testing::Values("w2", "w8", "l2", "l4"),
                                             ::testing::Values(10, 300), ::testing::Bool()));
 
+// Many rows (B x key-value heads >= 32: a block serves all of a key-value head's query heads, here
+// four) of different lengths, every block shape, against the CPU model row by row (fp32 on both).
+class GeneratorAttentionRows : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GeneratorAttentionRows, ManyRowsDecodeLogitsMatchCpu) {
+    SKIP_WITHOUT_ENGINE();
+    ModelConfig c = engine_config();
+    c.num_attention_heads = 8;
+    c.num_key_value_heads = 2;
+    c.validate();
+    Twins t(c);
+    const std::string shape = GetParam();
+    const bool one_lane = shape[0] == 'w';
+    const ScopedEnv env_warps("MOERL_GENERATOR_ATTENTION_WARPS", one_lane ? shape.substr(1) : "2");
+    const ScopedEnv env_lanes("MOERL_GENERATOR_ATTENTION_LANES", one_lane ? "1" : shape.substr(1));
+    c10::NoGradGuard no_grad;
+    constexpr int kRows = 16, kSteps = 3;
+    std::vector<std::vector<int64_t>> prompts;
+    std::vector<KvCache> caches;
+    std::vector<at::Tensor> refs;  // [1, V] each
+    for (int i = 0; i < kRows; ++i) {
+        prompts.push_back(random_prompt(5 + 5 * i, c.vocab_size, 100 + i));
+        caches.push_back(t.cpu.new_cache(1, 5 + 5 * i + kSteps + 1));
+        refs.push_back(
+            t.cpu.prefill(caches.back(), at::tensor(prompts.back(), at::kLong).unsqueeze(0), at::Tensor())
+                .logits);
+    }
+    Generator gen(t.gpu, {.max_batch = kRows, .max_seq_len = 5 + 5 * kRows + kSteps, .block_size = 8});
+    std::vector<int> slots;
+    for (int i = 0; i < kRows; ++i) slots.push_back(gen.acquire());
+    at::Tensor got = gen.prefill(slots, prompts).logits.cpu().to(at::kFloat);
+    for (int i = 0; i < kRows; ++i)
+        EXPECT_LT((got[i] - refs[i][0]).abs().max().item<float>(), 1e-4) << "row " << i;
+    for (int step = 0; step < kSteps; ++step) {
+        std::vector<at::Tensor> toks;
+        for (int i = 0; i < kRows; ++i) {
+            toks.push_back(refs[i].argmax(-1));
+            refs[i] = t.cpu.decode(caches[i], toks.back()).logits;
+        }
+        got = gen.decode(slots, at::cat(toks)).logits.cpu().to(at::kFloat);
+        for (int i = 0; i < kRows; ++i)
+            EXPECT_LT((got[i] - refs[i][0]).abs().max().item<float>(), 1e-4)
+                << "row " << i << ", step " << step;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GeneratorAttentionRows, ::testing::Values("w2", "l2", "l4"));
+
 // The captured graphs replay exactly what eager launches compute (bf16, a padded bucket of 3 of 4), with
 // the kernels in plain stream order and overlapped (programmatic edges in the graphs).
 class GeneratorGraphs : public ::testing::TestWithParam<bool> {};

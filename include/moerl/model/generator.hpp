@@ -17,7 +17,7 @@
 // _DOWN_ROWS (expert weight rows per warp [kernel default]), _GEMV_MAX_BATCH (largest bucket whose
 // dense projections use the GEMV kernel instead of cuBLAS [1]), _GROUPED_MIN_BATCH (smallest bucket
 // whose experts run as grouped GEMMs [64]), _ATTENTION_LANES (lanes per token in the attention kernel:
-// 1, 2 or 4 [0: 4 for few rows, else 1]), _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _PDL
+// 1, 2 or 4 [0: 4]), _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _PDL
 // (programmatic dependent launch of the decode kernels; 0 = plain stream order [1]), _PROFILE (below).
 #pragma once
 

@@ -71,9 +71,9 @@ struct AttentionShape {
     int lanes = 1;
 };
 
-// The shape for B rows: lanes 0 = the default for B (four lanes a token in blocks of 8 warps when
-// B * Hkv is small, else one lane in blocks of 2); lanes 2 or 4 = that many (4 or 8 warps, 64-token
-// passes); lanes 1 = one, with `warps` 8 (256-token passes, few rows only) or 2.
+// The shape for B rows: lanes 0 = the default (four lanes a token in blocks of 8 warps); lanes 2 or
+// 4 = that many (4 or 8 warps, 64-token passes); lanes 1 = one, with `warps` 8 (256-token passes, few
+// rows only) or 2.
 AttentionShape attention_shape(int B, int Hkv, int warps, int lanes);
 
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
@@ -92,17 +92,19 @@ void launch_route(int dtype, const void* router_logits, const int* position, int
 
 // act[s] = silu(h[s / K] gate_e^T) * (h[s / K] up_e^T) for every slot s routed to expert e.
 // gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)). rows_per_warp: 1, 2
-// or 4 weight rows per warp (0 = default).
+// or 4 weight rows per warp (0 = default). next_down (optional): the down weights [E, H, I] the
+// next kernel reads; the routed experts' are asked into L2 as this kernel's blocks finish.
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        const Launch& launch);
+                        const Launch& launch, const void* next_down = nullptr);
 
 // y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
                      int I, int max_active, int rows_per_warp, float* y, const Launch& launch);
 
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
-// (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes.
+// (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. The
+// weights are asked into L2 before the kernel waits for its predecessor (Launch::overlap).
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
                        int rows_per_warp, void* out, const Launch& launch);
 

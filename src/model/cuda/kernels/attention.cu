@@ -334,8 +334,8 @@ AttentionShape attention_shape(int B, int Hkv, int warps, int lanes) {
         shape.warps = lanes == 4 ? 8 : 4;
     } else if (lanes == 1) {
         shape.warps = warps == 8 && few_rows ? 8 : 2;
-    } else {  // the measured best: four lanes a token for few rows, else one
-        shape = few_rows ? AttentionShape{8, 4} : AttentionShape{2, 1};
+    } else {  // the measured best at 1-64 rows and 137-4096 tokens (bench/decode_kernels_bench.cu)
+        shape = AttentionShape{8, 4};
     }
     return shape;
 }
