@@ -199,7 +199,7 @@ struct Generator::Impl {
                 } else {
                     cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                              w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
-                                             act.data_ptr(), launch, w.experts_down.data_ptr());
+                                             act.data_ptr(), launch);
                     mark("experts gate+up");
                     cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
                                           max_active, down_rows, y.data_ptr<float>(), launch);

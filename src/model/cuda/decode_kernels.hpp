@@ -92,11 +92,10 @@ void launch_route(int dtype, const void* router_logits, const int* position, int
 
 // act[s] = silu(h[s / K] gate_e^T) * (h[s / K] up_e^T) for every slot s routed to expert e.
 // gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)). rows_per_warp: 1, 2
-// or 4 weight rows per warp (0 = default). next_down (optional): the down weights [E, H, I] the
-// next kernel reads; the routed experts' are asked into L2 as this kernel's blocks finish.
+// or 4 weight rows per warp (0 = default).
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        const Launch& launch, const void* next_down = nullptr);
+                        const Launch& launch);
 
 // y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,

@@ -12,7 +12,8 @@ namespace {
 constexpr int kRouteWarps = 32;
 constexpr int kMoeWarps = 8;
 
-template <typename T>
+// kPerLane: ceil(E / 32) rounded up to a power of two (the row's probabilities each lane holds).
+template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const T* logits, const int* position, int B, int E, int K, bool norm_topk_prob,
                  MoeRouting r) {
@@ -27,7 +28,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     __syncthreads();
 
     // One warp a row, its probabilities in registers: lane l holds experts l, l + 32, ...
-    constexpr int kPerLane = kMaxExperts / 32;
     for (int b = warp; b < B; b += kRouteWarps) {
         // The row's logits are requested together with its position (a padding row's are there too).
         const int pos = position[b];
@@ -150,13 +150,11 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows,
 // (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
-// depend on it). w_next (optional, [E, next_elems]): the matrices the next kernel reads for the same
-// experts; each block asks L2 for its share of expert e's once its own rows are done, so the next
-// kernel starts on L2 hits while this one's last blocks drain.
+// depend on it).
 template <typename T, int kMode, int kRows, int kTile>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, T* act, float* y, const T* w_next, size_t next_elems) {
+                       int out_rows, int num_rows, T* act, float* y) {
     if constexpr (kMode == kDense)
         prefetch_rows_l2(w0, blockIdx.x * kMoeWarps * kRows, kMoeWarps * kRows, out_rows, cols);
     griddep_wait();
@@ -251,15 +249,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             }
         }
     }
-    if (kMode != kDense && w_next != nullptr) {
-        // share [begin, end) of expert e's next matrix, whole 128-byte lines
-        const size_t bytes = next_elems * sizeof(T), lines = (bytes + 127) / 128;
-        const size_t per_block = (lines + gridDim.x - 1) / gridDim.x;
-        const char* base = reinterpret_cast<const char*>(w_next + static_cast<size_t>(e) * next_elems);
-        const size_t begin = blockIdx.x * per_block, end = min(lines, begin + per_block);
-        for (size_t line = begin + threadIdx.x; line < end; line += blockDim.x)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(base + line * 128));
-    }
 }
 
 template <typename T>
@@ -291,16 +280,14 @@ __global__ void __launch_bounds__(kNormThreads)
 
 template <typename T, int kMode, int kRows, int kTile>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
-                 int out_rows, int num_rows, int max_active, void* act, float* y, const void* w_next,
-                 size_t next_elems, const Launch& launch) {
+                 int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch) {
     const size_t smem = sizeof(T) * kTile * cols;
     auto kernel = expert_rows_kernel<T, kMode, kRows, kTile>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
-                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, static_cast<T*>(act), y,
-                  static_cast<const T*>(w_next), next_elems);
+                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, static_cast<T*>(act), y);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
@@ -308,7 +295,7 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
 template <typename T, int kMode>
 void launch_expert_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B,
                         int row_div, int cols, int out_rows, int max_active, int rows_per_warp, void* act,
-                        float* y, const Launch& launch, const void* w_next = nullptr, size_t next_elems = 0) {
+                        float* y, const Launch& launch) {
     if (max_active == 0 || B == 0) return;
     if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4)
         rows_per_warp = kMode == kGatedExperts ? 1 : 2;
@@ -316,7 +303,7 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 #define MOERL_ROWS_CASE(rows, t)                                                                             \
     if (rows_per_warp == rows && tile == t)                                                                  \
         return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act, y, \
-                                              w_next, next_elems, launch);
+                                              launch);
     MOERL_ROWS_CASE(1, 1)
     MOERL_ROWS_CASE(1, 4)
     MOERL_ROWS_CASE(1, kMoeTokenTile)
@@ -331,30 +318,36 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 
 }  // namespace
 
+template <typename T, int kPerLane>
+void launch_route_typed(const void* router_logits, const int* position, int B, int E, int K,
+                        bool norm_topk_prob, const MoeRouting& r, const Launch& launch) {
+    if constexpr (kPerLane < kMaxExperts / 32) {
+        if (E > 32 * kPerLane)
+            return launch_route_typed<T, kPerLane * 2>(router_logits, position, B, E, K, norm_topk_prob, r,
+                                                       launch);
+    }
+    const size_t smem = sizeof(int) * (3 * E + 1);
+    launch_kernel(route_kernel<T, kPerLane>, 1, kRouteWarps * 32, smem, launch,
+                  static_cast<const T*>(router_logits), position, B, E, K, norm_topk_prob, r);
+}
+
 void launch_route(int dtype, const void* router_logits, const int* position, int B, int E, int K,
                   bool norm_topk_prob, const MoeRouting& r, const Launch& launch) {
-    const size_t smem = sizeof(int) * (3 * E + 1);
-    if (dtype == 0) {
-        ensure_dynamic_smem(reinterpret_cast<const void*>(route_kernel<float>), smem);
-        launch_kernel(route_kernel<float>, 1, kRouteWarps * 32, smem, launch,
-                      static_cast<const float*>(router_logits), position, B, E, K, norm_topk_prob, r);
-    } else {
-        ensure_dynamic_smem(reinterpret_cast<const void*>(route_kernel<__nv_bfloat16>), smem);
-        launch_kernel(route_kernel<__nv_bfloat16>, 1, kRouteWarps * 32, smem, launch,
-                      static_cast<const __nv_bfloat16*>(router_logits), position, B, E, K, norm_topk_prob, r);
-    }
+    if (dtype == 0)
+        launch_route_typed<float, 1>(router_logits, position, B, E, K, norm_topk_prob, r, launch);
+    else
+        launch_route_typed<__nv_bfloat16, 1>(router_logits, position, B, E, K, norm_topk_prob, r, launch);
 }
 
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        const Launch& launch, const void* next_down) {
+                        const Launch& launch) {
     if (dtype == 0)
         launch_expert_rows<float, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act,
-                                                 nullptr, launch, next_down, size_t{1} * H * I);
+                                                 nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active,
-                                                         rows_per_warp, act, nullptr, launch, next_down,
-                                                         size_t{1} * H * I);
+                                                         rows_per_warp, act, nullptr, launch);
 }
 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
