@@ -2,7 +2,7 @@
 # Runs on the GPU machine (DESIGN.md section 7): configure + build, `ctest -L gpu`, compute-sanitizer
 # (memcheck, racecheck) on a 2-rank case, the EP benchmarks; logs under $OUT, a summary table last.
 #   OUT=/tmp/out scripts/device.sh            # everything (LibTorch found -> model/rl/cli built too)
-#   MOERL_DEVICE_TORCH=OFF scripts/device.sh  # only the EP library and the gpu tests (fast)
+#   MOERL_DEVICE_TORCH=OFF scripts/device.sh  # only the EP library, the gpu tests and the decode kernels bench (fast)
 # Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
 # MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_VARIANTS
 # (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels) and
