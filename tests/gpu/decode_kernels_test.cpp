@@ -1,0 +1,219 @@
+// The decode step's attention and routing kernels (src/model/cuda, no LibTorch) against plain CPU
+// references, in fp32: every attention block shape over a paged cache with rows of different
+// lengths, few rows (heads split over blocks) and many (a block per key-value head's group), a
+// padding row; routing with exact ties, padding rows and expert counts that need 1 and 16
+// probabilities a lane.
+#include "decode_kernels.hpp"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace mc = moerl::model::cuda;
+
+#define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+bool have_device() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// Device copy of a host vector, freed with the object.
+template <typename T>
+struct Dev {
+    T* p = nullptr;
+    size_t n = 0;
+    explicit Dev(const std::vector<T>& v) : n(std::max<size_t>(v.size(), 1)) {
+        EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
+        EXPECT_EQ(cudaMemset(p, 0, n * sizeof(T)), cudaSuccess);
+        if (!v.empty()) {
+            EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+        }
+    }
+    ~Dev() { cudaFree(p); }
+    std::vector<T> read() const {
+        std::vector<T> out(n);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+        return out;
+    }
+};
+
+struct AttentionCase {
+    int B;
+    std::string shape;  // w2, w8, l2, l4
+};
+
+class DecodeAttention : public ::testing::TestWithParam<AttentionCase> {};
+
+TEST_P(DecodeAttention, MatchesCpuReference) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const auto [B, shape_name] = GetParam();
+    constexpr int Hq = 8, Hkv = 2, D = 64, bs = 16, max_len = 300;
+    const int group = Hq / Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
+    std::mt19937 rng(1234 + B);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<int> position(B), slot(B), table(static_cast<size_t>(B) * max_blocks);
+    std::vector<int> blocks(num_blocks - 1);
+    std::iota(blocks.begin(), blocks.end(), 1);  // block 0 stays unused
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    for (int b = 0; b < B; ++b) {
+        position[b] = b == B - 1 && B > 1 ? -1 : static_cast<int>(rng() % max_len);  // the last row pads
+        slot[b] = B - 1 - b;                                                         // rows and slots differ
+        for (int j = 0; j < max_blocks; ++j)
+            table[static_cast<size_t>(slot[b]) * max_blocks + j] =
+                blocks[static_cast<size_t>(b) * max_blocks + j];
+    }
+    std::vector<float> q(static_cast<size_t>(B) * Hq * D), k(static_cast<size_t>(num_blocks) * bs * Hkv * D),
+        v(k.size());
+    for (auto* vec : {&q, &k, &v})
+        for (float& x : *vec) x = normal(rng);
+    const int splits = mc::attention_partial_splits(max_blocks * bs);
+    Dev<float> d_q(q), d_k(k), d_v(v), d_out(std::vector<float>(q.size(), 7.0f)),
+        d_partial(std::vector<float>(static_cast<size_t>(B) * Hq * splits * (D + 2)));
+    Dev<int> d_pos(position), d_slot(slot), d_table(table),
+        d_done(std::vector<int>(static_cast<size_t>(B) * Hq));
+    const bool one_lane = shape_name[0] == 'w';
+    const mc::AttentionShape shape =
+        mc::attention_shape(B, Hkv, one_lane ? shape_name[1] - '0' : 2, one_lane ? 1 : shape_name[1] - '0');
+    for (int call = 0; call < 2; ++call)  // the second call finds the split counters back at zero
+        mc::launch_paged_attention(0, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B,
+                                   Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false}, shape);
+    CK(cudaGetLastError());
+    const std::vector<float> out = d_out.read();
+    EXPECT_EQ(d_done.read(), std::vector<int>(static_cast<size_t>(B) * Hq, 0)) << "split counters not reset";
+
+    double worst = 0;
+    for (int b = 0; b < B; ++b)
+        for (int h = 0; h < Hq; ++h) {
+            const float* got = out.data() + (static_cast<size_t>(b) * Hq + h) * D;
+            if (position[b] < 0) {
+                for (int d = 0; d < D; ++d) ASSERT_EQ(got[d], 0.0f) << "padding row " << b << " head " << h;
+                continue;
+            }
+            const int n = position[b] + 1, kv = h / group;
+            const float* qh = q.data() + (static_cast<size_t>(b) * Hq + h) * D;
+            auto at = [&](const std::vector<float>& pool, int t) {
+                const int blk = table[static_cast<size_t>(slot[b]) * max_blocks + t / bs];
+                return pool.data() + ((static_cast<size_t>(blk) * bs + t % bs) * Hkv + kv) * D;
+            };
+            std::vector<double> s(n);
+            double mx = -1e300;
+            for (int t = 0; t < n; ++t) {
+                double dot = 0;
+                for (int d = 0; d < D; ++d) dot += static_cast<double>(qh[d]) * at(k, t)[d];
+                s[t] = dot / std::sqrt(static_cast<double>(D));
+                mx = std::max(mx, s[t]);
+            }
+            double sum = 0;
+            for (double& x : s) sum += (x = std::exp(x - mx));
+            for (int d = 0; d < D; ++d) {
+                double want = 0;
+                for (int t = 0; t < n; ++t) want += s[t] / sum * at(v, t)[d];
+                const double err = std::fabs(got[d] - want);
+                worst = std::max(worst, err);
+                ASSERT_LT(err, 1e-4 + 1e-4 * std::fabs(want))
+                    << "row " << b << " (" << n << " tokens) head " << h << " dim " << d << ": got " << got[d]
+                    << ", want " << want;
+            }
+        }
+    RecordProperty("worst_abs_error", std::to_string(worst));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
+                         ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"},
+                                           AttentionCase{1, "l2"}, AttentionCase{1, "l4"},
+                                           AttentionCase{5, "l4"}, AttentionCase{20, "w2"},
+                                           AttentionCase{20, "l2"}, AttentionCase{20, "l4"}),
+                         [](const auto& info) {
+                             return "b" + std::to_string(info.param.B) + "_" + info.param.shape;
+                         });
+
+class DecodeRoute : public ::testing::TestWithParam<int> {};
+
+TEST_P(DecodeRoute, MatchesCpuTopK) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const int E = GetParam(), K = 8, B = 37;
+    std::mt19937 rng(E);
+    std::vector<float> logits(static_cast<size_t>(B) * E);
+    std::vector<int> position(B);
+    for (int b = 0; b < B; ++b) {
+        position[b] = b % 9 == 4 ? -1 : b;
+        // distinct values a thousandth apart, shuffled; rows divisible by 3 get exact ties at the top
+        std::vector<int> order(E);
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        for (int e = 0; e < E; ++e) logits[static_cast<size_t>(b) * E + e] = 0.001f * order[e];
+        if (b % 3 == 0)
+            for (int e = 0; e < E; e += 5) logits[static_cast<size_t>(b) * E + e] = 10.0f;
+    }
+    Dev<float> d_logits(logits);
+    Dev<int> d_pos(position), d_idx(std::vector<int>(static_cast<size_t>(B) * K, -7)),
+        d_offset(std::vector<int>(E + 1, -7)), d_active(std::vector<int>(E, -7)),
+        d_num(std::vector<int>(1, -7)), d_slots(std::vector<int>(static_cast<size_t>(B) * K, -7));
+    Dev<float> d_w(std::vector<float>(static_cast<size_t>(B) * K, -7.0f));
+    mc::MoeRouting r;
+    r.topk_idx = d_idx.p;
+    r.topk_weights = d_w.p;
+    r.expert_offset = d_offset.p;
+    r.active_experts = d_active.p;
+    r.num_active = d_num.p;
+    r.expert_slots = d_slots.p;
+    mc::launch_route(0, d_logits.p, d_pos.p, B, E, K, true, r, {nullptr, false});
+    CK(cudaGetLastError());
+    const auto idx = d_idx.read(), offset = d_offset.read(), active = d_active.read(), slots = d_slots.read();
+    const auto w = d_w.read();
+    std::vector<int> count(E, 0);
+    for (int b = 0; b < B; ++b) {
+        if (position[b] < 0) {
+            for (int k = 0; k < K; ++k) {
+                EXPECT_EQ(idx[b * K + k], -1) << "padding row " << b;
+                EXPECT_EQ(w[b * K + k], 0.0f) << "padding row " << b;
+            }
+            continue;
+        }
+        const float* row = logits.data() + static_cast<size_t>(b) * E;
+        std::vector<int> want(E);
+        std::iota(want.begin(), want.end(), 0);
+        std::stable_sort(want.begin(), want.end(), [&](int a, int c) { return row[a] > row[c]; });
+        const double mx = row[want[0]];
+        double z = 0, top = 0;
+        for (int e = 0; e < E; ++e) z += std::exp(row[e] - mx);
+        for (int k = 0; k < K; ++k) top += std::exp(row[want[k]] - mx) / z;
+        for (int k = 0; k < K; ++k) {
+            ASSERT_EQ(idx[b * K + k], want[k]) << "row " << b << " choice " << k;
+            EXPECT_NEAR(w[b * K + k], std::exp(row[want[k]] - mx) / z / top, 1e-5)
+                << "row " << b << " choice " << k;
+            ++count[want[k]];
+        }
+    }
+    // Grouping: offsets are the prefix sums of the counts, active experts ascending, and each
+    // expert's slots are exactly the (row, k) entries that chose it.
+    int run = 0, num_active = 0;
+    for (int e = 0; e < E; ++e) {
+        ASSERT_EQ(offset[e], run) << "expert_offset[" << e << "]";
+        std::multiset<int> got(slots.begin() + offset[e], slots.begin() + offset[e] + count[e]), expect;
+        for (int s = 0; s < B * K; ++s)
+            if (idx[s] == e) expect.insert(s);
+        EXPECT_EQ(got, expect) << "slots of expert " << e;
+        if (count[e] > 0) {
+            EXPECT_EQ(active[num_active++], e);
+        }
+        run += count[e];
+    }
+    EXPECT_EQ(offset[E], run);
+    EXPECT_EQ(d_num.read()[0], num_active);
+}
+
+INSTANTIATE_TEST_SUITE_P(Experts, DecodeRoute, ::testing::Values(8, 128, 300, 512));
+
+}  // namespace
