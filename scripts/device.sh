@@ -60,6 +60,7 @@ grep -q "model_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_test)
 grep -q "generator_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(generator_test)
 grep -q "model_hf_dump" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_hf_dump)
 grep -q "decode_kernels_bench" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(decode_kernels_bench)
+grep -q "decode_kernels_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(decode_kernels_test)
 if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 
