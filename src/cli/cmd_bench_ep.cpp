@@ -119,7 +119,18 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     ep::View<const int64_t> iv{topk_d.data_ptr<int64_t>(), T, K};
     ep::View<const float> wv{weights_d.data_ptr<float>(), T, K};
 
-    std::vector<double> t_dispatch, t_combine;
+    // On a device, the baseline is a device-to-device copy of the bytes each dispatch received: the
+    // bandwidth a permute could reach at best. A plain cudaMemcpyAsync on the stream the engine uses
+    // (the legacy default stream), timed like the EP calls and in the same iterations (between
+    // them), so both see the same clocks and host jitter and no framework overhead (such as
+    // Tensor::copy_'s) is counted against the copy.
+    const bool copy_baseline = o.baseline && buffer.on_device();
+    at::Tensor copy_src, copy_dst;
+    if (copy_baseline) {
+        copy_src = torch::empty({std::max<int64_t>(max_recv, 1), H}, x.options());
+        copy_dst = torch::empty_like(copy_src);
+    }
+    std::vector<double> t_dispatch, t_combine, t_copy;
     ep::Handle h;
     for (int i = 0; i < o.warmup + o.iters; ++i) {
         sync();
@@ -134,8 +145,21 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
             t_dispatch.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
             t_combine.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
         }
+#if defined(MOERL_HAVE_CUDA)
+        if (copy_baseline) {
+            const size_t copy_bytes = static_cast<size_t>(h.num_recv_tokens()) * H * c.element_bytes();
+            auto c0 = std::chrono::steady_clock::now();
+            const cudaError_t err = cudaMemcpyAsync(copy_dst.data_ptr(), copy_src.data_ptr(), copy_bytes,
+                                                    cudaMemcpyDeviceToDevice, 0);
+            MOERL_CHECK(err == cudaSuccess, "baseline cudaMemcpyAsync failed: ", cudaGetErrorString(err));
+            sync();
+            auto c1 = std::chrono::steady_clock::now();
+            if (i >= o.warmup) t_copy.push_back(std::chrono::duration<double, std::micro>(c1 - c0).count());
+        }
+#endif
     }
     Json r;
+    if (copy_baseline && !t_copy.empty()) r["baseline_us"] = median(t_copy);
     r["recv_rows"] = h.num_recv_tokens();
     // Rows from other ranks: what crosses NVLink (or the network) rather than a local copy.
     r["remote_rows"] = h.num_recv_tokens() -
@@ -172,28 +196,6 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         r["ll_combine_us"] = median(t_lc);
     }
 
-#if defined(MOERL_HAVE_CUDA)
-    if (o.baseline && buffer.on_device()) {
-        // Device-to-device copy of the same bytes: the bandwidth a permute could reach at best. A plain
-        // cudaMemcpyAsync on the stream the engine uses (the legacy default stream), timed like the EP
-        // calls, so no framework overhead (such as Tensor::copy_'s) is counted against the copy.
-        auto src = torch::empty({std::max(h.num_recv_tokens(), 1), H}, x.options());
-        auto dst = torch::empty_like(src);
-        const size_t copy_bytes = static_cast<size_t>(h.num_recv_tokens()) * H * c.element_bytes();
-        std::vector<double> t_copy;
-        for (int i = 0; i < o.warmup + o.iters; ++i) {
-            sync();
-            auto t0 = std::chrono::steady_clock::now();
-            const cudaError_t err =
-                cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), copy_bytes, cudaMemcpyDeviceToDevice, 0);
-            MOERL_CHECK(err == cudaSuccess, "baseline cudaMemcpyAsync failed: ", cudaGetErrorString(err));
-            sync();
-            auto t1 = std::chrono::steady_clock::now();
-            if (i >= o.warmup) t_copy.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-        }
-        r["baseline_us"] = median(t_copy);
-    }
-#endif
 #ifdef MOERL_HAVE_GLOO
     if (o.baseline && world > 1 && !buffer.on_device()) {
         // The same bytes through Gloo's all-to-all: rows this rank sends to each peer.
