@@ -100,6 +100,9 @@ struct Generator::Impl {
     // From this batch bucket on (bf16), the experts run as grouped GEMMs on the tensor cores.
     int grouped_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GROUPED_MIN_BATCH", 64));
     bool use_grouped_mm = false;
+    // From this batch bucket on (bf16, below the grouped GEMMs' bucket), the expert kernels run on the
+    // tensor cores; 0 = never.
+    int expert_mma_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_EXPERT_MMA_MIN_BATCH", 0));
     // Up to this batch bucket the dense projections (q/k/v, o, router) use the GEMV kernel.
     int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 1));
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
@@ -196,6 +199,15 @@ struct Generator::Impl {
                 if (B >= grouped_min_batch && use_grouped_mm) {
                     experts_grouped(B, w);
                     mark("experts grouped gemm");
+                } else if (expert_mma_min_batch > 0 && B >= expert_mma_min_batch &&
+                           cuda::moe_tensor_cores_supported(dtype, H, I)) {
+                    cuda::launch_moe_gate_up_mma(h.data_ptr(), w.experts_gate.data_ptr(),
+                                                 w.experts_up.data_ptr(), r, B, K, E, H, I, max_active,
+                                                 act.data_ptr(), launch);
+                    mark("experts gate+up");
+                    cuda::launch_moe_down_mma(act.data_ptr(), w.experts_down.data_ptr(), r, B, K, E, H, I,
+                                              max_active, y.data_ptr<float>(), launch);
+                    mark("experts down");
                 } else {
                     cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                              w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,

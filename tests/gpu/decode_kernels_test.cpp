@@ -1,10 +1,11 @@
-// The decode step's attention and routing kernels (src/model/cuda, no LibTorch) against plain CPU
-// references, in fp32: every attention block shape over a paged cache with rows of different
-// lengths, few rows (heads split over blocks) and many (a block per key-value head's group), a
-// padding row; routing with exact ties, padding rows and expert counts that need 1 and 16
-// probabilities a lane.
+// The decode step's attention, routing and expert kernels (src/model/cuda, no LibTorch) against plain
+// CPU references: every attention block shape over a paged cache with rows of different lengths, few
+// rows (heads split over blocks) and many (a block per key-value head's group), a padding row (fp32);
+// routing with exact ties, padding rows and expert counts that need 1 and 16 probabilities a lane;
+// the tensor-core expert kernels against the CUDA-core ones and a CPU reference (bf16).
 #include "decode_kernels.hpp"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -215,5 +216,96 @@ TEST_P(DecodeRoute, MatchesCpuTopK) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Experts, DecodeRoute, ::testing::Values(8, 128, 300, 512));
+
+std::vector<__nv_bfloat16> random_bf16(size_t n, float scale, std::mt19937& rng) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<__nv_bfloat16> v(n);
+    for (auto& x : v) x = __float2bfloat16(normal(rng));
+    return v;
+}
+float bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
+float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Batches with fewer and more tokens per expert than one tensor-core pass takes (8, or 16 with two
+// tiles), output rows that do not fill the last block.
+class DecodeExperts : public ::testing::TestWithParam<int> {};
+
+TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const int B = GetParam(), E = 16, K = 4, H = 256, I = 96, S = B * K;
+    ASSERT_TRUE(mc::moe_tensor_cores_supported(1, H, I));
+    std::mt19937 rng(B);
+    std::vector<float> logits(static_cast<size_t>(B) * E);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& x : logits) x = normal(rng);
+    const auto h = random_bf16(static_cast<size_t>(B) * H, 1.0f, rng);
+    const auto gate = random_bf16(static_cast<size_t>(E) * I * H, 0.06f, rng);
+    const auto up = random_bf16(gate.size(), 0.06f, rng);
+    const auto down = random_bf16(static_cast<size_t>(E) * H * I, 0.1f, rng);
+    Dev<float> d_logits(logits);
+    Dev<int> d_pos{std::vector<int>(B, 3)}, d_idx{std::vector<int>(S)}, d_offset{std::vector<int>(E + 1)},
+        d_active{std::vector<int>(E)}, d_num{std::vector<int>(1)}, d_slots{std::vector<int>(S)};
+    Dev<float> d_w{std::vector<float>(S)};
+    mc::MoeRouting r;
+    r.topk_idx = d_idx.p;
+    r.topk_weights = d_w.p;
+    r.expert_offset = d_offset.p;
+    r.active_experts = d_active.p;
+    r.num_active = d_num.p;
+    r.expert_slots = d_slots.p;
+    const mc::Launch launch{nullptr, false};
+    mc::launch_route(0, d_logits.p, d_pos.p, B, E, K, true, r, launch);
+    const auto idx = d_idx.read();
+    const int max_active = std::min(E, S);
+
+    Dev<__nv_bfloat16> d_h(h), d_gate(gate), d_up(up), d_down(down);
+    Dev<__nv_bfloat16> act_core{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)},
+        act_mma{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
+    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_core.p, launch);
+    mc::launch_moe_gate_up_mma(d_h.p, d_gate.p, d_up.p, r, B, K, E, H, I, max_active, act_mma.p, launch);
+    Dev<float> y_core{std::vector<float>(static_cast<size_t>(S) * H)},
+        y_mma{std::vector<float>(static_cast<size_t>(S) * H, -3.0f)};
+    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_core.p, launch);
+    mc::launch_moe_down_mma(act_core.p, d_down.p, r, B, K, E, H, I, max_active, y_mma.p, launch);
+    CK(cudaGetLastError());
+    const auto ac = act_core.read(), am = act_mma.read();
+    const auto yc = y_core.read(), ym = y_mma.read();
+
+    // Products of bf16 values summed in double, rounded as the kernels round them.
+    auto close = [](float got, double want) {
+        return std::fabs(got - want) <= 0.02 * std::fabs(want) + 2e-3;
+    };
+    for (int s = 0; s < S; ++s) {
+        const int e = idx[s], b = s / K;
+        ASSERT_GE(e, 0);
+        for (int i = 0; i < I; ++i) {
+            double g = 0, u = 0;
+            for (int c = 0; c < H; ++c) {
+                const double x = as_float(h[static_cast<size_t>(b) * H + c]);
+                g += x * as_float(gate[(static_cast<size_t>(e) * I + i) * H + c]);
+                u += x * as_float(up[(static_cast<size_t>(e) * I + i) * H + c]);
+            }
+            const float v0 = bf(static_cast<float>(g)), v1 = bf(static_cast<float>(u));
+            const double want = bf(bf(v0 / (1.0f + std::exp(-v0))) * v1);
+            const float got_mma = as_float(am[static_cast<size_t>(s) * I + i]);
+            ASSERT_TRUE(close(got_mma, want))
+                << "gate/up slot " << s << " row " << i << ": tensor cores " << got_mma << ", cpu " << want;
+            ASSERT_TRUE(close(as_float(ac[static_cast<size_t>(s) * I + i]), want))
+                << "gate/up slot " << s << " row " << i << " (cuda cores)";
+        }
+        for (int o = 0; o < H; ++o) {
+            double want = 0;
+            for (int i = 0; i < I; ++i)
+                want += static_cast<double>(as_float(ac[static_cast<size_t>(s) * I + i])) *
+                        as_float(down[(static_cast<size_t>(e) * H + o) * I + i]);
+            ASSERT_TRUE(close(ym[static_cast<size_t>(s) * H + o], want))
+                << "down slot " << s << " row " << o << ": tensor cores "
+                << ym[static_cast<size_t>(s) * H + o] << ", cpu " << want << ", cuda cores "
+                << yc[static_cast<size_t>(s) * H + o];
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Batches, DecodeExperts, ::testing::Values(1, 5, 24, 64));
 
 }  // namespace

@@ -101,6 +101,16 @@ void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
                      int I, int max_active, int rows_per_warp, float* y, const Launch& launch);
 
+// The same two expert products on the tensor cores (bf16 only, H and I multiples of 32): each warp
+// takes 16 weight rows and up to 16 of an expert's tokens per pass (mma.sync, fp32 accumulation).
+// For batches with a few tokens per expert, where the CUDA-core kernels above are bound by
+// instruction issue rather than memory. E: experts (sizes the passes).
+bool moe_tensor_cores_supported(int dtype, int H, int I);
+void launch_moe_gate_up_mma(const void* h, const void* gate, const void* up, const MoeRouting& r, int B,
+                            int K, int E, int H, int I, int max_active, void* act, const Launch& launch);
+void launch_moe_down_mma(const void* act, const void* down, const MoeRouting& r, int B, int K, int E, int H,
+                         int I, int max_active, float* y, const Launch& launch);
+
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. The
 // weights are asked into L2 before the kernel waits for its predecessor (Launch::overlap).
