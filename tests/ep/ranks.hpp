@@ -30,6 +30,19 @@ inline std::string unique_dir(const std::string& tag) {
     return dir.string();
 }
 
+// Removes the shared-memory regions named after a process that has ended: libfabric's shm provider's
+// ("<pid>:...") and the host transport's ("moerl-ep-<pid>-..."). A rank that was killed, or left
+// without closing its transport, leaves them behind in memory, and a later process given the same id
+// would find the provider's region name taken.
+inline void remove_shm_regions_of(pid_t pid) {
+    std::error_code ec;
+    const std::string fabric = std::to_string(pid) + ":", host = "moerl-ep-" + std::to_string(pid) + "-";
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+        const std::string name = entry.path().filename().string();
+        if (name.rfind(fabric, 0) == 0 || name.rfind(host, 0) == 0) std::filesystem::remove(entry.path(), ec);
+    }
+}
+
 // Runs fn(rank) in `world` child processes; kills them all after `limit`.
 inline std::vector<RankResult> run_ranks(int world, const std::function<void(int)>& fn,
                                          std::chrono::seconds limit = std::chrono::seconds(120)) {
@@ -62,6 +75,7 @@ inline std::vector<RankResult> run_ranks(int world, const std::function<void(int
             pid_t done = waitpid(pids[r], &status, WNOHANG);
             if (done == pids[r]) {
                 out[r].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+                remove_shm_regions_of(pids[r]);
                 pids[r] = 0;
                 --remaining;
             }

@@ -54,6 +54,7 @@ constexpr size_t kSignalBytes = 8;  // a pure signal writes these bytes: some pr
 constexpr size_t kRecvBytes = 64;
 constexpr size_t kMaxPostedRecvs = 256;
 constexpr int kCqBatch = 32;
+constexpr int kEnableAttempts = 8;  // endpoints tried when the provider finds its name taken
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -326,10 +327,21 @@ class FabricTransport final : public Transport {
         av_attr.count = static_cast<size_t>(world_size_);
         MOERL_FI_CHECK(fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr), "fi_av_open");
 
-        MOERL_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep_.out(), nullptr), "fi_endpoint");
-        MOERL_FI_CHECK(fi_ep_bind(ep_.get(), cq_.as_fid(), FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
-        MOERL_FI_CHECK(fi_ep_bind(ep_.get(), av_.as_fid(), 0), "fi_ep_bind(av)");
-        MOERL_FI_CHECK(fi_enable(ep_.get()), "fi_enable");
+        // The shm provider names its region after the process id and an endpoint counter; a region
+        // left behind by a killed process whose id was reused makes fi_enable fail busy. Another
+        // endpoint gets the next counter value, so a fresh name.
+        for (int attempt = 1;; ++attempt) {
+            MOERL_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep_.out(), nullptr), "fi_endpoint");
+            MOERL_FI_CHECK(fi_ep_bind(ep_.get(), cq_.as_fid(), FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+            MOERL_FI_CHECK(fi_ep_bind(ep_.get(), av_.as_fid(), 0), "fi_ep_bind(av)");
+            const int rc = fi_enable(ep_.get());
+            if (rc == 0) break;
+            if ((rc == -FI_EBUSY || rc == -EEXIST) && attempt < kEnableAttempts) {
+                ep_.reset();
+                continue;
+            }
+            MOERL_FI_CHECK(rc, "fi_enable");
+        }
     }
 
     void register_region() {
