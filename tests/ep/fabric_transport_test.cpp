@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -429,6 +431,39 @@ TEST(FabricTransportSingleRank, SelfWritesAndBadArguments) {
         },
         kTestLimit);
     EXPECT_EQ(results[0].exit_code, 0) << results[0].message;
+}
+
+// A process whose id was a killed rank's finds that rank's shm region still there (libfabric names it
+// after the process id). Reproduced exactly: a rank opens an shm endpoint and, without closing it,
+// replaces itself (exec keeps the process id) with this test binary running the helper below, which
+// opens an shm endpoint again and must succeed.
+constexpr const char* kReexecEnv = "MOERL_TEST_SHM_REEXEC";
+
+TEST(FabricTransportSingleRank, ShmEndpointOfAnEarlierProcessWithTheSameId) {
+    if (getenv(kReexecEnv) != nullptr) {  // the re-executed rank
+        auto t = make_fabric_transport(options_for("shm", 0, 1, 4096, nullptr));
+        t->region()[0] = std::byte{7};
+        t->write(0, 0, 64, 1, 0);
+        t->quiet();
+        EXPECT_EQ(t->region()[64], std::byte{7});
+        t->destroy();
+        return;
+    }
+    const auto results = test::run_ranks(
+        1,
+        [](int) {
+            std::string why;
+            if (!fabric_provider_available("shm", &why)) _exit(0);  // nothing to test without shm
+            auto left_open = make_fabric_transport(options_for("shm", 0, 1, 4096, nullptr));
+            setenv(kReexecEnv, "1", 1);
+            const std::string filter =
+                "--gtest_filter=FabricTransportSingleRank.ShmEndpointOfAnEarlierProcessWithTheSameId";
+            execl("/proc/self/exe", "fabric_transport_test", filter.c_str(), static_cast<char*>(nullptr));
+            MOERL_FAIL("exec of the test binary failed: ", std::strerror(errno));
+        },
+        kTestLimit);
+    EXPECT_EQ(results[0].exit_code, 0)
+        << "the re-executed rank could not open its shm endpoint " << results[0].message;
 }
 
 TEST(FabricTransportSingleRank, UnknownProviderIsAClearError) {
