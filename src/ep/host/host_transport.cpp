@@ -93,14 +93,19 @@ class HostTransport final : public Transport {
         maps_[rank_] = map_segment(name, seg_bytes, true);
         std::memset(maps_[rank_].get(), 0, counters_bytes(world_size_));
         if (world_size_ > 1) {
-            std::vector<uint8_t> mine(name.begin(), name.end());
-            auto names = all_gather(*store_, prefix_ + "/segment", rank_, world_size_, mine, timeout);
-            for (int r = 0; r < world_size_; ++r) {
-                if (r == rank_) continue;
-                maps_[r] = map_segment(std::string(names[r].begin(), names[r].end()), seg_bytes, false);
+            try {
+                std::vector<uint8_t> mine(name.begin(), name.end());
+                auto names = all_gather(*store_, prefix_ + "/segment", rank_, world_size_, mine, timeout);
+                for (int r = 0; r < world_size_; ++r) {
+                    if (r == rank_) continue;
+                    maps_[r] = map_segment(std::string(names[r].begin(), names[r].end()), seg_bytes, false);
+                }
+                // Every peer has mapped every segment: the names can go, so nothing leaks on a crash.
+                all_gather(*store_, prefix_ + "/mapped", rank_, world_size_, {1}, timeout);
+            } catch (...) {
+                shm_unlink(name.c_str());  // a peer that never came must not leave the segment in memory
+                throw;
             }
-            // Every peer has mapped every segment: the names can go, so nothing leaks on a crash.
-            all_gather(*store_, prefix_ + "/mapped", rank_, world_size_, {1}, timeout);
         }
         shm_unlink(name.c_str());
         timeout_ = timeout;
