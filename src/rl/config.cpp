@@ -137,8 +137,8 @@ class Section {
 };
 
 // Every key of a section must be read, even when the section is absent.
-void section(const YAML::Node& root, const std::string& name, const std::string& source,
-             const std::function<void(Section&)>& body, Section& top) {
+void section(const std::string& name, const std::string& source, const std::function<void(Section&)>& body,
+             Section& top) {
     Section s(top.child(name), name, source);
     body(s);
     s.finish();
@@ -177,7 +177,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
     Section top(root, "", source);
     int64_t steps = c.steps;
     section(
-        root, "run", source,
+        "run", source,
         [&](Section& s) {
             s.string("name", c.name);
             s.unsigned_integer("seed", c.seed);
@@ -191,7 +191,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         top);
     c.steps = steps;
     section(
-        root, "model", source,
+        "model", source,
         [&](Section& s) {
             s.string("path", c.model_path);
             s.integer("hidden_size", 8, 65536, m.hidden_size);
@@ -212,7 +212,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     section(
-        root, "task", source,
+        "task", source,
         [&](Section& s) {
             s.choice("kind", {"add", "sort"}, c.task.kind);
             s.integer("digits", 1, 6, c.task.digits);
@@ -222,7 +222,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     section(
-        root, "rollout", source,
+        "rollout", source,
         [&](Section& s) {
             s.number("temperature", 0, 100, c.sampling.temperature, true);
             s.number("top_p", 0, 1, c.sampling.top_p, true);
@@ -233,7 +233,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     section(
-        root, "train", source,
+        "train", source,
         [&](Section& s) {
             s.integer("group_size", 2, INT32_MAX, c.group_size);
             s.integer("prompts_per_step", 1, 1 << 16, c.prompts_per_step);
@@ -256,7 +256,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     section(
-        root, "reward", source,
+        "reward", source,
         [&](Section& s) {
             s.number("verifier_weight", 0, 1e300, c.verifier_weight);
             s.string("model_path", c.reward_model_path);
@@ -264,9 +264,9 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     section(
-        root, "ranks", source, [&](Section& s) { s.integer("ep", 1, 64, c.ep_ranks); }, top);
+        "ranks", source, [&](Section& s) { s.integer("ep", 1, 64, c.ep_ranks); }, top);
     section(
-        root, "control", source,
+        "control", source,
         [&](Section& s) {
             s.string("queue", c.queue);
             s.string("buffer", c.buffer);

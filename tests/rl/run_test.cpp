@@ -117,7 +117,9 @@ TEST(RlRun, ResumeContinuesExactly) {
         auto mp = read_metrics((part.path / "metrics.jsonl").string());
         ASSERT_EQ(mf.size(), 6u);
         EXPECT_EQ(mf, mp) << "staleness " << staleness;
-        if (staleness > 0) EXPECT_GT(mf.back()["staleness"].get<double>(), 0.0);
+        if (staleness > 0) {
+            EXPECT_GT(mf.back()["staleness"].get<double>(), 0.0);
+        }
     }
 }
 
