@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "decode_kernels.hpp"
+#include "kernels/common.cuh"
 
 namespace {
 
@@ -67,10 +67,8 @@ struct Pool {
 };
 
 __global__ void empty_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+    mc::griddep_wait();
+    mc::griddep_launch_dependents();
 }
 
 // Microseconds per launch: `launch` captured `n` times into one graph, the graph replayed `iters`
@@ -186,20 +184,8 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
     };
     if (!attention_only)
-        row("empty", 1, 0, [&](const mc::Launch& l) {
-            cudaLaunchConfig_t config = {};
-            config.gridDim = dim3(1);
-            config.blockDim = dim3(32);
-            config.stream = l.stream;
-            cudaLaunchAttribute attribute = {};
-            if (l.overlap) {
-                attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attribute.val.programmaticStreamSerializationAllowed = 1;
-                config.attrs = &attribute;
-                config.numAttrs = 1;
-            }
-            cudaLaunchKernelEx(&config, empty_kernel);
-        });
+        row("empty", 1, 0,
+            [&](const mc::Launch& l) { mc::launch_kernel(empty_kernel, dim3(1), dim3(32), 0, l); });
 
     Pool pool;
     for (int B : batches) {

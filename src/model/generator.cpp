@@ -108,8 +108,8 @@ struct Generator::Impl {
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
-    // Attention block shape: lanes per token (0 = by batch, 1, 2 or 4) and, with one lane, warps per
-    // block (2, or 8 for few rows: 256-token chunks, no merge across blocks).
+    // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
+    // warps per block (2, or 8 for few rows: 256-token chunks, no merge across blocks).
     int attention_lanes = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_LANES", 0));
     int attention_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_WARPS", 8));
 
@@ -169,6 +169,11 @@ struct Generator::Impl {
         mark("embed+norm");
         const cuda::MoeRouting r = routing();
         const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
+        const cuda::AttentionShape attention =
+            cuda::attention_shape(B, Hkv, attention_warps, attention_lanes);
+        const bool experts_grouped_mm = B >= grouped_min_batch && use_grouped_mm;
+        const bool experts_mma = expert_mma_min_batch > 0 && B >= expert_mma_min_batch &&
+                                 cuda::moe_tensor_cores_supported(dtype, H, I);
         for (size_t l = 0; l < m.layers.size(); ++l) {
             const LayerWeights& w = m.layers[l];
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
@@ -182,8 +187,7 @@ struct Generator::Impl {
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
                                          attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
-                                         attn.data_ptr(), launch,
-                                         cuda::attention_shape(B, Hkv, attention_warps, attention_lanes));
+                                         attn.data_ptr(), launch, attention);
             mark("attention");
             linear(attn, w.o_proj, o, B, launch);
             mark("o mm");
@@ -196,11 +200,10 @@ struct Generator::Impl {
                 cuda::launch_route(dtype, router_logits.data_ptr(), pos, B, E, K, c.norm_topk_prob, r,
                                    launch);
                 mark("route");
-                if (B >= grouped_min_batch && use_grouped_mm) {
+                if (experts_grouped_mm) {
                     experts_grouped(B, w);
                     mark("experts grouped gemm");
-                } else if (expert_mma_min_batch > 0 && B >= expert_mma_min_batch &&
-                           cuda::moe_tensor_cores_supported(dtype, H, I)) {
+                } else if (experts_mma) {
                     cuda::launch_moe_gate_up_mma(h.data_ptr(), w.experts_gate.data_ptr(),
                                                  w.experts_up.data_ptr(), r, B, K, E, H, I, max_active,
                                                  act.data_ptr(), launch);

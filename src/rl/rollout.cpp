@@ -250,10 +250,8 @@ struct RolloutEngine::Impl {
     std::vector<GenResult> step(int64_t version) {
         at::NoGradGuard no_grad;
         std::vector<GenResult> done;
-        const size_t before = active.size();
         admit(version, done);
         if (active.empty()) return done;
-        (void)before;
         std::vector<int64_t> in;
         for (auto& s : active) in.push_back(s.next_input);
         model::StepOutput out = model.decode(cache, at::tensor(in, at::kLong), record_routing);

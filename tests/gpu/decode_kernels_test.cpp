@@ -49,6 +49,29 @@ struct Dev {
     }
 };
 
+// Device buffers of a MoeRouting for B rows of K choices among E experts, every element `fill`.
+struct RoutingBuffers {
+    Dev<int> idx, offset, active, num, slots;
+    Dev<float> weights;
+    RoutingBuffers(int B, int K, int E, int fill)
+        : idx{std::vector<int>(static_cast<size_t>(B) * K, fill)},
+          offset{std::vector<int>(E + 1, fill)},
+          active{std::vector<int>(E, fill)},
+          num{std::vector<int>(1, fill)},
+          slots{std::vector<int>(static_cast<size_t>(B) * K, fill)},
+          weights{std::vector<float>(static_cast<size_t>(B) * K, static_cast<float>(fill))} {}
+    mc::MoeRouting routing() const {
+        mc::MoeRouting r;
+        r.topk_idx = idx.p;
+        r.topk_weights = weights.p;
+        r.expert_offset = offset.p;
+        r.active_experts = active.p;
+        r.num_active = num.p;
+        r.expert_slots = slots.p;
+        return r;
+    }
+};
+
 struct AttentionCase {
     int B;
     std::string shape;  // w2, w8, l2, l4
@@ -158,21 +181,14 @@ TEST_P(DecodeRoute, MatchesCpuTopK) {
             for (int e = 0; e < E; e += 5) logits[static_cast<size_t>(b) * E + e] = 10.0f;
     }
     Dev<float> d_logits(logits);
-    Dev<int> d_pos(position), d_idx(std::vector<int>(static_cast<size_t>(B) * K, -7)),
-        d_offset(std::vector<int>(E + 1, -7)), d_active(std::vector<int>(E, -7)),
-        d_num(std::vector<int>(1, -7)), d_slots(std::vector<int>(static_cast<size_t>(B) * K, -7));
-    Dev<float> d_w(std::vector<float>(static_cast<size_t>(B) * K, -7.0f));
-    mc::MoeRouting r;
-    r.topk_idx = d_idx.p;
-    r.topk_weights = d_w.p;
-    r.expert_offset = d_offset.p;
-    r.active_experts = d_active.p;
-    r.num_active = d_num.p;
-    r.expert_slots = d_slots.p;
+    Dev<int> d_pos(position);
+    RoutingBuffers rb(B, K, E, -7);
+    const mc::MoeRouting r = rb.routing();
     mc::launch_route(0, d_logits.p, d_pos.p, B, E, K, true, r, {nullptr, false});
     CK(cudaGetLastError());
-    const auto idx = d_idx.read(), offset = d_offset.read(), active = d_active.read(), slots = d_slots.read();
-    const auto w = d_w.read();
+    const auto idx = rb.idx.read(), offset = rb.offset.read(), active = rb.active.read(),
+               slots = rb.slots.read();
+    const auto w = rb.weights.read();
     std::vector<int> count(E, 0);
     for (int b = 0; b < B; ++b) {
         if (position[b] < 0) {
@@ -212,7 +228,7 @@ TEST_P(DecodeRoute, MatchesCpuTopK) {
         run += count[e];
     }
     EXPECT_EQ(offset[E], run);
-    EXPECT_EQ(d_num.read()[0], num_active);
+    EXPECT_EQ(rb.num.read()[0], num_active);
 }
 
 INSTANTIATE_TEST_SUITE_P(Experts, DecodeRoute, ::testing::Values(8, 128, 300, 512));
@@ -243,19 +259,12 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     const auto up = random_bf16(gate.size(), 0.06f, rng);
     const auto down = random_bf16(static_cast<size_t>(E) * H * I, 0.1f, rng);
     Dev<float> d_logits(logits);
-    Dev<int> d_pos{std::vector<int>(B, 3)}, d_idx{std::vector<int>(S)}, d_offset{std::vector<int>(E + 1)},
-        d_active{std::vector<int>(E)}, d_num{std::vector<int>(1)}, d_slots{std::vector<int>(S)};
-    Dev<float> d_w{std::vector<float>(S)};
-    mc::MoeRouting r;
-    r.topk_idx = d_idx.p;
-    r.topk_weights = d_w.p;
-    r.expert_offset = d_offset.p;
-    r.active_experts = d_active.p;
-    r.num_active = d_num.p;
-    r.expert_slots = d_slots.p;
+    Dev<int> d_pos{std::vector<int>(B, 3)};
+    RoutingBuffers rb(B, K, E, 0);
+    const mc::MoeRouting r = rb.routing();
     const mc::Launch launch{nullptr, false};
     mc::launch_route(0, d_logits.p, d_pos.p, B, E, K, true, r, launch);
-    const auto idx = d_idx.read();
+    const auto idx = rb.idx.read();
     const int max_active = std::min(E, S);
 
     Dev<__nv_bfloat16> d_h(h), d_gate(gate), d_up(up), d_down(down);

@@ -269,25 +269,23 @@ void launch_dims(const AttnLaunch& l) {
     }
 }
 
-// Block shapes (warps, lanes per token) built: (2, 1) everywhere; (8, 1) for one or two heads a block
-// (the few-rows case); the 64-token passes (4, 2) and (8, 4) up to 8 heads a block and 128 dims.
-// Anything else runs as (2, 1).
+// The block shape that runs for a requested one: (2, 1) everywhere; (8, 1) for one or two heads a
+// block (the few-rows case); the 64-token passes (4, 2) and (8, 4) up to 8 heads a block and 128 dims.
+// Anything else runs as (2, 1). These are the shapes launch_shape instantiates.
+AttentionShape built_shape(AttentionShape s, int heads, int D) {
+    if ((s.lanes == 2 || s.lanes == 4) && heads <= 8 && D <= 128) return {2 * s.lanes, s.lanes};
+    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1};
+    return {2, 1};
+}
+
 template <typename T, int G>
-void launch_shape(const AttnLaunch& l, AttentionShape shape) {
+void launch_shape(const AttnLaunch& l, AttentionShape run) {
     if constexpr (G <= 8) {
-        if (shape.lanes > 1 && l.D <= 128) {
-            if (shape.lanes == 4)
-                launch_dims<T, G, 8, 4>(l);
-            else
-                launch_dims<T, G, 4, 2>(l);
-            return;
-        }
+        if (run.lanes == 4) return launch_dims<T, G, 8, 4>(l);
+        if (run.lanes == 2) return launch_dims<T, G, 4, 2>(l);
     }
     if constexpr (G <= 2) {
-        if (shape.warps == 8) {
-            launch_dims<T, G, 8, 1>(l);
-            return;
-        }
+        if (run.warps == 8) return launch_dims<T, G, 8, 1>(l);
     }
     launch_dims<T, G, 2, 1>(l);
 }
@@ -299,18 +297,18 @@ int heads_per_block(int B, int Hq, int Hkv) {
 }
 
 template <typename T>
-void launch_typed(const AttnLaunch& l, AttentionShape shape) {
+void launch_typed(const AttnLaunch& l, AttentionShape run) {
     switch (l.heads) {
         case 1:
-            return launch_shape<T, 1>(l, shape);
+            return launch_shape<T, 1>(l, run);
         case 2:
-            return launch_shape<T, 2>(l, shape);
+            return launch_shape<T, 2>(l, run);
         case 4:
-            return launch_shape<T, 4>(l, shape);
+            return launch_shape<T, 4>(l, run);
         case 8:
-            return launch_shape<T, 8>(l, shape);
+            return launch_shape<T, 8>(l, run);
         case 16:
-            return launch_shape<T, 16>(l, shape);
+            return launch_shape<T, 16>(l, run);
         default:
             return;  // refused by the generator before any launch
     }
@@ -351,9 +349,9 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
     // length need no merge across blocks.
     const int max_seq_len = max_blocks * block_size;
     const int heads = heads_per_block(B, Hq, Hkv);
+    const AttentionShape run = built_shape(shape, heads, D);
     const int blocks_without_split = B * (Hq / heads);
-    int chunk = std::max(kAttentionMinChunk, shape.warps * 32 / shape.lanes);
-    if (shape.lanes == 1 && !(shape.warps == 8 && heads <= 2)) chunk = kAttentionMinChunk;
+    int chunk = std::max(kAttentionMinChunk, run.warps * 32 / run.lanes);
     while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
     AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
@@ -364,9 +362,9 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
     l.part.ml = partial;
     l.part.acc = partial + static_cast<size_t>(B) * Hq * l.part.splits * 2;  // after ml [B, Hq, splits, 2]
     if (dtype == 0)
-        launch_typed<float>(l, shape);
+        launch_typed<float>(l, run);
     else
-        launch_typed<__nv_bfloat16>(l, shape);
+        launch_typed<__nv_bfloat16>(l, run);
 }
 
 }  // namespace moerl::model::cuda
