@@ -21,6 +21,8 @@ variants=(
     "unroll=16|MOERL_EP_SOLO_UNROLL=16"
     "cache=2|MOERL_EP_SOLO_CACHE=2"
     "cache=3|MOERL_EP_SOLO_CACHE=3"
+    "lookback_ns=0|MOERL_EP_SOLO_LOOKBACK_NS=0"
+    "lookback_ns=2000|MOERL_EP_SOLO_LOOKBACK_NS=2000"
 )
 
 start=$SECONDS

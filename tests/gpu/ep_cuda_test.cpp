@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -523,6 +524,112 @@ TEST(OneRank, AsyncDispatchMatchesHostReference) {
     });
     EXPECT_EQ(results[0].exit_code, 0) << "seed " << seed << ": " << results[0].message;
     std::filesystem::remove_all(dir);
+}
+
+// One rank, tiles of three tokens on 1000 blocks (more than are resident at once), with and without
+// waiting for the counts of earlier tiles (without, blocks count them again): every token routed, one
+// unrouted token first, last or in the middle (every later row moves), and none routed. Each pattern in the
+// default and in the asynchronous mode; the handles of all patterns stay alive until the end, when each
+// combine must still match (a later dispatch must not take the device state of a live handle).
+TEST(OneRank, ManyTilesAllOrSomeTokensRouted) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    const Case tc{"cuda", 1, ep::DType::kBFloat16, 16, 4, false, 64, 3000, 8};
+    const uint64_t seed = std::random_device{}();
+    // MOERL_EP_CUDA_ASYNC, MOERL_EP_SOLO_LOOKBACK_NS (0: a block counts every tile not yet published)
+    const std::vector<std::array<const char*, 2>> settings = {
+        {"0", "20000"}, {"1", "20000"}, {"0", "0"}, {"1", "0"}};
+    for (const auto& setting : settings) {
+        const char *async = setting[0], *lookback = setting[1];
+        const std::string dir = unique_dir("gpumany");
+        auto results = run_ranks(1, [&](int) {
+            setenv("MOERL_EP_SOLO_BLOCKS", "1000", 1);
+            setenv("MOERL_EP_CUDA_ASYNC", async, 1);
+            setenv("MOERL_EP_SOLO_LOOKBACK_NS", lookback, 1);
+            auto store = ep::make_file_store(dir);
+            const ep::Config c = make_config(tc, 0, "host");
+            ep::Buffer host(c, store.get());
+            ep::Buffer dev(make_config(tc, 0, "cuda"), store.get());
+            const int K = c.top_k, H = c.hidden, T = c.max_tokens_per_rank;
+            const size_t row = H * c.element_bytes();
+            RankInput in = make_input(c, seed, 0);
+            for (int more = 1; in.num_tokens < T; ++more)
+                append_tokens(in, make_input(c, seed + 100 * more, 0));
+            in = first_tokens(c, in, T);
+            const std::vector<int> unrouted_tokens[5] = {{}, {0}, {T - 1}, {T / 2}, {}};
+            struct Done {
+                ep::Handle host, dev;
+                std::vector<uint8_t> recv;  // the host's received rows
+            };
+            std::vector<Done> done;
+            std::vector<std::unique_ptr<Dev>> inputs;
+            for (int p = 0; p < 5; ++p) {
+                const std::string tag =
+                    " (pattern " + std::to_string(p) + ", async " + async + ", lookback " + lookback + ")";
+                RankInput pin = in;
+                for (int t = 0; t < T; ++t) {
+                    int64_t* ids = pin.topk_idx.data() + static_cast<size_t>(t) * K;
+                    bool routed = false;
+                    for (int k = 0; k < K; ++k) routed |= ids[k] >= 0;
+                    if (!routed) ids[0] = t % c.num_experts;
+                }
+                for (int t : unrouted_tokens[p])
+                    std::fill_n(pin.topk_idx.data() + static_cast<size_t>(t) * K, K, -1);
+                if (p == 4) clear_experts(pin, K, 1);
+                std::vector<uint8_t> h_x(static_cast<size_t>(T) * row);
+                std::vector<int64_t> h_idx(static_cast<size_t>(T) * K);
+                ep::DispatchOutput h_out{{h_x.data(), T, H}, {}, {h_idx.data(), T, K}, {}};
+                ep::Handle hh = host.dispatch(x_view(c, pin), idx_view(c, pin), weights_view(c, pin), h_out);
+                const int R = hh.num_recv_tokens();
+                const int want_rows = p == 0 ? T : p == 4 ? 0 : T - 1;
+                MOERL_CHECK(R == want_rows, "pattern ", p, ": the host reference received ", R, " rows");
+
+                inputs.push_back(std::make_unique<Dev>(pin.x));
+                const Dev& x = *inputs.back();
+                inputs.push_back(std::make_unique<Dev>(pin.topk_idx));
+                const Dev& idx = *inputs.back();
+                Dev d_x(h_x.size(), 0xAB), d_idx(h_idx.size() * 8, 0x5A);
+                ep::DispatchOutput d_out{{d_x.p, T, H}, {}, {d_idx.as<int64_t>(), T, K}, {}};
+                ep::Handle dh = dev.dispatch({x.p, T, H}, {idx.as<int64_t>(), T, K}, {}, d_out);
+                Mismatches m("dispatch" + tag);
+                m.expect(dh.num_recv_tokens() == R, "rows: " + std::to_string(dh.num_recv_tokens()));
+                m.expect(dh.num_recv_tokens_per_expert == hh.num_recv_tokens_per_expert,
+                         "num_recv_tokens_per_expert");
+                if (async[0] == '0') {
+                    m.expect(dh.send_pos == hh.send_pos, "send_pos");
+                    m.expect(dh.recv_src_token == hh.recv_src_token, "recv_src_token");
+                }
+                const auto gx = d_x.read<uint8_t>(static_cast<size_t>(R) * row);
+                const auto gi = d_idx.read<int64_t>(static_cast<size_t>(R) * K);
+                for (int i = 0; i < R; ++i) {
+                    m.expect(std::memcmp(gx.data() + i * row, h_x.data() + i * row, row) == 0,
+                             "row " + std::to_string(i) + ": data differs");
+                    for (int k = 0; k < K; ++k)
+                        m.expect(gi[i * K + k] == h_idx[i * K + k], "row " + std::to_string(i) + ": topk id");
+                }
+                m.done();
+                h_x.resize(static_cast<size_t>(R) * row);
+                done.push_back({std::move(hh), std::move(dh), std::move(h_x)});
+            }
+            // combine with y = the received rows: each token gets its row back, or zeros.
+            for (size_t p = 0; p < done.size(); ++p) {
+                const int R = done[p].host.num_recv_tokens();
+                std::vector<uint8_t> h_comb(static_cast<size_t>(T) * row);
+                host.combine({done[p].recv.data(), R, H}, done[p].host, {h_comb.data(), T, H});
+                Dev d_y(done[p].recv), d_comb(h_comb.size(), 0xEE);
+                dev.combine({d_y.p, R, H}, done[p].dev, {d_comb.p, T, H});
+                Mismatches m("combine (pattern " + std::to_string(p) + ", async " + async + ", lookback " +
+                             lookback + ")");
+                compare_floats(m, c, "combine", d_comb.read<uint8_t>(h_comb.size()).data(), h_comb.data(), T);
+                m.done();
+            }
+            CK(cudaDeviceSynchronize());
+            dev.destroy();
+            host.destroy();
+        });
+        EXPECT_EQ(results[0].exit_code, 0) << "async " << async << ", lookback " << lookback << ", seed "
+                                           << seed << ": " << results[0].message;
+        std::filesystem::remove_all(dir);
+    }
 }
 
 // One rank: dispatch with a reused handle + combine captured in a CUDA graph and replayed equal the eager

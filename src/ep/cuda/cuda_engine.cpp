@@ -13,13 +13,14 @@
 // mirror of the error word, so no call copies it on the stream.
 //
 // Work per call with MOERL_EP_CUDA_ASYNC=1 (W = 1 with aligned outputs / y in brackets): dispatch 3
-// kernels and one event wait [1 kernel, and a wait on a word it writes to mapped memory once the counts
-// are known, before its copy ends], 2 [1] with a reused handle; combine 2 kernels [1]; low-latency
-// dispatch 3 kernels, combine 2. No memcpy or memset on the stream outside error paths. With one rank
-// and aligned outputs nothing crosses a slot: a fresh dispatch is one kernel (counts, rows and the
-// permute; it also writes the handle's host vectors into mapped memory when the call synchronises), a
-// dispatch with a reused handle is the send kernel without signals, and combine is one gather kernel
-// (kernels/solo.cu).
+// kernels and one event wait [1 kernel and a spin on a word it writes to mapped memory once the counts
+// are known, before its copy ends: no event, no driver call while the spin is short], 2 [1] with a
+// reused handle; combine 2 kernels [1]; low-latency dispatch 3 kernels, combine 2. No memcpy or memset
+// on the stream outside error paths, and no allocation: the device state of a released handle serves
+// the next dispatch on its stream (NormalStateCache). With one rank and aligned outputs nothing
+// crosses a slot: a fresh dispatch is one kernel (counts, rows and the permute; it also writes the
+// handle's host vectors into mapped memory when the call synchronises), a dispatch with a reused
+// handle is the send kernel without signals, and combine is one gather kernel (kernels/solo.cu).
 //
 // Rows a rank sends to itself skip its slot: normal dispatch writes them straight into the outputs and
 // normal combine reads them straight from y, so the one-rank case is a single permute pass. While the stream
@@ -90,15 +91,14 @@ class CudaEngine final : public Engine {
         region_ = DeviceMemory(sym_.total);
         ctrl_ = DeviceMemory(align256(kNumDeviceChannels * 8) + align256(kNumDeviceChannels * 4) +
                              sizeof(DeviceError));
-        const size_t summary = static_cast<size_t>(W) * (1 + c_.num_local_experts());
         // Written by the device (mapped pinned memory): the layout kernel's summaries, the error mirror,
         // and with one rank the dispatch kernel's ready word and handle vectors.
-        host_summaries_ = PinnedMemory(2 * summary * sizeof(int), cudaHostAllocMapped);
+        host_summaries_ = PinnedMemory(mapped_.summary_bytes(), cudaHostAllocMapped);
         host_error_ = PinnedMemory(sizeof(DeviceError), cudaHostAllocMapped);
         MOERL_CUDA_CHECK(
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_summaries_), host_summaries_.get(), 0));
         if (W == 1) {
-            host_solo_ = PinnedMemory(solo_offset(3), cudaHostAllocMapped);
+            host_solo_ = PinnedMemory(mapped_.solo_offset[3], cudaHostAllocMapped);
             MOERL_CUDA_CHECK(
                 cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_solo_), host_solo_.get(), 0));
         }
@@ -118,6 +118,8 @@ class CudaEngine final : public Engine {
         MOERL_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props));
         uint64_t keep = UINT64_MAX;
         MOERL_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
+        states_ =
+            std::make_shared<NormalStateCache>(this, c_.max_tokens_per_rank, W, c_.max_recv_tokens(), pool_);
         tables_ = DeviceMemory((1 + 4) * W * sizeof(uint8_t*));
 
         // Exchange IPC handles; a rank publishes its handle only after its region was zeroed.
@@ -220,6 +222,7 @@ class CudaEngine final : public Engine {
         if (counts_ready_ != nullptr) cudaEventDestroy(counts_ready_);
         counts_ready_ = nullptr;
         // Handles still alive free their blocks later; the pool goes once they have.
+        if (states_ != nullptr) states_->close();
         if (pool_ != nullptr) cudaMemPoolDestroy(pool_);
         pool_ = nullptr;
         region_ = DeviceMemory();
@@ -230,7 +233,7 @@ class CudaEngine final : public Engine {
     Handle dispatch(View<const void> x, View<const int64_t> topk_idx, View<const float> topk_weights,
                     const DispatchOutput& out, const Handle* reuse) override {
         const cudaStream_t stream = begin("dispatch");
-        const int W = c_.world_size, L = c_.num_local_experts();
+        const int W = c_.world_size;
         const int T = static_cast<int>(x.rows);
         check_alignment(x.data, "dispatch: x");
         Handle h;
@@ -247,8 +250,8 @@ class CudaEngine final : public Engine {
                         "cannot be captured in a CUDA graph; capture low_latency_dispatch or reuse a handle");
             if (W == 1 && aligned16(out.recv_x.data))
                 return dispatch_solo(x, topk_idx, topk_weights, out, stream);
-            fresh = std::make_shared<NormalState>(this, stream, T, W, c_.max_recv_tokens(), pool_);
-            const size_t summary = static_cast<size_t>(W) * (1 + L);
+            fresh = states_->take(stream);
+            const size_t summary = mapped_.summary_ints;
             LayoutArgs a{};
             a.rt = rt_;
             a.topk_idx = topk_idx.data;
@@ -519,7 +522,7 @@ class CudaEngine final : public Engine {
     Handle dispatch_solo(View<const void> x, View<const int64_t> topk_idx, View<const float> topk_weights,
                          const DispatchOutput& out, cudaStream_t stream) {
         const int T = static_cast<int>(x.rows);
-        auto fresh = std::make_shared<NormalState>(this, stream, T, 1, c_.max_recv_tokens(), pool_);
+        const std::shared_ptr<NormalState> fresh = states_->take(stream);
         SoloDispatchArgs a{};
         a.rt = rt_;
         a.row = row_;
@@ -529,16 +532,23 @@ class CudaEngine final : public Engine {
         a.num_tokens = T;
         a.tile_tokens = solo_tile_tokens(T, solo_blocks_);
         const int tiles = solo_tiles(T, a.tile_tokens);
+        // The kernel writes send_pos [T] and recv_src_token [R <= T] into the mapped copies.
+        MOERL_CHECK(static_cast<size_t>(T) <= mapped_.solo_tokens && tiles <= solo_blocks_, "dispatch: ", T,
+                    " tokens in ", tiles, " tiles, but the one-rank buffers hold ", mapped_.solo_tokens,
+                    " tokens in ", solo_blocks_, " tiles");
         a.seq = layout_->next(a.scratch, stream);
         a.send_pos = fresh->send_pos;
         a.recv_src_offset = fresh->recv_src_offset;
         a.recv_src_token = fresh->recv_src_token;
         if (!async_) {
-            a.host_send_pos = reinterpret_cast<int*>(device_solo_ + solo_offset(1));
-            a.host_recv_src_token = reinterpret_cast<int*>(device_solo_ + solo_offset(2));
+            a.host_send_pos = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[1]);
+            a.host_recv_src_token = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[2]);
         }
+        // While the kernel writes those host-mapped vectors, tiles go in start order and the summaries
+        // are final before any row (the pre-look-back order); without them it counts late tiles itself.
+        a.ticket_order = a.host_send_pos != nullptr;
         a.summary = device_summaries_;
-        a.counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + solo_offset(0));
+        a.counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + mapped_.solo_offset[0]);
         a.recv_x = out.recv_x.data;
         a.recv_x_scales = out.recv_x_scales.data;
         a.recv_topk_idx = out.recv_topk_idx.data;
@@ -548,11 +558,10 @@ class CudaEngine final : public Engine {
         a.error_mirror = sig_.error_mirror;
         a.tuning = solo_tuning_;
         launch_solo_dispatch(a, tiles, stream);
-        MOERL_CUDA_CHECK(cudaGetLastError());
         if (async_) {
-            MOERL_CUDA_CHECK(cudaEventRecord(counts_ready_, stream));
-            wait_solo_counts(a.seq);
+            wait_solo_counts(a.seq, stream);
         } else {
+            MOERL_CUDA_CHECK(cudaGetLastError());
             MOERL_CUDA_CHECK(cudaStreamSynchronize(stream));
         }
         const DeviceError err = read_error();
@@ -567,10 +576,13 @@ class CudaEngine final : public Engine {
         fill_counts(T, h);
         h.device_state = fresh;
         const int R = h.num_recv_tokens();
+        MOERL_CHECK(R >= 0 && R <= T && h.num_send_per_rank[0] == R,
+                    "dispatch: the one-rank kernel reported ", R, " rows (sent ", h.num_send_per_rank[0],
+                    ") for ", T, " tokens");
         if (!async_) {
             const auto* base = host_solo_.get<uint8_t>();
-            const auto* pos = reinterpret_cast<const int*>(base + solo_offset(1));
-            const auto* tokens = reinterpret_cast<const int*>(base + solo_offset(2));
+            const auto* pos = reinterpret_cast<const int*>(base + mapped_.solo_offset[1]);
+            const auto* tokens = reinterpret_cast<const int*>(base + mapped_.solo_offset[2]);
             h.send_pos.assign(pos, pos + T);
             h.recv_src_token.assign(tokens, tokens + R);
         }
@@ -580,12 +592,16 @@ class CudaEngine final : public Engine {
         return h;
     }
 
-    // Spins until the one-rank dispatch kernel of call `seq` has published its counts; the event after
-    // the kernel ends the wait if the kernel failed or ended without them.
-    void wait_solo_counts(unsigned int seq) {
+    // Spins on the mapped word until the one-rank dispatch kernel of call `seq` has published its
+    // counts. Only a wait of more than kSpinsPerQuery reads asks the driver anything: whether the launch
+    // failed, and whether the stream ran dry (the kernel failed or ended without publishing).
+    void wait_solo_counts(unsigned int seq, cudaStream_t stream) {
+        constexpr unsigned kSpinsPerQuery = 4096;
         std::atomic_ref<unsigned int> ready(*reinterpret_cast<unsigned int*>(host_solo_.get<uint8_t>()));
-        while (ready.load(std::memory_order_acquire) != seq) {
-            const cudaError_t done = cudaEventQuery(counts_ready_);
+        for (unsigned spins = 1; ready.load(std::memory_order_acquire) != seq; ++spins) {
+            if (spins % kSpinsPerQuery != 0) continue;
+            MOERL_CUDA_CHECK(cudaGetLastError());
+            const cudaError_t done = cudaStreamQuery(stream);
             if (done == cudaErrorNotReady) continue;
             MOERL_CUDA_CHECK(done);
             MOERL_CHECK(ready.load(std::memory_order_acquire) == seq,
@@ -593,23 +609,12 @@ class CudaEngine final : public Engine {
         }
     }
 
-    // Mapped pinned memory of the one-rank dispatch: ready word, send_pos [maxT], recv_src_token [maxT]
-    // (each 16-byte aligned); solo_offset(3) is the total.
-    size_t solo_offset(int i) const {
-        const size_t sizes[3] = {sizeof(unsigned int),
-                                 static_cast<size_t>(c_.max_tokens_per_rank) * sizeof(int),
-                                 static_cast<size_t>(c_.max_tokens_per_rank) * sizeof(int)};
-        size_t off = 0;
-        for (int j = 0; j < i; ++j) off += align16(sizes[j]);
-        return off;
-    }
-
     // The handle's counts from the summaries in mapped memory (the layout kernel's or the one-rank
     // dispatch kernel's, once they are final).
     void fill_counts(int num_tokens, Handle& h) const {
         const int W = c_.world_size, L = c_.num_local_experts();
         const int* sent = host_summaries_.get<int>();
-        fill_handle_counts(sent, sent + static_cast<size_t>(W) * (1 + L), W, L, num_tokens, h);
+        fill_handle_counts(sent, sent + mapped_.summary_ints, W, L, num_tokens, h);
     }
 
     // Tokens per block of the one-rank kernels, and their blocks: at most `blocks` (one tile_state word
@@ -624,12 +629,15 @@ class CudaEngine final : public Engine {
     // Knobs of the one-rank dispatch, for finding its fastest variant on a GPU (scripts/ep_solo_sweep.sh).
     // Every accepted value gives the same result; a value out of range keeps the default, with a warning.
     // - MOERL_EP_SOLO_BLOCKS: blocks (tiles), 1..kMaxSoloBlocks; 0 (default): blocks_ as every kernel. Blocks
-    //   need not be resident at once: a block waits only on tiles whose blocks started before it.
+    //   need not be resident at once: a block waits a bounded time for an earlier tile's count, then
+    //   counts that tile itself.
     // - MOERL_EP_SOLO_PREFETCH: rows of each tile asked into L2 while its block counts, >= 0 (default 16).
     // - MOERL_EP_SOLO_WARPS_PER_ROW: warps that share a row, 1..16; 0 (default): one, or more while a tile
     //   has fewer rows than the block has warps.
     // - MOERL_EP_SOLO_UNROLL: 16-byte loads in flight per lane, 4, 8 (default) or 16.
     // - MOERL_EP_SOLO_CACHE: bit 0 loads of x, bit 1 stores to recv_x evict first, 0..3 (default 0).
+    // - MOERL_EP_SOLO_LOOKBACK_NS: how long a block waits for an earlier tile's count before it counts
+    //   that tile itself, 0..1e9 (default 20000).
     void read_solo_knobs() {
         auto knob = [](const char* name, int fallback, long lo, long hi) {
             const long v = env::get_int(name, fallback);
@@ -650,6 +658,7 @@ class CudaEngine final : public Engine {
             solo_tuning_.unroll = 8;
         }
         solo_tuning_.cache = knob("MOERL_EP_SOLO_CACHE", solo_tuning_.cache, 0, 3);
+        solo_tuning_.lookback_ns = knob("MOERL_EP_SOLO_LOOKBACK_NS", solo_tuning_.lookback_ns, 0, 1000000000);
     }
 
     static bool aligned16(const void* p) {
@@ -776,7 +785,8 @@ class CudaEngine final : public Engine {
     DeviceMemory tables_;              // peers [W], then dst pointers of the 4 data channels [W] each
     PinnedMemory host_summaries_;      // send then receive summaries [W, 1+L], written by the layout kernel
     PinnedMemory host_error_;          // mirror of the device error word, written by the device
-    PinnedMemory host_solo_;           // one rank: written by the dispatch kernel (solo_offset())
+    HostMappedSizes mapped_{c_};       // sizes of host_summaries_ and host_solo_
+    PinnedMemory host_solo_;           // one rank: written by the dispatch kernel (mapped_.solo_offset)
     int* device_summaries_ = nullptr;  // host_summaries_ as the device sees it
     uint8_t* device_solo_ = nullptr;   // host_solo_ as the device sees it
     static constexpr int kMaxSoloBlocks = 4096;
@@ -786,6 +796,7 @@ class CudaEngine final : public Engine {
     std::unique_ptr<LayoutState> layout_;
     PinnedMemory stage_;            // device-to-host copies of handle vectors (staging_bytes())
     cudaMemPool_t pool_ = nullptr;  // NormalState blocks; keeps its memory across synchronisations
+    std::shared_ptr<NormalStateCache> states_;  // NormalStates of released handles, for the next dispatch
     std::unique_ptr<LowLatencyState> ll_;
     std::vector<uint8_t*> peers_;
     uint8_t* const* dst_dispatch_ = nullptr;

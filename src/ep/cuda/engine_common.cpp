@@ -52,6 +52,41 @@ NormalState::~NormalState() {
     if (block_ != nullptr) cudaFreeAsync(block_, stream);  // after the work queued on its stream
 }
 
+std::shared_ptr<NormalState> NormalStateCache::take(cudaStream_t stream) {
+    std::unique_ptr<NormalState> s;
+    {
+        std::lock_guard lock(mu_);
+        for (size_t i = kept_.size(); i-- > 0;) {
+            if (kept_[i]->stream != stream) continue;
+            s = std::move(kept_[i]);
+            kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
+            break;
+        }
+    }
+    if (s == nullptr)
+        s = std::make_unique<NormalState>(owner_, stream, max_tokens_, world_, max_recv_, pool_);
+    auto self = shared_from_this();
+    return std::shared_ptr<NormalState>(s.release(), [self](NormalState* p) { self->give_back(p); });
+}
+
+void NormalStateCache::give_back(NormalState* p) {
+    std::unique_ptr<NormalState> s(p), dropped;
+    std::lock_guard lock(mu_);
+    if (closed_) return;             // s frees its block
+    if (kept_.size() == kMaxKept) {  // the oldest goes
+        dropped = std::move(kept_.front());
+        kept_.erase(kept_.begin());
+    }
+    kept_.push_back(std::move(s));
+}
+
+void NormalStateCache::close() {
+    std::vector<std::unique_ptr<NormalState>> kept;
+    std::lock_guard lock(mu_);
+    closed_ = true;
+    kept.swap(kept_);
+}
+
 NormalState& normal_state(const Handle& h, const void* owner, const char* what) {
     auto* s = static_cast<NormalState*>(h.device_state.get());
     MOERL_CHECK(s != nullptr && s->owner == owner, what,

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,22 @@ inline Routing make_routing(const Config& c) {
     return r;
 }
 
+// Sizes of the host-mapped memory the device writes, all from the config: the summaries [2, W, 1+L]
+// (what each rank sends, then what it receives) and, with one rank, the dispatch kernel's ready word,
+// send_pos [max_tokens_per_rank] and recv_src_token [max_tokens_per_rank] (each 16-byte aligned).
+struct HostMappedSizes {
+    size_t summary_ints = 0;     // one of the two halves: W * (1 + L)
+    size_t solo_tokens = 0;      // entries of the one-rank send_pos and recv_src_token copies
+    size_t solo_offset[4] = {};  // ready word, send_pos, recv_src_token, total bytes
+    explicit HostMappedSizes(const Config& c) {
+        summary_ints = static_cast<size_t>(c.world_size) * (1 + c.num_local_experts());
+        solo_tokens = static_cast<size_t>(c.max_tokens_per_rank);
+        const size_t sizes[3] = {sizeof(unsigned int), solo_tokens * sizeof(int), solo_tokens * sizeof(int)};
+        for (int j = 0; j < 3; ++j) solo_offset[j + 1] = solo_offset[j] + align16(sizes[j]);
+    }
+    size_t summary_bytes() const { return 2 * summary_ints * sizeof(int); }
+};
+
 // Limits of the device kernels; throws naming the field.
 void check_device_limits(const Config& c, const char* engine);
 
@@ -117,6 +134,31 @@ struct NormalState {
 
   private:
     void* block_ = nullptr;
+};
+
+// NormalStates of one engine, each sized for max_tokens_per_rank. A released handle gives its state
+// back for the next fresh dispatch on the same stream, so that a dispatch neither allocates nor frees:
+// stream order covers the reuse, as it covers cudaFreeAsync and cudaMallocFromPoolAsync on one stream.
+// Thread-safe (handles may be released on any thread).
+class NormalStateCache : public std::enable_shared_from_this<NormalStateCache> {
+  public:
+    NormalStateCache(const void* owner, int max_tokens, int world, int max_recv, cudaMemPool_t pool)
+        : owner_(owner), max_tokens_(max_tokens), world_(world), max_recv_(max_recv), pool_(pool) {}
+    // A state for a dispatch on `stream`: one given back on that stream, or a new one.
+    std::shared_ptr<NormalState> take(cudaStream_t stream);
+    // Frees the states given back; states released later are freed at once.
+    void close();
+
+  private:
+    static constexpr size_t kMaxKept = 64;
+    void give_back(NormalState* s);
+
+    const void* owner_;
+    int max_tokens_, world_, max_recv_;
+    cudaMemPool_t pool_;
+    std::mutex mu_;
+    std::vector<std::unique_ptr<NormalState>> kept_;  // GUARDED_BY(mu_)
+    bool closed_ = false;                             // GUARDED_BY(mu_)
 };
 
 // Looks up the NormalState of a handle made by `owner`; throws when it is not one.

@@ -185,13 +185,14 @@ struct SoloTuning {
     int warps_per_row = 0;  // 1..16 warps share a row; 0: one, or more while a tile has fewer rows than warps
     int unroll = 8;         // 16-byte loads in flight per lane: 4, 8 or 16
     int cache = 0;          // bit 0: loads of x evict first (ld.global.cs); bit 1: stores evict first
+    int lookback_ns = 20000;  // wait for an earlier tile's count, then count that tile in this block
 };
 
 // Normal dispatch of one rank in one kernel (a permute): counts, rows and the copy, no layout kernel
-// and no signals. A grid of `tiles` blocks; the block with ticket j (start order) handles tokens
-// [j * tile_tokens, (j+1) * tile_tokens). Token t gets row = number of earlier tokens that name a
-// valid expert (prefix over the tiles' counts in scratch.tile_state), or none. The last block to
-// finish its prefix writes the summaries, then counts_ready = seq.
+// and no signals. A grid of `tiles` blocks; block j handles tokens [j * tile_tokens, (j+1) *
+// tile_tokens). Token t gets row = number of earlier tokens that name a valid expert (prefix over the
+// tiles' counts in scratch.tile_state, or counted again from topk_idx where a count is late), or none.
+// The last block to add its counts to the totals writes the summaries, then counts_ready = seq.
 struct SoloDispatchArgs {
     Routing rt;
     RowLayout row;
@@ -199,13 +200,14 @@ struct SoloDispatchArgs {
     const int64_t* topk_idx;    // [T, K]
     const float* topk_weights;  // [T, K] or null (weights sent as 0)
     int num_tokens;
-    int tile_tokens;        // >= 1; ceil(T / tile_tokens) tiles (at least one)
-    LayoutScratch scratch;  // tile_state [>= tiles], expert_total [L], rank_total [1], counters [2]
-    unsigned int seq;       // nonzero, different from the previous call's (tags tile_state)
-    int* send_pos;          // out [T]: row of token t, or -1
-    int* recv_src_offset;   // out [2]: {0, R}
-    int* recv_src_token;    // out [R]: token of each row
-    int* host_send_pos;     // host-mapped copies of send_pos [T] and recv_src_token [R], or null
+    int tile_tokens;  // >= 1; ceil(T / tile_tokens) tiles (at least one)
+    // tile_state [>= tiles], expert_total [L], rank_total [1], counters [2] (tickets, arrivals)
+    LayoutScratch scratch;
+    unsigned int seq;      // nonzero, different from the previous call's (tags tile_state)
+    int* send_pos;         // out [T]: row of token t, or -1
+    int* recv_src_offset;  // out [2]: {0, R}
+    int* recv_src_token;   // out [R]: token of each row
+    int* host_send_pos;    // host-mapped copies of send_pos [T] and recv_src_token [R], or null
     int* host_recv_src_token;
     int* summary;                // out [2, 1+L] (host-mapped): {R, entries per expert}, sent then received
     unsigned int* counts_ready;  // host-mapped: seq once summary and the error mirror are final
@@ -217,6 +219,10 @@ struct SoloDispatchArgs {
     DeviceError* error;
     DeviceError* error_mirror;  // host-mapped copy of *error, or null
     SoloTuning tuning;
+    // Tiles in start order (a ticket from scratch.counters[0]) and the summaries written before any
+    // row, as before the look-back that counts late tiles itself; used while the kernel writes the
+    // host-mapped send_pos / recv_src_token.
+    bool ticket_order;
 };
 void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream);
 

@@ -1,11 +1,15 @@
-// Normal mode with one rank, one kernel each way. Dispatch is a permute of x: each block counts the tokens of
-// its tile that name a valid expert, publishes that count, adds the counts of the earlier tiles (their blocks
-// started first and publish without waiting, so the wait ends) and copies its rows. The last block to
-// learn its offset writes the summaries, which the host reads from mapped memory: no layout kernel, no
-// copy on the stream, no gap between two kernels. While a block counts and waits for its offset, the
-// first rows of its tile are already on their way into L2. How the rows are copied (warps per row,
-// loads in flight, cache hints, prefetch) follows SoloTuning (kernels.hpp). Combine is the inverse gather:
-// each block loads the send_pos of its tokens at once, so that no warp waits on it before its row loads.
+// Normal mode with one rank, one kernel each way. Dispatch is a permute of x: block b counts the tokens
+// of tile b that name a valid expert, publishes that count and adds the counts of the earlier tiles; a
+// count that is not published in time (its block may not have started: blocks need not be resident at
+// once) it counts itself from topk_idx, so no block waits on another for long and no ticket is taken.
+// Then the block copies its rows, while its first warp adds the block to the call's arrivals; the last
+// block to arrive writes the summaries, which the host reads from mapped memory: no layout kernel, no
+// copy on the stream, no gap between two kernels. While a block counts and sums, the first rows of its
+// tile are already on their way into L2. How the rows are copied (warps per row, loads in flight, cache
+// hints, prefetch) follows SoloTuning (kernels.hpp). Combine is the inverse gather: each block loads
+// the send_pos of its tokens at once, so that no warp waits on it before its row loads.
+#include <cstdio>
+
 #include "common.cuh"
 
 namespace moerl::ep::cuda {
@@ -24,9 +28,36 @@ __device__ __forceinline__ unsigned long long load_volatile(const unsigned long 
     return *reinterpret_cast<const volatile unsigned long long*>(p);
 }
 
-// Tokens with a valid expert in the tiles before `tile`, by one warp (all lanes get the sum).
-__device__ __forceinline__ int warp_rows_before(const unsigned long long* tile_state, int tile, unsigned seq,
-                                                int lane) {
+// Whether token t names an expert in [0, E); other ids name none.
+__device__ __forceinline__ bool names_expert(const int64_t* topk_idx, int t, int K, int E) {
+    bool any = false;
+    for (int k = 0; k < K; ++k) {
+        const long long e = topk_idx[static_cast<size_t>(t) * K + k];
+        any |= e >= 0 && e < E;
+    }
+    return any;
+}
+
+// Tokens of tile `tile` that name a valid expert, counted by one warp from topk_idx (all lanes get it).
+__device__ __forceinline__ int warp_count_tile(const SoloDispatchArgs& a, int tile, int lane) {
+    const int t0 = min(a.num_tokens, tile * a.tile_tokens);
+    const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
+    int count = 0;
+    for (int t = t0 + lane; t < t1; t += 32)
+        count += names_expert(a.topk_idx, t, a.rt.top_k, a.rt.num_experts) ? 1 : 0;
+    return __reduce_add_sync(kFullMask, count);
+}
+
+// Tokens with a valid expert in the tiles before `tile`, by one warp (all lanes get the sum). A count
+// still unpublished tuning.lookback_ns after the first look is counted by the warp itself.
+__device__ __forceinline__ int warp_rows_before(const SoloDispatchArgs& a, int tile, int lane) {
+    const unsigned long long* tile_state = a.scratch.tile_state;
+    const unsigned seq = a.seq;
+    // In ticket order every earlier tile's block has started: wait for its count however long it takes.
+    const unsigned long long start = global_timer_ns(),
+                             patience = a.ticket_order
+                                            ? ~0ull
+                                            : static_cast<unsigned long long>(a.tuning.lookback_ns);
     int sum = 0;
     for (int base = 0; base < tile; base += 32 * kLookBackWords) {
         unsigned long long v[kLookBackWords];
@@ -37,7 +68,13 @@ __device__ __forceinline__ int warp_rows_before(const unsigned long long* tile_s
         }
 #pragma unroll
         for (int u = 0; u < kLookBackWords; ++u) {
-            while ((v[u] >> 32) != seq) v[u] = load_volatile(tile_state + base + u * 32 + lane);
+            const unsigned long long* word = tile_state + base + u * 32 + lane;
+            while ((v[u] >> 32) != seq && global_timer_ns() - start < patience) v[u] = load_volatile(word);
+            for (unsigned late = __ballot_sync(kFullMask, (v[u] >> 32) != seq); late != 0; late &= late - 1) {
+                const int src = __ffs(late) - 1;
+                const int count = warp_count_tile(a, base + u * 32 + src, lane);
+                if (lane == src) v[u] = tile_word(seq, count);
+            }
             sum += static_cast<int>(v[u] & 0xffffffffu);
         }
     }
@@ -100,16 +137,6 @@ __device__ __forceinline__ void warp_copy_part(uint8_t* dst, const uint8_t* src,
     }
 }
 
-// Whether token t names an expert in [0, E); other ids name none.
-__device__ __forceinline__ bool names_expert(const int64_t* topk_idx, int t, int K, int E) {
-    bool any = false;
-    for (int k = 0; k < K; ++k) {
-        const long long e = topk_idx[static_cast<size_t>(t) * K + k];
-        any |= e >= 0 && e < E;
-    }
-    return any;
-}
-
 // Part `part` of `parts` of token t into output row i: data (or e4m3 + scales), and with part 0 the
 // token's ids and weights (one rank owns every expert, so local ids are the global ones). Ids and
 // weights are loaded first, so that they travel with the row's first loads.
@@ -141,28 +168,83 @@ __device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t,
     }
 }
 
+// One warp of every block, once the block's counts are in the totals: adds the block to the call's
+// arrivals; in the last block to arrive it writes the summaries, resets the scratch for the next call
+// and then publishes counts_ready. The other warps of the block copy rows meanwhile.
+__device__ __forceinline__ void warp_arrive(const SoloDispatchArgs& a, int lane) {
+    const LayoutScratch& g = a.scratch;
+    const int L = a.rt.num_local_experts;
+    unsigned last = 0;
+    if (lane == 0) {
+        __threadfence();  // the block's totals and error reports (before the block's barrier) first
+        last = atomicAdd(&g.counters[1], 1u) == gridDim.x - 1 ? 1u : 0u;
+    }
+    if (__shfl_sync(kFullMask, last, 0) == 0) return;
+    __threadfence();
+    const int total_rows = __shfl_sync(kFullMask, lane == 0 ? atomicExch(&g.rank_total[0], 0) : 0, 0);
+    // summary [2, 1+L]: what this rank sends, then what it receives (the same with one rank)
+    constexpr int kBatch = 8;  // exchanges in flight per lane
+    for (int i0 = 0; i0 < L; i0 += 32 * kBatch) {
+        int v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = i0 + u * 32 + lane;
+            v[u] = i < L ? atomicExch(&g.expert_total[i], 0) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = i0 + u * 32 + lane;
+            if (i >= L) continue;
+            a.summary[1 + i] = v[u];
+            a.summary[1 + L + 1 + i] = v[u];
+        }
+    }
+    if (lane == 0) {
+        a.summary[0] = total_rows;
+        a.summary[1 + L] = total_rows;
+        a.recv_src_offset[0] = 0;
+        a.recv_src_offset[1] = total_rows;
+        if (a.ticket_order) g.counters[0] = 0;  // every block took its ticket before it arrived
+        g.counters[1] = 0;
+    }
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) *reinterpret_cast<volatile unsigned*>(a.counts_ready) = a.seq;
+}
+
+// Ids k0..k0+7 of token t, -1 past K (eight loads in flight).
+__device__ __forceinline__ void load_ids(long long (&ids)[8], const int64_t* topk_idx, int t, int k0, int K) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ids[j] = k0 + j < K ? topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
+}
+
 template <int kUnroll, int kCache>
 __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatchArgs a) {
     const Routing rt = a.rt;
-    const int K = rt.top_k, E = rt.num_experts, L = rt.num_local_experts;
+    const int K = rt.top_k, E = rt.num_experts;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const LayoutScratch& g = a.scratch;
     const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
     __shared__ int expert_count[kMaxExperts];
     __shared__ int rows[kDataThreads];  // output row of each token of the current group, or -1
     __shared__ int warp_count[kSoloWarps];
-    __shared__ int tile, tile_count, tile_base, total_rows, is_last;
-    if (tid == 0) {
-        tile = static_cast<int>(atomicAdd(&g.counters[0], 1u));  // tiles in start order
-        tile_count = 0;
+    __shared__ int tile_count, tile_base, ticket;
+    if (a.ticket_order) {  // tiles in start order (uniform branch)
+        if (tid == 0) ticket = static_cast<int>(atomicAdd(&g.counters[0], 1u));
+        __syncthreads();
     }
-    for (int i = tid; i < E; i += kDataThreads) expert_count[i] = 0;
-    __syncthreads();
+    const int tile = a.ticket_order ? ticket : static_cast<int>(blockIdx.x);
     const int t0 = min(a.num_tokens, tile * a.tile_tokens);
     const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
+    // The first ids of the thread's first token are on their way before anything else.
+    long long first_ids[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+    if (t0 + tid < t1) load_ids(first_ids, a.topk_idx, t0 + tid, 0, K);
     // x [T, H]: the tile's first rows are contiguous
     block_prefetch_l2(static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t0) * x_row_bytes,
                       static_cast<size_t>(min(t1 - t0, a.tuning.prefetch_rows)) * x_row_bytes);
+    if (tid == 0) tile_count = 0;
+    for (int i = tid; i < E; i += kDataThreads) expert_count[i] = 0;
+    __syncthreads();
 
     // Count the tile: tokens with a valid expert, entries per expert; ids out of range are reported
     // and dropped.
@@ -170,10 +252,26 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     bool first_valid = false;  // token t0 + tid, the thread's token in the first group below
     for (int t = t0 + tid; t < t1; t += kDataThreads) {
         bool any = false;
-        for_each_routed_expert(a.topk_idx, t, K, E, a.error, a.error_mirror, [&](int e) {
-            atomicAdd(&expert_count[e], 1);
-            any = true;
-        });
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            long long ids[8];
+            if (t == t0 + tid && k0 == 0) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) ids[j] = first_ids[j];
+            } else {
+                load_ids(ids, a.topk_idx, t, k0, K);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const long long e = ids[j];
+                if (e < -1 || e >= E) {
+                    report_bad_id(a.error, a.error_mirror, t, k0 + j, e);
+                    continue;
+                }
+                if (e < 0) continue;
+                atomicAdd(&expert_count[e], 1);
+                any = true;
+            }
+        }
         count += any ? 1 : 0;
         if (t == t0 + tid) first_valid = any;
     }
@@ -190,41 +288,17 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     for (int i = tid; i < E; i += kDataThreads)
         if (expert_count[i] != 0) atomicAdd(&g.expert_total[i], expert_count[i]);
     if (warp == 0) {
-        const int before = warp_rows_before(g.tile_state, tile, a.seq, lane);
+        const int before = warp_rows_before(a, tile, lane);
         if (lane == 0) tile_base = before;
     }
-    // After this block's last use of the scratch: the last block to get here resets it for the next call.
-    __threadfence();
     __syncthreads();
-    if (tid == 0) is_last = atomicAdd(&g.counters[1], 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (is_last) {
-        __threadfence();
-        for (int i = tid; i < L; i += kDataThreads) expert_count[i] = atomicExch(&g.expert_total[i], 0);
-        if (tid == 0) {
-            total_rows = atomicExch(&g.rank_total[0], 0);
-            g.counters[0] = 0;  // every block took its ticket before counting
-            g.counters[1] = 0;
-        }
-        __syncthreads();
-        // summary [2, 1+L]: what this rank sends, then what it receives (the same with one rank)
-        for (int i = tid; i < 1 + L; i += kDataThreads) {
-            const int v = i == 0 ? total_rows : expert_count[i - 1];
-            a.summary[i] = v;
-            a.summary[1 + L + i] = v;
-        }
-        if (tid == 0) {
-            a.recv_src_offset[0] = 0;
-            a.recv_src_offset[1] = total_rows;
-        }
-        __threadfence_system();
-        __syncthreads();
-        if (tid == 0) *reinterpret_cast<volatile unsigned*>(a.counts_ready) = a.seq;
-    }
+    // Ticket order: the block arrives before it writes any row, so the summaries are final before the
+    // first host-visible row is written.
+    if (a.ticket_order && warp == 0) warp_arrive(a, lane);
 
     // Rows, in groups of one token per thread: the block's offset plus the valid tokens before it in the
     // tile; then the warps copy the group's rows, `parts` warps per row (parts of one row on neighbouring
-    // warps).
+    // warps). Warp 0 first adds the block to the arrivals (warp_arrive), after the first group's rows.
     int base = tile_base;
     for (int g0 = t0; g0 < t1; g0 += kDataThreads) {
         const int t = g0 + tid;
@@ -238,6 +312,12 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
             group_rows += warp_count[w];
         }
         if (!valid) row = -1;
+        // Rows index host-mapped vectors of max_tokens_per_rank entries: a row past the tokens is a bug.
+        if (valid && row >= a.num_tokens) {
+            printf("moerl: one-rank dispatch: token %d got row %d, but there are only %d tokens\n", t, row,
+                   a.num_tokens);
+            __trap();
+        }
         if (t < t1) {
             a.send_pos[t] = row;
             if (a.host_send_pos != nullptr) a.host_send_pos[t] = row;
@@ -248,6 +328,7 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         }
         rows[tid] = row;
         __syncthreads();
+        if (!a.ticket_order && g0 == t0 && warp == 0) warp_arrive(a, lane);
         const int n = min(kDataThreads, t1 - g0);
         const int parts = a.tuning.warps_per_row > 0 ? a.tuning.warps_per_row : max(1, kSoloWarps / n);
         for (int item = warp; item < n * parts; item += kSoloWarps) {
@@ -259,6 +340,7 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         base += group_rows;
         __syncthreads();  // rows and warp_count are rewritten by the next group
     }
+    if (!a.ticket_order && t0 == t1 && warp == 0) warp_arrive(a, lane);  // an empty tile (no tokens at all)
 }
 
 // out[t] = y[send_pos[t]] through the same fp32 sum as combine_recv_kernel (zeros for a token that was
