@@ -1,9 +1,13 @@
 // The decode step's latency-bound kernels one at a time, at the Qwen3-30B-A3B shape (hidden 2048,
 // 32 query / 4 key-value heads of 128, 128 experts top-8): the time of one launch inside a CUDA
 // graph of many back-to-back launches (what a decode step pays for it, launch gap included), plain
-// and with programmatic dependent launch, next to an empty kernel's. No LibTorch: it runs wherever
-// the decode kernels build.
+// and with programmatic dependent launch, next to an empty kernel's. Then the weight-streaming
+// kernels (dense GEMVs, expert products on CUDA or tensor cores) in the same way, each launch on
+// another copy of the weights (or another routing) so that nothing is served from L2, with the
+// bandwidth of the weight bytes each launch reads. No LibTorch: it runs wherever the decode kernels
+// build.
 //   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4]
+//                        [--no-gemv]
 // (--len and --shapes pick the attention rows, with --len the other kernels are left out; shapes: one
 // lane a token in blocks of 2 or 8 warps, two or four lanes a token.)
 #include <cuda_bf16.h>
@@ -33,6 +37,18 @@ void check(cudaError_t e, const char* what) {
 
 constexpr int kH = 2048, kHq = 32, kHkv = 4, kD = 128, kE = 128, kK = 8, kI = 768, kBlock = 16;
 
+// p[i] = a small pseudo-random bf16 (hash of i and seed): large weight buffers without a host copy.
+__global__ void fill_kernel(__nv_bfloat16* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+         i += size_t{gridDim.x} * blockDim.x) {
+        unsigned v = static_cast<unsigned>(i) * 2654435761u ^ seed * 40503u;
+        v ^= v >> 15;
+        v *= 2246822519u;
+        v ^= v >> 13;
+        p[i] = __float2bfloat16((static_cast<float>(v & 0xffff) / 65536.0f - 0.5f) * 0.05f);
+    }
+}
+
 // Device buffers of random bf16 (or zeroed ints), freed at exit.
 struct Pool {
     std::vector<void*> ptrs;
@@ -47,6 +63,14 @@ struct Pool {
         void* p = nullptr;
         CK(cudaMalloc(&p, n * 2));
         CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
+        ptrs.push_back(p);
+        return static_cast<__nv_bfloat16*>(p);
+    }
+    __nv_bfloat16* bf16_filled(size_t n) {
+        void* p = nullptr;
+        CK(cudaMalloc(&p, n * 2));
+        fill_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, static_cast<unsigned>(ptrs.size()));
+        CK(cudaGetLastError());
         ptrs.push_back(p);
         return static_cast<__nv_bfloat16*>(p);
     }
@@ -103,8 +127,6 @@ double time_in_graph(cudaStream_t stream, int n, int iters, const std::function<
     return runs[2];
 }
 
-}  // namespace
-
 // "1,16,64" -> {1, 16, 64}; every entry must be in [1, 1 << 20].
 bool parse_list(const char* text, std::vector<int>& out) {
     out.clear();
@@ -123,15 +145,121 @@ bool parse_list(const char* text, std::vector<int>& out) {
     }
 }
 
+// The weight-streaming kernels of a decode layer: us per launch and GB/s of weights read.
+void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches, Pool& pool) {
+    std::printf(
+        "\nweights read per launch / us per launch (launch i reads copy i of the weights, or routing i;\n"
+        "together several times the L2), plain and overlapped launches\n\n");
+    std::printf(
+        "| kernel | batch | variant | MB | plain us | GB/s | overlap us | GB/s "
+        "|\n|---|---|---|---|---|---|---|---|\n");
+    constexpr int n = 64;
+    auto row = [&](const char* name, int B, const std::string& variant, double mb,
+                   const std::function<void(int, const mc::Launch&)>& f) {
+        int i = 0;
+        const mc::Launch plain{stream, false}, overlap{stream, true};
+        const double t0 = time_in_graph(stream, n, iters, [&] { f(i++, plain); });
+        i = 0;
+        const double t1 = time_in_graph(stream, n, iters, [&] { f(i++, overlap); });
+        std::printf("| %s | %d | %s | %.1f | %.2f | %.0f | %.2f | %.0f |\n", name, B, variant.c_str(), mb, t0,
+                    mb * 1e-3 / (t0 * 1e-6), t1, mb * 1e-3 / (t1 * 1e-6));
+        std::fflush(stdout);
+    };
+    // Dense projections: fused q/k/v [5120, 2048] and o [2048, 4096], copies enough for 400 MB.
+    struct Dense {
+        const char* name;
+        int out_rows, cols;
+    };
+    const Dense dense[] = {{"qkv gemv", (kHq + 2 * kHkv) * kD, kH}, {"o gemv", kH, kHq * kD}};
+    for (const Dense& d : dense) {
+        const size_t elems = static_cast<size_t>(d.out_rows) * d.cols;
+        const int copies = static_cast<int>(400e6 / (elems * 2.0)) + 1;
+        auto* w = pool.bf16_filled(elems * copies);
+        const int max_b = *std::max_element(batches.begin(), batches.end());
+        auto* in = pool.bf16_filled(static_cast<size_t>(max_b) * d.cols);
+        auto* out = pool.bf16_filled(static_cast<size_t>(max_b) * d.out_rows);
+        for (int B : batches) {
+            if (B > 16) continue;  // larger batches go to cuBLAS
+            for (int rows : {1, 2, 4})
+                row(d.name, B, "rows " + std::to_string(rows), elems * 2e-6, [&](int i, const mc::Launch& l) {
+                    mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows, rows, out,
+                                          l);
+                });
+        }
+    }
+    // Experts: gate/up [E, I, H] and down [E, H, I], one routing per launch out of 16 (random logits).
+    auto* gate = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);
+    auto* up = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);
+    auto* down = pool.bf16_filled(static_cast<size_t>(kE) * kH * kI);
+    constexpr int kRoutings = 16;
+    for (int B : batches) {
+        std::vector<int> position(B, 10);
+        int* d_pos = pool.copy(position);
+        std::vector<mc::MoeRouting> routes(kRoutings);
+        double active = 0;
+        for (auto& r : routes) {
+            r.topk_idx = pool.zeros<int>(static_cast<size_t>(B) * kK);
+            r.topk_weights = pool.zeros<float>(static_cast<size_t>(B) * kK);
+            r.expert_offset = pool.zeros<int>(kE + 1);
+            r.active_experts = pool.zeros<int>(kE);
+            r.num_active = pool.zeros<int>(1);
+            r.expert_slots = pool.zeros<int>(static_cast<size_t>(B) * kK);
+            auto* logits = pool.bf16(static_cast<size_t>(B) * kE);
+            mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, {stream, false});
+            int num = 0;
+            CK(cudaMemcpyAsync(&num, r.num_active, sizeof(int), cudaMemcpyDeviceToHost, stream));
+            CK(cudaStreamSynchronize(stream));
+            active += num;
+        }
+        active /= kRoutings;
+        const int max_active = std::min(kE, B * kK);
+        auto* h = pool.bf16_filled(static_cast<size_t>(B) * kH);
+        auto* act = pool.bf16_filled(static_cast<size_t>(B) * kK * kI);
+        auto* y = pool.zeros<float>(static_cast<size_t>(B) * kK * kH);
+        const double gate_up_mb = active * 2.0 * kI * kH * 2e-6, down_mb = active * kH * kI * 2e-6;
+        for (int rows : {1, 2})
+            row("experts gate+up", B, "cuda cores, rows " + std::to_string(rows), gate_up_mb,
+                [&](int i, const mc::Launch& l) {
+                    mc::launch_moe_gate_up(1, h, gate, up, routes[i % kRoutings], B, kK, kH, kI, max_active,
+                                           rows, act, l);
+                });
+        if (mc::moe_tensor_cores_supported(1, kH, kI))
+            row("experts gate+up", B, "tensor cores", gate_up_mb, [&](int i, const mc::Launch& l) {
+                mc::launch_moe_gate_up_mma(h, gate, up, routes[i % kRoutings], B, kK, kE, kH, kI, max_active,
+                                           act, l);
+            });
+        for (int rows : {2, 4})
+            for (bool prefetch : {false, true})
+                row("experts down", B,
+                    "cuda cores, rows " + std::to_string(rows) + (prefetch ? ", prefetch" : ""), down_mb,
+                    [&](int i, const mc::Launch& l) {
+                        mc::launch_moe_down(1, act, down, routes[i % kRoutings], B, kK, kH, kI, max_active,
+                                            rows, prefetch, y, l);
+                    });
+        if (mc::moe_tensor_cores_supported(1, kH, kI))
+            for (bool prefetch : {false, true})
+                row("experts down", B, std::string("tensor cores") + (prefetch ? ", prefetch" : ""), down_mb,
+                    [&](int i, const mc::Launch& l) {
+                        mc::launch_moe_down_mma(act, down, routes[i % kRoutings], B, kK, kE, kH, kI,
+                                                max_active, prefetch, y, l);
+                    });
+    }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
     int iters = 20;
     std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096};
     std::vector<std::string> shapes = {"w2", "w8", "l2", "l4"};
-    bool attention_only = false;
+    bool attention_only = false, gemv = true;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
         bool ok = i + 1 < argc;
-        if (ok && flag == "--iters") {
+        if (flag == "--no-gemv") {
+            gemv = false;
+            ok = true;
+        } else if (ok && flag == "--iters") {
             char* end = nullptr;
             iters = static_cast<int>(std::strtol(argv[++i], &end, 10));
             ok = *end == 0 && iters >= 1;
@@ -155,7 +283,7 @@ int main(int argc, char** argv) {
             std::fprintf(
                 stderr,
                 "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
-                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4]\n",
+                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4] [--no-gemv]\n",
                 argv[i]);
             return 2;
         }
@@ -265,6 +393,7 @@ int main(int argc, char** argv) {
             }
         }
     }
+    if (gemv && !attention_only) gemv_table(stream, iters, batches, pool);
     CK(cudaStreamSynchronize(stream));
     return 0;
 }

@@ -115,13 +115,14 @@ if [ -x "$MOERL" ]; then
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): expert rows per warp, GEMV vs cuBLAS, grouped GEMM.
+      # Variants of the decode kernels (graphs on): down-weight prefetch, tensor-core experts from batch
+      # 1, grouped GEMMs only from 512, the earlier defaults (CUDA-core experts, grouped GEMMs from 64).
       # MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between variants).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;EXPERT_MMA_MIN_BATCH=16;EXPERT_MMA_MIN_BATCH=16 GROUPED_MIN_BATCH=1024;EXPERT_MMA_MIN_BATCH=2;PDL=0;ATTENTION_LANES=2;GATE_UP_ROWS=2 DOWN_ROWS=4;GEMV_MAX_BATCH=4;GROUPED_MIN_BATCH=128"}
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;DOWN_PREFETCH=1;EXPERT_MMA_MIN_BATCH=1;GROUPED_MIN_BATCH=512;EXPERT_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64;PDL=0"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
-          --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64 --prompt 128 --new 32 2>&1 |
+          --layers ${MOERL_DEVICE_LAYERS:-8} --batch ${MOERL_DEVICE_VARIANT_BATCH:-1,16,64,256} --prompt 128 --new 32 2>&1 |
           grep -E "^batch" | sed "s/^/[$v] /" >>"$OUT/bench-variants.log"
       done
     fi

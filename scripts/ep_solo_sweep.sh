@@ -2,7 +2,7 @@
 # Variants of the one-rank cuda dispatch kernel (MOERL_EP_SOLO_* knobs, src/ep/cuda/cuda_engine.cpp) on
 # the GPU at hand: one `moerl bench ep` run per variant, one line each with the dispatch time of the
 # DeepSeek-V3-shaped case (4096 tokens, hidden 7168, top-8, 256 experts, bf16) against a device copy of
-# the same bytes measured in the first run, and the 128-token case.
+# the same bytes timed in the same run, and the 128-token case.
 #
 #   scripts/ep_solo_sweep.sh build/moerl [tokens]
 set -euo pipefail
@@ -18,6 +18,8 @@ variants=(
     "prefetch=0|MOERL_EP_SOLO_PREFETCH=0"
     "prefetch=32|MOERL_EP_SOLO_PREFETCH=32"
     "blocks=264|MOERL_EP_SOLO_BLOCKS=264"
+    "blocks=396|MOERL_EP_SOLO_BLOCKS=396"
+    "warps_per_row=2|MOERL_EP_SOLO_WARPS_PER_ROW=2"
     "unroll=16|MOERL_EP_SOLO_UNROLL=16"
     "cache=2|MOERL_EP_SOLO_CACHE=2"
     "cache=3|MOERL_EP_SOLO_CACHE=3"
@@ -26,31 +28,27 @@ variants=(
 )
 
 start=$SECONDS
-copy_us=""
-printf '%-16s | %12s | %8s | %7s | %15s | %15s\n' variant "dispatch us" "GB/s" "of copy" "128-tok disp us" "combine us"
+printf '%-16s | %12s | %8s | %12s | %7s | %15s | %10s\n' variant "dispatch us" "GB/s" "copy us" "of copy" "128-tok disp us" \
+    "combine us"
 for v in "${variants[@]}"; do
     name=${v%%|*}
     read -ra knobs <<<"${v#*|}"
+    # Every variant times its own device copy in the same iterations (same clocks, same host jitter).
     flags=(--transport cuda --ranks 1 --sms "$sms" --tokens "$tokens" --iters 50)
-    [[ -n $copy_us ]] && flags+=(--no-baseline)
-    # table rows: | transport | W | case | tok/r | hidden | K | E | rows/r | dispatch us | GB/s | combine us
-    # | GB/s | baseline us | GB/s | LL |
+    # table rows: | transport | W | case | disp | tok/r | hidden | K | E | rows/r | dispatch us | GB/s
+    # | combine us | GB/s | from peers | baseline us | GB/s | LL |
     out=$(env MOERL_EP_CUDA_ASYNC=1 "${knobs[@]}" timeout 30 "$moerl" bench ep "${flags[@]}" 2>&1) || {
         printf '%-16s | failed: %s\n' "$name" "$(tail -n 1 <<<"$out")"
         continue
     }
-    big=$(awk -F'|' '$4 ~ /dsv3/ {gsub(/ /, ""); print $10, $11, $12, $14, $15}' <<<"$out")
-    small=$(awk -F'|' '$4 ~ /decode/ {gsub(/ /, ""); print $10}' <<<"$out")
+    big=$(awk -F'|' '$4 ~ /dsv3/ {gsub(/ /, ""); print $11, $12, $13, $16}' <<<"$out")
+    small=$(awk -F'|' '$4 ~ /decode/ {gsub(/ /, ""); print $11}' <<<"$out")
     if [[ -z $big ]]; then
         printf '%-16s | no result: %s\n' "$name" "$(tail -n 1 <<<"$out")"
         continue
     fi
-    read -r d_us d_gbps c_us b_us b_gbps <<<"$big"
-    if [[ -z $copy_us ]]; then
-        copy_us=$b_us
-        echo "copy baseline: $b_us us = $b_gbps GB/s" >&2
-    fi
+    read -r d_us d_gbps c_us copy_us <<<"$big"
     pct=$(awk -v d="$d_us" -v c="$copy_us" 'BEGIN { printf "%.1f%%", (d > 0 ? 100 * c / d : 0) }')
-    printf '%-16s | %12s | %8s | %7s | %15s | %15s\n' "$name" "$d_us" "$d_gbps" "$pct" "$small" "$c_us"
+    printf '%-16s | %12s | %8s | %12s | %7s | %15s | %10s\n' "$name" "$d_us" "$d_gbps" "$copy_us" "$pct" "$small" "$c_us"
 done
 echo "($((SECONDS - start)) s)" >&2
