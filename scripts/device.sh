@@ -8,7 +8,9 @@
 # (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels) and
 # MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
 # bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
-# rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference.
+# rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
+# MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_VARIANT_LIST,
+# MOERL_DEVICE_VARIANT_BATCH and MOERL_DEVICE_KBENCH_ARGS (e.g. "--no-attention") narrow those runs.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,7 +77,7 @@ if [ -x "$MOERL" ]; then
   # The engine skips its end-of-call synchronisation; the benchmark synchronises around each call itself.
   export MOERL_EP_CUDA_ASYNC=1
   [ "${MOERL_DEVICE_EP:-1}" = 1 ] && timeout 60 "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 --iters 20 >"$OUT/bench-cuda.log" 2>&1
-  [ "${MOERL_DEVICE_EP:-1}" = 1 ] && timeout 60 "$MOERL" bench ep --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
+  [ "${MOERL_DEVICE_EP:-1}" = 1 ] && [ "${MOERL_DEVICE_EP_SHARED:-1}" = 1 ] && timeout 60 "$MOERL" bench ep --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
   step bench_cuda "rc=$?"
   if [ "${MOERL_DEVICE_EP_SWEEP:-0}" = 1 ] && [ -x scripts/ep_solo_sweep.sh ]; then
     timeout 120 scripts/ep_solo_sweep.sh "$MOERL" >"$OUT/ep-sweep.log" 2>&1
@@ -115,10 +117,10 @@ if [ -x "$MOERL" ]; then
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): down-weight prefetch, tensor-core experts from batch
-      # 1, grouped GEMMs only from 512, the earlier defaults (CUDA-core experts, grouped GEMMs from 64).
+      # Variants of the decode kernels (graphs on): tensor-core gate/up from batch 2, one dense GEMV row
+      # a warp, and the earlier defaults (CUDA-core experts, grouped GEMMs from 64).
       # MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between variants).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;DOWN_PREFETCH=1;EXPERT_MMA_MIN_BATCH=1;GROUPED_MIN_BATCH=512;EXPERT_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64;PDL=0"}
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;GATE_UP_MMA_MIN_BATCH=2;GEMV_ROWS=1;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
@@ -133,7 +135,7 @@ if [ -x "$MOERL" ]; then
   # The latency-bound decode kernels alone, in graphs (no LibTorch needed).
   KBENCH=$BUILD/bench/decode_kernels_bench
   if [ "${MOERL_DEVICE_KERNELS:-1}" = 1 ] && [ -x "$KBENCH" ]; then
-    timeout 120 "$KBENCH" >"$OUT/bench-kernels.log" 2>&1
+    timeout 180 "$KBENCH" ${MOERL_DEVICE_KBENCH_ARGS:-} >"$OUT/bench-kernels.log" 2>&1
     step bench_kernels "rc=$?"
     if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
       for shape in w8 l4; do  # where the attention warps stall, batch 1, 193 tokens

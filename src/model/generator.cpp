@@ -100,12 +100,12 @@ struct Generator::Impl {
     // From this batch bucket on (bf16), the experts run as grouped GEMMs (LibTorch) on the tensor cores.
     int grouped_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GROUPED_MIN_BATCH", 128));
     bool use_grouped_mm = false;
-    // From this batch bucket on (bf16, below the grouped GEMMs' bucket), the expert kernels run on the
-    // tensor cores (experts_mma.cu); 0 = never. Measured on an H200 (Qwen3-30B-A3B shape): batch 16
-    // 2.40 -> 2.22 ms a step, batch 64 4.48 (grouped GEMMs) -> 3.41; batch 1 is the same either way.
-    int expert_mma_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_EXPERT_MMA_MIN_BATCH", 2));
-    // The down-projection blocks ask L2 for their expert's weights before waiting for gate/up.
-    bool down_prefetch = env::get_int("MOERL_GENERATOR_DOWN_PREFETCH", 0) != 0;
+    // From these batch buckets on (bf16, below the grouped GEMMs' bucket), the expert products run on
+    // the tensor cores (experts_mma.cu); 0 = never. Measured on an H200 (Qwen3-30B-A3B shape, in-graph
+    // kernel times, bench/decode_kernels_bench.cu): down 93 -> 67 us at batch 16, the same at batch 1;
+    // gate/up 131 -> 137 us at batch 16 (CUDA cores stay), 364 -> 215 us at batch 64.
+    int gate_up_mma_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GATE_UP_MMA_MIN_BATCH", 32));
+    int down_mma_min_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_DOWN_MMA_MIN_BATCH", 2));
     // Up to this batch bucket the dense projections (q/k/v, o, router) use the GEMV kernel.
     int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 1));
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
@@ -175,8 +175,9 @@ struct Generator::Impl {
         const cuda::AttentionShape attention =
             cuda::attention_shape(B, Hkv, attention_warps, attention_lanes);
         const bool experts_grouped_mm = B >= grouped_min_batch && use_grouped_mm;
-        const bool experts_mma = expert_mma_min_batch > 0 && B >= expert_mma_min_batch &&
-                                 cuda::moe_tensor_cores_supported(dtype, H, I);
+        const bool tensor_cores = cuda::moe_tensor_cores_supported(dtype, H, I);
+        const bool gate_up_mma = tensor_cores && gate_up_mma_min_batch > 0 && B >= gate_up_mma_min_batch;
+        const bool down_mma = tensor_cores && down_mma_min_batch > 0 && B >= down_mma_min_batch;
         for (size_t l = 0; l < m.layers.size(); ++l) {
             const LayerWeights& w = m.layers[l];
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
@@ -206,21 +207,22 @@ struct Generator::Impl {
                 if (experts_grouped_mm) {
                     experts_grouped(B, w);
                     mark("experts grouped gemm");
-                } else if (experts_mma) {
-                    cuda::launch_moe_gate_up_mma(h.data_ptr(), w.experts_gate.data_ptr(),
-                                                 w.experts_up.data_ptr(), r, B, K, E, H, I, max_active,
-                                                 act.data_ptr(), launch);
-                    mark("experts gate+up");
-                    cuda::launch_moe_down_mma(act.data_ptr(), w.experts_down.data_ptr(), r, B, K, E, H, I,
-                                              max_active, down_prefetch, y.data_ptr<float>(), launch);
-                    mark("experts down");
                 } else {
-                    cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
-                                             w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
-                                             act.data_ptr(), launch);
+                    if (gate_up_mma)
+                        cuda::launch_moe_gate_up_mma(h.data_ptr(), w.experts_gate.data_ptr(),
+                                                     w.experts_up.data_ptr(), r, B, K, E, H, I, max_active,
+                                                     act.data_ptr(), launch);
+                    else
+                        cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
+                                                 w.experts_up.data_ptr(), r, B, K, H, I, max_active,
+                                                 gate_up_rows, act.data_ptr(), launch);
                     mark("experts gate+up");
-                    cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
-                                          max_active, down_rows, down_prefetch, y.data_ptr<float>(), launch);
+                    if (down_mma)
+                        cuda::launch_moe_down_mma(act.data_ptr(), w.experts_down.data_ptr(), r, B, K, E, H, I,
+                                                  max_active, y.data_ptr<float>(), launch);
+                    else
+                        cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
+                                              max_active, down_rows, y.data_ptr<float>(), launch);
                     mark("experts down");
                 }
                 cuda::launch_moe_combine_rmsnorm(dtype, x.data_ptr(), y.data_ptr<float>(), r,

@@ -274,8 +274,8 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     mc::launch_moe_gate_up_mma(d_h.p, d_gate.p, d_up.p, r, B, K, E, H, I, max_active, act_mma.p, launch);
     Dev<float> y_core{std::vector<float>(static_cast<size_t>(S) * H)},
         y_mma{std::vector<float>(static_cast<size_t>(S) * H, -3.0f)};
-    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, true, y_core.p, launch);
-    mc::launch_moe_down_mma(act_core.p, d_down.p, r, B, K, E, H, I, max_active, true, y_mma.p, launch);
+    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_core.p, launch);
+    mc::launch_moe_down_mma(act_core.p, d_down.p, r, B, K, E, H, I, max_active, y_mma.p, launch);
     CK(cudaGetLastError());
     const auto ac = act_core.read(), am = act_mma.read();
     const auto yc = y_core.read(), ym = y_mma.read();

@@ -376,9 +376,9 @@ class CudaEngine final : public Engine {
             a.y = y.data;
             a.send_pos = st.send_pos;
             a.num_tokens = h.num_tokens;
-            a.tile_tokens = solo_tile_tokens(h.num_tokens, blocks_);
+            a.tiles = solo_tiles(h.num_tokens, blocks_);
             a.out = out.data;
-            launch_solo_combine(a, solo_tiles(h.num_tokens, a.tile_tokens), stream);
+            launch_solo_combine(a, stream);
             MOERL_CUDA_CHECK(cudaGetLastError());
             finish(stream);
             return;
@@ -530,8 +530,8 @@ class CudaEngine final : public Engine {
         a.topk_idx = topk_idx.data;
         a.topk_weights = topk_weights.data;
         a.num_tokens = T;
-        a.tile_tokens = solo_tile_tokens(T, solo_blocks_);
-        const int tiles = solo_tiles(T, a.tile_tokens);
+        a.tiles = solo_tiles(T, solo_blocks_);
+        const int tiles = a.tiles;
         // The kernel writes send_pos [T] and recv_src_token [R <= T] into the mapped copies.
         MOERL_CHECK(static_cast<size_t>(T) <= mapped_.solo_tokens && tiles <= solo_blocks_, "dispatch: ", T,
                     " tokens in ", tiles, " tiles, but the one-rank buffers hold ", mapped_.solo_tokens,
@@ -557,7 +557,7 @@ class CudaEngine final : public Engine {
         a.error = sig_.error;
         a.error_mirror = sig_.error_mirror;
         a.tuning = solo_tuning_;
-        launch_solo_dispatch(a, tiles, stream);
+        launch_solo_dispatch(a, stream);
         if (async_) {
             wait_solo_counts(a.seq, stream);
         } else {
@@ -617,14 +617,10 @@ class CudaEngine final : public Engine {
         fill_handle_counts(sent, sent + mapped_.summary_ints, W, L, num_tokens, h);
     }
 
-    // Tokens per block of the one-rank kernels, and their blocks: at most `blocks` (one tile_state word
-    // each).
-    static int solo_tile_tokens(int num_tokens, int blocks) {
-        return std::max(1, (num_tokens + blocks - 1) / blocks);
-    }
-    static int solo_tiles(int num_tokens, int tile_tokens) {
-        return std::max(1, (num_tokens + tile_tokens - 1) / tile_tokens);
-    }
+    // Blocks (tiles) of the one-rank kernels: `blocks` (one tile_state word each), or one per token when
+    // there are fewer tokens; the tokens are split evenly (kernels.hpp), so no block idles while another
+    // copies a tile one token longer than the rest.
+    static int solo_tiles(int num_tokens, int blocks) { return std::max(1, std::min(num_tokens, blocks)); }
 
     // Knobs of the one-rank dispatch, for finding its fastest variant on a GPU (scripts/ep_solo_sweep.sh).
     // Every accepted value gives the same result; a value out of range keeps the default, with a warning.

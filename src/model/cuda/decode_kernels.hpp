@@ -98,12 +98,8 @@ void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* 
                         const Launch& launch);
 
 // y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
-// prefetch_weights: each block asks L2 for its expert's weight rows before it waits for the previous
-// kernel (gate/up). The routing is already final then: it was written by the kernel before gate/up,
-// which gate/up waited for before it let this kernel start.
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, int rows_per_warp, bool prefetch_weights, float* y,
-                     const Launch& launch);
+                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch);
 
 // The same two expert products on the tensor cores (bf16 only, H and I multiples of 32): each warp
 // takes 16 weight rows and up to 16 of an expert's tokens per pass (mma.sync, fp32 accumulation).
@@ -113,7 +109,7 @@ bool moe_tensor_cores_supported(int dtype, int H, int I);
 void launch_moe_gate_up_mma(const void* h, const void* gate, const void* up, const MoeRouting& r, int B,
                             int K, int E, int H, int I, int max_active, void* act, const Launch& launch);
 void launch_moe_down_mma(const void* act, const void* down, const MoeRouting& r, int B, int K, int E, int H,
-                         int I, int max_active, bool prefetch_weights, float* y, const Launch& launch);
+                         int I, int max_active, float* y, const Launch& launch);
 
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. The

@@ -189,10 +189,11 @@ struct SoloTuning {
 };
 
 // Normal dispatch of one rank in one kernel (a permute): counts, rows and the copy, no layout kernel
-// and no signals. A grid of `tiles` blocks; block j handles tokens [j * tile_tokens, (j+1) *
-// tile_tokens). Token t gets row = number of earlier tokens that name a valid expert (prefix over the
-// tiles' counts in scratch.tile_state, or counted again from topk_idx where a count is late), or none.
-// The last block to add its counts to the totals writes the summaries, then counts_ready = seq.
+// and no signals. A grid of `tiles` blocks; tile j holds tokens [j * T / tiles, (j+1) * T / tiles)
+// (sizes differ by at most one, so every block has work). Token t gets row = number of earlier tokens that
+// name a valid expert (prefix over the tiles' counts in scratch.tile_state, or counted again from topk_idx
+// where a count is late), or none. The last block to add its counts to the totals writes the summaries, then
+// counts_ready = seq.
 struct SoloDispatchArgs {
     Routing rt;
     RowLayout row;
@@ -200,7 +201,7 @@ struct SoloDispatchArgs {
     const int64_t* topk_idx;    // [T, K]
     const float* topk_weights;  // [T, K] or null (weights sent as 0)
     int num_tokens;
-    int tile_tokens;  // >= 1; ceil(T / tile_tokens) tiles (at least one)
+    int tiles;  // in [1, max(T, 1)]
     // tile_state [>= tiles], expert_total [L], rank_total [1], counters [2] (tickets, arrivals)
     LayoutScratch scratch;
     unsigned int seq;      // nonzero, different from the previous call's (tags tile_state)
@@ -224,19 +225,19 @@ struct SoloDispatchArgs {
     // host-mapped send_pos / recv_src_token.
     bool ticket_order;
 };
-void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream);
+void launch_solo_dispatch(const SoloDispatchArgs& a, cudaStream_t stream);
 
 // Normal combine of one rank: out[t] = y[send_pos[t]], or zeros where send_pos[t] = -1. A grid of
-// `tiles` blocks; block b handles tokens [b * tile_tokens, (b+1) * tile_tokens). No scratch, no signals.
+// `tiles` blocks, split as in dispatch. No scratch, no signals.
 struct SoloCombineArgs {
     Routing rt;
     const void* y;        // [R, H]
     const int* send_pos;  // [T]
     int num_tokens;
-    int tile_tokens;  // >= 1
-    void* out;        // [T, H]
+    int tiles;  // in [1, max(T, 1)]
+    void* out;  // [T, H]
 };
-void launch_solo_combine(const SoloCombineArgs& a, int tiles, cudaStream_t stream);
+void launch_solo_combine(const SoloCombineArgs& a, cudaStream_t stream);
 
 // --- low-latency mode -----------------------------------------------------------------------------
 struct LLLayoutArgs {

@@ -28,6 +28,11 @@ __device__ __forceinline__ unsigned long long load_volatile(const unsigned long 
     return *reinterpret_cast<const volatile unsigned long long*>(p);
 }
 
+// First token of tile j of `tiles` over T tokens (tile sizes differ by at most one).
+__device__ __forceinline__ int tile_begin(int j, int T, int tiles) {
+    return static_cast<int>(static_cast<long long>(j) * T / tiles);
+}
+
 // Whether token t names an expert in [0, E); other ids name none.
 __device__ __forceinline__ bool names_expert(const int64_t* topk_idx, int t, int K, int E) {
     bool any = false;
@@ -40,8 +45,7 @@ __device__ __forceinline__ bool names_expert(const int64_t* topk_idx, int t, int
 
 // Tokens of tile `tile` that name a valid expert, counted by one warp from topk_idx (all lanes get it).
 __device__ __forceinline__ int warp_count_tile(const SoloDispatchArgs& a, int tile, int lane) {
-    const int t0 = min(a.num_tokens, tile * a.tile_tokens);
-    const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
+    const int t0 = tile_begin(tile, a.num_tokens, a.tiles), t1 = tile_begin(tile + 1, a.num_tokens, a.tiles);
     int count = 0;
     for (int t = t0 + lane; t < t1; t += 32)
         count += names_expert(a.topk_idx, t, a.rt.top_k, a.rt.num_experts) ? 1 : 0;
@@ -234,8 +238,7 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         __syncthreads();
     }
     const int tile = a.ticket_order ? ticket : static_cast<int>(blockIdx.x);
-    const int t0 = min(a.num_tokens, tile * a.tile_tokens);
-    const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
+    const int t0 = tile_begin(tile, a.num_tokens, a.tiles), t1 = tile_begin(tile + 1, a.num_tokens, a.tiles);
     // The first ids of the thread's first token are on their way before anything else.
     long long first_ids[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
     if (t0 + tid < t1) load_ids(first_ids, a.topk_idx, t0 + tid, 0, K);
@@ -344,7 +347,7 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
 }
 
 // out[t] = y[send_pos[t]] through the same fp32 sum as combine_recv_kernel (zeros for a token that was
-// not dispatched); block b takes tokens [b * tile_tokens, (b+1) * tile_tokens). kVec: 16-byte accesses.
+// not dispatched); block b takes tile b (tile_begin). kVec: 16-byte accesses.
 template <int kDType, bool kVec>
 __global__ void __launch_bounds__(kDataThreads) solo_combine_kernel(SoloCombineArgs a) {
     constexpr int kUnroll = 8;  // 16-byte loads in flight per lane
@@ -353,8 +356,8 @@ __global__ void __launch_bounds__(kDataThreads) solo_combine_kernel(SoloCombineA
     const int n = kVec ? H / Vec16<kDType>::kElems : H;
     const int num_groups = kVec ? (n + 32 * kUnroll - 1) / (32 * kUnroll) : (n + 31) / 32;  // per warp pass
     __shared__ int pos[kDataThreads];  // send_pos of the tokens of the current group
-    const int t0 = min(a.num_tokens, static_cast<int>(blockIdx.x) * a.tile_tokens);
-    const int t1 = min(a.num_tokens, t0 + a.tile_tokens);
+    const int b = static_cast<int>(blockIdx.x);
+    const int t0 = tile_begin(b, a.num_tokens, a.tiles), t1 = tile_begin(b + 1, a.num_tokens, a.tiles);
     for (int g0 = t0; g0 < t1; g0 += kDataThreads) {
         const int count = min(kDataThreads, t1 - g0);
         if (tid < count) pos[tid] = a.send_pos[g0 + tid];
@@ -383,7 +386,8 @@ __global__ void __launch_bounds__(kDataThreads) solo_combine_kernel(SoloCombineA
 }
 
 template <int kUnroll>
-void launch_solo_dispatch_unrolled(const SoloDispatchArgs& a, int tiles, cudaStream_t stream) {
+void launch_solo_dispatch_unrolled(const SoloDispatchArgs& a, cudaStream_t stream) {
+    const int tiles = a.tiles;
     switch (a.tuning.cache) {
         case 1:
             solo_dispatch_kernel<kUnroll, 1><<<tiles, kDataThreads, 0, stream>>>(a);
@@ -402,21 +406,22 @@ void launch_solo_dispatch_unrolled(const SoloDispatchArgs& a, int tiles, cudaStr
 
 }  // namespace
 
-void launch_solo_dispatch(const SoloDispatchArgs& a, int tiles, cudaStream_t stream) {
+void launch_solo_dispatch(const SoloDispatchArgs& a, cudaStream_t stream) {
     switch (a.tuning.unroll) {
         case 4:
-            launch_solo_dispatch_unrolled<4>(a, tiles, stream);
+            launch_solo_dispatch_unrolled<4>(a, stream);
             break;
         case 16:
-            launch_solo_dispatch_unrolled<16>(a, tiles, stream);
+            launch_solo_dispatch_unrolled<16>(a, stream);
             break;
         default:
-            launch_solo_dispatch_unrolled<8>(a, tiles, stream);
+            launch_solo_dispatch_unrolled<8>(a, stream);
             break;
     }
 }
 
-void launch_solo_combine(const SoloCombineArgs& a, int tiles, cudaStream_t stream) {
+void launch_solo_combine(const SoloCombineArgs& a, cudaStream_t stream) {
+    const int tiles = a.tiles;
     const size_t row_bytes = static_cast<size_t>(a.rt.hidden) * (a.rt.dtype == 0 ? 4 : 2);
     const bool vec =
         ((row_bytes | reinterpret_cast<uintptr_t>(a.y) | reinterpret_cast<uintptr_t>(a.out)) & 15) == 0;

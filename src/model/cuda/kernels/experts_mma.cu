@@ -35,20 +35,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 template <bool kGated, int kNTiles>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     expert_mma_kernel(const __nv_bfloat16* in, const __nv_bfloat16* w0, const __nv_bfloat16* w1, MoeRouting r,
-                      int row_div, int cols, int out_rows, int pad, bool prefetch, __nv_bfloat16* act,
-                      float* y) {
-    // Down (not gated) with `prefetch`: the block's weight rows into L2 before the wait for gate/up
-    // (the routing is final by then; launch_moe_down).
-    if (!kGated && prefetch && static_cast<int>(blockIdx.y) < *r.num_active) {
-        const size_t row_bytes = sizeof(__nv_bfloat16) * cols;
-        const int first_row = min(static_cast<int>(blockIdx.x) * kMmaRowsPerBlock, out_rows);
-        const int last_row = min(first_row + kMmaRowsPerBlock, out_rows);
-        const char* base = reinterpret_cast<const char*>(
-            w0 + (static_cast<size_t>(r.active_experts[blockIdx.y]) * out_rows + first_row) * cols);
-        for (size_t off = threadIdx.x * size_t{128}; off < (last_row - first_row) * row_bytes;
-             off += blockDim.x * size_t{128})
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
-    }
+                      int row_div, int cols, int out_rows, int pad, __nv_bfloat16* act, float* y) {
     griddep_wait();
     griddep_launch_dependents();
     extern __shared__ __align__(16) unsigned char mma_smem[];
@@ -136,7 +123,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 
 template <bool kGated, int kNTiles>
 void launch_mma(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
-                int out_rows, int max_active, bool prefetch, void* act, float* y, const Launch& launch) {
+                int out_rows, int max_active, void* act, float* y, const Launch& launch) {
     const int pad = token_pad(cols);
     const size_t smem = sizeof(__nv_bfloat16) * 8 * kNTiles * (cols + pad);
     auto kernel = expert_mma_kernel<kGated, kNTiles>;
@@ -144,19 +131,19 @@ void launch_mma(const void* in, const void* w0, const void* w1, const MoeRouting
     launch_kernel(kernel, dim3((out_rows + kMmaRowsPerBlock - 1) / kMmaRowsPerBlock, max_active),
                   kMmaWarps * 32, smem, launch, static_cast<const __nv_bfloat16*>(in),
                   static_cast<const __nv_bfloat16*>(w0), static_cast<const __nv_bfloat16*>(w1), r, row_div,
-                  cols, out_rows, pad, prefetch, static_cast<__nv_bfloat16*>(act), y);
+                  cols, out_rows, pad, static_cast<__nv_bfloat16*>(act), y);
 }
 
 // Two token tiles a pass (16 tokens) once a batch gives experts that many on average.
 template <bool kGated>
 void launch_mma_tiles(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B, int K,
-                      int E, int row_div, int cols, int out_rows, int max_active, bool prefetch, void* act,
-                      float* y, const Launch& launch) {
+                      int E, int row_div, int cols, int out_rows, int max_active, void* act, float* y,
+                      const Launch& launch) {
     if (max_active == 0 || B == 0) return;
     if (static_cast<int64_t>(B) * K >= 12LL * E)
-        launch_mma<kGated, 2>(in, w0, w1, r, row_div, cols, out_rows, max_active, prefetch, act, y, launch);
+        launch_mma<kGated, 2>(in, w0, w1, r, row_div, cols, out_rows, max_active, act, y, launch);
     else
-        launch_mma<kGated, 1>(in, w0, w1, r, row_div, cols, out_rows, max_active, prefetch, act, y, launch);
+        launch_mma<kGated, 1>(in, w0, w1, r, row_div, cols, out_rows, max_active, act, y, launch);
 }
 
 }  // namespace
@@ -165,13 +152,12 @@ bool moe_tensor_cores_supported(int dtype, int H, int I) { return dtype == 1 && 
 
 void launch_moe_gate_up_mma(const void* h, const void* gate, const void* up, const MoeRouting& r, int B,
                             int K, int E, int H, int I, int max_active, void* act, const Launch& launch) {
-    launch_mma_tiles<true>(h, gate, up, r, B, K, E, K, H, I, max_active, false, act, nullptr, launch);
+    launch_mma_tiles<true>(h, gate, up, r, B, K, E, K, H, I, max_active, act, nullptr, launch);
 }
 
 void launch_moe_down_mma(const void* act, const void* down, const MoeRouting& r, int B, int K, int E, int H,
-                         int I, int max_active, bool prefetch_weights, float* y, const Launch& launch) {
-    launch_mma_tiles<false>(act, down, nullptr, r, B, K, E, 1, I, H, max_active, prefetch_weights, nullptr, y,
-                            launch);
+                         int I, int max_active, float* y, const Launch& launch) {
+    launch_mma_tiles<false>(act, down, nullptr, r, B, K, E, 1, I, H, max_active, nullptr, y, launch);
 }
 
 }  // namespace moerl::model::cuda

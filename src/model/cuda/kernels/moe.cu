@@ -150,18 +150,13 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows,
 // (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
-// depend on it); so does a kExperts block with `prefetch` (launch_moe_down: the routing is final).
+// depend on it).
 template <typename T, int kMode, int kRows, int kTile>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, bool prefetch, T* act, float* y) {
-    if constexpr (kMode == kDense) {
+                       int out_rows, int num_rows, T* act, float* y) {
+    if constexpr (kMode == kDense)
         prefetch_rows_l2(w0, blockIdx.x * kMoeWarps * kRows, kMoeWarps * kRows, out_rows, cols);
-    } else if constexpr (kMode == kExperts) {
-        if (prefetch && static_cast<int>(blockIdx.y) < *r.num_active)
-            prefetch_rows_l2(w0 + static_cast<size_t>(r.active_experts[blockIdx.y]) * out_rows * cols,
-                             blockIdx.x * kMoeWarps * kRows, kMoeWarps * kRows, out_rows, cols);
-    }
     griddep_wait();
     griddep_launch_dependents();
     extern __shared__ __align__(16) unsigned char tile_bytes[];
@@ -285,32 +280,30 @@ __global__ void __launch_bounds__(kNormThreads)
 
 template <typename T, int kMode, int kRows, int kTile>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
-                 int out_rows, int num_rows, int max_active, bool prefetch, void* act, float* y,
-                 const Launch& launch) {
+                 int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch) {
     const size_t smem = sizeof(T) * kTile * cols;
     auto kernel = expert_rows_kernel<T, kMode, kRows, kTile>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
-                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, prefetch,
-                  static_cast<T*>(act), y);
+                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, static_cast<T*>(act), y);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
 // the caller (0 = default: 1 for gate/up, which reads two matrices, else 2).
 template <typename T, int kMode>
 void launch_expert_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B,
-                        int row_div, int cols, int out_rows, int max_active, int rows_per_warp, bool prefetch,
-                        void* act, float* y, const Launch& launch) {
+                        int row_div, int cols, int out_rows, int max_active, int rows_per_warp, void* act,
+                        float* y, const Launch& launch) {
     if (max_active == 0 || B == 0) return;
     if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4)
         rows_per_warp = kMode == kGatedExperts ? 1 : 2;
     const int tile = B <= 1 ? 1 : (B <= 16 ? 4 : kMoeTokenTile);
-#define MOERL_ROWS_CASE(rows, t)                                                                     \
-    if (rows_per_warp == rows && tile == t)                                                          \
-        return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, \
-                                              prefetch, act, y, launch);
+#define MOERL_ROWS_CASE(rows, t)                                                                             \
+    if (rows_per_warp == rows && tile == t)                                                                  \
+        return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act, y, \
+                                              launch);
     MOERL_ROWS_CASE(1, 1)
     MOERL_ROWS_CASE(1, 4)
     MOERL_ROWS_CASE(1, kMoeTokenTile)
@@ -350,33 +343,32 @@ void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* 
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
                         const Launch& launch) {
     if (dtype == 0)
-        launch_expert_rows<float, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, false,
-                                                 act, nullptr, launch);
+        launch_expert_rows<float, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act,
+                                                 nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active,
-                                                         rows_per_warp, false, act, nullptr, launch);
+                                                         rows_per_warp, act, nullptr, launch);
 }
 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, int rows_per_warp, bool prefetch_weights, float* y,
-                     const Launch& launch) {
+                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch) {
     (void)K;
     if (dtype == 0)
         launch_expert_rows<float, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
-                                            prefetch_weights, nullptr, y, launch);
+                                            nullptr, y, launch);
     else
         launch_expert_rows<__nv_bfloat16, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active,
-                                                    rows_per_warp, prefetch_weights, nullptr, y, launch);
+                                                    rows_per_warp, nullptr, y, launch);
 }
 
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
                        int rows_per_warp, void* out, const Launch& launch) {
     if (dtype == 0)
         launch_expert_rows<float, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                          rows_per_warp, false, out, nullptr, launch);
+                                          rows_per_warp, out, nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                                  rows_per_warp, false, out, nullptr, launch);
+                                                  rows_per_warp, out, nullptr, launch);
 }
 
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
