@@ -6,7 +6,7 @@
 # Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
 # MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_VARIANTS
 # (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels) and
-# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
+# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) and MOERL_DEVICE_NCU_EP (Nsight Compute on them) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
 # bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_VARIANT_LIST,
@@ -58,11 +58,11 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test moerl)
-grep -q "model_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_test)
-grep -q "generator_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(generator_test)
-grep -q "model_hf_dump" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(model_hf_dump)
-grep -q "decode_kernels_bench" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(decode_kernels_bench)
-grep -q "decode_kernels_test" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=(decode_kernels_test)
+for t in model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test; do
+  grep -q "$t" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
+done
+# MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
+[ -n "${MOERL_DEVICE_TARGETS:-}" ] && read -ra TARGETS <<<"$MOERL_DEVICE_TARGETS"
 if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 
@@ -76,9 +76,23 @@ MOERL=$BUILD/src/cli/moerl
 if [ -x "$MOERL" ]; then
   # The engine skips its end-of-call synchronisation; the benchmark synchronises around each call itself.
   export MOERL_EP_CUDA_ASYNC=1
-  [ "${MOERL_DEVICE_EP:-1}" = 1 ] && timeout 60 "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 --iters 20 >"$OUT/bench-cuda.log" 2>&1
-  [ "${MOERL_DEVICE_EP:-1}" = 1 ] && [ "${MOERL_DEVICE_EP_SHARED:-1}" = 1 ] && timeout 60 "$MOERL" bench ep --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
-  step bench_cuda "rc=$?"
+  if [ "${MOERL_DEVICE_EP:-1}" = 1 ]; then
+    timeout 60 "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 --iters 20 >"$OUT/bench-cuda.log" 2>&1
+    rc=$?
+    if [ "${MOERL_DEVICE_EP_SHARED:-1}" = 1 ]; then
+      timeout 60 "$MOERL" bench ep --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
+      rc=$((rc | $?))
+    fi
+    step bench_cuda "rc=$rc"
+  fi
+  if [ "${MOERL_DEVICE_NCU_EP:-0}" = 1 ] && command -v ncu >/dev/null; then
+    # The one-rank dispatch and combine kernels at 4096 tokens (the 128-token case runs first, 25
+    # launches of each): duration and DRAM throughput against the device copy's.
+    timeout 150 ncu --kernel-name regex:"solo_|copy|memcpy" --launch-skip 60 --launch-count 12 --section SpeedOfLight \
+      --section LaunchStats --section WarpStateStats "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 \
+      --iters 20 >"$OUT/ncu-ep.log" 2>&1
+    step ncu_ep "rc=$?"
+  fi
   if [ "${MOERL_DEVICE_EP_SWEEP:-0}" = 1 ] && [ -x scripts/ep_solo_sweep.sh ]; then
     timeout 120 scripts/ep_solo_sweep.sh "$MOERL" >"$OUT/ep-sweep.log" 2>&1
     step ep_sweep "rc=$?"
@@ -211,6 +225,6 @@ echo
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done

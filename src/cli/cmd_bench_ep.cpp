@@ -56,6 +56,9 @@ struct BenchResult {
     std::string case_name;
     double rows = 0, remote_rows = 0, dispatch_us = 0, combine_us = 0, baseline_us = 0, ll_dispatch_us = 0,
            ll_combine_us = 0;
+    // On a device: the same calls timed on the stream (CUDA events around each), without the host's
+    // launch and synchronisation costs that the times above include.
+    double dispatch_device_us = 0, combine_device_us = 0, baseline_device_us = 0;
 };
 
 double median(std::vector<double> v) {
@@ -130,34 +133,70 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         copy_src = torch::empty({std::max<int64_t>(max_recv, 1), H}, x.options());
         copy_dst = torch::empty_like(copy_src);
     }
-    std::vector<double> t_dispatch, t_combine, t_copy;
+    std::vector<double> t_dispatch, t_combine, t_copy, d_dispatch, d_combine, d_copy;
+#if defined(MOERL_HAVE_CUDA)
+    // Events on the stream the engine and the copy use (the legacy default stream): the device-side
+    // time of each call, launch latency and host work excluded.
+    cudaEvent_t ev[4] = {};
+    if (copy_baseline)
+        for (auto& e : ev) MOERL_CHECK(cudaEventCreate(&e) == cudaSuccess, "bench: cudaEventCreate failed");
+    auto mark = [&](int i) {
+        if (copy_baseline) cudaEventRecord(ev[i], 0);
+    };
+    auto elapsed_us = [&](int a, int b) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, ev[a], ev[b]);
+        return 1e3 * ms;
+    };
+#else
+    auto mark = [](int) {};
+#endif
     ep::Handle h;
     for (int i = 0; i < o.warmup + o.iters; ++i) {
         sync();
         auto t0 = std::chrono::steady_clock::now();
+        mark(0);
         h = buffer.dispatch(xv, iv, wv, dout);
+        mark(1);
         sync();
         auto t1 = std::chrono::steady_clock::now();
+        mark(2);
         buffer.combine({y.data_ptr(), h.num_recv_tokens(), H}, h, {out.data_ptr(), T, H});
+        mark(3);
         sync();
         auto t2 = std::chrono::steady_clock::now();
         if (i >= o.warmup) {
             t_dispatch.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
             t_combine.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+#if defined(MOERL_HAVE_CUDA)
+            if (copy_baseline) {
+                d_dispatch.push_back(elapsed_us(0, 1));
+                d_combine.push_back(elapsed_us(2, 3));
+            }
+#endif
         }
 #if defined(MOERL_HAVE_CUDA)
         if (copy_baseline) {
             const size_t copy_bytes = static_cast<size_t>(h.num_recv_tokens()) * H * c.element_bytes();
             auto c0 = std::chrono::steady_clock::now();
+            mark(0);
             const cudaError_t err = cudaMemcpyAsync(copy_dst.data_ptr(), copy_src.data_ptr(), copy_bytes,
                                                     cudaMemcpyDeviceToDevice, 0);
             MOERL_CHECK(err == cudaSuccess, "baseline cudaMemcpyAsync failed: ", cudaGetErrorString(err));
+            mark(1);
             sync();
             auto c1 = std::chrono::steady_clock::now();
-            if (i >= o.warmup) t_copy.push_back(std::chrono::duration<double, std::micro>(c1 - c0).count());
+            if (i >= o.warmup) {
+                t_copy.push_back(std::chrono::duration<double, std::micro>(c1 - c0).count());
+                d_copy.push_back(elapsed_us(0, 1));
+            }
         }
 #endif
     }
+#if defined(MOERL_HAVE_CUDA)
+    if (copy_baseline)
+        for (auto& e : ev) cudaEventDestroy(e);
+#endif
     Json r;
     if (copy_baseline && !t_copy.empty()) r["baseline_us"] = median(t_copy);
     r["recv_rows"] = h.num_recv_tokens();
@@ -166,6 +205,11 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
                        (static_cast<int>(h.num_recv_per_src.size()) > rank ? h.num_recv_per_src[rank] : 0);
     r["dispatch_us"] = median(t_dispatch);
     r["combine_us"] = median(t_combine);
+    if (!d_copy.empty()) {
+        r["dispatch_device_us"] = median(d_dispatch);
+        r["combine_device_us"] = median(d_combine);
+        r["baseline_device_us"] = median(d_copy);
+    }
 
     if (c.low_latency) {
         const int L = c.num_local_experts();
@@ -249,6 +293,9 @@ BenchResult run_config(const BenchOpts& o, const std::string& transport, const B
         res.baseline_us += j.value("baseline_us", 0.0) / world;
         res.ll_dispatch_us += j.value("ll_dispatch_us", 0.0) / world;
         res.ll_combine_us += j.value("ll_combine_us", 0.0) / world;
+        res.dispatch_device_us += j.value("dispatch_device_us", 0.0) / world;
+        res.combine_device_us += j.value("combine_device_us", 0.0) / world;
+        res.baseline_device_us += j.value("baseline_device_us", 0.0) / world;
     }
     return res;
 }
@@ -284,6 +331,28 @@ void print_row(const BenchOpts& o, const BenchCase& bc, const BenchResult& r) {
     else
         std::printf("       - |\n");
     std::fflush(stdout);
+}
+
+// Device-side times (events on the stream) next to the copy's, where they were measured.
+void print_device_times(const std::vector<BenchResult>& results) {
+    bool header = false;
+    for (const auto& r : results) {
+        if (!r.error.empty() || r.baseline_device_us <= 0) continue;
+        if (!header) {
+            std::printf(
+                "\non the device (CUDA events around each call on its stream: no host launch or "
+                "synchronisation cost)\n\n| transport | W | case | disp | dispatch us | combine us | copy us "
+                "| "
+                "dispatch: of copy bandwidth | combine: of copy bandwidth "
+                "|\n|---|---|---|---|---|---|---|---|---|\n");
+            header = true;
+        }
+        std::printf("| %s | %d | %s | %s | %.1f | %.1f | %.1f | %.1f%% | %.1f%% |\n", r.transport.c_str(),
+                    r.world, r.case_name.c_str(), r.dispatch.c_str(), r.dispatch_device_us,
+                    r.combine_device_us, r.baseline_device_us,
+                    100.0 * r.baseline_device_us / r.dispatch_device_us,
+                    100.0 * r.baseline_device_us / r.combine_device_us);
+    }
 }
 
 // Each transport against the nccl one on the same world size, case and dispatch dtype.
@@ -423,6 +492,7 @@ void register_bench_ep(CLI::App& bench) {
                         results.push_back(run_config(*o, t, bc, d == "fp8", w));
                         print_row(*o, bc, results.back());
                     }
+        print_device_times(results);
         print_ratios(results);
     });
 }

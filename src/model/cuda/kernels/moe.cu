@@ -53,7 +53,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
             sum += p[i] > 0.0f ? p[i] : 0.0f;
         }
         const float inv_sum = 1.0f / warp_sum(sum);
-        // K rounds of a warp argmax (lowest index on ties); lane k keeps the k-th choice.
+        // K rounds of a warp argmax (lowest index on ties); lane k keeps the k-th choice. A lane's best
+        // becomes an unsigned key (the bits of a non-negative float order as the float; +1 keeps 0.0
+        // above "none left"), so each round is two warp reductions instead of ten shuffles.
         int my_idx = -1;
         float my_w = 0.0f;
         for (int k = 0; k < K; ++k) {
@@ -62,16 +64,13 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
 #pragma unroll
             for (int i = 0; i < kPerLane; ++i)
                 if (p[i] > best) best = p[i], best_e = i * 32 + lane;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ob = __shfl_xor_sync(kFullMask, best, o);
-                const int oe = __shfl_xor_sync(kFullMask, best_e, o);
-                if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
-            }
-            if (lane == k) my_idx = best_e, my_w = best * inv_sum;
+            const unsigned key = best >= 0.0f ? __float_as_uint(best) + 1u : 0u;
+            const unsigned top = __reduce_max_sync(kFullMask, key);
+            const int chosen = top == 0u ? E : __reduce_min_sync(kFullMask, key == top ? best_e : E);
+            if (lane == k) my_idx = chosen, my_w = (top == 0u ? -1.0f : __uint_as_float(top - 1u)) * inv_sum;
 #pragma unroll
             for (int i = 0; i < kPerLane; ++i)
-                if (i * 32 + lane == best_e) p[i] = -2.0f;  // taken
+                if (i * 32 + lane == chosen) p[i] = -2.0f;  // taken
         }
         const float total = warp_sum(lane < K ? my_w : 0.0f);
         if (lane < K) {
