@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "builtin.hpp"
 #include "engine_common.hpp"
@@ -557,7 +559,9 @@ class CudaEngine final : public Engine {
         a.error = sig_.error;
         a.error_mirror = sig_.error_mirror;
         a.tuning = solo_tuning_;
+        a.trace = solo_trace_.get<unsigned long long>();
         launch_solo_dispatch(a, stream);
+        if (a.trace != nullptr && !capturing(stream)) report_solo_trace(tiles, stream);
         if (async_) {
             wait_solo_counts(a.seq, stream);
         } else {
@@ -590,6 +594,33 @@ class CudaEngine final : public Engine {
                     " arrive");
         if (!bad_input.empty()) MOERL_FAIL("dispatch: ", bad_input);
         return h;
+    }
+
+    // MOERL_EP_SOLO_TRACE=1: after each one-rank dispatch (waiting for it), one line on stderr with the
+    // kernel's phases per tile, in microseconds from the first block's start: median and latest over
+    // the tiles of the block start, the row offset known (count, publish, look-back), the arrival
+    // counted (the last block: summaries written), the last row written.
+    void report_solo_trace(int tiles, cudaStream_t stream) {
+        std::vector<unsigned long long> t(static_cast<size_t>(tiles) * kSoloTracePhases);
+        MOERL_CUDA_CHECK(cudaMemcpyAsync(t.data(), solo_trace_.get(), t.size() * sizeof(t[0]),
+                                         cudaMemcpyDeviceToHost, stream));
+        MOERL_CUDA_CHECK(cudaStreamSynchronize(stream));
+        unsigned long long first = ~0ull;
+        for (int i = 0; i < tiles; ++i) first = std::min(first, t[static_cast<size_t>(i) * kSoloTracePhases]);
+        std::string line = "moerl: one-rank dispatch, " + std::to_string(tiles) +
+                           " tiles, us from the first start (median / latest):";
+        const char* names[kSoloTracePhases] = {"start", "offset", "arrived", "rows done"};
+        for (int p = 0; p < kSoloTracePhases; ++p) {
+            std::vector<double> v(tiles);
+            for (int i = 0; i < tiles; ++i)
+                v[i] = 1e-3 * static_cast<double>(t[static_cast<size_t>(i) * kSoloTracePhases + p] - first);
+            std::sort(v.begin(), v.end());
+            char part[96];
+            std::snprintf(part, sizeof(part), " %s %.2f / %.2f%s", names[p], v[v.size() / 2], v.back(),
+                          p + 1 < kSoloTracePhases ? "," : "");
+            line += part;
+        }
+        std::fprintf(stderr, "%s\n", line.c_str());
     }
 
     // Spins on the mapped word until the one-rank dispatch kernel of call `seq` has published its
@@ -634,6 +665,8 @@ class CudaEngine final : public Engine {
     // - MOERL_EP_SOLO_CACHE: bit 0 loads of x, bit 1 stores to recv_x evict first, 0..3 (default 0).
     // - MOERL_EP_SOLO_LOOKBACK_NS: how long a block waits for an earlier tile's count before it counts
     //   that tile itself, 0..1e9 (default 20000).
+    // - MOERL_EP_SOLO_TRACE: 1 = time the kernel's phases and print them after each call (waits for the
+    //   kernel; report_solo_trace), 0 (default) = off.
     void read_solo_knobs() {
         auto knob = [](const char* name, int fallback, long lo, long hi) {
             const long v = env::get_int(name, fallback);
@@ -655,6 +688,8 @@ class CudaEngine final : public Engine {
         }
         solo_tuning_.cache = knob("MOERL_EP_SOLO_CACHE", solo_tuning_.cache, 0, 3);
         solo_tuning_.lookback_ns = knob("MOERL_EP_SOLO_LOOKBACK_NS", solo_tuning_.lookback_ns, 0, 1000000000);
+        if (knob("MOERL_EP_SOLO_TRACE", 0, 0, 1) == 1)
+            solo_trace_ = DeviceMemory(sizeof(unsigned long long) * kMaxSoloBlocks * kSoloTracePhases);
     }
 
     static bool aligned16(const void* p) {
@@ -788,6 +823,7 @@ class CudaEngine final : public Engine {
     static constexpr int kMaxSoloBlocks = 4096;
     int solo_blocks_ = 1;                 // blocks of the one-rank dispatch kernel (read_solo_knobs())
     SoloTuning solo_tuning_;              // how it copies rows (read_solo_knobs())
+    DeviceMemory solo_trace_;             // phase times [kMaxSoloBlocks, kSoloTracePhases] when traced
     cudaEvent_t counts_ready_ = nullptr;  // after the layout of the running dispatch
     std::unique_ptr<LayoutState> layout_;
     PinnedMemory stage_;            // device-to-host copies of handle vectors (staging_bytes())

@@ -224,7 +224,12 @@ struct SoloDispatchArgs {
     // row, as before the look-back that counts late tiles itself; used while the kernel writes the
     // host-mapped send_pos / recv_src_token.
     bool ticket_order;
+    // Phase times for finding where a call's time goes (MOERL_EP_SOLO_TRACE), or null: per tile
+    // kSoloTracePhases global-timer readings (ns) by its block's first thread — start, the tile's
+    // row offset known, the block's arrival counted, the last row written.
+    unsigned long long* trace;
 };
+constexpr int kSoloTracePhases = 4;
 void launch_solo_dispatch(const SoloDispatchArgs& a, cudaStream_t stream);
 
 // Normal combine of one rank: out[t] = y[send_pos[t]], or zeros where send_pos[t] = -1. A grid of

@@ -238,6 +238,9 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         __syncthreads();
     }
     const int tile = a.ticket_order ? ticket : static_cast<int>(blockIdx.x);
+    unsigned long long* trace =
+        a.trace != nullptr ? a.trace + static_cast<size_t>(tile) * kSoloTracePhases : nullptr;
+    if (trace != nullptr && tid == 0) trace[0] = global_timer_ns();
     const int t0 = tile_begin(tile, a.num_tokens, a.tiles), t1 = tile_begin(tile + 1, a.num_tokens, a.tiles);
     // The first ids of the thread's first token are on their way before anything else.
     long long first_ids[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
@@ -295,9 +298,13 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         if (lane == 0) tile_base = before;
     }
     __syncthreads();
+    if (trace != nullptr && tid == 0) trace[1] = global_timer_ns();
     // Ticket order: the block arrives before it writes any row, so the summaries are final before the
     // first host-visible row is written.
-    if (a.ticket_order && warp == 0) warp_arrive(a, lane);
+    if (a.ticket_order && warp == 0) {
+        warp_arrive(a, lane);
+        if (trace != nullptr && lane == 0) trace[2] = global_timer_ns();
+    }
 
     // Rows, in groups of one token per thread: the block's offset plus the valid tokens before it in the
     // tile; then the warps copy the group's rows, `parts` warps per row (parts of one row on neighbouring
@@ -331,7 +338,10 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         }
         rows[tid] = row;
         __syncthreads();
-        if (!a.ticket_order && g0 == t0 && warp == 0) warp_arrive(a, lane);
+        if (!a.ticket_order && g0 == t0 && warp == 0) {
+            warp_arrive(a, lane);
+            if (trace != nullptr && lane == 0) trace[2] = global_timer_ns();
+        }
         const int n = min(kDataThreads, t1 - g0);
         const int parts = a.tuning.warps_per_row > 0 ? a.tuning.warps_per_row : max(1, kSoloWarps / n);
         for (int item = warp; item < n * parts; item += kSoloWarps) {
@@ -343,7 +353,14 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         base += group_rows;
         __syncthreads();  // rows and warp_count are rewritten by the next group
     }
-    if (!a.ticket_order && t0 == t1 && warp == 0) warp_arrive(a, lane);  // an empty tile (no tokens at all)
+    if (!a.ticket_order && t0 == t1 && warp == 0) {  // an empty tile (no tokens at all)
+        warp_arrive(a, lane);
+        if (trace != nullptr && lane == 0) trace[2] = global_timer_ns();
+    }
+    if (trace != nullptr) {
+        __syncthreads();
+        if (tid == 0) trace[3] = global_timer_ns();
+    }
 }
 
 // out[t] = y[send_pos[t]] through the same fp32 sum as combine_recv_kernel (zeros for a token that was
