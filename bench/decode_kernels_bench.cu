@@ -6,10 +6,10 @@
 // another copy of the weights (or another routing) so that nothing is served from L2, with the
 // bandwidth of the weight bytes each launch reads. No LibTorch: it runs wherever the decode kernels
 // build.
-//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4]
+//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4]
 //                        [--no-gemv] [--no-attention]
 // (--len and --shapes pick the attention rows, with --len the other kernels are left out; shapes: one
-// lane a token in blocks of 2 or 8 warps, two or four lanes a token.)
+// lane a token in blocks of 2 or 8 warps, two or four lanes a token, four with the early loads.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -246,7 +246,7 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
 int main(int argc, char** argv) {
     int iters = 20;
     std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096};
-    std::vector<std::string> shapes = {"w2", "w8", "l2", "l4"};
+    std::vector<std::string> shapes = {"w2", "w8", "l2", "l4", "e4"};
     bool attention_only = false, gemv = true, attention = true;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
@@ -269,7 +269,7 @@ int main(int argc, char** argv) {
             for (size_t at = 0, comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1) {
                 shapes.push_back(list.substr(at, comma - at));
                 const std::string& sh = shapes.back();
-                ok = ok && (sh == "w2" || sh == "w8" || sh == "l2" || sh == "l4");
+                ok = ok && (sh == "w2" || sh == "w8" || sh == "l2" || sh == "l4" || sh == "e4");
             }
         } else {
             ok = false;
@@ -278,7 +278,7 @@ int main(int argc, char** argv) {
             std::fprintf(
                 stderr,
                 "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
-                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4] [--no-gemv] "
+                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4] [--no-gemv] "
                 "[--no-attention]\n",
                 argv[i]);
             return 2;
@@ -378,10 +378,12 @@ int main(int argc, char** argv) {
             int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
             for (const std::string& sh : shapes) {
                 const bool one_lane = sh[0] == 'w';
-                const mc::AttentionShape shape =
+                mc::AttentionShape shape =
                     mc::attention_shape(B, kHkv, one_lane ? sh[1] - '0' : 2, one_lane ? 1 : sh[1] - '0');
+                shape.early_loads = sh[0] == 'e';
                 const std::string name = "attention " + sh + " (" + std::to_string(shape.warps) + " warps, " +
-                                         std::to_string(shape.lanes) + " lanes)";
+                                         std::to_string(shape.lanes) + " lanes" +
+                                         (shape.early_loads ? ", early loads" : "") + ")";
                 row(name, B, len, [&](const mc::Launch& l) {
                     mc::launch_paged_attention(1, q, kp, vp, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq,
                                                kHkv, kD, partial, done, attn_out, l, shape);

@@ -115,6 +115,9 @@ struct Generator::Impl {
     // warps per block (2, or 8 for few rows: 256-token chunks, no merge across blocks).
     int attention_lanes = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_LANES", 0));
     int attention_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_WARPS", 8));
+    // Attention reads position, slot and block table and asks L2 for the cached keys and values before
+    // it waits for the q/k store (AttentionShape::early_loads).
+    bool attention_early = env::get_int("MOERL_GENERATOR_ATTENTION_EARLY", 0) != 0;
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner), m(weights), opt(o), device(weights.options.device) {}
@@ -172,8 +175,8 @@ struct Generator::Impl {
         mark("embed+norm");
         const cuda::MoeRouting r = routing();
         const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
-        const cuda::AttentionShape attention =
-            cuda::attention_shape(B, Hkv, attention_warps, attention_lanes);
+        cuda::AttentionShape attention = cuda::attention_shape(B, Hkv, attention_warps, attention_lanes);
+        attention.early_loads = attention_early;
         const bool experts_grouped_mm = B >= grouped_min_batch && use_grouped_mm;
         const bool tensor_cores = cuda::moe_tensor_cores_supported(dtype, H, I);
         const bool gate_up_mma = tensor_cores && gate_up_mma_min_batch > 0 && B >= gate_up_mma_min_batch;

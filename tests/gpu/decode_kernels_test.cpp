@@ -107,9 +107,10 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     Dev<int> d_pos(position), d_slot(slot), d_table(table),
         d_done(std::vector<int>(static_cast<size_t>(B) * Hq));
     const bool one_lane = shape_name[0] == 'w';
-    const mc::AttentionShape shape =
+    mc::AttentionShape shape =
         mc::attention_shape(B, Hkv, one_lane ? shape_name[1] - '0' : 2, one_lane ? 1 : shape_name[1] - '0');
-    for (int call = 0; call < 2; ++call)  // the second call finds the split counters back at zero
+    shape.early_loads = shape_name[0] == 'e';  // "e4": four lanes, early loads
+    for (int call = 0; call < 2; ++call)       // the second call finds the split counters back at zero
         mc::launch_paged_attention(0, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B,
                                    Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false}, shape);
     CK(cudaGetLastError());
@@ -156,6 +157,7 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
                          ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"},
                                            AttentionCase{1, "l2"}, AttentionCase{1, "l4"},
+                                           AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
                                            AttentionCase{5, "l4"}, AttentionCase{20, "w2"},
                                            AttentionCase{20, "l2"}, AttentionCase{20, "l4"}),
                          [](const auto& info) {

@@ -65,10 +65,14 @@ constexpr int kAttentionMinChunk = 64;
 int attention_partial_splits(int max_seq_len);
 
 // Block shape of the attention kernel: warps per block and lanes per token (1, 2 or 4; a token's
-// lanes share its key row).
+// lanes share its key row). early_loads: each block reads position, slot and block table and asks L2
+// for the cached keys and values of the tokens before position[b] before it waits for the previous
+// kernel (Launch::overlap) — only where none of those is written by the kernels just before (the
+// generator's decode step: the host writes them before the step, earlier steps the cache).
 struct AttentionShape {
     int warps = 2;
     int lanes = 1;
+    bool early_loads = false;
 };
 
 // The shape for B rows: lanes 0 = the default (four lanes a token in blocks of 8 warps); lanes 2 or

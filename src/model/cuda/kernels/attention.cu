@@ -39,7 +39,25 @@ template <typename T, int G, int kDimsPerLane, int kAttnWarps, int kLanes>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
-                           int chunk, Partials part, T* out) {
+                           int chunk, Partials part, bool early_loads, T* out) {
+    // AttentionShape::early_loads: the row's position and block table, and L2 requests for the keys
+    // and values of this block's chunk up to (not including) the token the previous kernel stores.
+    if (early_loads) {
+        const int b = blockIdx.y, pos = position[b];
+        const int first = blockIdx.z * chunk, last = min(pos, first + chunk);
+        const int kv_head = blockIdx.x * G / (Hq / Hkv);
+        const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
+        const int lines = (D * static_cast<int>(sizeof(T)) + 127) / 128;  // per token and tensor
+        for (int i = threadIdx.x; i < (last - first) * 2 * lines; i += blockDim.x) {
+            const int t = first + i / (2 * lines), r = i % (2 * lines);
+            const size_t row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) *
+                                   static_cast<size_t>(Hkv) * D +
+                               static_cast<size_t>(kv_head) * D;
+            const T* base = (r < lines ? k_pool : v_pool) + row;
+            asm volatile(
+                "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(base) + (r % lines) * 128));
+        }
+    }
     griddep_wait();
     griddep_launch_dependents();
     extern __shared__ __align__(16) float smem[];
@@ -243,6 +261,7 @@ struct AttnLaunch {
     Partials part;
     void* out;
     Launch launch;
+    bool early_loads;
 };
 
 template <typename T, int G, int kDimsPerLane, int kWarps, int kLanes>
@@ -253,7 +272,7 @@ void launch_group(const AttnLaunch& l) {
     launch_kernel(kernel, dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.launch,
                   static_cast<const T*>(l.q), static_cast<const T*>(l.k_pool),
                   static_cast<const T*>(l.v_pool), l.position, l.slot, l.block_table, l.max_blocks,
-                  l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part, static_cast<T*>(l.out));
+                  l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part, l.early_loads, static_cast<T*>(l.out));
 }
 
 template <typename T, int G, int kWarps, int kLanes>
@@ -273,9 +292,10 @@ void launch_dims(const AttnLaunch& l) {
 // block (the few-rows case); the 64-token passes (4, 2) and (8, 4) up to 8 heads a block and 128 dims.
 // Anything else runs as (2, 1). These are the shapes launch_shape instantiates.
 AttentionShape built_shape(AttentionShape s, int heads, int D) {
-    if ((s.lanes == 2 || s.lanes == 4) && heads <= 8 && D <= 128) return {2 * s.lanes, s.lanes};
-    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1};
-    return {2, 1};
+    if ((s.lanes == 2 || s.lanes == 4) && heads <= 8 && D <= 128)
+        return {2 * s.lanes, s.lanes, s.early_loads};
+    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1, s.early_loads};
+    return {2, 1, s.early_loads};
 }
 
 template <typename T, int G>
@@ -354,9 +374,25 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
     int chunk = std::max(kAttentionMinChunk, run.warps * 32 / run.lanes);
     while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
-    AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
-                 block_size, B,      Hq,     Hkv,      D,    chunk,       (max_seq_len + chunk - 1) / chunk,
-                 heads,      {},     out,    launch};
+    AttnLaunch l{q,
+                 k_pool,
+                 v_pool,
+                 position,
+                 slot,
+                 block_table,
+                 max_blocks,
+                 block_size,
+                 B,
+                 Hq,
+                 Hkv,
+                 D,
+                 chunk,
+                 (max_seq_len + chunk - 1) / chunk,
+                 heads,
+                 {},
+                 out,
+                 launch,
+                 run.early_loads};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
     l.part.ml = partial;
