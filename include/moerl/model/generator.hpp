@@ -16,10 +16,12 @@
 // Tuning switches, read when a generator is made (defaults in brackets): MOERL_GENERATOR_GATE_UP_ROWS /
 // _DOWN_ROWS (expert weight rows per warp [kernel default]), _GEMV_MAX_BATCH (largest bucket whose
 // dense projections use the GEMV kernel instead of cuBLAS [1]), _GROUPED_MIN_BATCH (smallest bucket
-// whose experts run as grouped GEMMs [64]), _EXPERT_MMA_MIN_BATCH (smallest bucket whose expert kernels
-// use the tensor cores, bf16, below the grouped GEMMs [0: never]), _ATTENTION_LANES (lanes per token in the
-// attention kernel: 1, 2 or 4 [0: 4]), _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _PDL
-// (programmatic dependent launch of the decode kernels; 0 = plain stream order [1]), _PROFILE (below).
+// whose experts run as grouped GEMMs [128]), _GATE_UP_MMA_MIN_BATCH / _DOWN_MMA_MIN_BATCH (smallest
+// bucket whose gate/up or down expert products use the tensor cores, bf16, below the grouped GEMMs
+// [32 / 2; 0: never]), _ATTENTION_LANES (lanes per token in the attention kernel: 1, 2 or 4 [0: 4]),
+// _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _ATTENTION_EARLY (the attention kernel's
+// cache reads begun before it waits for the previous kernel [0]), _PDL (programmatic dependent launch
+// of the decode kernels; 0 = plain stream order [1]), _PROFILE (below).
 #pragma once
 
 #include <ATen/core/Tensor.h>
