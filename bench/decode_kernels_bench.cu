@@ -4,10 +4,11 @@
 // and with programmatic dependent launch, next to an empty kernel's. Then the weight-streaming
 // kernels (dense GEMVs, expert products on CUDA or tensor cores) in the same way, each launch on
 // another copy of the weights (or another routing) so that nothing is served from L2, with the
-// bandwidth of the weight bytes each launch reads. No LibTorch: it runs wherever the decode kernels
-// build.
+// bandwidth of the weight bytes each launch reads. Last, one decode layer at batch 1 with its kernels
+// in step order, against the sum of the same kernels timed alone. No LibTorch: it runs wherever the
+// decode kernels build.
 //   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4]
-//                        [--no-gemv] [--no-attention]
+//                        [--no-gemv] [--no-attention] [--no-layer]
 // (--len and --shapes pick the attention rows, with --len the other kernels are left out; shapes: one
 // lane a token in blocks of 2 or 8 warps, two or four lanes a token, four with the early loads.)
 #include <cuda_bf16.h>
@@ -241,18 +242,116 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
     }
 }
 
+// One decode layer at batch 1 (Qwen3-30B-A3B shape, 193 cached tokens), its ten kernels in step
+// order — q/k/v GEMV, q/k norm + RoPE + cache store, attention, o GEMV, add + norm, router GEMV,
+// route, expert gate/up and down (CUDA cores, as the engine runs batch 1), combine + norm — each
+// launch a layer of its own among 8 (its own dense weights; experts as its router picks), as in a
+// step: us per layer, plain and overlapped, next to the same kernels timed one kind at a time.
+void layer_table(cudaStream_t stream, int iters, Pool& pool) {
+    constexpr int B = 1, kLayers = 8, seq = 193, kQkvRows = (kHq + 2 * kHkv) * kD;
+    const int max_blocks = (seq + kBlock - 1) / kBlock;
+    std::vector<int> position(B, seq - 1), slot(B, 0), table(max_blocks);
+    for (int j = 0; j < max_blocks; ++j) table[j] = 1 + j;
+    int* d_pos = pool.copy(position);
+    int* d_slot = pool.copy(slot);
+    int* d_table = pool.copy(table);
+    const size_t pool_elems = static_cast<size_t>(max_blocks + 1) * kBlock * kHkv * kD;
+    struct Layer {
+        __nv_bfloat16 *qkv_w, *o_w, *router_w, *k_pool, *v_pool;
+    };
+    std::vector<Layer> layers(kLayers);
+    for (Layer& l : layers) {
+        l.qkv_w = pool.bf16_filled(static_cast<size_t>(kQkvRows) * kH);
+        l.o_w = pool.bf16_filled(static_cast<size_t>(kH) * kHq * kD);
+        l.router_w = pool.bf16_filled(static_cast<size_t>(kE) * kH);
+        l.k_pool = pool.bf16_filled(pool_elems);
+        l.v_pool = pool.bf16_filled(pool_elems);
+    }
+    auto* gate = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);
+    auto* up = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);
+    auto* down = pool.bf16_filled(static_cast<size_t>(kE) * kH * kI);
+    auto* x = pool.bf16_filled(kH);
+    auto* h = pool.bf16_filled(kH);
+    auto* norm_w = pool.bf16_filled(kH);
+    auto* qn = pool.bf16_filled(kD);
+    auto* kn = pool.bf16_filled(kD);
+    auto* qkv = pool.bf16_filled(kQkvRows);
+    auto* q = pool.bf16_filled(static_cast<size_t>(kHq) * kD);
+    auto* attn = pool.bf16_filled(static_cast<size_t>(kHq) * kD);
+    auto* o = pool.bf16_filled(kH);
+    auto* logits = pool.bf16_filled(kE);
+    auto* act = pool.bf16_filled(static_cast<size_t>(kK) * kI);
+    auto* y = pool.zeros<float>(static_cast<size_t>(kK) * kH);
+    const int splits = mc::attention_partial_splits(max_blocks * kBlock);
+    auto* partial = pool.zeros<float>(static_cast<size_t>(B) * kHq * splits * (kD + 2));
+    int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
+    std::vector<mc::MoeRouting> routes(kLayers);  // each layer's, so experts timed alone vary too
+    for (mc::MoeRouting& r : routes) {
+        r.topk_idx = pool.zeros<int>(kK);
+        r.topk_weights = pool.zeros<float>(kK);
+        r.expert_offset = pool.zeros<int>(kE + 1);
+        r.active_experts = pool.zeros<int>(kE);
+        r.num_active = pool.zeros<int>(1);
+        r.expert_slots = pool.zeros<int>(kK);
+    }
+    const mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
+    // kinds: bit i launches kernel i of the layer (all: the layer)
+    auto layer = [&](int i, unsigned kinds, const mc::Launch& l) {
+        const Layer& w = layers[i % kLayers];
+        const mc::MoeRouting& r = routes[i % kLayers];
+        if (kinds & 1u) mc::launch_dense_rows(1, h, w.qkv_w, B, kH, kQkvRows, 0, qkv, l);
+        if (kinds & 2u)
+            mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
+                                          kBlock, B, kHq, kHkv, kD, q, w.k_pool, w.v_pool, l);
+        if (kinds & 4u)
+            mc::launch_paged_attention(1, q, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks, kBlock,
+                                       B, kHq, kHkv, kD, partial, done, attn, l, shape);
+        if (kinds & 8u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, 0, o, l);
+        if (kinds & 16u) mc::launch_add_rmsnorm(1, x, o, norm_w, 1e-6f, d_pos, B, kH, h, l);
+        if (kinds & 32u) mc::launch_dense_rows(1, h, w.router_w, B, kH, kE, 0, logits, l);
+        if (kinds & 64u) mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, l);
+        if (kinds & 128u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
+        if (kinds & 256u) mc::launch_moe_down(1, act, down, r, B, kK, kH, kI, kK, 0, y, l);
+        if (kinds & 512u) mc::launch_moe_combine_rmsnorm(1, x, y, r, norm_w, 1e-6f, d_pos, B, kK, kH, h, l);
+    };
+    for (int i = 0; i < kLayers; ++i) layer(i, 1023u, {stream, false});  // every layer's routing
+    CK(cudaStreamSynchronize(stream));
+    constexpr int n = 64;
+    const char* names[] = {"qkv gemv",     "qk norm+rope+store", "attention", "o gemv",
+                           "add+norm",     "router gemv",        "route",     "experts gate+up",
+                           "experts down", "combine+norm"};
+    std::printf(
+        "\none decode layer at batch 1 (%d tokens), its kernels in step order, each launch the next of %d "
+        "layers (us per layer)\n\n| kernels | plain us | overlap us |\n|---|---|---|\n",
+        seq, kLayers);
+    double sum[2] = {0, 0};
+    for (int k = 0; k <= 10; ++k) {
+        const unsigned kinds = k < 10 ? 1u << k : 1023u;
+        double t[2];
+        for (int ov = 0; ov < 2; ++ov) {
+            int i = 0;
+            const mc::Launch l{stream, ov == 1};
+            t[ov] = time_in_graph(stream, n, iters, [&] { layer(i++, kinds, l); });
+            if (k < 10) sum[ov] += t[ov];
+        }
+        std::printf("| %s | %.2f | %.2f |\n", k < 10 ? names[k] : "the layer", t[0], t[1]);
+        std::fflush(stdout);
+    }
+    std::printf("| sum of the kernels alone | %.2f | %.2f |\n", sum[0], sum[1]);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     int iters = 20;
     std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096};
     std::vector<std::string> shapes = {"w2", "w8", "l2", "l4", "e4"};
-    bool attention_only = false, gemv = true, attention = true;
+    bool attention_only = false, gemv = true, attention = true, layer = true;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
         bool ok = i + 1 < argc;
-        if (flag == "--no-gemv" || flag == "--no-attention") {
-            (flag == "--no-gemv" ? gemv : attention) = false;
+        if (flag == "--no-gemv" || flag == "--no-attention" || flag == "--no-layer") {
+            (flag == "--no-gemv" ? gemv : flag == "--no-layer" ? layer : attention) = false;
             ok = true;
         } else if (ok && flag == "--iters") {
             char* end = nullptr;
@@ -279,7 +378,7 @@ int main(int argc, char** argv) {
                 stderr,
                 "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
                 "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4] [--no-gemv] "
-                "[--no-attention]\n",
+                "[--no-attention] [--no-layer]\n",
                 argv[i]);
             return 2;
         }
@@ -392,6 +491,7 @@ int main(int argc, char** argv) {
         }
     }
     if (gemv && !attention_only) gemv_table(stream, iters, batches, pool);
+    if (layer && !attention_only) layer_table(stream, iters, pool);
     CK(cudaStreamSynchronize(stream));
     return 0;
 }

@@ -149,7 +149,7 @@ if [ -x "$MOERL" ]; then
   # The latency-bound decode kernels alone, in graphs (no LibTorch needed).
   KBENCH=$BUILD/bench/decode_kernels_bench
   if [ "${MOERL_DEVICE_KERNELS:-1}" = 1 ] && [ -x "$KBENCH" ]; then
-    timeout 180 "$KBENCH" ${MOERL_DEVICE_KBENCH_ARGS:-} >"$OUT/bench-kernels.log" 2>&1
+    timeout 180 "$KBENCH" ${MOERL_DEVICE_KBENCH_ARGS:---shapes l4,e4} >"$OUT/bench-kernels.log" 2>&1
     step bench_kernels "rc=$?"
     if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
       for shape in w8 l4; do  # where the attention warps stall, batch 1, 193 tokens
