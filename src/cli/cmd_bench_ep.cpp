@@ -56,8 +56,8 @@ struct BenchResult {
     std::string case_name;
     double rows = 0, remote_rows = 0, dispatch_us = 0, combine_us = 0, baseline_us = 0, ll_dispatch_us = 0,
            ll_combine_us = 0;
-    // On a device: the same calls timed on the stream (CUDA events around each), without the host's
-    // launch and synchronisation costs that the times above include.
+    // On a device: the same calls timed on the stream (CUDA events just before and after each), without
+    // the synchronisation that the times above include (the host's work up to the launch stays in).
     double dispatch_device_us = 0, combine_device_us = 0, baseline_device_us = 0;
 };
 
@@ -340,8 +340,9 @@ void print_device_times(const std::vector<BenchResult>& results) {
         if (!r.error.empty() || r.baseline_device_us <= 0) continue;
         if (!header) {
             std::printf(
-                "\non the device (CUDA events around each call on its stream: no host launch or "
-                "synchronisation cost)\n\n| transport | W | case | disp | dispatch us | combine us | copy us "
+                "\non the device (CUDA events just before and after each call on its stream: no "
+                "synchronisation cost; the host's work up to the launch is still in, the stream idling until "
+                "then)\n\n| transport | W | case | disp | dispatch us | combine us | copy us "
                 "| "
                 "dispatch: of copy bandwidth | combine: of copy bandwidth "
                 "|\n|---|---|---|---|---|---|---|---|---|\n");
