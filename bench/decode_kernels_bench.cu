@@ -83,6 +83,17 @@ struct Pool {
         ptrs.push_back(p);
         return static_cast<T*>(p);
     }
+    // Zeroed routing buffers for B rows of top-kK over kE experts.
+    mc::MoeRouting routing(int B) {
+        mc::MoeRouting r;
+        r.topk_idx = zeros<int>(static_cast<size_t>(B) * kK);
+        r.topk_weights = zeros<float>(static_cast<size_t>(B) * kK);
+        r.expert_offset = zeros<int>(kE + 1);
+        r.active_experts = zeros<int>(kE);
+        r.num_active = zeros<int>(1);
+        r.expert_slots = zeros<int>(static_cast<size_t>(B) * kK);
+        return r;
+    }
     template <typename T>
     T* copy(const std::vector<T>& h) {
         T* p = zeros<T>(h.size());
@@ -128,6 +139,23 @@ double time_in_graph(cudaStream_t stream, int n, int iters, const std::function<
     return runs[2];
 }
 
+// Microseconds per launch of `launch(i, l)` (i: the launch's index in the graph, 0..63), with plain
+// launches and with overlapped ones (programmatic dependent launch).
+struct Times {
+    double plain, overlap;
+};
+Times plain_and_overlapped(cudaStream_t stream, int iters,
+                           const std::function<void(int, const mc::Launch&)>& launch) {
+    constexpr int n = 64;
+    double t[2];
+    for (int ov = 0; ov < 2; ++ov) {
+        int i = 0;
+        const mc::Launch l{stream, ov == 1};
+        t[ov] = time_in_graph(stream, n, iters, [&] { launch(i++, l); });
+    }
+    return {t[0], t[1]};
+}
+
 // "1,16,64" -> {1, 16, 64}; every entry must be in [1, 1 << 20].
 bool parse_list(const char* text, std::vector<int>& out) {
     out.clear();
@@ -154,16 +182,11 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
     std::printf(
         "| kernel | batch | variant | MB | plain us | GB/s | overlap us | GB/s "
         "|\n|---|---|---|---|---|---|---|---|\n");
-    constexpr int n = 64;
     auto row = [&](const char* name, int B, const std::string& variant, double mb,
                    const std::function<void(int, const mc::Launch&)>& f) {
-        int i = 0;
-        const mc::Launch plain{stream, false}, overlap{stream, true};
-        const double t0 = time_in_graph(stream, n, iters, [&] { f(i++, plain); });
-        i = 0;
-        const double t1 = time_in_graph(stream, n, iters, [&] { f(i++, overlap); });
-        std::printf("| %s | %d | %s | %.1f | %.2f | %.0f | %.2f | %.0f |\n", name, B, variant.c_str(), mb, t0,
-                    mb * 1e-3 / (t0 * 1e-6), t1, mb * 1e-3 / (t1 * 1e-6));
+        const Times t = plain_and_overlapped(stream, iters, f);
+        std::printf("| %s | %d | %s | %.1f | %.2f | %.0f | %.2f | %.0f |\n", name, B, variant.c_str(), mb,
+                    t.plain, mb * 1e-3 / (t.plain * 1e-6), t.overlap, mb * 1e-3 / (t.overlap * 1e-6));
         std::fflush(stdout);
     };
     // Dense projections: fused q/k/v [5120, 2048] and o [2048, 4096], copies enough for 400 MB.
@@ -199,12 +222,7 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         std::vector<mc::MoeRouting> routes(kRoutings);
         double active = 0;
         for (auto& r : routes) {
-            r.topk_idx = pool.zeros<int>(static_cast<size_t>(B) * kK);
-            r.topk_weights = pool.zeros<float>(static_cast<size_t>(B) * kK);
-            r.expert_offset = pool.zeros<int>(kE + 1);
-            r.active_experts = pool.zeros<int>(kE);
-            r.num_active = pool.zeros<int>(1);
-            r.expert_slots = pool.zeros<int>(static_cast<size_t>(B) * kK);
+            r = pool.routing(B);
             auto* logits = pool.bf16(static_cast<size_t>(B) * kE);
             mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, {stream, false});
             int num = 0;
@@ -286,14 +304,7 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     auto* partial = pool.zeros<float>(static_cast<size_t>(B) * kHq * splits * (kD + 2));
     int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
     std::vector<mc::MoeRouting> routes(kLayers);  // each layer's, so experts timed alone vary too
-    for (mc::MoeRouting& r : routes) {
-        r.topk_idx = pool.zeros<int>(kK);
-        r.topk_weights = pool.zeros<float>(kK);
-        r.expert_offset = pool.zeros<int>(kE + 1);
-        r.active_experts = pool.zeros<int>(kE);
-        r.num_active = pool.zeros<int>(1);
-        r.expert_slots = pool.zeros<int>(kK);
-    }
+    for (mc::MoeRouting& r : routes) r = pool.routing(B);
     const mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
     // kinds: bit i launches kernel i of the layer (all: the layer)
     auto layer = [&](int i, unsigned kinds, const mc::Launch& l) {
@@ -316,7 +327,6 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     };
     for (int i = 0; i < kLayers; ++i) layer(i, 1023u, {stream, false});  // every layer's routing
     CK(cudaStreamSynchronize(stream));
-    constexpr int n = 64;
     const char* names[] = {"qkv gemv",     "qk norm+rope+store", "attention", "o gemv",
                            "add+norm",     "router gemv",        "route",     "experts gate+up",
                            "experts down", "combine+norm"};
@@ -324,20 +334,16 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         "\none decode layer at batch 1 (%d tokens), its kernels in step order, each launch the next of %d "
         "layers (us per layer)\n\n| kernels | plain us | overlap us |\n|---|---|---|\n",
         seq, kLayers);
-    double sum[2] = {0, 0};
+    Times sum{0, 0};
     for (int k = 0; k <= 10; ++k) {
         const unsigned kinds = k < 10 ? 1u << k : 1023u;
-        double t[2];
-        for (int ov = 0; ov < 2; ++ov) {
-            int i = 0;
-            const mc::Launch l{stream, ov == 1};
-            t[ov] = time_in_graph(stream, n, iters, [&] { layer(i++, kinds, l); });
-            if (k < 10) sum[ov] += t[ov];
-        }
-        std::printf("| %s | %.2f | %.2f |\n", k < 10 ? names[k] : "the layer", t[0], t[1]);
+        const Times t =
+            plain_and_overlapped(stream, iters, [&](int i, const mc::Launch& l) { layer(i, kinds, l); });
+        if (k < 10) sum.plain += t.plain, sum.overlap += t.overlap;
+        std::printf("| %s | %.2f | %.2f |\n", k < 10 ? names[k] : "the layer", t.plain, t.overlap);
         std::fflush(stdout);
     }
-    std::printf("| sum of the kernels alone | %.2f | %.2f |\n", sum[0], sum[1]);
+    std::printf("| sum of the kernels alone | %.2f | %.2f |\n", sum.plain, sum.overlap);
 }
 
 }  // namespace
@@ -397,13 +403,10 @@ int main(int argc, char** argv) {
     std::printf("us per launch inside a graph of 64 back-to-back launches (median of 5 x %d replays)\n\n",
                 iters);
     std::printf("| kernel | batch | seq | plain us | overlap us |\n|---|---|---|---|---|\n");
-    constexpr int n = 64;
     auto row = [&](const std::string& name, int B, int seq, const std::function<void(const mc::Launch&)>& f) {
-        const mc::Launch plain{stream, false}, overlap{stream, true};
-        const double t0 = time_in_graph(stream, n, iters, [&] { f(plain); });
-        const double t1 = time_in_graph(stream, n, iters, [&] { f(overlap); });
+        const Times t = plain_and_overlapped(stream, iters, [&](int, const mc::Launch& l) { f(l); });
         std::printf("| %s | %d | %s | %.2f | %.2f |\n", name.c_str(), B,
-                    seq > 0 ? std::to_string(seq).c_str() : "-", t0, t1);
+                    seq > 0 ? std::to_string(seq).c_str() : "-", t.plain, t.overlap);
         std::fflush(stdout);
     };
     if (!attention_only)
@@ -436,13 +439,7 @@ int main(int argc, char** argv) {
         auto* q = pool.bf16(static_cast<size_t>(B) * kHq * kD);
         auto* attn_out = pool.bf16(static_cast<size_t>(B) * kHq * kD);
         auto* logits = pool.bf16(static_cast<size_t>(B) * kE);
-        mc::MoeRouting r;
-        r.topk_idx = pool.zeros<int>(static_cast<size_t>(B) * kK);
-        r.topk_weights = pool.zeros<float>(static_cast<size_t>(B) * kK);
-        r.expert_offset = pool.zeros<int>(kE + 1);
-        r.active_experts = pool.zeros<int>(kE);
-        r.num_active = pool.zeros<int>(1);
-        r.expert_slots = pool.zeros<int>(static_cast<size_t>(B) * kK);
+        const mc::MoeRouting r = pool.routing(B);
         auto* y = pool.zeros<float>(static_cast<size_t>(B) * kK * kH);
 
         if (!attention_only) {

@@ -134,9 +134,10 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         copy_dst = torch::empty_like(copy_src);
     }
     std::vector<double> t_dispatch, t_combine, t_copy, d_dispatch, d_combine, d_copy;
+    // Events on the stream the engine and the copy use (the legacy default stream), recorded just
+    // before and after each call: its time on the device without the synchronisation (copy_baseline
+    // holds only on a device, so without CUDA both helpers are never reached).
 #if defined(MOERL_HAVE_CUDA)
-    // Events on the stream the engine and the copy use (the legacy default stream): the device-side
-    // time of each call, launch latency and host work excluded.
     cudaEvent_t ev[4] = {};
     if (copy_baseline)
         for (auto& e : ev) MOERL_CHECK(cudaEventCreate(&e) == cudaSuccess, "bench: cudaEventCreate failed");
@@ -150,6 +151,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     };
 #else
     auto mark = [](int) {};
+    auto elapsed_us = [](int, int) { return 0.0; };
 #endif
     ep::Handle h;
     for (int i = 0; i < o.warmup + o.iters; ++i) {
@@ -168,12 +170,10 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
         if (i >= o.warmup) {
             t_dispatch.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
             t_combine.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
-#if defined(MOERL_HAVE_CUDA)
             if (copy_baseline) {
                 d_dispatch.push_back(elapsed_us(0, 1));
                 d_combine.push_back(elapsed_us(2, 3));
             }
-#endif
         }
 #if defined(MOERL_HAVE_CUDA)
         if (copy_baseline) {

@@ -532,12 +532,10 @@ class CudaEngine final : public Engine {
         a.topk_idx = topk_idx.data;
         a.topk_weights = topk_weights.data;
         a.num_tokens = T;
-        a.tiles = solo_tiles(T, solo_blocks_);
-        const int tiles = a.tiles;
+        a.tiles = solo_tiles(T, solo_blocks_);  // at most solo_blocks_: one tile_state word each
         // The kernel writes send_pos [T] and recv_src_token [R <= T] into the mapped copies.
-        MOERL_CHECK(static_cast<size_t>(T) <= mapped_.solo_tokens && tiles <= solo_blocks_, "dispatch: ", T,
-                    " tokens in ", tiles, " tiles, but the one-rank buffers hold ", mapped_.solo_tokens,
-                    " tokens in ", solo_blocks_, " tiles");
+        MOERL_CHECK(static_cast<size_t>(T) <= mapped_.solo_tokens, "dispatch: ", T,
+                    " tokens, but the one-rank buffers hold ", mapped_.solo_tokens);
         a.seq = layout_->next(a.scratch, stream);
         a.send_pos = fresh->send_pos;
         a.recv_src_offset = fresh->recv_src_offset;
@@ -561,7 +559,7 @@ class CudaEngine final : public Engine {
         a.tuning = solo_tuning_;
         a.trace = solo_trace_.get<unsigned long long>();
         launch_solo_dispatch(a, stream);
-        if (a.trace != nullptr && !capturing(stream)) report_solo_trace(tiles, stream);
+        if (a.trace != nullptr && !capturing(stream)) report_solo_trace(a.tiles, stream);
         if (async_) {
             wait_solo_counts(a.seq, stream);
         } else {
