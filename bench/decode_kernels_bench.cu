@@ -5,7 +5,8 @@
 // kernels (dense GEMVs, expert products on CUDA or tensor cores) in the same way, each launch on
 // another copy of the weights (or another routing) so that nothing is served from L2, with the
 // bandwidth of the weight bytes each launch reads. Last, one decode layer at batch 1 with its kernels
-// in step order, against the sum of the same kernels timed alone. No LibTorch: it runs wherever the
+// in step order, against the sum of the same kernels timed alone, and each kernel's cost inside the
+// layer (the layer less the layer without it). No LibTorch: it runs wherever the
 // decode kernels build.
 //   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4]
 //                        [--no-gemv] [--no-attention] [--no-layer]
@@ -264,7 +265,8 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
 // order — q/k/v GEMV, q/k norm + RoPE + cache store, attention, o GEMV, add + norm, router GEMV,
 // route, expert gate/up and down (CUDA cores, as the engine runs batch 1), combine + norm — each
 // launch a layer of its own among 8 (its own dense weights; experts as its router picks), as in a
-// step: us per layer, plain and overlapped, next to the same kernels timed one kind at a time.
+// step: us per layer, plain and overlapped, next to the same kernels timed one kind at a time and
+// to what each adds to the layer. Attention with the early loads, as the generator runs it.
 void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     constexpr int B = 1, kLayers = 8, seq = 193, kQkvRows = (kHq + 2 * kHkv) * kD;
     const int max_blocks = (seq + kBlock - 1) / kBlock;
@@ -305,8 +307,10 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
     std::vector<mc::MoeRouting> routes(kLayers);  // each layer's, so experts timed alone vary too
     for (mc::MoeRouting& r : routes) r = pool.routing(B);
-    const mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
-    // kinds: bit i launches kernel i of the layer (all: the layer)
+    mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
+    shape.early_loads = true;  // as the generator runs it
+    // kinds: bit i launches kernel i of the layer (all: the layer); bit 10: attention asks L2 for the
+    // o weights
     auto layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
@@ -315,8 +319,10 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
             mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
                                           kBlock, B, kHq, kHkv, kD, q, w.k_pool, w.v_pool, l);
         if (kinds & 4u)
-            mc::launch_paged_attention(1, q, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks, kBlock,
-                                       B, kHq, kHkv, kD, partial, done, attn, l, shape);
+            mc::launch_paged_attention(
+                1, q, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks, kBlock, B, kHq, kHkv, kD,
+                partial, done, attn, l, shape,
+                (kinds & 1024u) != 0 ? mc::L2Prefetch{w.o_w, size_t{2} * kH * kHq * kD} : mc::L2Prefetch{});
         if (kinds & 8u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, 0, o, l);
         if (kinds & 16u) mc::launch_add_rmsnorm(1, x, o, norm_w, 1e-6f, d_pos, B, kH, h, l);
         if (kinds & 32u) mc::launch_dense_rows(1, h, w.router_w, B, kH, kE, 0, logits, l);
@@ -332,18 +338,35 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
                            "experts down", "combine+norm"};
     std::printf(
         "\none decode layer at batch 1 (%d tokens), its kernels in step order, each launch the next of %d "
-        "layers (us per layer)\n\n| kernels | plain us | overlap us |\n|---|---|---|\n",
+        "layers (us per layer): each kernel alone (one kind at a time), and what it adds to the layer "
+        "(the layer less the layer without it)\n\n",
         seq, kLayers);
+    auto time_kinds = [&](unsigned kinds) {
+        return plain_and_overlapped(stream, iters, [&](int i, const mc::Launch& l) { layer(i, kinds, l); });
+    };
     Times sum{0, 0};
-    for (int k = 0; k <= 10; ++k) {
-        const unsigned kinds = k < 10 ? 1u << k : 1023u;
-        const Times t =
-            plain_and_overlapped(stream, iters, [&](int i, const mc::Launch& l) { layer(i, kinds, l); });
-        if (k < 10) sum.plain += t.plain, sum.overlap += t.overlap;
-        std::printf("| %s | %.2f | %.2f |\n", k < 10 ? names[k] : "the layer", t.plain, t.overlap);
+    Times alone[10];
+    for (int k = 0; k < 10; ++k) {
+        alone[k] = time_kinds(1u << k);
+        sum.plain += alone[k].plain, sum.overlap += alone[k].overlap;
+    }
+    const Times whole = time_kinds(1023u);
+    // A kernel's cost inside the layer: the layer less the layer without it (its neighbours then
+    // overlap each other instead).
+    std::printf(
+        "| kernel | alone: plain us | overlap us | in the layer: plain us | overlap us "
+        "|\n|---|---|---|---|---|\n");
+    for (int k = 0; k < 10; ++k) {
+        const Times without = time_kinds(1023u & ~(1u << k));
+        std::printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", names[k], alone[k].plain, alone[k].overlap,
+                    whole.plain - without.plain, whole.overlap - without.overlap);
         std::fflush(stdout);
     }
-    std::printf("| sum of the kernels alone | %.2f | %.2f |\n", sum.plain, sum.overlap);
+    const Times prefetch_o = time_kinds(1023u | 1024u);
+    std::printf(
+        "| sum | %.2f | %.2f | | |\n| the layer | | | %.2f | %.2f |\n| the layer, attention asking L2 for "
+        "the o weights | | | %.2f | %.2f |\n",
+        sum.plain, sum.overlap, whole.plain, whole.overlap, prefetch_o.plain, prefetch_o.overlap);
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 # Variants of the one-rank cuda dispatch kernel (MOERL_EP_SOLO_* knobs, src/ep/cuda/cuda_engine.cpp) on
 # the GPU at hand: one `moerl bench ep` run per variant, one line each with the dispatch time of the
 # DeepSeek-V3-shaped case (4096 tokens, hidden 7168, top-8, 256 experts, bf16) against a device copy of
-# the same bytes timed in the same run, and the 128-token case; then the default kernel's phase times.
+# the same bytes timed in the same run, and the 128-token case; then the phase times of a few variants.
 #
 #   scripts/ep_solo_sweep.sh build/moerl [tokens]
 set -euo pipefail
@@ -25,6 +25,11 @@ variants=(
     "cache=3|MOERL_EP_SOLO_CACHE=3"
     "lookback_ns=0|MOERL_EP_SOLO_LOOKBACK_NS=0"
     "lookback_ns=2000|MOERL_EP_SOLO_LOOKBACK_NS=2000"
+    "late_prefetch|MOERL_EP_SOLO_LATE_PREFETCH=1"
+    "late,prefetch=32|MOERL_EP_SOLO_LATE_PREFETCH=1 MOERL_EP_SOLO_PREFETCH=32"
+    "late,unroll=16|MOERL_EP_SOLO_LATE_PREFETCH=1 MOERL_EP_SOLO_UNROLL=16"
+    "synchronous|MOERL_EP_CUDA_ASYNC=0"
+    "sync,late|MOERL_EP_CUDA_ASYNC=0 MOERL_EP_SOLO_LATE_PREFETCH=1"
 )
 
 start=$SECONDS
@@ -51,9 +56,16 @@ for v in "${variants[@]}"; do
     pct=$(awk -v d="$d_us" -v c="$copy_us" 'BEGIN { printf "%.1f%%", (d > 0 ? 100 * c / d : 0) }')
     printf '%-16s | %12s | %8s | %12s | %7s | %15s | %10s\n' "$name" "$d_us" "$d_gbps" "$copy_us" "$pct" "$small" "$c_us"
 done
-# Where the default's time goes: the kernel's phases per tile (MOERL_EP_SOLO_TRACE), last call of
-# each case (128 tokens, then $tokens).
-echo "phases of the default kernel (MOERL_EP_SOLO_TRACE=1):"
-env MOERL_EP_CUDA_ASYNC=1 MOERL_EP_SOLO_TRACE=1 timeout 30 "$moerl" bench ep --transport cuda --ranks 1 --sms "$sms" \
-    --tokens "$tokens" --iters 3 --no-baseline 2>&1 | grep "one-rank dispatch" | awk '{ line[$4] = $0 } END { for (k in line) print line[k] }'
+# Where the time goes: the kernel's phases per tile (MOERL_EP_SOLO_TRACE), last call of each case
+# (128 tokens, then $tokens), for the default and the variants named in MOERL_SWEEP_TRACE.
+read -ra traced <<<"${MOERL_SWEEP_TRACE:-default prefetch=0 late_prefetch}"
+for v in "${variants[@]}"; do
+    name=${v%%|*}
+    [[ " ${traced[*]} " == *" $name "* ]] || continue
+    read -ra knobs <<<"${v#*|}"
+    echo "phases of $name (MOERL_EP_SOLO_TRACE=1):"
+    env MOERL_EP_CUDA_ASYNC=1 "${knobs[@]}" MOERL_EP_SOLO_TRACE=1 timeout 30 "$moerl" bench ep --transport cuda \
+        --ranks 1 --sms "$sms" --tokens "$tokens" --iters 3 --no-baseline 2>&1 | grep "one-rank dispatch" |
+        awk '{ line[$4] = $0 } END { for (k in line) print line[k] }'
+done
 echo "($((SECONDS - start)) s)" >&2

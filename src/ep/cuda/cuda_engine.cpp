@@ -544,9 +544,6 @@ class CudaEngine final : public Engine {
             a.host_send_pos = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[1]);
             a.host_recv_src_token = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[2]);
         }
-        // While the kernel writes those host-mapped vectors, tiles go in start order and the summaries
-        // are final before any row (the pre-look-back order); without them it counts late tiles itself.
-        a.ticket_order = a.host_send_pos != nullptr;
         a.summary = device_summaries_;
         a.counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + mapped_.solo_offset[0]);
         a.recv_x = out.recv_x.data;
@@ -596,7 +593,7 @@ class CudaEngine final : public Engine {
 
     // MOERL_EP_SOLO_TRACE=1: after each one-rank dispatch (waiting for it), one line on stderr with the
     // kernel's phases per tile, in microseconds from the first block's start: median and latest over
-    // the tiles of the block start, the row offset known (count, publish, look-back), the arrival
+    // the tiles of the block start, the count published, the row offset known (look-back), the arrival
     // counted (the last block: summaries written), the last row written.
     void report_solo_trace(int tiles, cudaStream_t stream) {
         std::vector<unsigned long long> t(static_cast<size_t>(tiles) * kSoloTracePhases);
@@ -607,7 +604,7 @@ class CudaEngine final : public Engine {
         for (int i = 0; i < tiles; ++i) first = std::min(first, t[static_cast<size_t>(i) * kSoloTracePhases]);
         std::string line = "moerl: one-rank dispatch, " + std::to_string(tiles) +
                            " tiles, us from the first start (median / latest):";
-        const char* names[kSoloTracePhases] = {"start", "offset", "arrived", "rows done"};
+        const char* names[kSoloTracePhases] = {"start", "published", "offset", "arrived", "rows done"};
         for (int p = 0; p < kSoloTracePhases; ++p) {
             std::vector<double> v(tiles);
             for (int i = 0; i < tiles; ++i)
@@ -663,6 +660,8 @@ class CudaEngine final : public Engine {
     // - MOERL_EP_SOLO_CACHE: bit 0 loads of x, bit 1 stores to recv_x evict first, 0..3 (default 0).
     // - MOERL_EP_SOLO_LOOKBACK_NS: how long a block waits for an earlier tile's count before it counts
     //   that tile itself, 0..1e9 (default 20000).
+    // - MOERL_EP_SOLO_LATE_PREFETCH: 1 = a block asks L2 for its first rows once its count is published
+    //   rather than at its start, 0 (default).
     // - MOERL_EP_SOLO_TRACE: 1 = time the kernel's phases and print them after each call (waits for the
     //   kernel; report_solo_trace), 0 (default) = off.
     void read_solo_knobs() {
@@ -686,6 +685,7 @@ class CudaEngine final : public Engine {
         }
         solo_tuning_.cache = knob("MOERL_EP_SOLO_CACHE", solo_tuning_.cache, 0, 3);
         solo_tuning_.lookback_ns = knob("MOERL_EP_SOLO_LOOKBACK_NS", solo_tuning_.lookback_ns, 0, 1000000000);
+        solo_tuning_.late_prefetch = knob("MOERL_EP_SOLO_LATE_PREFETCH", solo_tuning_.late_prefetch, 0, 1);
         if (knob("MOERL_EP_SOLO_TRACE", 0, 0, 1) == 1)
             solo_trace_ = DeviceMemory(sizeof(unsigned long long) * kMaxSoloBlocks * kSoloTracePhases);
     }

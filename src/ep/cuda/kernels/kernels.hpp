@@ -186,6 +186,7 @@ struct SoloTuning {
     int unroll = 8;         // 16-byte loads in flight per lane: 4, 8 or 16
     int cache = 0;          // bit 0: loads of x evict first (ld.global.cs); bit 1: stores evict first
     int lookback_ns = 20000;  // wait for an earlier tile's count, then count that tile in this block
+    int late_prefetch = 0;    // 1: the rows are asked into L2 once the tile's count is published
 };
 
 // Normal dispatch of one rank in one kernel (a permute): counts, rows and the copy, no layout kernel
@@ -220,16 +221,12 @@ struct SoloDispatchArgs {
     DeviceError* error;
     DeviceError* error_mirror;  // host-mapped copy of *error, or null
     SoloTuning tuning;
-    // Tiles in start order (a ticket from scratch.counters[0]) and the summaries written before any
-    // row, as before the look-back that counts late tiles itself; used while the kernel writes the
-    // host-mapped send_pos / recv_src_token.
-    bool ticket_order;
     // Phase times for finding where a call's time goes (MOERL_EP_SOLO_TRACE), or null: per tile
     // kSoloTracePhases global-timer readings (ns) by its block's first thread — start, the tile's
-    // row offset known, the block's arrival counted, the last row written.
+    // count published, its row offset known, the block's arrival counted, the last row written.
     unsigned long long* trace;
 };
-constexpr int kSoloTracePhases = 4;
+constexpr int kSoloTracePhases = 5;
 void launch_solo_dispatch(const SoloDispatchArgs& a, cudaStream_t stream);
 
 // Normal combine of one rank: out[t] = y[send_pos[t]], or zeros where send_pos[t] = -1. A grid of

@@ -57,11 +57,8 @@ __device__ __forceinline__ int warp_count_tile(const SoloDispatchArgs& a, int ti
 __device__ __forceinline__ int warp_rows_before(const SoloDispatchArgs& a, int tile, int lane) {
     const unsigned long long* tile_state = a.scratch.tile_state;
     const unsigned seq = a.seq;
-    // In ticket order every earlier tile's block has started: wait for its count however long it takes.
     const unsigned long long start = global_timer_ns(),
-                             patience = a.ticket_order
-                                            ? ~0ull
-                                            : static_cast<unsigned long long>(a.tuning.lookback_ns);
+                             patience = static_cast<unsigned long long>(a.tuning.lookback_ns);
     int sum = 0;
     for (int base = 0; base < tile; base += 32 * kLookBackWords) {
         unsigned long long v[kLookBackWords];
@@ -208,7 +205,6 @@ __device__ __forceinline__ void warp_arrive(const SoloDispatchArgs& a, int lane)
         a.summary[1 + L] = total_rows;
         a.recv_src_offset[0] = 0;
         a.recv_src_offset[1] = total_rows;
-        if (a.ticket_order) g.counters[0] = 0;  // every block took its ticket before it arrived
         g.counters[1] = 0;
     }
     __threadfence_system();
@@ -232,12 +228,8 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     __shared__ int expert_count[kMaxExperts];
     __shared__ int rows[kDataThreads];  // output row of each token of the current group, or -1
     __shared__ int warp_count[kSoloWarps];
-    __shared__ int tile_count, tile_base, ticket;
-    if (a.ticket_order) {  // tiles in start order (uniform branch)
-        if (tid == 0) ticket = static_cast<int>(atomicAdd(&g.counters[0], 1u));
-        __syncthreads();
-    }
-    const int tile = a.ticket_order ? ticket : static_cast<int>(blockIdx.x);
+    __shared__ int tile_count, tile_base;
+    const int tile = static_cast<int>(blockIdx.x);
     unsigned long long* trace =
         a.trace != nullptr ? a.trace + static_cast<size_t>(tile) * kSoloTracePhases : nullptr;
     if (trace != nullptr && tid == 0) trace[0] = global_timer_ns();
@@ -245,9 +237,13 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     // The first ids of the thread's first token are on their way before anything else.
     long long first_ids[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
     if (t0 + tid < t1) load_ids(first_ids, a.topk_idx, t0 + tid, 0, K);
-    // x [T, H]: the tile's first rows are contiguous
-    block_prefetch_l2(static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t0) * x_row_bytes,
-                      static_cast<size_t>(min(t1 - t0, a.tuning.prefetch_rows)) * x_row_bytes);
+    // x [T, H]: the tile's first rows are contiguous. Asked for now, or once the tile's count is
+    // published (tuning.late_prefetch: the ids loads of every block then do not queue behind them).
+    const auto prefetch_rows = [&] {
+        block_prefetch_l2(static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t0) * x_row_bytes,
+                          static_cast<size_t>(min(t1 - t0, a.tuning.prefetch_rows)) * x_row_bytes);
+    };
+    if (!a.tuning.late_prefetch) prefetch_rows();
     if (tid == 0) tile_count = 0;
     for (int i = tid; i < E; i += kDataThreads) expert_count[i] = 0;
     __syncthreads();
@@ -290,7 +286,9 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     if (tid == 0) {
         *reinterpret_cast<volatile unsigned long long*>(g.tile_state + tile) = tile_word(a.seq, tile_count);
         if (tile_count != 0) atomicAdd(&g.rank_total[0], tile_count);
+        if (trace != nullptr) trace[1] = global_timer_ns();
     }
+    if (a.tuning.late_prefetch) prefetch_rows();
     for (int i = tid; i < E; i += kDataThreads)
         if (expert_count[i] != 0) atomicAdd(&g.expert_total[i], expert_count[i]);
     if (warp == 0) {
@@ -298,13 +296,7 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         if (lane == 0) tile_base = before;
     }
     __syncthreads();
-    if (trace != nullptr && tid == 0) trace[1] = global_timer_ns();
-    // Ticket order: the block arrives before it writes any row, so the summaries are final before the
-    // first host-visible row is written.
-    if (a.ticket_order && warp == 0) {
-        warp_arrive(a, lane);
-        if (trace != nullptr && lane == 0) trace[2] = global_timer_ns();
-    }
+    if (trace != nullptr && tid == 0) trace[2] = global_timer_ns();
 
     // Rows, in groups of one token per thread: the block's offset plus the valid tokens before it in the
     // tile; then the warps copy the group's rows, `parts` warps per row (parts of one row on neighbouring
@@ -338,9 +330,9 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         }
         rows[tid] = row;
         __syncthreads();
-        if (!a.ticket_order && g0 == t0 && warp == 0) {
+        if (g0 == t0 && warp == 0) {
             warp_arrive(a, lane);
-            if (trace != nullptr && lane == 0) trace[2] = global_timer_ns();
+            if (trace != nullptr && lane == 0) trace[3] = global_timer_ns();
         }
         const int n = min(kDataThreads, t1 - g0);
         const int parts = a.tuning.warps_per_row > 0 ? a.tuning.warps_per_row : max(1, kSoloWarps / n);
@@ -353,13 +345,13 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         base += group_rows;
         __syncthreads();  // rows and warp_count are rewritten by the next group
     }
-    if (!a.ticket_order && t0 == t1 && warp == 0) {  // an empty tile (no tokens at all)
+    if (t0 == t1 && warp == 0) {  // an empty tile (no tokens at all)
         warp_arrive(a, lane);
-        if (trace != nullptr && lane == 0) trace[2] = global_timer_ns();
+        if (trace != nullptr && lane == 0) trace[3] = global_timer_ns();
     }
     if (trace != nullptr) {
         __syncthreads();
-        if (tid == 0) trace[3] = global_timer_ns();
+        if (tid == 0) trace[4] = global_timer_ns();
     }
 }
 
