@@ -309,8 +309,7 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     for (mc::MoeRouting& r : routes) r = pool.routing(B);
     mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
     shape.early_loads = true;  // as the generator runs it
-    // kinds: bit i launches kernel i of the layer (all: the layer); bit 10: attention asks L2 for the
-    // o weights
+    // kinds: bit i launches kernel i of the layer (all: the layer)
     auto layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
@@ -319,10 +318,8 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
             mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
                                           kBlock, B, kHq, kHkv, kD, q, w.k_pool, w.v_pool, l);
         if (kinds & 4u)
-            mc::launch_paged_attention(
-                1, q, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks, kBlock, B, kHq, kHkv, kD,
-                partial, done, attn, l, shape,
-                (kinds & 1024u) != 0 ? mc::L2Prefetch{w.o_w, size_t{2} * kH * kHq * kD} : mc::L2Prefetch{});
+            mc::launch_paged_attention(1, q, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks, kBlock,
+                                       B, kHq, kHkv, kD, partial, done, attn, l, shape);
         if (kinds & 8u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, 0, o, l);
         if (kinds & 16u) mc::launch_add_rmsnorm(1, x, o, norm_w, 1e-6f, d_pos, B, kH, h, l);
         if (kinds & 32u) mc::launch_dense_rows(1, h, w.router_w, B, kH, kE, 0, logits, l);
@@ -362,11 +359,8 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
                     whole.plain - without.plain, whole.overlap - without.overlap);
         std::fflush(stdout);
     }
-    const Times prefetch_o = time_kinds(1023u | 1024u);
-    std::printf(
-        "| sum | %.2f | %.2f | | |\n| the layer | | | %.2f | %.2f |\n| the layer, attention asking L2 for "
-        "the o weights | | | %.2f | %.2f |\n",
-        sum.plain, sum.overlap, whole.plain, whole.overlap, prefetch_o.plain, prefetch_o.overlap);
+    std::printf("| sum | %.2f | %.2f | | |\n| the layer | | | %.2f | %.2f |\n", sum.plain, sum.overlap,
+                whole.plain, whole.overlap);
 }
 
 }  // namespace

@@ -20,16 +20,15 @@ variants=(
     "blocks=264|MOERL_EP_SOLO_BLOCKS=264"
     "blocks=396|MOERL_EP_SOLO_BLOCKS=396"
     "warps_per_row=2|MOERL_EP_SOLO_WARPS_PER_ROW=2"
-    "unroll=16|MOERL_EP_SOLO_UNROLL=16"
+    "unroll=8|MOERL_EP_SOLO_UNROLL=8"
+    "unroll=32|MOERL_EP_SOLO_UNROLL=32"
+    "unroll=32,pf=8|MOERL_EP_SOLO_UNROLL=32 MOERL_EP_SOLO_PREFETCH=8"
+    "prefetch=8|MOERL_EP_SOLO_PREFETCH=8"
     "cache=2|MOERL_EP_SOLO_CACHE=2"
     "cache=3|MOERL_EP_SOLO_CACHE=3"
     "lookback_ns=0|MOERL_EP_SOLO_LOOKBACK_NS=0"
     "lookback_ns=2000|MOERL_EP_SOLO_LOOKBACK_NS=2000"
-    "late_prefetch|MOERL_EP_SOLO_LATE_PREFETCH=1"
-    "late,prefetch=32|MOERL_EP_SOLO_LATE_PREFETCH=1 MOERL_EP_SOLO_PREFETCH=32"
-    "late,unroll=16|MOERL_EP_SOLO_LATE_PREFETCH=1 MOERL_EP_SOLO_UNROLL=16"
     "synchronous|MOERL_EP_CUDA_ASYNC=0"
-    "sync,late|MOERL_EP_CUDA_ASYNC=0 MOERL_EP_SOLO_LATE_PREFETCH=1"
 )
 
 start=$SECONDS
@@ -58,7 +57,7 @@ for v in "${variants[@]}"; do
 done
 # Where the time goes: the kernel's phases per tile (MOERL_EP_SOLO_TRACE), last call of each case
 # (128 tokens, then $tokens), for the default and the variants named in MOERL_SWEEP_TRACE.
-read -ra traced <<<"${MOERL_SWEEP_TRACE:-default prefetch=0 late_prefetch}"
+read -ra traced <<<"${MOERL_SWEEP_TRACE:-default prefetch=0 unroll=32}"
 for v in "${variants[@]}"; do
     name=${v%%|*}
     [[ " ${traced[*]} " == *" $name "* ]] || continue

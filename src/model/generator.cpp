@@ -119,8 +119,6 @@ struct Generator::Impl {
     // it waits for the q/k store (AttentionShape::early_loads). Measured on an H200 (Qwen3-30B-A3B
     // shape, 8 layers, bench rollout): step 0.709 -> 0.684 ms at batch 1, 5.48 -> 5.35 at 256.
     bool attention_early = env::get_int("MOERL_GENERATOR_ATTENTION_EARLY", 1) != 0;
-    // The attention blocks ask L2 for the o projection's weights (cuda::L2Prefetch) at their start.
-    bool attention_prefetch_o = env::get_int("MOERL_GENERATOR_PREFETCH_O", 0) != 0;
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner), m(weights), opt(o), device(weights.options.device) {}
@@ -194,12 +192,10 @@ struct Generator::Impl {
                                             max_blocks, opt.block_size, B, Hq, Hkv, D, q.data_ptr(),
                                             k_pool[l].data_ptr(), v_pool[l].data_ptr(), launch);
             mark("qk norm+rope+store");
-            cuda::launch_paged_attention(
-                dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos, slots, tbl, max_blocks,
-                opt.block_size, B, Hq, Hkv, D, attn_partial.data_ptr<float>(),
-                attn_split_done.data_ptr<int>(), attn.data_ptr(), launch, attention,
-                attention_prefetch_o ? cuda::L2Prefetch{w.o_proj.data_ptr(), w.o_proj.nbytes()}
-                                     : cuda::L2Prefetch{});
+            cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
+                                         slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
+                                         attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
+                                         attn.data_ptr(), launch, attention);
             mark("attention");
             linear(attn, w.o_proj, o, B, launch);
             mark("o mm");

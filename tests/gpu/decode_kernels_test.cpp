@@ -109,13 +109,10 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     const bool one_lane = shape_name[0] == 'w';
     mc::AttentionShape shape =
         mc::attention_shape(B, Hkv, one_lane ? shape_name[1] - '0' : 2, one_lane ? 1 : shape_name[1] - '0');
-    // "e4": four lanes, early loads; "p4": the same, asking L2 for another buffer (an odd size)
-    shape.early_loads = shape_name[0] == 'e' || shape_name[0] == 'p';
-    const mc::L2Prefetch next =
-        shape_name[0] == 'p' ? mc::L2Prefetch{d_v.p, v.size() * sizeof(float) - 20} : mc::L2Prefetch{};
-    for (int call = 0; call < 2; ++call)  // the second call finds the split counters back at zero
+    shape.early_loads = shape_name[0] == 'e';  // "e4": four lanes, early loads
+    for (int call = 0; call < 2; ++call)       // the second call finds the split counters back at zero
         mc::launch_paged_attention(0, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B,
-                                   Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false}, shape, next);
+                                   Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false}, shape);
     CK(cudaGetLastError());
     const std::vector<float> out = d_out.read();
     EXPECT_EQ(d_done.read(), std::vector<int>(static_cast<size_t>(B) * Hq, 0)) << "split counters not reset";
@@ -157,13 +154,15 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     RecordProperty("worst_abs_error", std::to_string(worst));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, DecodeAttention,
-    ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"}, AttentionCase{1, "l2"},
-                      AttentionCase{1, "l4"}, AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
-                      AttentionCase{1, "p4"}, AttentionCase{20, "p4"}, AttentionCase{5, "l4"},
-                      AttentionCase{20, "w2"}, AttentionCase{20, "l2"}, AttentionCase{20, "l4"}),
-    [](const auto& info) { return "b" + std::to_string(info.param.B) + "_" + info.param.shape; });
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
+                         ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"},
+                                           AttentionCase{1, "l2"}, AttentionCase{1, "l4"},
+                                           AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
+                                           AttentionCase{5, "l4"}, AttentionCase{20, "w2"},
+                                           AttentionCase{20, "l2"}, AttentionCase{20, "l4"}),
+                         [](const auto& info) {
+                             return "b" + std::to_string(info.param.B) + "_" + info.param.shape;
+                         });
 
 class DecodeRoute : public ::testing::TestWithParam<int> {};
 

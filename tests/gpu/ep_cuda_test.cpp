@@ -394,18 +394,16 @@ TEST(OneRank, DispatchKnobsMatchHostReference) {
         {"cuda", 1, DType::kBFloat16, 8, 2, false, 70},
         {"cuda", 1, DType::kBFloat16, 16, 8, true, 256},
     };
-    // BLOCKS, PREFETCH, WARPS_PER_ROW, UNROLL, CACHE, TRACE (phase times; results unchanged),
-    // LATE_PREFETCH
-    constexpr int kKnobs = 7;
+    // BLOCKS, PREFETCH, WARPS_PER_ROW, UNROLL, CACHE, TRACE (phase times; results unchanged)
+    constexpr int kKnobs = 6;
     const std::vector<std::array<const char*, kKnobs>> settings = {
-        {"1", "0", "16", "4", "0", "1", "1"},   {"600", "1000", "3", "16", "3", "0", "1"},
-        {"264", "16", "1", "8", "1", "1", "0"}, {"5", "2", "7", "8", "2", "0", "1"},
-        {"0", "0", "0", "16", "0", "0", "0"},   {"-1", "-5", "17", "5", "9", "5", "2"},
+        {"1", "0", "16", "4", "0", "1"},   {"600", "1000", "3", "32", "3", "0"},
+        {"264", "16", "1", "8", "1", "1"}, {"5", "2", "7", "32", "2", "0"},
+        {"0", "0", "0", "16", "0", "0"},   {"-1", "-5", "17", "5", "9", "5"},
     };
     const char* names[kKnobs] = {"MOERL_EP_SOLO_BLOCKS",        "MOERL_EP_SOLO_PREFETCH",
                                  "MOERL_EP_SOLO_WARPS_PER_ROW", "MOERL_EP_SOLO_UNROLL",
-                                 "MOERL_EP_SOLO_CACHE",         "MOERL_EP_SOLO_TRACE",
-                                 "MOERL_EP_SOLO_LATE_PREFETCH"};
+                                 "MOERL_EP_SOLO_CACHE",         "MOERL_EP_SOLO_TRACE"};
     const uint64_t seed = std::random_device{}();
     for (const auto& knobs : settings) {
         std::string label;

@@ -170,9 +170,9 @@ struct ScopedEnv {
 // Logits of a step against the CPU model's, same weights, fp32 on both; every attention block shape
 // (one lane a token in blocks of 2 or 8 warps, two or four lanes a token: "w2", "w8", "l2", "l4";
 // MOERL_GENERATOR_ATTENTION_WARPS / _LANES; "e4": four lanes with the early loads,
-// MOERL_GENERATOR_ATTENTION_EARLY; "p4": also asking L2 for the o weights, _PREFETCH_O), with a short prompt
-// (one block per head group) and a long one (the sequence split over blocks and merged); kernels launched in
-// plain stream order and overlapped (MOERL_GENERATOR_PDL).
+// MOERL_GENERATOR_ATTENTION_EARLY), with a short prompt (one block per head group) and a long
+// one (the sequence split over blocks and merged); kernels launched in plain stream order and
+// overlapped (MOERL_GENERATOR_PDL).
 class GeneratorAttention : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
 
 TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
@@ -188,9 +188,7 @@ TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
     const bool one_lane = shape[0] == 'w';
     const ScopedEnv env_warps("MOERL_GENERATOR_ATTENTION_WARPS", one_lane ? shape.substr(1) : "2");
     const ScopedEnv env_lanes("MOERL_GENERATOR_ATTENTION_LANES", one_lane ? "1" : shape.substr(1));
-    const ScopedEnv env_early("MOERL_GENERATOR_ATTENTION_EARLY",
-                              shape[0] == 'e' || shape[0] == 'p' ? "1" : "0");
-    const ScopedEnv env_prefetch("MOERL_GENERATOR_PREFETCH_O", shape[0] == 'p' ? "1" : "0");
+    const ScopedEnv env_early("MOERL_GENERATOR_ATTENTION_EARLY", shape[0] == 'e' ? "1" : "0");
     const ScopedEnv env_overlap("MOERL_GENERATOR_PDL", overlap ? "1" : "0");
     Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = prompt_len + 22, .block_size = 8});
     const int s = gen.acquire();
@@ -205,7 +203,7 @@ TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ShapePromptOverlap, GeneratorAttention,
-                         ::testing::Combine(::testing::Values("w2", "w8", "l2", "l4", "e4", "p4"),
+                         ::testing::Combine(::testing::Values("w2", "w8", "l2", "l4", "e4"),
                                             ::testing::Values(10, 300), ::testing::Bool()));
 
 // Many rows (B x key-value heads >= 32: a block serves all of a key-value head's query heads, here

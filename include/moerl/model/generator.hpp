@@ -20,8 +20,7 @@
 // bucket whose gate/up or down expert products use the tensor cores, bf16, below the grouped GEMMs
 // [32 / 2; 0: never]), _ATTENTION_LANES (lanes per token in the attention kernel: 1, 2 or 4 [0: 4]),
 // _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _ATTENTION_EARLY (the attention kernel's
-// cache reads begun before it waits for the previous kernel [1]), _PREFETCH_O (the attention kernel
-// asks L2 for the o projection's weights [0]), _PDL (programmatic dependent launch
+// cache reads begun before it waits for the previous kernel [1]), _PDL (programmatic dependent launch
 // of the decode kernels; 0 = plain stream order [1]), _PROFILE (below).
 #pragma once
 

@@ -656,12 +656,10 @@ class CudaEngine final : public Engine {
     // - MOERL_EP_SOLO_PREFETCH: rows of each tile asked into L2 while its block counts, >= 0 (default 16).
     // - MOERL_EP_SOLO_WARPS_PER_ROW: warps that share a row, 1..16; 0 (default): one, or more while a tile
     //   has fewer rows than the block has warps.
-    // - MOERL_EP_SOLO_UNROLL: 16-byte loads in flight per lane, 4, 8 (default) or 16.
+    // - MOERL_EP_SOLO_UNROLL: 16-byte loads in flight per lane, 4, 8, 16 (default) or 32.
     // - MOERL_EP_SOLO_CACHE: bit 0 loads of x, bit 1 stores to recv_x evict first, 0..3 (default 0).
     // - MOERL_EP_SOLO_LOOKBACK_NS: how long a block waits for an earlier tile's count before it counts
     //   that tile itself, 0..1e9 (default 20000).
-    // - MOERL_EP_SOLO_LATE_PREFETCH: 1 = a block asks L2 for its first rows once its count is published
-    //   rather than at its start, 0 (default).
     // - MOERL_EP_SOLO_TRACE: 1 = time the kernel's phases and print them after each call (waits for the
     //   kernel; report_solo_trace), 0 (default) = off.
     void read_solo_knobs() {
@@ -677,15 +675,14 @@ class CudaEngine final : public Engine {
         solo_tuning_.prefetch_rows = knob("MOERL_EP_SOLO_PREFETCH", solo_tuning_.prefetch_rows, 0, 1 << 30);
         solo_tuning_.warps_per_row =
             knob("MOERL_EP_SOLO_WARPS_PER_ROW", solo_tuning_.warps_per_row, 0, kDataThreads / 32);
-        solo_tuning_.unroll = knob("MOERL_EP_SOLO_UNROLL", solo_tuning_.unroll, 4, 16);
-        if (solo_tuning_.unroll != 4 && solo_tuning_.unroll != 8 && solo_tuning_.unroll != 16) {
-            std::fprintf(stderr, "moerl: MOERL_EP_SOLO_UNROLL = %d is not 4, 8 or 16; using 8\n",
+        const int unroll = knob("MOERL_EP_SOLO_UNROLL", solo_tuning_.unroll, 4, 32);
+        if (unroll == 4 || unroll == 8 || unroll == 16 || unroll == 32)
+            solo_tuning_.unroll = unroll;
+        else
+            std::fprintf(stderr, "moerl: MOERL_EP_SOLO_UNROLL = %d is not 4, 8, 16 or 32; using %d\n", unroll,
                          solo_tuning_.unroll);
-            solo_tuning_.unroll = 8;
-        }
         solo_tuning_.cache = knob("MOERL_EP_SOLO_CACHE", solo_tuning_.cache, 0, 3);
         solo_tuning_.lookback_ns = knob("MOERL_EP_SOLO_LOOKBACK_NS", solo_tuning_.lookback_ns, 0, 1000000000);
-        solo_tuning_.late_prefetch = knob("MOERL_EP_SOLO_LATE_PREFETCH", solo_tuning_.late_prefetch, 0, 1);
         if (knob("MOERL_EP_SOLO_TRACE", 0, 0, 1) == 1)
             solo_trace_ = DeviceMemory(sizeof(unsigned long long) * kMaxSoloBlocks * kSoloTracePhases);
     }

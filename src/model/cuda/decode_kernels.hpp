@@ -13,7 +13,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstddef>
 #include <cstdint>
 
 namespace moerl::model::cuda {
@@ -81,23 +80,14 @@ struct AttentionShape {
 // rows only) or 2.
 AttentionShape attention_shape(int B, int Hkv, int warps, int lanes);
 
-// Bytes a later kernel of the step reads that no kernel writes (its weights): a kernel given them
-// asks L2 for them before it waits for its predecessor, so they arrive while the GPU waits on
-// latency rather than on memory.
-struct L2Prefetch {
-    const void* data = nullptr;
-    size_t bytes = 0;
-};
-
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
 // partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
 // * (D + 2) elements (split-sequence partial results); split_done: B * Hq ints, zero before the
 // first call (each call leaves them zero). Every shape gives the same result up to fp32 rounding.
-// next: asked into L2 by the blocks at their start (the o projection's weights in a decode step).
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, const Launch& launch, AttentionShape shape = {}, L2Prefetch next = {});
+                            void* out, const Launch& launch, AttentionShape shape = {});
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.

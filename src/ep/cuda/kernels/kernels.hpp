@@ -183,10 +183,9 @@ void launch_combine_recv(const CombineRecvArgs& a, int blocks, cudaStream_t stre
 struct SoloTuning {
     int prefetch_rows = 16;  // rows at the start of each tile asked into L2 while the block counts (0: none)
     int warps_per_row = 0;  // 1..16 warps share a row; 0: one, or more while a tile has fewer rows than warps
-    int unroll = 8;         // 16-byte loads in flight per lane: 4, 8 or 16
+    int unroll = 16;        // 16-byte loads in flight per lane: 4, 8, 16 or 32
     int cache = 0;          // bit 0: loads of x evict first (ld.global.cs); bit 1: stores evict first
     int lookback_ns = 20000;  // wait for an earlier tile's count, then count that tile in this block
-    int late_prefetch = 0;    // 1: the rows are asked into L2 once the tile's count is published
 };
 
 // Normal dispatch of one rank in one kernel (a permute): counts, rows and the copy, no layout kernel

@@ -39,16 +39,7 @@ template <typename T, int G, int kDimsPerLane, int kAttnWarps, int kLanes>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
-                           int chunk, Partials part, bool early_loads, L2Prefetch next, T* out) {
-    // Weights of a later kernel, asked into L2 now (they depend on no kernel): an equal share a block.
-    if (next.bytes != 0) {
-        const size_t blocks = static_cast<size_t>(gridDim.x) * gridDim.y * gridDim.z;
-        const size_t id = blockIdx.x + gridDim.x * (blockIdx.y + static_cast<size_t>(gridDim.y) * blockIdx.z);
-        const size_t lines = (next.bytes + 127) / 128;
-        const char* base = static_cast<const char*>(next.data);
-        for (size_t i = id * blockDim.x + threadIdx.x; i < lines; i += blocks * blockDim.x)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
-    }
+                           int chunk, Partials part, bool early_loads, T* out) {
     // AttentionShape::early_loads: the row's position and block table, and L2 requests for the keys
     // and values of this block's chunk up to (not including) the token the previous kernel stores.
     if (early_loads) {
@@ -271,7 +262,6 @@ struct AttnLaunch {
     void* out;
     Launch launch;
     bool early_loads;
-    L2Prefetch next;
 };
 
 template <typename T, int G, int kDimsPerLane, int kWarps, int kLanes>
@@ -282,8 +272,7 @@ void launch_group(const AttnLaunch& l) {
     launch_kernel(kernel, dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.launch,
                   static_cast<const T*>(l.q), static_cast<const T*>(l.k_pool),
                   static_cast<const T*>(l.v_pool), l.position, l.slot, l.block_table, l.max_blocks,
-                  l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part, l.early_loads, l.next,
-                  static_cast<T*>(l.out));
+                  l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part, l.early_loads, static_cast<T*>(l.out));
 }
 
 template <typename T, int G, int kWarps, int kLanes>
@@ -372,7 +361,7 @@ AttentionShape attention_shape(int B, int Hkv, int warps, int lanes) {
 void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
                             const int* position, const int* slot, const int* block_table, int max_blocks,
                             int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, const Launch& launch, AttentionShape shape, L2Prefetch next) {
+                            void* out, const Launch& launch, AttentionShape shape) {
     if (B == 0) return;
     // Chunks of the sequence per block: one pass of the block's warps, at least kAttentionMinChunk
     // tokens, longer while there would be more than 1024 blocks (one split, no merge, once rows alone
@@ -403,8 +392,7 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
                  {},
                  out,
                  launch,
-                 run.early_loads,
-                 next};
+                 run.early_loads};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
     l.part.ml = partial;
