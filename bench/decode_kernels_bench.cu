@@ -206,14 +206,10 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         for (int B : batches) {
             if (B > 4) continue;  // larger batches go to cuBLAS
             for (int rows : {1, 2, 4})
-                for (int loads : {4, 8}) {
-                    if (B > 1 && loads == 8) continue;  // one row of `in` only
-                    row(d.name, B, "rows " + std::to_string(rows) + ", " + std::to_string(loads) + " loads",
-                        elems * 2e-6, [&](int i, const mc::Launch& l) {
-                            mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows,
-                                                  rows, out, l, loads);
-                        });
-                }
+                row(d.name, B, "rows " + std::to_string(rows), elems * 2e-6, [&](int i, const mc::Launch& l) {
+                    mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows, rows, out,
+                                          l);
+                });
         }
     }
     // Experts: gate/up [E, I, H] and down [E, H, I], one routing per launch out of 16 (random logits).
@@ -313,22 +309,20 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     for (mc::MoeRouting& r : routes) r = pool.routing(B);
     mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
     shape.early_loads = true;  // as the generator runs it
-    // kinds: bit i launches kernel i of the layer (all: the layer); bit 10: the dense GEMVs with 4
-    // loads in flight a lane instead of 8
+    // kinds: bit i launches kernel i of the layer (all: the layer)
     auto layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
-        const int loads = (kinds & 1024u) != 0 ? 4 : 8;
-        if (kinds & 1u) mc::launch_dense_rows(1, h, w.qkv_w, B, kH, kQkvRows, 0, qkv, l, loads);
+        if (kinds & 1u) mc::launch_dense_rows(1, h, w.qkv_w, B, kH, kQkvRows, 0, qkv, l);
         if (kinds & 2u)
             mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
                                           kBlock, B, kHq, kHkv, kD, q, w.k_pool, w.v_pool, l);
         if (kinds & 4u)
             mc::launch_paged_attention(1, q, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks, kBlock,
                                        B, kHq, kHkv, kD, partial, done, attn, l, shape);
-        if (kinds & 8u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, 0, o, l, loads);
+        if (kinds & 8u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, 0, o, l);
         if (kinds & 16u) mc::launch_add_rmsnorm(1, x, o, norm_w, 1e-6f, d_pos, B, kH, h, l);
-        if (kinds & 32u) mc::launch_dense_rows(1, h, w.router_w, B, kH, kE, 0, logits, l, loads);
+        if (kinds & 32u) mc::launch_dense_rows(1, h, w.router_w, B, kH, kE, 0, logits, l);
         if (kinds & 64u) mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, l);
         if (kinds & 128u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
         if (kinds & 256u) mc::launch_moe_down(1, act, down, r, B, kK, kH, kI, kK, 0, y, l);
@@ -365,11 +359,8 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
                     whole.plain - without.plain, whole.overlap - without.overlap);
         std::fflush(stdout);
     }
-    const Times four = time_kinds(1023u | 1024u);
-    std::printf(
-        "| sum | %.2f | %.2f | | |\n| the layer | | | %.2f | %.2f |\n| the layer, dense GEMVs with 4 loads a "
-        "lane | | | %.2f | %.2f |\n",
-        sum.plain, sum.overlap, whole.plain, whole.overlap, four.plain, four.overlap);
+    std::printf("| sum | %.2f | %.2f | | |\n| the layer | | | %.2f | %.2f |\n", sum.plain, sum.overlap,
+                whole.plain, whole.overlap);
 }
 
 }  // namespace

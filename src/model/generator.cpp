@@ -109,9 +109,6 @@ struct Generator::Impl {
     // Up to this batch bucket the dense projections (q/k/v, o, router) use the GEMV kernel.
     int gemv_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_MAX_BATCH", 1));
     int gemv_rows = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_ROWS", 0));
-    // 16-byte loads of each weight row a lane has in flight in the GEMV at batch 1 (4 or 8; 0 = the
-    // kernel's default).
-    int gemv_loads = static_cast<int>(env::get_int("MOERL_GENERATOR_GEMV_LOADS", 0));
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -155,7 +152,7 @@ struct Generator::Impl {
         if (B <= gemv_max_batch) {
             cuda::launch_dense_rows(dtype, in.data_ptr(), weight.data_ptr(), B,
                                     static_cast<int>(weight.size(1)), static_cast<int>(weight.size(0)),
-                                    gemv_rows, out.data_ptr(), launch, gemv_loads);
+                                    gemv_rows, out.data_ptr(), launch);
             return;
         }
         at::Tensor out_b = out.narrow(0, 0, B);

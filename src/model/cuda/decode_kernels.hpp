@@ -117,11 +117,9 @@ void launch_moe_down_mma(const void* act, const void* down, const MoeRouting& r,
 
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. The
-// weights are asked into L2 before the kernel waits for its predecessor (Launch::overlap). loads:
-// 16-byte chunks of each weight row a lane requests at once with one row of `in` (4 or 8; 0 = 8);
-// more rows take 4.
+// weights are asked into L2 before the kernel waits for its predecessor (Launch::overlap).
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
-                       int rows_per_warp, void* out, const Launch& launch, int loads = 0);
+                       int rows_per_warp, void* out, const Launch& launch);
 
 // x[b] += sum_k w[b, k] y[b * K + k]; h[b] = rms_norm(x[b]) * norm_weight. Padding rows skipped.
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,

@@ -150,7 +150,7 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows,
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
 // depend on it).
-template <typename T, int kMode, int kRows, int kTile, int kUnroll>
+template <typename T, int kMode, int kRows, int kTile>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
                        int out_rows, int num_rows, T* act, float* y) {
@@ -194,6 +194,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
                 for (int j = 0; j < kTile; ++j) acc[m][i][j] = 0.0f;
         // kUnroll chunks of every weight row are requested before their arithmetic, so each lane
         // keeps kUnroll * kMats * kRows 16-byte loads in flight.
+        constexpr int kUnroll = 4;
         for (int cb = lane * 8; cb < cols; cb += 256 * kUnroll) {
             Raw8<T> raw[kUnroll][kMats][kRows];
 #pragma unroll
@@ -276,11 +277,11 @@ __global__ void __launch_bounds__(kNormThreads)
     });
 }
 
-template <typename T, int kMode, int kRows, int kTile, int kUnroll = 4>
+template <typename T, int kMode, int kRows, int kTile>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
                  int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch) {
     const size_t smem = sizeof(T) * kTile * cols;
-    auto kernel = expert_rows_kernel<T, kMode, kRows, kTile, kUnroll>;
+    auto kernel = expert_rows_kernel<T, kMode, kRows, kTile>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
@@ -289,28 +290,15 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
-// the caller (0 = default: 1 for gate/up, which reads two matrices, else 2). A dense GEMV of one row
-// takes `unroll` (4 or 8) chunks of each weight row per step.
+// the caller (0 = default: 1 for gate/up, which reads two matrices, else 2).
 template <typename T, int kMode>
 void launch_expert_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B,
                         int row_div, int cols, int out_rows, int max_active, int rows_per_warp, void* act,
-                        float* y, const Launch& launch, int unroll = 4) {
+                        float* y, const Launch& launch) {
     if (max_active == 0 || B == 0) return;
     if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4)
         rows_per_warp = kMode == kGatedExperts ? 1 : 2;
     const int tile = B <= 1 ? 1 : (B <= 16 ? 4 : kMoeTokenTile);
-    if constexpr (kMode == kDense) {
-        if (tile == 1 && unroll == 8) {
-            if (rows_per_warp == 1)
-                return launch_rows<T, kMode, 1, 1, 8>(in, w0, w1, r, row_div, cols, out_rows, B, max_active,
-                                                      act, y, launch);
-            if (rows_per_warp == 2)
-                return launch_rows<T, kMode, 2, 1, 8>(in, w0, w1, r, row_div, cols, out_rows, B, max_active,
-                                                      act, y, launch);
-            return launch_rows<T, kMode, 4, 1, 8>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act,
-                                                  y, launch);
-        }
-    }
 #define MOERL_ROWS_CASE(rows, t)                                                                             \
     if (rows_per_warp == rows && tile == t)                                                                  \
         return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act, y, \
@@ -373,14 +361,13 @@ void launch_moe_down(int dtype, const void* act, const void* down, const MoeRout
 }
 
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
-                       int rows_per_warp, void* out, const Launch& launch, int loads) {
-    const int unroll = loads == 4 ? 4 : 8;  // 0: the default
+                       int rows_per_warp, void* out, const Launch& launch) {
     if (dtype == 0)
         launch_expert_rows<float, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                          rows_per_warp, out, nullptr, launch, unroll);
+                                          rows_per_warp, out, nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                                  rows_per_warp, out, nullptr, launch, unroll);
+                                                  rows_per_warp, out, nullptr, launch);
 }
 
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
