@@ -194,16 +194,20 @@ if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/model/model_test" ];
 fi
 
 # --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
+# MOERL_DEVICE_SANITIZE_CASES: other conformance cases (space-separated names after "MatchesHostReference/").
 TEST_BIN=$BUILD/tests/gpu/ep_cuda_test
-CASE='Engines/DeviceConformance.MatchesHostReference/cuda_w2_bf16_e8_k4_h72_t40'
+read -ra CASES <<<"${MOERL_DEVICE_SANITIZE_CASES:-cuda_w2_bf16_e8_k4_h72_t40}"
 if [ "${MOERL_DEVICE_SANITIZE:-1}" != 1 ]; then
   step sanitizer "skipped (MOERL_DEVICE_SANITIZE=0)"
 elif [ -x "$TEST_BIN" ] && command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    timeout 75 compute-sanitizer --tool $tool --target-processes all --print-limit 20 \
-      "$TEST_BIN" --gtest_filter="$CASE" >"$OUT/sanitizer-$tool.log" 2>&1
-    rc=$?
-    step "sanitizer_$tool" "rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | sort | uniq -c | tr '\n' ' ')"
+  for c in "${CASES[@]}"; do
+    for tool in memcheck racecheck; do
+      log="$OUT/sanitizer-$tool-$c.log"
+      timeout 75 compute-sanitizer --tool $tool --target-processes all --print-limit 20 \
+        "$TEST_BIN" --gtest_filter="Engines/DeviceConformance.MatchesHostReference/$c" >"$log" 2>&1
+      rc=$?
+      step "sanitizer_${tool}_$c" "rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr '\n' ' ')"
+    done
   done
 else
   step sanitizer "skipped (no test binary or compute-sanitizer)"
