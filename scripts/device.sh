@@ -57,9 +57,9 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
   step configure FAILED; tail -30 "$OUT/configure.log"; fi
 
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
-TARGETS=(ep_cuda_test moerl)
-for t in model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test; do
-  grep -q "$t" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
+TARGETS=(ep_cuda_test)
+for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test; do
+  grep -q "build $t:" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
 [ -n "${MOERL_DEVICE_TARGETS:-}" ] && read -ra TARGETS <<<"$MOERL_DEVICE_TARGETS"
@@ -229,6 +229,7 @@ echo
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer sanitizer_memcheck sanitizer_racecheck; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
+for k in "${!STATUS[@]}"; do [[ $k == sanitizer_* ]] && echo "| $k | ${STATUS[$k]} |"; done
