@@ -21,8 +21,6 @@ variants=(
     "blocks=396|MOERL_EP_SOLO_BLOCKS=396"
     "warps_per_row=2|MOERL_EP_SOLO_WARPS_PER_ROW=2"
     "unroll=8|MOERL_EP_SOLO_UNROLL=8"
-    "unroll=32|MOERL_EP_SOLO_UNROLL=32"
-    "unroll=32,pf=8|MOERL_EP_SOLO_UNROLL=32 MOERL_EP_SOLO_PREFETCH=8"
     "prefetch=8|MOERL_EP_SOLO_PREFETCH=8"
     "cache=2|MOERL_EP_SOLO_CACHE=2"
     "cache=3|MOERL_EP_SOLO_CACHE=3"
@@ -57,7 +55,7 @@ for v in "${variants[@]}"; do
 done
 # Where the time goes: the kernel's phases per tile (MOERL_EP_SOLO_TRACE), last call of each case
 # (128 tokens, then $tokens), for the default and the variants named in MOERL_SWEEP_TRACE.
-read -ra traced <<<"${MOERL_SWEEP_TRACE:-default prefetch=0 unroll=32}"
+read -ra traced <<<"${MOERL_SWEEP_TRACE:-default prefetch=0 unroll=8}"
 for v in "${variants[@]}"; do
     name=${v%%|*}
     [[ " ${traced[*]} " == *" $name "* ]] || continue

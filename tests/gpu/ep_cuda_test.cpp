@@ -397,8 +397,8 @@ TEST(OneRank, DispatchKnobsMatchHostReference) {
     // BLOCKS, PREFETCH, WARPS_PER_ROW, UNROLL, CACHE, TRACE (phase times; results unchanged)
     constexpr int kKnobs = 6;
     const std::vector<std::array<const char*, kKnobs>> settings = {
-        {"1", "0", "16", "4", "0", "1"},   {"600", "1000", "3", "32", "3", "0"},
-        {"264", "16", "1", "8", "1", "1"}, {"5", "2", "7", "32", "2", "0"},
+        {"1", "0", "16", "4", "0", "1"},   {"600", "1000", "3", "16", "3", "0"},
+        {"264", "16", "1", "8", "1", "1"}, {"5", "2", "7", "8", "2", "0"},
         {"0", "0", "0", "16", "0", "0"},   {"-1", "-5", "17", "5", "9", "5"},
     };
     const char* names[kKnobs] = {"MOERL_EP_SOLO_BLOCKS",        "MOERL_EP_SOLO_PREFETCH",

@@ -656,7 +656,8 @@ class CudaEngine final : public Engine {
     // - MOERL_EP_SOLO_PREFETCH: rows of each tile asked into L2 while its block counts, >= 0 (default 16).
     // - MOERL_EP_SOLO_WARPS_PER_ROW: warps that share a row, 1..16; 0 (default): one, or more while a tile
     //   has fewer rows than the block has warps.
-    // - MOERL_EP_SOLO_UNROLL: 16-byte loads in flight per lane, 4, 8, 16 (default) or 32.
+    // - MOERL_EP_SOLO_UNROLL: 16-byte loads in flight per lane, 4, 8 or 16 (default; 32 spilled registers
+    //   and was slower: 55.3 against 50.0 us, 4096 tokens on an H200).
     // - MOERL_EP_SOLO_CACHE: bit 0 loads of x, bit 1 stores to recv_x evict first, 0..3 (default 0).
     // - MOERL_EP_SOLO_LOOKBACK_NS: how long a block waits for an earlier tile's count before it counts
     //   that tile itself, 0..1e9 (default 20000).
@@ -675,11 +676,11 @@ class CudaEngine final : public Engine {
         solo_tuning_.prefetch_rows = knob("MOERL_EP_SOLO_PREFETCH", solo_tuning_.prefetch_rows, 0, 1 << 30);
         solo_tuning_.warps_per_row =
             knob("MOERL_EP_SOLO_WARPS_PER_ROW", solo_tuning_.warps_per_row, 0, kDataThreads / 32);
-        const int unroll = knob("MOERL_EP_SOLO_UNROLL", solo_tuning_.unroll, 4, 32);
-        if (unroll == 4 || unroll == 8 || unroll == 16 || unroll == 32)
+        const int unroll = knob("MOERL_EP_SOLO_UNROLL", solo_tuning_.unroll, 4, 16);
+        if (unroll == 4 || unroll == 8 || unroll == 16)
             solo_tuning_.unroll = unroll;
         else
-            std::fprintf(stderr, "moerl: MOERL_EP_SOLO_UNROLL = %d is not 4, 8, 16 or 32; using %d\n", unroll,
+            std::fprintf(stderr, "moerl: MOERL_EP_SOLO_UNROLL = %d is not 4, 8 or 16; using %d\n", unroll,
                          solo_tuning_.unroll);
         solo_tuning_.cache = knob("MOERL_EP_SOLO_CACHE", solo_tuning_.cache, 0, 3);
         solo_tuning_.lookback_ns = knob("MOERL_EP_SOLO_LOOKBACK_NS", solo_tuning_.lookback_ns, 0, 1000000000);

@@ -183,7 +183,7 @@ void launch_combine_recv(const CombineRecvArgs& a, int blocks, cudaStream_t stre
 struct SoloTuning {
     int prefetch_rows = 16;  // rows at the start of each tile asked into L2 while the block counts (0: none)
     int warps_per_row = 0;  // 1..16 warps share a row; 0: one, or more while a tile has fewer rows than warps
-    int unroll = 16;        // 16-byte loads in flight per lane: 4, 8, 16 or 32
+    int unroll = 16;        // 16-byte loads in flight per lane: 4, 8 or 16
     int cache = 0;          // bit 0: loads of x evict first (ld.global.cs); bit 1: stores evict first
     int lookback_ns = 20000;  // wait for an earlier tile's count, then count that tile in this block
 };

@@ -419,9 +419,6 @@ void launch_solo_dispatch(const SoloDispatchArgs& a, cudaStream_t stream) {
         case 8:
             launch_solo_dispatch_unrolled<8>(a, stream);
             break;
-        case 32:
-            launch_solo_dispatch_unrolled<32>(a, stream);
-            break;
         default:
             launch_solo_dispatch_unrolled<16>(a, stream);
             break;
