@@ -202,7 +202,7 @@ struct SoloDispatchArgs {
     const float* topk_weights;  // [T, K] or null (weights sent as 0)
     int num_tokens;
     int tiles;  // in [1, max(T, 1)]
-    // tile_state [>= tiles], expert_total [L], rank_total [1], counters [2] (tickets, arrivals)
+    // tile_state [>= tiles], expert_total [L], rank_total [1], counters [2] (arrivals in [1])
     LayoutScratch scratch;
     unsigned int seq;      // nonzero, different from the previous call's (tags tile_state)
     int* send_pos;         // out [T]: row of token t, or -1
