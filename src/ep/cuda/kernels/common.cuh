@@ -161,15 +161,27 @@ __device__ __forceinline__ void report_bad_id(DeviceError* err, DeviceError* mir
     }
 }
 
+// Ids k0..k0+7 of token t's row of topk_idx [*, K], -1 past K (eight loads in flight).
+__device__ __forceinline__ void load_ids(long long (&ids)[8], const int64_t* topk_idx, int t, int k0, int K) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ids[j] = k0 + j < K ? topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
+}
+
 // Calls on_expert(e) for each entry of token t's row of topk_idx [*, K] that names an expert in [0, E),
-// eight loads in flight; -1 is skipped, any other id is reported (when err is set) and skipped.
+// eight loads in flight; -1 is skipped, any other id is reported (when err is set) and skipped. With
+// use_first, `first` holds the row's first eight ids, loaded by the caller ahead of time (load_ids).
 template <typename F>
 __device__ __forceinline__ void for_each_routed_expert(const int64_t* topk_idx, int t, int K, int E,
-                                                       DeviceError* err, DeviceError* mirror, F&& on_expert) {
+                                                       DeviceError* err, DeviceError* mirror, F&& on_expert,
+                                                       const long long (&first)[8], bool use_first) {
     for (int k0 = 0; k0 < K; k0 += 8) {
         long long ids[8];
+        if (k0 == 0 && use_first) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) ids[j] = k0 + j < K ? topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
+            for (int j = 0; j < 8; ++j) ids[j] = first[j];
+        } else {
+            load_ids(ids, topk_idx, t, k0, K);
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const long long e = ids[j];
@@ -180,6 +192,12 @@ __device__ __forceinline__ void for_each_routed_expert(const int64_t* topk_idx, 
             if (e >= 0) on_expert(static_cast<int>(e));
         }
     }
+}
+template <typename F>
+__device__ __forceinline__ void for_each_routed_expert(const int64_t* topk_idx, int t, int K, int E,
+                                                       DeviceError* err, DeviceError* mirror, F&& on_expert) {
+    const long long none[8] = {};
+    for_each_routed_expert(topk_idx, t, K, E, err, mirror, on_expert, none, false);
 }
 
 constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane in the row copies

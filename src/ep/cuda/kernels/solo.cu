@@ -212,12 +212,6 @@ __device__ __forceinline__ void warp_arrive(const SoloDispatchArgs& a, int lane)
     if (lane == 0) *reinterpret_cast<volatile unsigned*>(a.counts_ready) = a.seq;
 }
 
-// Ids k0..k0+7 of token t, -1 past K (eight loads in flight).
-__device__ __forceinline__ void load_ids(long long (&ids)[8], const int64_t* topk_idx, int t, int k0, int K) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) ids[j] = k0 + j < K ? topk_idx[static_cast<size_t>(t) * K + k0 + j] : -1;
-}
-
 template <int kUnroll, int kCache>
 __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatchArgs a) {
     const Routing rt = a.rt;
@@ -251,26 +245,13 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     bool first_valid = false;  // token t0 + tid, the thread's token in the first group below
     for (int t = t0 + tid; t < t1; t += kDataThreads) {
         bool any = false;
-        for (int k0 = 0; k0 < K; k0 += 8) {
-            long long ids[8];
-            if (t == t0 + tid && k0 == 0) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) ids[j] = first_ids[j];
-            } else {
-                load_ids(ids, a.topk_idx, t, k0, K);
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const long long e = ids[j];
-                if (e < -1 || e >= E) {
-                    report_bad_id(a.error, a.error_mirror, t, k0 + j, e);
-                    continue;
-                }
-                if (e < 0) continue;
+        for_each_routed_expert(
+            a.topk_idx, t, K, E, a.error, a.error_mirror,
+            [&](int e) {
                 atomicAdd(&expert_count[e], 1);
                 any = true;
-            }
-        }
+            },
+            first_ids, t == t0 + tid);
         count += any ? 1 : 0;
         if (t == t0 + tid) first_valid = any;
     }
