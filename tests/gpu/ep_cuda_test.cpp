@@ -424,16 +424,18 @@ TEST(OneRank, DispatchKnobsMatchHostReference) {
     }
 }
 
-// The tokens of `more` after those of `in`.
-void append_tokens(RankInput& in, const RankInput& more) {
-    in.x.insert(in.x.end(), more.x.begin(), more.x.end());
-    in.topk_idx.insert(in.topk_idx.end(), more.topk_idx.begin(), more.topk_idx.end());
-    in.topk_weights.insert(in.topk_weights.end(), more.topk_weights.begin(), more.topk_weights.end());
-    in.num_tokens += more.num_tokens;
-}
-
-// The first num_tokens tokens of an input.
-RankInput first_tokens(const ep::Config& c, RankInput in, int num_tokens) {
+// Rank 0's input of exactly num_tokens tokens (num_tokens < 0: as drawn): the draw from `seed`, then
+// draws from seed + 100, seed + 200, ... appended until there are enough, cut to num_tokens.
+RankInput input_of_size(const ep::Config& c, uint64_t seed, int num_tokens) {
+    RankInput in = make_input(c, seed, 0);
+    if (num_tokens < 0) return in;
+    for (int more = 1; in.num_tokens < num_tokens; ++more) {
+        const RankInput next = make_input(c, seed + 100 * more, 0);
+        in.x.insert(in.x.end(), next.x.begin(), next.x.end());
+        in.topk_idx.insert(in.topk_idx.end(), next.topk_idx.begin(), next.topk_idx.end());
+        in.topk_weights.insert(in.topk_weights.end(), next.topk_weights.begin(), next.topk_weights.end());
+        in.num_tokens += next.num_tokens;
+    }
     in.num_tokens = num_tokens;
     in.x.resize(static_cast<size_t>(num_tokens) * c.hidden * c.element_bytes());
     in.topk_idx.resize(static_cast<size_t>(num_tokens) * c.top_k);
@@ -461,10 +463,7 @@ TEST(OneRank, AsyncDispatchMatchesHostReference) {
         for (int round = 0; round < 6; ++round) {
             const std::string tag = " (round " + std::to_string(round) + ")";
             const int sizes[6] = {0, maxT, maxT, 1, -1, maxT};  // -1: as drawn
-            RankInput in = make_input(c, seed + round, 0);
-            for (int more = 1; in.num_tokens < sizes[round]; ++more)
-                append_tokens(in, make_input(c, seed + 100 * more, 0));
-            if (sizes[round] >= 0) in = first_tokens(c, in, sizes[round]);
+            RankInput in = input_of_size(c, seed + round, sizes[round]);
             if (round == 1) clear_experts(in, K, 1);  // every token without experts
             if (round == 2) clear_experts(in, K, 2);
             const int T = in.num_tokens;
@@ -554,10 +553,7 @@ TEST(OneRank, ManyTilesAllOrSomeTokensRouted) {
             ep::Buffer dev(make_config(tc, 0, "cuda"), store.get());
             const int K = c.top_k, H = c.hidden, T = c.max_tokens_per_rank;
             const size_t row = H * c.element_bytes();
-            RankInput in = make_input(c, seed, 0);
-            for (int more = 1; in.num_tokens < T; ++more)
-                append_tokens(in, make_input(c, seed + 100 * more, 0));
-            in = first_tokens(c, in, T);
+            const RankInput in = input_of_size(c, seed, T);
             const std::vector<int> unrouted_tokens[5] = {{}, {0}, {T - 1}, {T / 2}, {}};
             struct Done {
                 ep::Handle host, dev;
