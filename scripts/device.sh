@@ -5,9 +5,9 @@
 #   MOERL_DEVICE_TORCH=OFF scripts/device.sh  # only the EP library, the gpu tests and the decode kernels bench (fast)
 # Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
 # MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_VARIANTS
-# (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels) and
-# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) and MOERL_DEVICE_NCU_EP (Nsight Compute on them) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
-# bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
+# (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels),
+# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) and MOERL_DEVICE_NCU_EP (Nsight Compute on them) default
+# off; MOERL_DEVICE_KERNELS (decode kernels in graphs, bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_VARIANT_LIST,
 # MOERL_DEVICE_VARIANT_BATCH and MOERL_DEVICE_KBENCH_ARGS (e.g. "--no-attention") narrow those runs.
@@ -131,10 +131,10 @@ if [ -x "$MOERL" ]; then
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): attention's early loads, tensor-core gate/up from
-      # batch 2, and the earlier defaults (CUDA-core experts, grouped GEMMs from 64).
+      # Variants of the decode kernels (graphs on): attention without its early loads, tensor-core
+      # gate/up from batch 2, and the earlier defaults (CUDA-core experts, grouped GEMMs from 64).
       # MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between variants).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;ATTENTION_EARLY=1;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;ATTENTION_EARLY=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
