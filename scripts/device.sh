@@ -131,10 +131,10 @@ if [ -x "$MOERL" ]; then
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): attention without its early loads, tensor-core
-      # gate/up from batch 2, and the earlier defaults (CUDA-core experts, grouped GEMMs from 64).
-      # MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between variants).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;ATTENTION_EARLY=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
+      # Variants of the decode kernels (graphs on): the one-row MoE kernels unfused, then the q/k step
+      # unfused too, tensor-core gate/up from batch 2, and the earlier defaults (CUDA-core experts,
+      # grouped GEMMs from 64). MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between).
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
@@ -211,6 +211,16 @@ elif [ -x "$TEST_BIN" ] && command -v compute-sanitizer >/dev/null; then
   done
 else
   step sanitizer "skipped (no test binary or compute-sanitizer)"
+fi
+# The decode kernels that count finished blocks across the grid (fused q/k attention, fused rows).
+DECODE_TEST=$BUILD/tests/gpu/decode_kernels_test
+if [ "${MOERL_DEVICE_SANITIZE:-1}" = 1 ] && [ -x "$DECODE_TEST" ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    log="$OUT/sanitizer-$tool-decode.log"
+    timeout 90 compute-sanitizer --tool $tool --print-limit 20 "$DECODE_TEST" \
+      --gtest_filter="DecodeAttentionFusedQk.*:DecodeFusedRows.*" >"$log" 2>&1
+    step "sanitizer_${tool}_decode" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr '\n' ' ')"
+  done
 fi
 
 echo

@@ -66,7 +66,7 @@ struct Generator::Impl {
     // Static step buffers (graphs read and write them in place), max_batch rows.
     at::Tensor tokens, position, slot, table;
     at::Tensor x, h, qkv, q, attn, attn_partial, attn_split_done, o, router_logits, act, y, logits, greedy,
-        argmax_scratch;
+        argmax_scratch, fused_done;
     at::Tensor topk_idx, topk_weights, expert_offset, active_experts, num_active, expert_slots, experts_read;
     std::map<int, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
 
@@ -119,6 +119,13 @@ struct Generator::Impl {
     // it waits for the q/k store (AttentionShape::early_loads). Measured on an H200 (Qwen3-30B-A3B
     // shape, 8 layers, bench rollout): step 0.709 -> 0.684 ms at batch 1, 5.48 -> 5.35 at 256.
     bool attention_early = env::get_int("MOERL_GENERATOR_ATTENTION_EARLY", 1) != 0;
+    // Attention normalises and rotates q and the new key itself, from the q/k/v projection, and stores
+    // the new key and value (cuda::QkvInput): one kernel fewer per layer.
+    bool fused_qk = env::get_int("MOERL_GENERATOR_FUSED_QK", 1) != 0;
+    // One-row steps of an MoE layer with the CUDA-core experts: add + norm, router and routing in one
+    // kernel, the combine in the down kernel's last blocks, the norm in the next q/k/v GEMV (or a norm
+    // kernel before the LM head): 6 kernels a layer instead of 10 with fused_qk.
+    bool fused_rows = env::get_int("MOERL_GENERATOR_FUSED_ROWS", 1) != 0;
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner), m(weights), opt(o), device(weights.options.device) {}
@@ -182,23 +189,58 @@ struct Generator::Impl {
         const bool tensor_cores = cuda::moe_tensor_cores_supported(dtype, H, I);
         const bool gate_up_mma = tensor_cores && gate_up_mma_min_batch > 0 && B >= gate_up_mma_min_batch;
         const bool down_mma = tensor_cores && down_mma_min_batch > 0 && B >= down_mma_min_batch;
+        // fused_rows: the MoE layers' small kernels inside the GEMVs (see the flag).
+        const bool fuse_moe =
+            fused_rows && B == 1 && B <= gemv_max_batch && !experts_grouped_mm && !gate_up_mma && !down_mma;
+        int* done = fused_done.data_ptr<int>();
+        // Set when x holds the residual but h not yet its norm: the next GEMV normalises x itself.
+        const at::Tensor* norm_pending = nullptr;
         for (size_t l = 0; l < m.layers.size(); ++l) {
             const LayerWeights& w = m.layers[l];
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
-            linear(h, qkv_weight[l], qkv, B, launch);
+            if (norm_pending != nullptr) {
+                cuda::launch_norm_dense_rows(dtype, x.data_ptr(), norm_pending->data_ptr(), eps,
+                                             qkv_weight[l].data_ptr(), B, H,
+                                             static_cast<int>(qkv_weight[l].size(0)), qkv.data_ptr(), launch);
+                norm_pending = nullptr;
+            } else {
+                linear(h, qkv_weight[l], qkv, B, launch);
+            }
             mark("qkv mm");
-            cuda::launch_qk_norm_rope_store(dtype, qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
-                                            eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
-                                            max_blocks, opt.block_size, B, Hq, Hkv, D, q.data_ptr(),
-                                            k_pool[l].data_ptr(), v_pool[l].data_ptr(), launch);
-            mark("qk norm+rope+store");
+            cuda::QkvInput qkv_in;
+            if (fused_qk) {
+                qkv_in = {qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), eps,
+                          static_cast<float>(c.rope_theta)};
+            } else {
+                cuda::launch_qk_norm_rope_store(
+                    dtype, qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), eps,
+                    static_cast<float>(c.rope_theta), pos, slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv,
+                    D, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), launch);
+                mark("qk norm+rope+store");
+            }
             cuda::launch_paged_attention(dtype, q.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                          slots, tbl, max_blocks, opt.block_size, B, Hq, Hkv, D,
                                          attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
-                                         attn.data_ptr(), launch, attention);
+                                         attn.data_ptr(), launch, attention, qkv_in);
             mark("attention");
             linear(attn, w.o_proj, o, B, launch);
             mark("o mm");
+            if (w.moe_index >= 0 && fuse_moe) {
+                cuda::launch_add_norm_router_route(
+                    dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, w.router.data_ptr(),
+                    B, H, E, K, c.norm_topk_prob, h.data_ptr(), router_logits.data_ptr(), r, done, launch);
+                mark("add+norm+router+route");
+                cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
+                                         w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
+                                         act.data_ptr(), launch);
+                mark("experts gate+up");
+                cuda::launch_moe_down_combine(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
+                                              max_active, y.data_ptr<float>(), x.data_ptr(), o.data_ptr(),
+                                              pos, done, launch);
+                mark("experts down+combine");
+                norm_pending = &next_norm;
+                continue;
+            }
             cuda::launch_add_rmsnorm(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, B,
                                      H, h.data_ptr(), launch);
             mark("add+norm");
@@ -239,6 +281,11 @@ struct Generator::Impl {
                                          B, H, h.data_ptr(), launch);
                 mark("dense mlp");
             }
+        }
+        if (norm_pending != nullptr) {
+            cuda::launch_add_rmsnorm(dtype, x.data_ptr(), nullptr, norm_pending->data_ptr(), eps, pos, B, H,
+                                     h.data_ptr(), launch);
+            mark("final norm");
         }
         at::Tensor logits_b = rows(logits);
         at::mm_out(logits_b, rows(h), m.output_weight().t());
@@ -411,6 +458,7 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
     g.logits = at::zeros({B, g.V}, t);
     g.greedy = at::zeros({B}, t.dtype(at::kLong));
     g.argmax_scratch = at::zeros({B}, t.dtype(at::kLong));
+    g.fused_done = at::zeros({cuda::fused_rows_done_counters(g.H)}, i32);
     g.topk_idx = at::zeros({B * g.K}, i32);
     g.topk_weights = at::zeros({B * g.K}, t.dtype(at::kFloat));
     g.expert_offset = at::zeros({g.E + 1}, i32);

@@ -1,9 +1,9 @@
 // The decode step's attention, routing and expert kernels (src/model/cuda, no LibTorch) against plain
 // CPU references: every attention block shape over a paged cache with rows of different lengths, few
 // rows (heads split over blocks) and many (a block per key-value head's group), a padding row (fp32);
-// routing with exact ties, padding rows and expert counts that need 1 and 16 probabilities a lane;
-// the tensor-core expert kernels against the CUDA-core ones and a CPU reference (bf16); the dense
-// GEMV (fp32).
+// the q/k step folded into attention against the two kernels it replaces; routing with exact ties, padding
+// rows and expert counts that need 1 and 16 probabilities a lane; the tensor-core expert kernels against the
+// CUDA-core ones and a CPU reference (bf16); the dense GEMV (fp32).
 #include "decode_kernels.hpp"
 
 #include <cuda_bf16.h>
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <set>
@@ -164,6 +165,66 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
                          [](const auto& info) {
                              return "b" + std::to_string(info.param.B) + "_" + info.param.shape;
                          });
+
+// The q/k step folded into attention (QkvInput) against the two kernels it replaces: the same
+// output and the same keys and values in the pools, bit for bit, in fp32 and bf16, one row and 20
+// rows with a padding row, the new token anywhere in its chunk.
+template <typename T>
+void fused_qk_matches_two_kernels(int dtype, int B) {
+    constexpr int Hq = 8, Hkv = 2, D = 128, bs = 16, max_len = 300;
+    const int heads = Hq + 2 * Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
+    std::mt19937 rng(77 + B + 1000 * dtype);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<int> position(B), slot(B), table(static_cast<size_t>(B) * max_blocks);
+    for (int b = 0; b < B; ++b) {
+        position[b] = b == B - 1 && B > 1 ? -1 : static_cast<int>(rng() % max_len);
+        slot[b] = b;
+        for (int j = 0; j < max_blocks; ++j)
+            table[static_cast<size_t>(b) * max_blocks + j] = 1 + b * max_blocks + j;
+    }
+    auto draw = [&](size_t n) {
+        std::vector<T> v(n);
+        for (T& x : v) x = static_cast<T>(normal(rng));
+        return v;
+    };
+    const std::vector<T> qkv = draw(static_cast<size_t>(B) * heads * D),
+                         pool_k = draw(static_cast<size_t>(num_blocks) * bs * Hkv * D),
+                         pool_v = draw(pool_k.size()), q_norm = draw(D), k_norm = draw(D);
+    const int splits = mc::attention_partial_splits(max_blocks * bs);
+    Dev<T> d_qkv(qkv), d_qn(q_norm), d_kn(k_norm), d_q(std::vector<T>(static_cast<size_t>(B) * Hq * D));
+    Dev<T> k_two(pool_k), v_two(pool_v), k_fused(pool_k), v_fused(pool_v);
+    Dev<T> out_two(std::vector<T>(static_cast<size_t>(B) * Hq * D)), out_fused(out_two.read());
+    Dev<float> partial(std::vector<float>(static_cast<size_t>(B) * Hq * splits * (D + 2)));
+    Dev<int> d_pos(position), d_slot(slot), d_table(table),
+        done(std::vector<int>(static_cast<size_t>(B) * Hq));
+    mc::AttentionShape shape = mc::attention_shape(B, Hkv, 8, 0);
+    shape.early_loads = true;
+    const mc::Launch eager{nullptr, false};
+    mc::launch_qk_norm_rope_store(dtype, d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f, d_pos.p, d_slot.p, d_table.p,
+                                  max_blocks, bs, B, Hq, Hkv, D, d_q.p, k_two.p, v_two.p, eager);
+    mc::launch_paged_attention(dtype, d_q.p, k_two.p, v_two.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs,
+                               B, Hq, Hkv, D, partial.p, done.p, out_two.p, eager, shape);
+    const mc::QkvInput fused{d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f};
+    mc::launch_paged_attention(dtype, nullptr, k_fused.p, v_fused.p, d_pos.p, d_slot.p, d_table.p, max_blocks,
+                               bs, B, Hq, Hkv, D, partial.p, done.p, out_fused.p, eager, shape, fused);
+    CK(cudaGetLastError());
+    auto same = [](const Dev<T>& a, const Dev<T>& b) {
+        const std::vector<T> x = a.read(), y = b.read();
+        return std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0;
+    };
+    EXPECT_TRUE(same(out_two, out_fused)) << "attention output differs";
+    EXPECT_TRUE(same(k_two, k_fused)) << "key pool differs";
+    EXPECT_TRUE(same(v_two, v_fused)) << "value pool differs";
+    EXPECT_FALSE(same(k_fused, Dev<T>(pool_k))) << "the new keys were not stored";
+}
+
+TEST(DecodeAttentionFusedQk, MatchesTwoKernels) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    for (int B : {1, 20}) {
+        fused_qk_matches_two_kernels<float>(0, B);
+        fused_qk_matches_two_kernels<__nv_bfloat16>(1, B);
+    }
+}
 
 class DecodeRoute : public ::testing::TestWithParam<int> {};
 
@@ -353,3 +414,109 @@ TEST_P(DecodeDense, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(Batches, DecodeDense, ::testing::Values(1, 3));
 
 }  // namespace
+
+namespace {
+
+// The fused batch-1 MoE layer (add + norm + router + routing in one kernel, the combine in the down
+// kernel's last blocks, the norm inside the next GEMV) against the kernels it replaces, bit for bit:
+// the router's input h, the routing, the expert outputs combined into the residual and the next
+// projection. Twice in a row (the counters return to zero), one row and three rows with a padding row.
+template <typename T>
+void fused_rows_match_kernels(int dtype, int B, int E) {
+    constexpr int H = 512, K = 4, I = 128, kNext = 384;
+    std::mt19937 rng(5 + B + 100 * dtype + E);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    auto draw = [&](size_t n, float scale) {
+        std::vector<T> v(n);
+        for (T& x : v) x = static_cast<T>(normal(rng) * scale);
+        return v;
+    };
+    std::vector<int> position(B);
+    for (int b = 0; b < B; ++b) position[b] = b == 1 ? -1 : 10 + b;  // row 1 pads (B = 3)
+    const std::vector<T> x0 = draw(static_cast<size_t>(B) * H, 1.0f), o = draw(x0.size(), 1.0f),
+                         post_norm = draw(H, 1.0f), next_norm = draw(H, 1.0f),
+                         router = draw(size_t{E} * H, 0.05f), gate = draw(size_t{E} * I * H, 0.05f),
+                         up = draw(gate.size(), 0.05f), down = draw(size_t{E} * H * I, 0.05f),
+                         next_w = draw(size_t{kNext} * H, 0.05f);
+    Dev<T> d_o(o), d_post(post_norm), d_next_norm(next_norm), d_router(router), d_gate(gate), d_up(up),
+        d_down(down), d_next(next_w);
+    Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
+    const int max_active = std::min(E, B * K);
+    const mc::Launch eager{nullptr, false};
+    struct Side {
+        Dev<T> x, h, logits, act, next_out, h2;
+        Dev<float> y;
+        RoutingBuffers rb;
+    };
+    auto side = [&](const std::vector<T>& x) {
+        return Side{Dev<T>(x),
+                    Dev<T>(std::vector<T>(x.size())),
+                    Dev<T>(std::vector<T>(size_t{B} * E)),
+                    Dev<T>(std::vector<T>(size_t{B} * K * I)),
+                    Dev<T>(std::vector<T>(size_t{B} * kNext)),
+                    Dev<T>(std::vector<T>(x.size())),
+                    Dev<float>(std::vector<float>(size_t{B} * K * H)),
+                    RoutingBuffers(B, K, E, 0)};
+    };
+    Side two = side(x0), one = side(x0);
+    for (int call = 0; call < 2; ++call) {
+        const mc::MoeRouting r2 = two.rb.routing();
+        mc::launch_add_rmsnorm(dtype, two.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, B, H, two.h.p, eager);
+        mc::launch_dense_rows(dtype, two.h.p, d_router.p, B, H, E, 0, two.logits.p, eager);
+        mc::launch_route(dtype, two.logits.p, d_pos.p, B, E, K, true, r2, eager);
+        mc::launch_moe_gate_up(dtype, two.h.p, d_gate.p, d_up.p, r2, B, K, H, I, max_active, 0, two.act.p,
+                               eager);
+        mc::launch_moe_down(dtype, two.act.p, d_down.p, r2, B, K, H, I, max_active, 0, two.y.p, eager);
+        mc::launch_moe_combine_rmsnorm(dtype, two.x.p, two.y.p, r2, d_next_norm.p, 1e-6f, d_pos.p, B, K, H,
+                                       two.h2.p, eager);
+        mc::launch_dense_rows(dtype, two.h2.p, d_next.p, B, H, kNext, 0, two.next_out.p, eager);
+
+        const mc::MoeRouting r1 = one.rb.routing();
+        mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
+                                         K, true, one.h.p, one.logits.p, r1, done.p, eager);
+        mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
+                               eager);
+        mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, one.y.p, one.x.p,
+                                    d_o.p, d_pos.p, done.p, eager);
+        mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext,
+                                   one.next_out.p, eager);
+        CK(cudaGetLastError());
+        const std::string at = "dtype " + std::to_string(dtype) + " B " + std::to_string(B) + " E " +
+                               std::to_string(E) + " call " + std::to_string(call) + ": ";
+        auto same = [](const auto& a, const auto& b, size_t n) {
+            const auto u = a.read(), v = b.read();
+            return std::memcmp(u.data(), v.data(), n * sizeof(u[0])) == 0;
+        };
+        for (int b = 0; b < B; ++b) {
+            if (position[b] < 0) continue;  // padding rows: nothing defined but x left as it was
+            const std::vector<T> h2 = two.h.read(), h1 = one.h.read();
+            EXPECT_EQ(std::memcmp(h2.data() + b * H, h1.data() + b * H, H * sizeof(T)), 0)
+                << at << "h, row " << b;
+        }
+        EXPECT_TRUE(same(two.rb.idx, one.rb.idx, size_t{B} * K)) << at << "top-k experts";
+        EXPECT_TRUE(same(two.rb.weights, one.rb.weights, size_t{B} * K)) << at << "top-k weights";
+        EXPECT_TRUE(same(two.rb.offset, one.rb.offset, size_t{E} + 1)) << at << "expert offsets";
+        EXPECT_TRUE(same(two.rb.num, one.rb.num, 1)) << at << "active experts";
+        EXPECT_TRUE(same(two.x, one.x, size_t{B} * H)) << at << "residual after the layer";
+        const std::vector<T> n2 = two.next_out.read(), n1 = one.next_out.read();
+        for (int b = 0; b < B; ++b)
+            if (position[b] >= 0)
+                EXPECT_EQ(std::memcmp(n2.data() + b * kNext, n1.data() + b * kNext, kNext * sizeof(T)), 0)
+                    << at << "next projection, row " << b;
+        EXPECT_EQ(done.read(), std::vector<int>(done.n, 0)) << at << "counters not returned to zero";
+    }
+    if (B > 1)
+        EXPECT_EQ(std::memcmp(one.x.read().data() + H, x0.data() + H, H * sizeof(T)), 0)
+            << "padding row written";
+}
+
+}  // namespace
+
+TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    for (int B : {1, 3})
+        for (int E : {64, 200}) {
+            fused_rows_match_kernels<float>(0, B, E);
+            fused_rows_match_kernels<__nv_bfloat16>(1, B, E);
+        }
+}

@@ -80,14 +80,27 @@ struct AttentionShape {
 // rows only) or 2.
 AttentionShape attention_shape(int B, int Hkv, int warps, int lanes);
 
+// The q/k step folded into the attention kernel: q, the new key and the new value come straight from
+// the fused projection qkv [B, (Hq + 2 Hkv) D], q and k normalised and rotated as
+// launch_qk_norm_rope_store does, and the blocks whose chunk holds row b's new token store its key
+// and value into the pools before reading them. Saves a kernel (and its drain) per layer.
+struct QkvInput {
+    const void* qkv = nullptr;  // nullptr: q and the pools are ready (launch_qk_norm_rope_store ran)
+    const void* q_norm = nullptr;
+    const void* k_norm = nullptr;
+    float eps = 0.0f;
+    float rope_theta = 0.0f;
+};
+
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
 // partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
 // * (D + 2) elements (split-sequence partial results); split_done: B * Hq ints, zero before the
 // first call (each call leaves them zero). Every shape gives the same result up to fp32 rounding.
-void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
-                            const int* position, const int* slot, const int* block_table, int max_blocks,
-                            int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, const Launch& launch, AttentionShape shape = {});
+// With qkv.qkv set, q is ignored (may be nullptr) and the pools are written.
+void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool, const int* position,
+                            const int* slot, const int* block_table, int max_blocks, int block_size, int B,
+                            int Hq, int Hkv, int D, float* partial, int* split_done, void* out,
+                            const Launch& launch, AttentionShape shape = {}, const QkvInput& qkv = {});
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.
@@ -125,6 +138,30 @@ void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
                                 const void* norm_weight, float eps, const int* position, int B, int K, int H,
                                 void* h, const Launch& launch);
+
+// The batch-1 GEMVs with the small kernels around them folded in (made for one-row steps, where a
+// layer is bound by its kernel boundaries; B rows work but take B passes over the weights). `done`
+// holds fused_rows_done_counters(H) ints, zero before the first call; each call leaves them zero.
+int fused_rows_done_counters(int H);
+
+// out = (rms_norm(x) * norm_weight) weight^T: the dense GEMV normalising its input itself (every
+// block, from the residual x [B, cols]) in place of a norm kernel before it.
+void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
+                            int B, int cols, int out_rows, void* out, const Launch& launch);
+
+// h = rms_norm(x + delta) * norm_weight (x itself is not written), logits = h router^T with router
+// [E, H], then launch_route's routing of the logits: add + norm, router GEMV and routing in one kernel.
+void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
+                                  float eps, const int* position, const void* router, int B, int H, int E,
+                                  int K, bool norm_topk_prob, void* h, void* logits, const MoeRouting& r,
+                                  int* done, const Launch& launch);
+
+// launch_moe_down, then x[b] = round(round(x[b] + delta[b]) + round(sum_k w[b, k] y[b * K + k])) for
+// rows with position >= 0 (delta optional): the residual adds of add_rmsnorm and the combine without
+// the norm, which the next kernel does (launch_norm_dense_rows, or launch_add_rmsnorm with no delta).
+void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
+                             int H, int I, int max_active, float* y, void* x, const void* delta,
+                             const int* position, int* done, const Launch& launch);
 
 // out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number).
 // scratch: B 64-bit words.

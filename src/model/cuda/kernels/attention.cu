@@ -33,13 +33,23 @@ struct Partials {
     int splits = 0;       // allocated splits per (row, group)
 };
 
+// QkvInput with typed pointers (qkv == nullptr: q and the pools are ready).
+template <typename T>
+struct QkvTyped {
+    const T* qkv = nullptr;
+    const T* q_norm = nullptr;
+    const T* k_norm = nullptr;
+    float eps = 0.0f;
+    float rope_theta = 0.0f;
+};
+
 // G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32);
 // kAttnWarps warps per block, each taking 32 / kLanes tokens of the block's chunk at a time.
 template <typename T, int G, int kDimsPerLane, int kAttnWarps, int kLanes>
 __global__ void __launch_bounds__(kAttnWarps * 32)
-    paged_attention_kernel(const T* q, const T* k_pool, const T* v_pool, const int* position, const int* slot,
+    paged_attention_kernel(const T* q, T* k_pool, T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
-                           int chunk, Partials part, bool early_loads, T* out) {
+                           int chunk, Partials part, bool early_loads, QkvTyped<T> fused, T* out) {
     // AttentionShape::early_loads: the row's position and block table, and L2 requests for the keys
     // and values of this block's chunk up to (not including) the token the previous kernel stores.
     if (early_loads) {
@@ -80,17 +90,46 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     const int first = split * chunk, last = min(num_tokens, first + chunk);
     if (first >= last) return;  // past the sequence: not counted among the splits to merge
     const float scale = rsqrtf(static_cast<float>(D));
-    const T* q_row = q + (static_cast<size_t>(b) * Hq + group * G) * D;  // q [B, Hq, D]
-    for (int i = threadIdx.x * 8; i < G * D; i += blockDim.x * 8) {      // D % 8 == 0
-        float v[8];
-        load8(q_row + i, v);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) q_s[i + k] = v[k] * scale;
-    }
-    __syncthreads();
-
     const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
-    const size_t head_stride = static_cast<size_t>(Hkv) * D;  // one token's row in the pool
+    const size_t head_stride = static_cast<size_t>(Hkv) * D;  // one token's row in the pools
+    if (fused.qkv != nullptr) {
+        // A warp a query head, normalised and rotated from the projection; the chunk holding the new
+        // token has its key (last warp) and value (the one before) stored into the pools first.
+        const T* qkv_row = fused.qkv + static_cast<size_t>(b) * (Hq + 2 * Hkv) * D;  // [Hq + 2 Hkv, D]
+        for (int g = warp; g < G; g += kAttnWarps)
+            norm_rope_head(qkv_row + static_cast<size_t>(group * G + g) * D, fused.q_norm, fused.eps,
+                           fused.rope_theta, pos, D, [&](int j, T lo, T hi) {
+                               q_s[g * D + j] = to_float(lo) * scale;
+                               q_s[g * D + j + D / 2] = to_float(hi) * scale;
+                           });
+        if (pos < last) {
+            const size_t row =
+                (static_cast<size_t>(table[pos / block_size]) * block_size + pos % block_size) * head_stride +
+                static_cast<size_t>(kv_head) * D;
+            if (warp == kAttnWarps - 1) {
+                T* k_dst = k_pool + row;
+                norm_rope_head(qkv_row + static_cast<size_t>(Hq + kv_head) * D, fused.k_norm, fused.eps,
+                               fused.rope_theta, pos, D, [&](int j, T lo, T hi) {
+                                   k_dst[j] = lo;
+                                   k_dst[j + D / 2] = hi;
+                               });
+            } else if (warp == kAttnWarps - 2) {
+                const T* v_src = qkv_row + static_cast<size_t>(Hq + Hkv + kv_head) * D;
+                for (int c = lane * 8; c < D; c += 256)
+                    *reinterpret_cast<uint4*>(v_pool + row + c) = *reinterpret_cast<const uint4*>(v_src + c);
+            }
+        }
+    } else {
+        const T* q_row = q + (static_cast<size_t>(b) * Hq + group * G) * D;  // q [B, Hq, D]
+        for (int i = threadIdx.x * 8; i < G * D; i += blockDim.x * 8) {      // D % 8 == 0
+            float v[8];
+            load8(q_row + i, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) q_s[i + k] = v[k] * scale;
+        }
+    }
+    __syncthreads();  // q_s, and the new token's key and value, visible to every warp
+
     float m[G], l[G], acc[G][kDimsPerLane];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -254,7 +293,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 
 // What one launch needs, passed down the template dispatch.
 struct AttnLaunch {
-    const void *q, *k_pool, *v_pool;
+    const void* q;
+    void *k_pool, *v_pool;
     const int *position, *slot, *block_table;
     int max_blocks, block_size, B, Hq, Hkv, D, chunk, splits;
     int heads;  // query heads per block (heads_per_block)
@@ -262,6 +302,7 @@ struct AttnLaunch {
     void* out;
     Launch launch;
     bool early_loads;
+    QkvInput fused;
 };
 
 template <typename T, int G, int kDimsPerLane, int kWarps, int kLanes>
@@ -270,9 +311,12 @@ void launch_group(const AttnLaunch& l) {
     auto kernel = paged_attention_kernel<T, G, kDimsPerLane, kWarps, kLanes>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     launch_kernel(kernel, dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.launch,
-                  static_cast<const T*>(l.q), static_cast<const T*>(l.k_pool),
-                  static_cast<const T*>(l.v_pool), l.position, l.slot, l.block_table, l.max_blocks,
-                  l.block_size, l.Hq, l.Hkv, l.D, l.chunk, l.part, l.early_loads, static_cast<T*>(l.out));
+                  static_cast<const T*>(l.q), static_cast<T*>(l.k_pool), static_cast<T*>(l.v_pool),
+                  l.position, l.slot, l.block_table, l.max_blocks, l.block_size, l.Hq, l.Hkv, l.D, l.chunk,
+                  l.part, l.early_loads,
+                  QkvTyped<T>{static_cast<const T*>(l.fused.qkv), static_cast<const T*>(l.fused.q_norm),
+                              static_cast<const T*>(l.fused.k_norm), l.fused.eps, l.fused.rope_theta},
+                  static_cast<T*>(l.out));
 }
 
 template <typename T, int G, int kWarps, int kLanes>
@@ -358,10 +402,10 @@ AttentionShape attention_shape(int B, int Hkv, int warps, int lanes) {
     return shape;
 }
 
-void launch_paged_attention(int dtype, const void* q, const void* k_pool, const void* v_pool,
-                            const int* position, const int* slot, const int* block_table, int max_blocks,
-                            int block_size, int B, int Hq, int Hkv, int D, float* partial, int* split_done,
-                            void* out, const Launch& launch, AttentionShape shape) {
+void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool, const int* position,
+                            const int* slot, const int* block_table, int max_blocks, int block_size, int B,
+                            int Hq, int Hkv, int D, float* partial, int* split_done, void* out,
+                            const Launch& launch, AttentionShape shape, const QkvInput& qkv) {
     if (B == 0) return;
     // Chunks of the sequence per block: one pass of the block's warps, at least kAttentionMinChunk
     // tokens, longer while there would be more than 1024 blocks (one split, no merge, once rows alone
@@ -392,7 +436,8 @@ void launch_paged_attention(int dtype, const void* q, const void* k_pool, const 
                  {},
                  out,
                  launch,
-                 run.early_loads};
+                 run.early_loads,
+                 qkv};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
     l.part.ml = partial;

@@ -191,6 +191,42 @@ __device__ __forceinline__ void residual_rmsnorm_row(int H, const T* w, float ep
     }
 }
 
+// One head of D dims at src, RMS-normalised with w [D] and rotated at pos, by one warp: lane i takes
+// the RoPE pairs (j, j + D/2) for j = i, i + 32, ... and hands each to emit(j, out_j, out_j+D/2),
+// rounded to T as a stored value would be (the model's eager path rounds the normalised value, the
+// weight product and the rotated pair).
+template <typename T, typename Emit>
+__device__ __forceinline__ void norm_rope_head(const T* src, const T* w, float eps, float rope_theta, int pos,
+                                               int D, Emit&& emit) {
+    const int lane = threadIdx.x & 31, half = D / 2;
+    constexpr int kPairs = kMaxHeadDim / 64;
+    float lo[kPairs], hi[kPairs];
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+        const int j = lane + 32 * p;
+        lo[p] = hi[p] = 0.0f;
+        if (j < half) {
+            lo[p] = to_float(src[j]);
+            hi[p] = to_float(src[j + half]);
+            sum_sq += lo[p] * lo[p] + hi[p] * hi[p];
+        }
+    }
+    const float inv = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+        const int j = lane + 32 * p;
+        if (j >= half) continue;
+        const float a = round_to<T>(to_float(w[j]) * round_to<T>(lo[p] * inv));
+        const float c = round_to<T>(to_float(w[j + half]) * round_to<T>(hi[p] * inv));
+        // inv_freq = 1 / theta^(2j / D) and the angle in fp32, cos/sin rounded to the model dtype.
+        const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * j) / static_cast<float>(D));
+        const float angle = static_cast<float>(pos) * inv_freq;
+        const float cs = round_to<T>(cosf(angle)), sn = round_to<T>(sinf(angle));
+        emit(j, from_float<T>(a * cs - c * sn), from_float<T>(c * cs + a * sn));
+    }
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
 }  // namespace moerl::model::cuda

@@ -12,29 +12,29 @@ namespace {
 constexpr int kRouteWarps = 32;
 constexpr int kMoeWarps = 8;
 
-// kPerLane: ceil(E / 32) rounded up to a power of two (the row's probabilities each lane holds).
+// The routing of B rows of logits [B, E] by the whole block (any number of warps): top-k per row,
+// counts, offsets and slot lists into r. smem: 3 E + 1 ints. Logits are read past L1 (the fused
+// router's last block reads what other blocks wrote). kPerLane: ceil(E / 32) rounded up to a power
+// of two (the row's probabilities each lane holds).
 template <typename T, int kPerLane>
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    route_kernel(const T* logits, const int* position, int B, int E, int K, bool norm_topk_prob,
-                 MoeRouting r) {
-    griddep_wait();
-    griddep_launch_dependents();
-    extern __shared__ int smem_counts[];
-    int* count = smem_counts;  // [E]
+__device__ __forceinline__ void route_rows(const T* logits, const int* position, int B, int E, int K,
+                                           bool norm_topk_prob, const MoeRouting& r, int* smem) {
+    int* count = smem;         // [E]
     int* cursor = count + E;   // [E]
     int* offset = cursor + E;  // [E + 1]
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = cursor[e] = 0;
     __syncthreads();
 
     // One warp a row, its probabilities in registers: lane l holds experts l, l + 32, ...
-    for (int b = warp; b < B; b += kRouteWarps) {
+    for (int b = warp; b < B; b += num_warps) {
         // The row's logits are requested together with its position (a padding row's are there too).
         const int pos = position[b];
         const T* row = logits + static_cast<size_t>(b) * E;  // logits [B, E]
         float p[kPerLane];
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) p[i] = i * 32 + lane < E ? to_float(row[i * 32 + lane]) : -FLT_MAX;
+        for (int i = 0; i < kPerLane; ++i)
+            p[i] = i * 32 + lane < E ? to_float(__ldcg(row + i * 32 + lane)) : -FLT_MAX;
         if (pos < 0) {
             if (lane < K) {
                 r.topk_idx[b * K + lane] = -1;
@@ -115,6 +115,16 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     }
 }
 
+template <typename T, int kPerLane>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    route_kernel(const T* logits, const int* position, int B, int E, int K, bool norm_topk_prob,
+                 MoeRouting r) {
+    griddep_wait();
+    griddep_launch_dependents();
+    extern __shared__ int smem_counts[];
+    route_rows<T, kPerLane>(logits, position, B, E, K, norm_topk_prob, r, smem_counts);
+}
+
 // Rows [begin, begin + n) of the tile: the activations of the slots expert_slots[first + j]
 // (row slot / row_div of src [*, cols]) copied into tile [n, cols].
 template <typename T>
@@ -130,6 +140,79 @@ __device__ __forceinline__ void load_tile(const T* src, const int* expert_slots,
 }
 
 enum RowsMode { kGatedExperts, kExperts, kDense };
+
+// What a batch-1 GEMV does besides its product, instead of a kernel of its own before or after it:
+// kNormIn: the dense GEMV's input is rms_norm(x) * norm_w, computed by every block;
+// kAddNormRoute: the dense router's input is rms_norm(x + delta) * norm_w (block 0 stores it in h;
+// x is not written) and the last block to finish routes the logits;
+// kCombine: the down experts' last block over each chunk of output columns combines the routed
+// slots into x (after adding delta), leaving the norm to the next kernel.
+enum Fuse { kFuseNone, kNormIn, kAddNormRoute, kCombine };
+
+template <typename T>
+struct Fusion {
+    T* x = nullptr;  // residual [B, H]
+    const T* delta = nullptr;
+    const T* norm_w = nullptr;
+    float eps = 0.0f;
+    T* h = nullptr;
+    const int* position = nullptr;
+    int* done = nullptr;  // finished blocks (kAddNormRoute: one counter; kCombine: one a column chunk)
+    int E = 0, K = 0;     // routing
+    bool norm_topk_prob = false;
+};
+
+// Rows [first, first + n) of tile = round(w * round(v * inv_rms(v))) for v = x (+ delta, rounded):
+// what residual_rmsnorm_row computes, with the same thread-to-column map and sum order for a block
+// of kNormThreads. h (when set) gets the rows too.
+template <typename T>
+__device__ __forceinline__ void norm_tile(const T* x, const T* delta, const T* w, float eps, int first, int n,
+                                          int cols, T* tile, T* h) {
+    __shared__ float scratch[32];
+    for (int j = 0; j < n; ++j) {
+        const size_t row = static_cast<size_t>(first + j) * cols;
+        T* out = tile + static_cast<size_t>(j) * cols;
+        float sum_sq = 0.0f;
+        for (int c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+            float v[8];
+            load8(x + row + c, v);
+            if (delta != nullptr) {
+                float d[8];
+                load8(delta + row + c, d);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) v[k] = round_to<T>(v[k] + d[k]);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
+            store8(out + c, v);  // exact: v is a T value
+        }
+        const float inv = rsqrtf(block_sum(sum_sq, scratch) / static_cast<float>(cols) + eps);
+        for (int c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {  // this thread's own columns
+            float v[8], wv[8], o[8];
+            load8(out + c, v);
+            load8(w + c, wv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) o[k] = wv[k] * round_to<T>(v[k] * inv);
+            store8(out + c, o);
+            if (h != nullptr) store8(h + row + c, o);
+        }
+    }
+}
+
+// True in the one block that finishes last of `expected` blocks counting on *done (which it returns to
+// zero for the next call); every write of the counted blocks is then visible to it.
+__device__ __forceinline__ bool last_block_of(int* done, int expected) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(done, 1) == expected - 1;
+        if (is_last) *done = 0;
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
 
 // Asks L2 for rows [row0, row0 + rows) of w [out_rows, cols] (the rows one block reads), a 128-byte
 // line per thread and step. Issued before griddep_wait(): the weights do not depend on the previous
@@ -150,10 +233,13 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows,
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
 // depend on it).
-template <typename T, int kMode, int kRows, int kTile>
+template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, T* act, float* y) {
+                       int out_rows, int num_rows, T* act, float* y, Fusion<T> f) {
+    static_assert(kFuse == kFuseNone || (kFuse == kCombine ? kMode == kExperts : kMode == kDense),
+                  "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts");
+    static_assert(kFuse == kFuseNone || kMoeWarps * 32 == kNormThreads, "norm_tile's sum order");
     if constexpr (kMode == kDense)
         prefetch_rows_l2(w0, blockIdx.x * kMoeWarps * kRows, kMoeWarps * kRows, out_rows, cols);
     griddep_wait();
@@ -182,7 +268,11 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     for (int c0 = 0; c0 < n; c0 += kTile) {
         const int nt = min(kTile, n - c0);
         __syncthreads();
-        load_tile(in, slots, first + c0, nt, row_div, cols, tile);
+        if constexpr (kFuse == kNormIn || kFuse == kAddNormRoute)
+            norm_tile(f.x, kFuse == kAddNormRoute ? f.delta : nullptr, f.norm_w, f.eps, c0, nt, cols, tile,
+                      kFuse == kAddNormRoute && blockIdx.x == 0 ? f.h : nullptr);
+        else
+            load_tile(in, slots, first + c0, nt, row_div, cols, tile);
         __syncthreads();
         if (row0 >= out_rows) continue;
         float acc[kMats][kRows][kTile];
@@ -248,6 +338,30 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             }
         }
     }
+    if constexpr (kFuse == kAddNormRoute) {
+        if (!last_block_of(f.done, gridDim.x)) return;
+        __shared__ int route_smem[3 * kMaxExperts + 1];
+        route_rows<T, kPerLane>(act, f.position, num_rows, f.E, f.K, f.norm_topk_prob, r, route_smem);
+    } else if constexpr (kFuse == kCombine) {
+        // Blocks of the active experts count per chunk of output columns; the chunk's last block adds
+        // its columns of every routed slot, weighted, to x in the order combine_rmsnorm_kernel does.
+        if (!last_block_of(f.done + blockIdx.x, *r.num_active)) return;
+        constexpr int kChunk = kMoeWarps * kRows;
+        for (int i = threadIdx.x; i < num_rows * kChunk; i += blockDim.x) {
+            const int b = i / kChunk, c = blockIdx.x * kChunk + i % kChunk;
+            if (c >= out_rows || f.position[b] < 0) continue;
+            float acc = 0.0f;
+            for (int k = 0; k < f.K; ++k) {
+                const int s = b * f.K + k;
+                if (r.topk_idx[s] < 0) continue;
+                acc += r.topk_weights[s] * __ldcg(y + static_cast<size_t>(s) * out_rows + c);
+            }
+            const size_t at = static_cast<size_t>(b) * out_rows + c;
+            float v = to_float(f.x[at]);
+            if (f.delta != nullptr) v = round_to<T>(v + to_float(f.delta[at]));
+            f.x[at] = from_float<T>(v + round_to<T>(acc));
+        }
+    }
 }
 
 template <typename T>
@@ -277,16 +391,18 @@ __global__ void __launch_bounds__(kNormThreads)
     });
 }
 
-template <typename T, int kMode, int kRows, int kTile>
+template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
-                 int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch) {
+                 int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch,
+                 const Fusion<T>& f = {}) {
     const size_t smem = sizeof(T) * kTile * cols;
-    auto kernel = expert_rows_kernel<T, kMode, kRows, kTile>;
+    auto kernel = expert_rows_kernel<T, kMode, kRows, kTile, kFuse, kPerLane>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
-                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, static_cast<T*>(act), y);
+                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, static_cast<T*>(act), y,
+                  f);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
@@ -315,7 +431,101 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 #undef MOERL_ROWS_CASE
 }
 
+// The fused GEMVs take one token a pass (kTile 1: made for one-row steps; B rows take B passes)
+// and two weight rows a warp.
+constexpr int kFusedRows = 2;
+
+template <typename T>
+void launch_norm_dense_typed(const void* x, const void* norm_weight, float eps, const void* weight, int B,
+                             int cols, int out_rows, void* out, const Launch& launch) {
+    Fusion<T> f;
+    f.x = static_cast<T*>(const_cast<void*>(x));  // read only (kNormIn)
+    f.norm_w = static_cast<const T*>(norm_weight);
+    f.eps = eps;
+    launch_rows<T, kDense, kFusedRows, 1, kNormIn>(nullptr, weight, nullptr, MoeRouting{}, 1, cols, out_rows,
+                                                   B, 1, out, nullptr, launch, f);
+}
+
+template <typename T, int kPerLane>
+void launch_add_norm_router_typed(const Fusion<T>& f, const void* router, int B, int H, void* logits,
+                                  const MoeRouting& r, const Launch& launch) {
+    if constexpr (kPerLane < kMaxExperts / 32) {
+        if (f.E > 32 * kPerLane)
+            return launch_add_norm_router_typed<T, kPerLane * 2>(f, router, B, H, logits, r, launch);
+    }
+    launch_rows<T, kDense, kFusedRows, 1, kAddNormRoute, kPerLane>(nullptr, router, nullptr, r, 1, H, f.E, B,
+                                                                   1, logits, nullptr, launch, f);
+}
+
+template <typename T>
+void launch_down_combine_typed(const void* act, const void* down, const MoeRouting& r, int B, int H, int I,
+                               int max_active, float* y, const Fusion<T>& f, const Launch& launch) {
+    launch_rows<T, kExperts, kFusedRows, 1, kCombine>(act, down, nullptr, r, 1, I, H, B, max_active, nullptr,
+                                                      y, launch, f);
+}
+
 }  // namespace
+
+int fused_rows_done_counters(int H) {
+    return 1 + (H + kMoeWarps * kFusedRows - 1) / (kMoeWarps * kFusedRows);
+}
+
+void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
+                            int B, int cols, int out_rows, void* out, const Launch& launch) {
+    if (B == 0) return;
+    if (dtype == 0)
+        launch_norm_dense_typed<float>(x, norm_weight, eps, weight, B, cols, out_rows, out, launch);
+    else
+        launch_norm_dense_typed<__nv_bfloat16>(x, norm_weight, eps, weight, B, cols, out_rows, out, launch);
+}
+
+template <typename T>
+Fusion<T> fusion_of(void* x, const void* delta, const void* norm_weight, float eps, void* h,
+                    const int* position, int* done, int E, int K, bool norm_topk_prob) {
+    Fusion<T> f;
+    f.x = static_cast<T*>(x);
+    f.delta = static_cast<const T*>(delta);
+    f.norm_w = static_cast<const T*>(norm_weight);
+    f.eps = eps;
+    f.h = static_cast<T*>(h);
+    f.position = position;
+    f.done = done;
+    f.E = E;
+    f.K = K;
+    f.norm_topk_prob = norm_topk_prob;
+    return f;
+}
+
+void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
+                                  float eps, const int* position, const void* router, int B, int H, int E,
+                                  int K, bool norm_topk_prob, void* h, void* logits, const MoeRouting& r,
+                                  int* done, const Launch& launch) {
+    if (B == 0) return;
+    void* xw = const_cast<void*>(x);  // read only (kAddNormRoute)
+    if (dtype == 0)
+        launch_add_norm_router_typed<float, 1>(
+            fusion_of<float>(xw, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob), router, B,
+            H, logits, r, launch);
+    else
+        launch_add_norm_router_typed<__nv_bfloat16, 1>(
+            fusion_of<__nv_bfloat16>(xw, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob),
+            router, B, H, logits, r, launch);
+}
+
+void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
+                             int H, int I, int max_active, float* y, void* x, const void* delta,
+                             const int* position, int* done, const Launch& launch) {
+    if (B == 0 || max_active == 0) return;
+    if (dtype == 0)
+        launch_down_combine_typed<float>(
+            act, down, r, B, H, I, max_active, y,
+            fusion_of<float>(x, delta, nullptr, 0.0f, nullptr, position, done + 1, 0, K, false), launch);
+    else
+        launch_down_combine_typed<__nv_bfloat16>(
+            act, down, r, B, H, I, max_active, y,
+            fusion_of<__nv_bfloat16>(x, delta, nullptr, 0.0f, nullptr, position, done + 1, 0, K, false),
+            launch);
+}
 
 template <typename T, int kPerLane>
 void launch_route_typed(const void* router_logits, const int* position, int B, int E, int K,

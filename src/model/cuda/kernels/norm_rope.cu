@@ -43,7 +43,6 @@ __global__ void __launch_bounds__(kNormThreads)
 }
 
 // One warp per (row, head) over the Hq query, Hkv key and Hkv value heads of the fused projection.
-// Lane i holds the RoPE pairs (j, j + D/2) for j = i, i + 32, ...
 template <typename T>
 __global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T* k_norm, float eps,
                                           float rope_theta, const int* position, const int* slot,
@@ -70,34 +69,10 @@ __global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T
     const bool is_q = head < Hq;
     const T* w = is_q ? q_norm : k_norm;
     T* dst = is_q ? q_out + (static_cast<size_t>(b) * Hq + head) * D : k_pool + (cache_row + (head - Hq)) * D;
-    const int half = D / 2;
-    constexpr int kPairs = kMaxHeadDim / 64;
-    float lo[kPairs], hi[kPairs];
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-        const int j = lane + 32 * p;
-        lo[p] = hi[p] = 0.0f;
-        if (j < half) {
-            lo[p] = to_float(src[j]);
-            hi[p] = to_float(src[j + half]);
-            sum_sq += lo[p] * lo[p] + hi[p] * hi[p];
-        }
-    }
-    const float inv = rsqrtf(warp_sum(sum_sq) / static_cast<float>(D) + eps);
-#pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-        const int j = lane + 32 * p;
-        if (j >= half) continue;
-        const float a = round_to<T>(to_float(w[j]) * round_to<T>(lo[p] * inv));
-        const float c = round_to<T>(to_float(w[j + half]) * round_to<T>(hi[p] * inv));
-        // inv_freq = 1 / theta^(2j / D) and the angle in fp32, cos/sin rounded to the model dtype.
-        const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * j) / static_cast<float>(D));
-        const float angle = static_cast<float>(pos) * inv_freq;
-        const float cs = round_to<T>(cosf(angle)), sn = round_to<T>(sinf(angle));
-        dst[j] = from_float<T>(a * cs - c * sn);
-        dst[j + half] = from_float<T>(c * cs + a * sn);
-    }
+    norm_rope_head(src, w, eps, rope_theta, pos, D, [&](int j, T lo, T hi) {
+        dst[j] = lo;
+        dst[j + D / 2] = hi;
+    });
 }
 
 }  // namespace
