@@ -365,20 +365,23 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     // The same layer as the generator runs one-row steps (fused q/k, fused rows): 6 kernels.
     int* fused_done = pool.zeros<int>(mc::fused_rows_done_counters(kH));
     const mc::QkvInput qkv_in{qkv, qn, kn, 1e-6f, 1e6f};
+    int rows = 2;  // weight rows a warp of the fused GEMVs
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
-        if (kinds & 1u) mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w.qkv_w, B, kH, kQkvRows, qkv, l);
+        if (kinds & 1u)
+            mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w.qkv_w, B, kH, kQkvRows, rows, qkv, l);
         if (kinds & 2u)
             mc::launch_paged_attention(1, nullptr, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks,
                                        kBlock, B, kHq, kHkv, kD, partial, done, attn, l, shape, qkv_in);
-        if (kinds & 4u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, 0, o, l);
+        if (kinds & 4u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, rows, o, l);
         if (kinds & 8u)
             mc::launch_add_norm_router_route(1, x, o, norm_w, 1e-6f, d_pos, w.router_w, B, kH, kE, kK, true,
-                                             h, logits, r, fused_done, l);
+                                             rows, h, logits, r, fused_done, l);
         if (kinds & 16u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
         if (kinds & 32u)
-            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, y, x, o, d_pos, fused_done, l);
+            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, rows, y, x, o, d_pos, fused_done,
+                                        l);
     };
     const char* fused_names[] = {"norm + qkv gemv", "q/k norm+rope+store + attention",
                                  "o gemv",          "add+norm + router gemv + route",
@@ -387,18 +390,20 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         return plain_and_overlapped(stream, iters,
                                     [&](int i, const mc::Launch& l) { fused_layer(i, kinds, l); });
     };
-    const Times fused = time_fused(63u);
-    std::printf(
-        "\nthe same layer in 6 kernels (what one-row steps run)\n\n| kernel | in the layer: plain us | "
-        "overlap us "
-        "|\n|---|---|---|\n");
-    for (int k = 0; k < 6; ++k) {
-        const Times without = time_fused(63u & ~(1u << k));
-        std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,
-                    fused.overlap - without.overlap);
-        std::fflush(stdout);
+    for (rows = 2; rows >= 1; --rows) {
+        const Times fused = time_fused(63u);
+        std::printf(
+            "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the GEMVs\n\n"
+            "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
+            rows, rows == 1 ? "" : "s");
+        for (int k = 0; k < 6; ++k) {
+            const Times without = time_fused(63u & ~(1u << k));
+            std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,
+                        fused.overlap - without.overlap);
+            std::fflush(stdout);
+        }
+        std::printf("| the layer | %.2f | %.2f |\n", fused.plain, fused.overlap);
     }
-    std::printf("| the layer | %.2f | %.2f |\n", fused.plain, fused.overlap);
 }
 
 }  // namespace

@@ -199,9 +199,9 @@ struct Generator::Impl {
             const LayerWeights& w = m.layers[l];
             const at::Tensor& next_norm = l + 1 < m.layers.size() ? m.layers[l + 1].input_norm : m.final_norm;
             if (norm_pending != nullptr) {
-                cuda::launch_norm_dense_rows(dtype, x.data_ptr(), norm_pending->data_ptr(), eps,
-                                             qkv_weight[l].data_ptr(), B, H,
-                                             static_cast<int>(qkv_weight[l].size(0)), qkv.data_ptr(), launch);
+                cuda::launch_norm_dense_rows(
+                    dtype, x.data_ptr(), norm_pending->data_ptr(), eps, qkv_weight[l].data_ptr(), B, H,
+                    static_cast<int>(qkv_weight[l].size(0)), gemv_rows, qkv.data_ptr(), launch);
                 norm_pending = nullptr;
             } else {
                 linear(h, qkv_weight[l], qkv, B, launch);
@@ -226,17 +226,18 @@ struct Generator::Impl {
             linear(attn, w.o_proj, o, B, launch);
             mark("o mm");
             if (w.moe_index >= 0 && fuse_moe) {
-                cuda::launch_add_norm_router_route(
-                    dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(), eps, pos, w.router.data_ptr(),
-                    B, H, E, K, c.norm_topk_prob, h.data_ptr(), router_logits.data_ptr(), r, done, launch);
+                cuda::launch_add_norm_router_route(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(),
+                                                   eps, pos, w.router.data_ptr(), B, H, E, K,
+                                                   c.norm_topk_prob, gemv_rows, h.data_ptr(),
+                                                   router_logits.data_ptr(), r, done, launch);
                 mark("add+norm+router+route");
                 cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                          w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
                                          act.data_ptr(), launch);
                 mark("experts gate+up");
                 cuda::launch_moe_down_combine(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
-                                              max_active, y.data_ptr<float>(), x.data_ptr(), o.data_ptr(),
-                                              pos, done, launch);
+                                              max_active, down_rows, y.data_ptr<float>(), x.data_ptr(),
+                                              o.data_ptr(), pos, done, launch);
                 mark("experts down+combine");
                 norm_pending = &next_norm;
                 continue;

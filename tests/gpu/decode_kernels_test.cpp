@@ -420,11 +420,12 @@ namespace {
 // The fused batch-1 MoE layer (add + norm + router + routing in one kernel, the combine in the down
 // kernel's last blocks, the norm inside the next GEMV) against the kernels it replaces, bit for bit:
 // the router's input h, the routing, the expert outputs combined into the residual and the next
-// projection. Twice in a row (the counters return to zero), one row and three rows with a padding row.
+// projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
+// one and two weight rows a warp.
 template <typename T>
-void fused_rows_match_kernels(int dtype, int B, int E) {
+void fused_rows_match_kernels(int dtype, int B, int E, int rows) {
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
-    std::mt19937 rng(5 + B + 100 * dtype + E);
+    std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * rows);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     auto draw = [&](size_t n, float scale) {
         std::vector<T> v(n);
@@ -473,16 +474,17 @@ void fused_rows_match_kernels(int dtype, int B, int E) {
 
         const mc::MoeRouting r1 = one.rb.routing();
         mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
-                                         K, true, one.h.p, one.logits.p, r1, done.p, eager);
+                                         K, true, rows, one.h.p, one.logits.p, r1, done.p, eager);
         mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
                                eager);
-        mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, one.y.p, one.x.p,
-                                    d_o.p, d_pos.p, done.p, eager);
-        mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext,
+        mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, rows, one.y.p,
+                                    one.x.p, d_o.p, d_pos.p, done.p, eager);
+        mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext, rows,
                                    one.next_out.p, eager);
         CK(cudaGetLastError());
         const std::string at = "dtype " + std::to_string(dtype) + " B " + std::to_string(B) + " E " +
-                               std::to_string(E) + " call " + std::to_string(call) + ": ";
+                               std::to_string(E) + " rows " + std::to_string(rows) + " call " +
+                               std::to_string(call) + ": ";
         auto same = [](const auto& a, const auto& b, size_t n) {
             const auto u = a.read(), v = b.read();
             return std::memcmp(u.data(), v.data(), n * sizeof(u[0])) == 0;
@@ -515,8 +517,9 @@ void fused_rows_match_kernels(int dtype, int B, int E) {
 TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
     for (int B : {1, 3})
-        for (int E : {64, 200}) {
-            fused_rows_match_kernels<float>(0, B, E);
-            fused_rows_match_kernels<__nv_bfloat16>(1, B, E);
-        }
+        for (int E : {64, 200})
+            for (int rows : {1, 2}) {
+                fused_rows_match_kernels<float>(0, B, E, rows);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows);
+            }
 }

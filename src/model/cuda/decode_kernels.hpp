@@ -140,28 +140,30 @@ void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRou
                                 void* h, const Launch& launch);
 
 // The batch-1 GEMVs with the small kernels around them folded in (made for one-row steps, where a
-// layer is bound by its kernel boundaries; B rows work but take B passes over the weights). `done`
-// holds fused_rows_done_counters(H) ints, zero before the first call; each call leaves them zero.
+// layer is bound by its kernel boundaries; B rows work but take B passes over the weights), with 1 or
+// 2 weight rows a warp (rows_per_warp, else 2). `done` holds fused_rows_done_counters(H) ints, zero
+// before the first call; each call leaves them zero.
 int fused_rows_done_counters(int H);
 
 // out = (rms_norm(x) * norm_weight) weight^T: the dense GEMV normalising its input itself (every
 // block, from the residual x [B, cols]) in place of a norm kernel before it.
 void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
-                            int B, int cols, int out_rows, void* out, const Launch& launch);
+                            int B, int cols, int out_rows, int rows_per_warp, void* out,
+                            const Launch& launch);
 
 // h = rms_norm(x + delta) * norm_weight (x itself is not written), logits = h router^T with router
 // [E, H], then launch_route's routing of the logits: add + norm, router GEMV and routing in one kernel.
 void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
                                   float eps, const int* position, const void* router, int B, int H, int E,
-                                  int K, bool norm_topk_prob, void* h, void* logits, const MoeRouting& r,
-                                  int* done, const Launch& launch);
+                                  int K, bool norm_topk_prob, int rows_per_warp, void* h, void* logits,
+                                  const MoeRouting& r, int* done, const Launch& launch);
 
 // launch_moe_down, then x[b] = round(round(x[b] + delta[b]) + round(sum_k w[b, k] y[b * K + k])) for
 // rows with position >= 0 (delta optional): the residual adds of add_rmsnorm and the combine without
 // the norm, which the next kernel does (launch_norm_dense_rows, or launch_add_rmsnorm with no delta).
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
-                             int H, int I, int max_active, float* y, void* x, const void* delta,
-                             const int* position, int* done, const Launch& launch);
+                             int H, int I, int max_active, int rows_per_warp, float* y, void* x,
+                             const void* delta, const int* position, int* done, const Launch& launch);
 
 // out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number).
 // scratch: B 64-bit words.

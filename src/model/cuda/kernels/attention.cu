@@ -115,8 +115,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                                });
             } else if (warp == kAttnWarps - 2) {
                 const T* v_src = qkv_row + static_cast<size_t>(Hq + Hkv + kv_head) * D;
-                for (int c = lane * 8; c < D; c += 256)
-                    *reinterpret_cast<uint4*>(v_pool + row + c) = *reinterpret_cast<const uint4*>(v_src + c);
+                for (int c = lane * 8; c < D; c += 256) {
+                    float v[8];
+                    load8(v_src + c, v);
+                    store8(v_pool + row + c, v);  // exact: T to float and back
+                }
             }
         }
     } else {

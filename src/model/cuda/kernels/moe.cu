@@ -431,59 +431,37 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 #undef MOERL_ROWS_CASE
 }
 
-// The fused GEMVs take one token a pass (kTile 1: made for one-row steps; B rows take B passes)
-// and two weight rows a warp.
-constexpr int kFusedRows = 2;
-
-template <typename T>
-void launch_norm_dense_typed(const void* x, const void* norm_weight, float eps, const void* weight, int B,
-                             int cols, int out_rows, void* out, const Launch& launch) {
-    Fusion<T> f;
-    f.x = static_cast<T*>(const_cast<void*>(x));  // read only (kNormIn)
-    f.norm_w = static_cast<const T*>(norm_weight);
-    f.eps = eps;
-    launch_rows<T, kDense, kFusedRows, 1, kNormIn>(nullptr, weight, nullptr, MoeRouting{}, 1, cols, out_rows,
-                                                   B, 1, out, nullptr, launch, f);
+// The fused GEMVs take one token a pass (kTile 1: made for one-row steps; B rows take B passes) and
+// one or two weight rows a warp (rows_per_warp; anything else is two).
+template <typename T, int kMode, int kFuse, int kPerLane = 1>
+void launch_fused(int rows_per_warp, const void* in, const void* w0, const MoeRouting& r, int cols,
+                  int out_rows, int B, int max_active, void* act, float* y, const Fusion<T>& f,
+                  const Launch& launch) {
+    if (rows_per_warp == 1)
+        launch_rows<T, kMode, 1, 1, kFuse, kPerLane>(in, w0, nullptr, r, 1, cols, out_rows, B, max_active,
+                                                     act, y, launch, f);
+    else
+        launch_rows<T, kMode, 2, 1, kFuse, kPerLane>(in, w0, nullptr, r, 1, cols, out_rows, B, max_active,
+                                                     act, y, launch, f);
 }
 
 template <typename T, int kPerLane>
-void launch_add_norm_router_typed(const Fusion<T>& f, const void* router, int B, int H, void* logits,
-                                  const MoeRouting& r, const Launch& launch) {
+void launch_add_norm_router_typed(int rows_per_warp, const Fusion<T>& f, const void* router, int B, int H,
+                                  void* logits, const MoeRouting& r, const Launch& launch) {
     if constexpr (kPerLane < kMaxExperts / 32) {
         if (f.E > 32 * kPerLane)
-            return launch_add_norm_router_typed<T, kPerLane * 2>(f, router, B, H, logits, r, launch);
+            return launch_add_norm_router_typed<T, kPerLane * 2>(rows_per_warp, f, router, B, H, logits, r,
+                                                                 launch);
     }
-    launch_rows<T, kDense, kFusedRows, 1, kAddNormRoute, kPerLane>(nullptr, router, nullptr, r, 1, H, f.E, B,
-                                                                   1, logits, nullptr, launch, f);
+    launch_fused<T, kDense, kAddNormRoute, kPerLane>(rows_per_warp, nullptr, router, r, H, f.E, B, 1, logits,
+                                                     nullptr, f, launch);
 }
 
 template <typename T>
-void launch_down_combine_typed(const void* act, const void* down, const MoeRouting& r, int B, int H, int I,
-                               int max_active, float* y, const Fusion<T>& f, const Launch& launch) {
-    launch_rows<T, kExperts, kFusedRows, 1, kCombine>(act, down, nullptr, r, 1, I, H, B, max_active, nullptr,
-                                                      y, launch, f);
-}
-
-}  // namespace
-
-int fused_rows_done_counters(int H) {
-    return 1 + (H + kMoeWarps * kFusedRows - 1) / (kMoeWarps * kFusedRows);
-}
-
-void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
-                            int B, int cols, int out_rows, void* out, const Launch& launch) {
-    if (B == 0) return;
-    if (dtype == 0)
-        launch_norm_dense_typed<float>(x, norm_weight, eps, weight, B, cols, out_rows, out, launch);
-    else
-        launch_norm_dense_typed<__nv_bfloat16>(x, norm_weight, eps, weight, B, cols, out_rows, out, launch);
-}
-
-template <typename T>
-Fusion<T> fusion_of(void* x, const void* delta, const void* norm_weight, float eps, void* h,
+Fusion<T> fusion_of(const void* x, const void* delta, const void* norm_weight, float eps, void* h,
                     const int* position, int* done, int E, int K, bool norm_topk_prob) {
     Fusion<T> f;
-    f.x = static_cast<T*>(x);
+    f.x = static_cast<T*>(const_cast<void*>(x));  // written by kCombine only
     f.delta = static_cast<const T*>(delta);
     f.norm_w = static_cast<const T*>(norm_weight);
     f.eps = eps;
@@ -496,33 +474,54 @@ Fusion<T> fusion_of(void* x, const void* delta, const void* norm_weight, float e
     return f;
 }
 
+}  // namespace
+
+int fused_rows_done_counters(int H) { return 1 + (H + kMoeWarps - 1) / kMoeWarps; }
+
+void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
+                            int B, int cols, int out_rows, int rows_per_warp, void* out,
+                            const Launch& launch) {
+    if (B == 0) return;
+    if (dtype == 0)
+        launch_fused<float, kDense, kNormIn>(
+            rows_per_warp, nullptr, weight, MoeRouting{}, cols, out_rows, B, 1, out, nullptr,
+            fusion_of<float>(x, nullptr, norm_weight, eps, nullptr, nullptr, nullptr, 0, 0, false), launch);
+    else
+        launch_fused<__nv_bfloat16, kDense, kNormIn>(
+            rows_per_warp, nullptr, weight, MoeRouting{}, cols, out_rows, B, 1, out, nullptr,
+            fusion_of<__nv_bfloat16>(x, nullptr, norm_weight, eps, nullptr, nullptr, nullptr, 0, 0, false),
+            launch);
+}
+
 void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
                                   float eps, const int* position, const void* router, int B, int H, int E,
-                                  int K, bool norm_topk_prob, void* h, void* logits, const MoeRouting& r,
-                                  int* done, const Launch& launch) {
+                                  int K, bool norm_topk_prob, int rows_per_warp, void* h, void* logits,
+                                  const MoeRouting& r, int* done, const Launch& launch) {
     if (B == 0) return;
-    void* xw = const_cast<void*>(x);  // read only (kAddNormRoute)
     if (dtype == 0)
         launch_add_norm_router_typed<float, 1>(
-            fusion_of<float>(xw, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob), router, B,
+            rows_per_warp,
+            fusion_of<float>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob), router, B,
             H, logits, r, launch);
     else
         launch_add_norm_router_typed<__nv_bfloat16, 1>(
-            fusion_of<__nv_bfloat16>(xw, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob),
+            rows_per_warp,
+            fusion_of<__nv_bfloat16>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob),
             router, B, H, logits, r, launch);
 }
 
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
-                             int H, int I, int max_active, float* y, void* x, const void* delta,
-                             const int* position, int* done, const Launch& launch) {
+                             int H, int I, int max_active, int rows_per_warp, float* y, void* x,
+                             const void* delta, const int* position, int* done, const Launch& launch) {
     if (B == 0 || max_active == 0) return;
+    // done[0] is the router's; chunk c of the output columns counts on done[1 + c].
     if (dtype == 0)
-        launch_down_combine_typed<float>(
-            act, down, r, B, H, I, max_active, y,
+        launch_fused<float, kExperts, kCombine>(
+            rows_per_warp, act, down, r, I, H, B, max_active, nullptr, y,
             fusion_of<float>(x, delta, nullptr, 0.0f, nullptr, position, done + 1, 0, K, false), launch);
     else
-        launch_down_combine_typed<__nv_bfloat16>(
-            act, down, r, B, H, I, max_active, y,
+        launch_fused<__nv_bfloat16, kExperts, kCombine>(
+            rows_per_warp, act, down, r, I, H, B, max_active, nullptr, y,
             fusion_of<__nv_bfloat16>(x, delta, nullptr, 0.0f, nullptr, position, done + 1, 0, K, false),
             launch);
 }
