@@ -67,7 +67,8 @@ if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$O
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 
 # --- tests --------------------------------------------------------------------------------------------
-[ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && (cd "$BUILD" && timeout 280 ctest -L gpu -R "${MOERL_DEVICE_CTEST_REGEX:-.}" --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
+# MOERL_DEVICE_CTEST_ENV="MOERL_GENERATOR_X=1 ..." runs the tests with those engine settings.
+[ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && (cd "$BUILD" && env ${MOERL_DEVICE_CTEST_ENV:-} timeout 280 ctest -L gpu -R "${MOERL_DEVICE_CTEST_REGEX:-.}" --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*|Not Run|Passed|Skipped" "$OUT/ctest.log" | tail -40
 step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
 

@@ -46,7 +46,7 @@ struct QkvTyped {
 // G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32);
 // kAttnWarps warps per block, each taking 32 / kLanes tokens of the block's chunk at a time.
 template <typename T, int G, int kDimsPerLane, int kAttnWarps, int kLanes>
-__global__ void __launch_bounds__(kAttnWarps * 32)
+__global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
     paged_attention_kernel(const T* q, T* k_pool, T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
                            int chunk, Partials part, bool early_loads, QkvTyped<T> fused, T* out) {
