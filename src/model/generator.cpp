@@ -125,9 +125,12 @@ struct Generator::Impl {
     // it waits for the q/k store (AttentionShape::early_loads). Measured on an H200 (Qwen3-30B-A3B
     // shape, 8 layers, bench rollout): step 0.709 -> 0.684 ms at batch 1, 5.48 -> 5.35 at 256.
     bool attention_early = env::get_int("MOERL_GENERATOR_ATTENTION_EARLY", 1) != 0;
-    // Attention normalises and rotates q and the new key itself, from the q/k/v projection, and stores
-    // the new key and value (cuda::QkvInput): one kernel fewer per layer.
-    bool fused_qk = env::get_int("MOERL_GENERATOR_FUSED_QK", 1) != 0;
+    // Up to this batch bucket attention normalises and rotates q and the new key itself, from the q/k/v
+    // projection, and stores the new key and value (cuda::QkvInput): one kernel fewer per layer; 0 =
+    // never. Measured on an H200 (Qwen3-30B-A3B shape, 8 layers, bench rollout): the same step at
+    // batch 1 and 16, 1.2% slower at 64 (3.43 against 3.39 ms: every split of a head group repeats the
+    // group's q rotation).
+    int fused_qk_max_batch = static_cast<int>(env::get_int("MOERL_GENERATOR_FUSED_QK_MAX_BATCH", 16));
     // One-row steps of an MoE layer with the CUDA-core experts: add + norm, router and routing in one
     // kernel, the combine in the down kernel's last blocks, the norm in the next q/k/v GEMV (or a norm
     // kernel before the LM head): 6 kernels a layer instead of 10 with fused_qk.
@@ -214,7 +217,7 @@ struct Generator::Impl {
             }
             mark("qkv mm");
             cuda::QkvInput qkv_in;
-            if (fused_qk) {
+            if (B <= fused_qk_max_batch) {
                 qkv_in = {qkv.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), eps,
                           static_cast<float>(c.rope_theta)};
             } else {
