@@ -365,7 +365,7 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     // The same layer as the generator runs one-row steps (fused q/k, fused rows): 6 kernels.
     int* fused_done = pool.zeros<int>(mc::fused_rows_done_counters(kH));
     const mc::QkvInput qkv_in{qkv, qn, kn, 1e-6f, 1e6f};
-    int rows = 2;  // weight rows a warp of the fused GEMVs
+    int rows = 2;  // weight rows a warp of the dense GEMVs (the down experts keep two, as the generator)
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
@@ -380,8 +380,7 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
                                              rows, h, logits, r, fused_done, l);
         if (kinds & 16u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
         if (kinds & 32u)
-            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, rows, y, x, o, d_pos, fused_done,
-                                        l);
+            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, 2, y, x, o, d_pos, fused_done, l);
     };
     const char* fused_names[] = {"norm + qkv gemv", "q/k norm+rope+store + attention",
                                  "o gemv",          "add+norm + router gemv + route",
@@ -393,7 +392,8 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     for (rows = 2; rows >= 1; --rows) {
         const Times fused = time_fused(63u);
         std::printf(
-            "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the GEMVs\n\n"
+            "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
+            "GEMVs\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
             rows, rows == 1 ? "" : "s");
         for (int k = 0; k < 6; ++k) {

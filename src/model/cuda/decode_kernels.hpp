@@ -146,13 +146,14 @@ void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRou
 int fused_rows_done_counters(int H);
 
 // out = (rms_norm(x) * norm_weight) weight^T: the dense GEMV normalising its input itself (every
-// block, from the residual x [B, cols]) in place of a norm kernel before it.
+// block, from the residual x [B, cols], cols <= kMaxHidden) in place of a norm kernel before it.
 void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
                             int B, int cols, int out_rows, int rows_per_warp, void* out,
                             const Launch& launch);
 
 // h = rms_norm(x + delta) * norm_weight (x itself is not written), logits = h router^T with router
-// [E, H], then launch_route's routing of the logits: add + norm, router GEMV and routing in one kernel.
+// [E, H] (H <= kMaxHidden, E <= kMaxExperts), then launch_route's routing of the logits: add + norm,
+// router GEMV and routing in one kernel.
 void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
                                   float eps, const int* position, const void* router, int B, int H, int E,
                                   int K, bool norm_topk_prob, int rows_per_warp, void* h, void* logits,
