@@ -206,10 +206,16 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         for (int B : batches) {
             if (B > 4) continue;  // larger batches go to cuBLAS
             for (int rows : {1, 2, 4})
-                row(d.name, B, "rows " + std::to_string(rows), elems * 2e-6, [&](int i, const mc::Launch& l) {
-                    mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows, rows, out,
-                                          l);
-                });
+                for (bool preload : {false, true}) {
+                    if (preload && rows > 1) continue;
+                    row(d.name, B, "rows " + std::to_string(rows) + (preload ? ", preload" : ""),
+                        elems * 2e-6, [&](int i, const mc::Launch& l) {
+                            mc::Launch lp = l;
+                            lp.preload = preload;
+                            mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows,
+                                                  rows, out, lp);
+                        });
+                }
         }
     }
     // Experts: gate/up [E, I, H] and down [E, H, I], one routing per launch out of 16 (random logits).
@@ -366,7 +372,10 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     int* fused_done = pool.zeros<int>(mc::fused_rows_done_counters(kH));
     const mc::QkvInput qkv_in{qkv, qn, kn, 1e-6f, 1e6f};
     int rows = 2;  // weight rows a warp of the dense GEMVs (the down experts keep two, as the generator)
-    auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& l) {
+    bool preload = false;  // Launch::preload
+    auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
+        mc::Launch l = launch;
+        l.preload = preload;
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
         if (kinds & 1u)
@@ -389,13 +398,16 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         return plain_and_overlapped(stream, iters,
                                     [&](int i, const mc::Launch& l) { fused_layer(i, kinds, l); });
     };
-    for (rows = 2; rows >= 1; --rows) {
+    const std::pair<int, bool> variants[] = {{2, false}, {1, false}, {1, true}};
+    for (const auto& [variant_rows, variant_preload] : variants) {
+        rows = variant_rows;
+        preload = variant_preload;
         const Times fused = time_fused(63u);
         std::printf(
             "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
-            "GEMVs\n\n"
+            "GEMVs%s\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
-            rows, rows == 1 ? "" : "s");
+            rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "");
         for (int k = 0; k < 6; ++k) {
             const Times without = time_fused(63u & ~(1u << k));
             std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,

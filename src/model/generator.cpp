@@ -115,6 +115,9 @@ struct Generator::Impl {
     // The LM head through the GEMV kernel too (up to gemv_max_batch, the final norm inside it) instead
     // of cuBLAS.
     bool lm_head_gemv = env::get_int("MOERL_GENERATOR_LM_HEAD_GEMV", 0) != 0;
+    // The dense GEMVs copy their weights into shared memory before waiting for the kernel before them
+    // (cuda::Launch::preload) instead of asking L2 for them.
+    bool gemv_preload = env::get_int("MOERL_GENERATOR_GEMV_PRELOAD", 0) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -179,7 +182,8 @@ struct Generator::Impl {
     void run_step(int B) {
         const ModelConfig& c = m.config;
         // Overlapped launches only without per-kernel profiling (its events sit between the kernels).
-        const cuda::Launch launch{at::cuda::getCurrentCUDAStream().stream(), overlap_launches && !profile};
+        const cuda::Launch launch{at::cuda::getCurrentCUDAStream().stream(), overlap_launches && !profile,
+                                  gemv_preload};
         const float eps = static_cast<float>(c.rms_norm_eps);
         const int* pos = position.data_ptr<int>();
         const int* slots = slot.data_ptr<int>();

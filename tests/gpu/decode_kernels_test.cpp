@@ -381,8 +381,9 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Batches, DecodeExperts, ::testing::Values(1, 5, 24, 64));
 
-// The dense GEMV (fp32) against a CPU reference with one, two and four weight rows a warp, columns
-// that end inside a step of the unrolled loop and output rows that do not fill the last block.
+// The dense GEMV (fp32) against a CPU reference with one, two and four weight rows a warp and with
+// the weights preloaded into shared memory, columns that end inside a step of the unrolled loop and
+// output rows that do not fill the last block.
 class DecodeDense : public ::testing::TestWithParam<int> {};
 
 TEST_P(DecodeDense, MatchesCpu) {
@@ -394,9 +395,11 @@ TEST_P(DecodeDense, MatchesCpu) {
     for (float& x : in) x = normal(rng);
     for (float& x : w) x = normal(rng);
     Dev<float> d_in(in), d_w(w);
-    for (int rows : {1, 2, 4}) {
+    for (int variant = 0; variant < 4; ++variant) {  // 1, 2, 4 weight rows a warp; 1 preloaded
+        const int rows = variant == 3 ? 1 : 1 << variant;
+        const bool preload = variant == 3;
         Dev<float> d_out(std::vector<float>(static_cast<size_t>(B) * out_rows, 7.0f));
-        mc::launch_dense_rows(0, d_in.p, d_w.p, B, cols, out_rows, rows, d_out.p, {nullptr, false});
+        mc::launch_dense_rows(0, d_in.p, d_w.p, B, cols, out_rows, rows, d_out.p, {nullptr, false, preload});
         CK(cudaGetLastError());
         const std::vector<float> out = d_out.read();
         for (int b = 0; b < B; ++b)
@@ -406,7 +409,8 @@ TEST_P(DecodeDense, MatchesCpu) {
                     want += static_cast<double>(in[static_cast<size_t>(b) * cols + c]) *
                             w[static_cast<size_t>(o) * cols + c];
                 ASSERT_NEAR(out[static_cast<size_t>(b) * out_rows + o], want, 1e-3 + 1e-5 * std::fabs(want))
-                    << "row " << b << " output " << o << ", " << rows << " rows a warp";
+                    << "row " << b << " output " << o << ", " << rows << " rows a warp"
+                    << (preload ? ", preloaded" : "");
             }
     }
 }
@@ -421,9 +425,9 @@ namespace {
 // kernel's last blocks, the norm inside the next GEMV) against the kernels it replaces, bit for bit:
 // the router's input h, the routing, the expert outputs combined into the residual and the next
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
-// one and two weight rows a warp.
+// one and two weight rows a warp, weights preloaded into shared memory or not.
 template <typename T>
-void fused_rows_match_kernels(int dtype, int B, int E, int rows) {
+void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload) {
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
     std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * rows);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -443,7 +447,7 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows) {
         d_down(down), d_next(next_w);
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
-    const mc::Launch eager{nullptr, false};
+    const mc::Launch eager{nullptr, false}, fused_launch{nullptr, false, preload};
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;
         Dev<float> y;
@@ -474,17 +478,17 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows) {
 
         const mc::MoeRouting r1 = one.rb.routing();
         mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
-                                         K, true, rows, one.h.p, one.logits.p, r1, done.p, eager);
+                                         K, true, rows, one.h.p, one.logits.p, r1, done.p, fused_launch);
         mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
                                eager);
         mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, rows, one.y.p,
                                     one.x.p, d_o.p, d_pos.p, done.p, eager);
         mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext, rows,
-                                   one.next_out.p, eager);
+                                   one.next_out.p, fused_launch);
         CK(cudaGetLastError());
         const std::string at = "dtype " + std::to_string(dtype) + " B " + std::to_string(B) + " E " +
-                               std::to_string(E) + " rows " + std::to_string(rows) + " call " +
-                               std::to_string(call) + ": ";
+                               std::to_string(E) + " rows " + std::to_string(rows) +
+                               (preload ? " preloaded" : "") + " call " + std::to_string(call) + ": ";
         auto same = [](const auto& a, const auto& b, size_t n) {
             const auto u = a.read(), v = b.read();
             return std::memcmp(u.data(), v.data(), n * sizeof(u[0])) == 0;
@@ -519,7 +523,7 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
     for (int B : {1, 3})
         for (int E : {64, 200})
             for (int rows : {1, 2}) {
-                fused_rows_match_kernels<float>(0, B, E, rows);
-                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows);
+                fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1);
             }
 }

@@ -29,7 +29,13 @@ constexpr int kMoeTokenTile = 8;  // tokens of one expert multiplied per pass ov
 struct Launch {
     cudaStream_t stream = nullptr;
     bool overlap = false;
+    // The dense GEMVs (launch_dense_rows and the fused ones built on it) copy their weight rows into
+    // shared memory (cp.async) before they wait, instead of asking L2 for them: with overlap, a GEMV
+    // after a latency-bound kernel (the o projection after attention) reads its weights while that
+    // kernel runs. Blocks needing more than kMaxPreloadBytes of weights ask L2 as before.
+    bool preload = false;
 };
+constexpr int kMaxPreloadBytes = 160 * 1024;
 
 struct MoeRouting {
     int* topk_idx = nullptr;        // [B, K] global expert, -1 for padding rows
@@ -130,7 +136,8 @@ void launch_moe_down_mma(const void* act, const void* down, const MoeRouting& r,
 
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. The
-// weights are asked into L2 before the kernel waits for its predecessor (Launch::overlap).
+// weights are asked into L2 (or copied into shared memory: Launch::preload) before the kernel waits
+// for its predecessor (Launch::overlap).
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
                        int rows_per_warp, void* out, const Launch& launch);
 

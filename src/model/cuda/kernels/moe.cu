@@ -229,25 +229,46 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows,
         asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
 }
 
+// Copies rows [row0, row0 + rows) of w [out_rows, cols] (16-byte aligned rows) into dst, asynchronously
+// (cp.async, completed by cp_async_wait_all): the weights of a dense block, copied while it waits.
+template <typename T>
+__device__ __forceinline__ void preload_rows(const T* w, int row0, int rows, int out_rows, int cols, T* dst) {
+    const int first = min(row0, out_rows), last = min(row0 + rows, out_rows);
+    const char* src = reinterpret_cast<const char*>(w + static_cast<size_t>(first) * cols);
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const int bytes = (last - first) * cols * static_cast<int>(sizeof(T));
+    for (int off = threadIdx.x * 16; off < bytes; off += blockDim.x * 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + off), "l"(src + off)
+                     : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // Rows [row0, row0 + kRows) of expert e's weights applied to every slot routed to e, kTile
 // slots per pass over the weights. kGatedExperts: act[s] = silu(in[s / K] gate^T) * (in[s / K] up^T)
 // (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
-// depend on it).
+// depend on it), or with `preload` copies them into shared memory after the tile.
 template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, T* act, float* y, Fusion<T> f) {
+                       int out_rows, int num_rows, bool preload, T* act, float* y, Fusion<T> f) {
     static_assert(kFuse == kFuseNone || (kFuse == kCombine ? kMode == kExperts : kMode == kDense),
                   "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts");
     static_assert(kFuse == kFuseNone || kMoeWarps * 32 == kNormThreads, "norm_tile's sum order");
-    if constexpr (kMode == kDense)
-        prefetch_rows_l2(w0, blockIdx.x * kMoeWarps * kRows, kMoeWarps * kRows, out_rows, cols);
+    extern __shared__ __align__(16) unsigned char tile_bytes[];
+    T* tile = reinterpret_cast<T*>(tile_bytes);             // [kTile, cols]
+    T* block_w = tile + static_cast<size_t>(kTile) * cols;  // preload: [kMoeWarps * kRows, cols]
+    const int block_row0 = blockIdx.x * kMoeWarps * kRows;
+    if constexpr (kMode == kDense) {
+        if (preload)
+            preload_rows(w0, block_row0, kMoeWarps * kRows, out_rows, cols, block_w);
+        else
+            prefetch_rows_l2(w0, block_row0, kMoeWarps * kRows, out_rows, cols);
+    }
     griddep_wait();
     griddep_launch_dependents();
-    extern __shared__ __align__(16) unsigned char tile_bytes[];
-    T* tile = reinterpret_cast<T*>(tile_bytes);  // [kTile, cols]
     constexpr bool kGated = kMode == kGatedExperts;
     int e = 0, first = 0, n = num_rows;
     if constexpr (kMode != kDense) {
@@ -264,7 +285,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
         const int row = min(row0 + i, out_rows - 1);  // rows past the end repeat the last (not stored)
-        w[0][i] = w0 + (static_cast<size_t>(e) * out_rows + row) * cols;
+        w[0][i] = kMode == kDense && preload ? block_w + static_cast<size_t>(row - block_row0) * cols
+                                             : w0 + (static_cast<size_t>(e) * out_rows + row) * cols;
         if constexpr (kGated) w[kMats - 1][i] = w1 + (static_cast<size_t>(e) * out_rows + row) * cols;
     }
     for (int c0 = 0; c0 < n; c0 += kTile) {
@@ -275,6 +297,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
                       kFuse == kAddNormRoute && blockIdx.x == 0 ? f.h : nullptr);
         else
             load_tile(in, slots, first + c0, nt, row_div, cols, tile);
+        if (kMode == kDense && preload && c0 == 0) cp_async_wait_all();  // own copies; the barrier: all
         __syncthreads();
         if (row0 >= out_rows) continue;
         float acc[kMats][kRows][kTile];
@@ -397,14 +420,16 @@ template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, in
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
                  int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch,
                  const Fusion<T>& f = {}) {
-    const size_t smem = sizeof(T) * kTile * cols;
+    const size_t weight_bytes = sizeof(T) * kMoeWarps * kRows * cols;
+    const bool preload = kMode == kDense && launch.preload && weight_bytes <= kMaxPreloadBytes;
+    const size_t smem = sizeof(T) * kTile * cols + (preload ? weight_bytes : 0);
     auto kernel = expert_rows_kernel<T, kMode, kRows, kTile, kFuse, kPerLane>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
-                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, static_cast<T*>(act), y,
-                  f);
+                  static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, preload,
+                  static_cast<T*>(act), y, f);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
