@@ -32,7 +32,9 @@ struct Launch {
     // The dense GEMVs (launch_dense_rows and the fused ones built on it) copy their weight rows into
     // shared memory (cp.async) before they wait, instead of asking L2 for them: with overlap, a GEMV
     // after a latency-bound kernel (the o projection after attention) reads its weights while that
-    // kernel runs. Blocks needing more than kMaxPreloadBytes of weights ask L2 as before.
+    // kernel runs. So do the CUDA-core down experts (launch_moe_down, launch_moe_down_combine), whose
+    // routing is complete by then (written two kernels back). Blocks needing more than
+    // kMaxPreloadBytes of weights read them as before.
     bool preload = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;

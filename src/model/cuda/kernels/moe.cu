@@ -249,7 +249,8 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
-// depend on it), or with `preload` copies them into shared memory after the tile.
+// depend on it), or with `preload` copies them into shared memory after the tile; so do the down
+// experts' blocks with `preload` (their routing is known by then).
 template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
@@ -266,6 +267,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             preload_rows(w0, block_row0, kMoeWarps * kRows, out_rows, cols, block_w);
         else
             prefetch_rows_l2(w0, block_row0, kMoeWarps * kRows, out_rows, cols);
+    } else if constexpr (kMode == kExperts) {
+        // The routing comes from two kernels back (the router), complete before this kernel could start:
+        // every kernel waits for its predecessor before it lets the next one start. Read past L1.
+        if (preload && static_cast<int>(blockIdx.y) < __ldcg(r.num_active))
+            preload_rows(w0 + static_cast<size_t>(__ldcg(r.active_experts + blockIdx.y)) * out_rows * cols,
+                         block_row0, kMoeWarps * kRows, out_rows, cols, block_w);
     }
     griddep_wait();
     griddep_launch_dependents();
@@ -285,8 +292,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
         const int row = min(row0 + i, out_rows - 1);  // rows past the end repeat the last (not stored)
-        w[0][i] = kMode == kDense && preload ? block_w + static_cast<size_t>(row - block_row0) * cols
-                                             : w0 + (static_cast<size_t>(e) * out_rows + row) * cols;
+        w[0][i] = !kGated && preload ? block_w + static_cast<size_t>(row - block_row0) * cols
+                                     : w0 + (static_cast<size_t>(e) * out_rows + row) * cols;
         if constexpr (kGated) w[kMats - 1][i] = w1 + (static_cast<size_t>(e) * out_rows + row) * cols;
     }
     for (int c0 = 0; c0 < n; c0 += kTile) {
@@ -297,7 +304,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
                       kFuse == kAddNormRoute && blockIdx.x == 0 ? f.h : nullptr);
         else
             load_tile(in, slots, first + c0, nt, row_div, cols, tile);
-        if (kMode == kDense && preload && c0 == 0) cp_async_wait_all();  // own copies; the barrier: all
+        if (!kGated && preload && c0 == 0) cp_async_wait_all();  // own copies; the barrier: all
         __syncthreads();
         if (row0 >= out_rows) continue;
         float acc[kMats][kRows][kTile];
@@ -421,7 +428,7 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
                  int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch,
                  const Fusion<T>& f = {}) {
     const size_t weight_bytes = sizeof(T) * kMoeWarps * kRows * cols;
-    const bool preload = kMode == kDense && launch.preload && weight_bytes <= kMaxPreloadBytes;
+    const bool preload = kMode != kGatedExperts && launch.preload && weight_bytes <= kMaxPreloadBytes;
     const size_t smem = sizeof(T) * kTile * cols + (preload ? weight_bytes : 0);
     auto kernel = expert_rows_kernel<T, kMode, kRows, kTile, kFuse, kPerLane>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
