@@ -3,7 +3,8 @@
 // rows (heads split over blocks) and many (a block per key-value head's group), a padding row (fp32);
 // the q/k step folded into attention against the two kernels it replaces; routing with exact ties, padding
 // rows and expert counts that need 1 and 16 probabilities a lane; the tensor-core expert kernels against the
-// CUDA-core ones and a CPU reference (bf16); the dense GEMV (fp32).
+// CUDA-core ones (with and without preloaded weights) and a CPU reference (bf16); the dense GEMV (fp32);
+// the fused one-row MoE kernels against the kernels they replace.
 #include "decode_kernels.hpp"
 
 #include <cuda_bf16.h>
@@ -340,9 +341,13 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
         y_mma{std::vector<float>(static_cast<size_t>(S) * H, -3.0f)};
     mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_core.p, launch);
     mc::launch_moe_down_mma(act_core.p, d_down.p, r, B, K, E, H, I, max_active, y_mma.p, launch);
+    Dev<float> y_preloaded{std::vector<float>(static_cast<size_t>(S) * H, -5.0f)};
+    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_preloaded.p,
+                        {nullptr, false, true});
     CK(cudaGetLastError());
     const auto ac = act_core.read(), am = act_mma.read();
     const auto yc = y_core.read(), ym = y_mma.read();
+    EXPECT_EQ(y_preloaded.read(), yc) << "down experts with their weights preloaded into shared memory";
 
     // Products of bf16 values summed in double, rounded as the kernels round them.
     auto close = [](float got, double want) {
