@@ -22,7 +22,6 @@
 #include <functional>
 #include <random>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "kernels/common.cuh"
@@ -374,16 +373,11 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     const mc::QkvInput qkv_in{qkv, qn, kn, 1e-6f, 1e6f};
     int rows = 2;  // weight rows a warp of the dense GEMVs (the down experts keep two, as the generator)
     bool preload = false;  // Launch::preload
-    bool hints = false;    // L2Next: the router asks for the next q/k/v, gate/up for down, evict-first
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
         mc::Launch l = launch;
         l.preload = preload;
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
-        const mc::L2Next router_l2{hints ? layers[(i + 1) % kLayers].qkv_w : nullptr,
-                                   sizeof(__nv_bfloat16) * kQkvRows * kH, false, false},
-            gate_up_l2{hints ? down : nullptr, sizeof(__nv_bfloat16) * kH * kI, true, hints},
-            down_l2{nullptr, 0, false, hints};
         if (kinds & 1u)
             mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w.qkv_w, B, kH, kQkvRows, rows, qkv, l);
         if (kinds & 2u)
@@ -392,11 +386,10 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         if (kinds & 4u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, rows, o, l);
         if (kinds & 8u)
             mc::launch_add_norm_router_route(1, x, o, norm_w, 1e-6f, d_pos, w.router_w, B, kH, kE, kK, true,
-                                             rows, h, logits, r, fused_done, l, router_l2);
-        if (kinds & 16u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l, gate_up_l2);
+                                             rows, h, logits, r, fused_done, l);
+        if (kinds & 16u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
         if (kinds & 32u)
-            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, 2, y, x, o, d_pos, fused_done, l,
-                                        down_l2);
+            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, 2, y, x, o, d_pos, fused_done, l);
     };
     const char* fused_names[] = {"norm + qkv gemv", "q/k norm+rope+store + attention",
                                  "o gemv",          "add+norm + router gemv + route",
@@ -405,19 +398,16 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         return plain_and_overlapped(stream, iters,
                                     [&](int i, const mc::Launch& l) { fused_layer(i, kinds, l); });
     };
-    const std::tuple<int, bool, bool> variants[] = {
-        {2, false, false}, {1, false, false}, {1, true, false}, {1, true, true}};
-    for (const auto& [variant_rows, variant_preload, variant_hints] : variants) {
+    const std::pair<int, bool> variants[] = {{2, false}, {1, false}, {1, true}};
+    for (const auto& [variant_rows, variant_preload] : variants) {
         rows = variant_rows;
         preload = variant_preload;
-        hints = variant_hints;
         const Times fused = time_fused(63u);
         std::printf(
             "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
-            "GEMVs%s%s\n\n"
+            "GEMVs%s\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
-            rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "",
-            hints ? ", L2 hints (next q/k/v, down weights, evict-first experts)" : "");
+            rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "");
         for (int k = 0; k < 6; ++k) {
             const Times without = time_fused(63u & ~(1u << k));
             std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,

@@ -117,13 +117,6 @@ struct Generator::Impl {
     // on an H200 (Qwen3-30B-A3B shape, 8 layers, bench rollout): step 0.687 -> 0.670 ms at batch 1,
     // the same at 16 and 64.
     bool gemv_preload = env::get_int("MOERL_GENERATOR_GEMV_PRELOAD", 1) != 0;
-    // L2 hints of the CUDA-core expert kernels (cuda::L2Next): the gate/up kernel asks L2 for the down
-    // weights of its experts once it has read its own (l2_down); in one-row layers the router asks L2
-    // for the next layer's q/k/v weights (l2_qkv), read while the router chain waits on its round
-    // trips; the expert kernels' own weights leave L2 first (expert_evict_first).
-    bool l2_down = env::get_int("MOERL_GENERATOR_L2_DOWN", 0) != 0;
-    bool l2_qkv = env::get_int("MOERL_GENERATOR_L2_QKV", 0) != 0;
-    bool expert_evict_first = env::get_int("MOERL_GENERATOR_EXPERT_EVICT_FIRST", 0) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -182,20 +175,6 @@ struct Generator::Impl {
         }
         at::Tensor out_b = out.narrow(0, 0, B);
         at::mm_out(out_b, in.narrow(0, 0, B), weight.t());
-    }
-
-    static size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
-
-    // The gate/up kernel's L2 hints for layer w (see l2_down, expert_evict_first).
-    cuda::L2Next experts_l2(const LayerWeights& w) const {
-        cuda::L2Next l2;
-        l2.own_evict_first = expert_evict_first;
-        if (l2_down && w.moe_index >= 0) {
-            l2.base = w.experts_down.data_ptr();
-            l2.bytes = bytes_of(w.experts_down) / static_cast<size_t>(w.experts_down.size(0));
-            l2.per_expert = true;
-        }
-        return l2;
     }
 
     // The kernels of one decode step over rows [0, B) of the static buffers, on the current stream.
@@ -258,23 +237,19 @@ struct Generator::Impl {
             mark("attention");
             linear(attn, w.o_proj, o, B, launch);
             mark("o mm");
-            const cuda::L2Next gate_up_l2 = experts_l2(w), down_l2{nullptr, 0, false, expert_evict_first};
             if (w.moe_index >= 0 && fuse_moe) {
-                cuda::L2Next router_l2;
-                if (l2_qkv && l + 1 < m.layers.size())
-                    router_l2 = {qkv_weight[l + 1].data_ptr(), bytes_of(qkv_weight[l + 1]), false, false};
                 cuda::launch_add_norm_router_route(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(),
                                                    eps, pos, w.router.data_ptr(), B, H, E, K,
                                                    c.norm_topk_prob, gemv_rows, h.data_ptr(),
-                                                   router_logits.data_ptr(), r, done, launch, router_l2);
+                                                   router_logits.data_ptr(), r, done, launch);
                 mark("add+norm+router+route");
                 cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                          w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
-                                         act.data_ptr(), launch, gate_up_l2);
+                                         act.data_ptr(), launch);
                 mark("experts gate+up");
                 cuda::launch_moe_down_combine(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
                                               max_active, down_rows, y.data_ptr<float>(), x.data_ptr(),
-                                              o.data_ptr(), pos, done, launch, down_l2);
+                                              o.data_ptr(), pos, done, launch);
                 mark("experts down+combine");
                 norm_pending = &next_norm;
                 continue;
@@ -299,14 +274,14 @@ struct Generator::Impl {
                     else
                         cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                                  w.experts_up.data_ptr(), r, B, K, H, I, max_active,
-                                                 gate_up_rows, act.data_ptr(), launch, gate_up_l2);
+                                                 gate_up_rows, act.data_ptr(), launch);
                     mark("experts gate+up");
                     if (down_mma)
                         cuda::launch_moe_down_mma(act.data_ptr(), w.experts_down.data_ptr(), r, B, K, E, H, I,
                                                   max_active, y.data_ptr<float>(), launch);
                     else
                         cuda::launch_moe_down(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
-                                              max_active, down_rows, y.data_ptr<float>(), launch, down_l2);
+                                              max_active, down_rows, y.data_ptr<float>(), launch);
                     mark("experts down");
                 }
                 cuda::launch_moe_combine_rmsnorm(dtype, x.data_ptr(), y.data_ptr<float>(), r,

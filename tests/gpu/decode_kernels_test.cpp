@@ -343,17 +343,11 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     mc::launch_moe_down_mma(act_core.p, d_down.p, r, B, K, E, H, I, max_active, y_mma.p, launch);
     Dev<float> y_preloaded{std::vector<float>(static_cast<size_t>(S) * H, -5.0f)};
     mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_preloaded.p,
-                        {nullptr, false, true}, {nullptr, 0, false, true});
-    // L2 hints change no result: gate/up asking L2 for its experts' down weights, evict-first loads.
-    Dev<__nv_bfloat16> act_hinted{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
-    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_hinted.p, launch,
-                           {d_down.p, sizeof(__nv_bfloat16) * H * I, true, true});
+                        {nullptr, false, true});
     CK(cudaGetLastError());
     const auto ac = act_core.read(), am = act_mma.read();
     const auto yc = y_core.read(), ym = y_mma.read();
     EXPECT_EQ(y_preloaded.read(), yc) << "down experts with their weights preloaded into shared memory";
-    EXPECT_EQ(std::memcmp(act_hinted.read().data(), ac.data(), ac.size() * sizeof(ac[0])), 0)
-        << "gate/up with L2 hints";
 
     // Products of bf16 values summed in double, rounded as the kernels round them.
     auto close = [](float got, double want) {
@@ -436,8 +430,7 @@ namespace {
 // kernel's last blocks, the norm inside the next GEMV) against the kernels it replaces, bit for bit:
 // the router's input h, the routing, the expert outputs combined into the residual and the next
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
-// one and two weight rows a warp, weights preloaded into shared memory or not (and then with every
-// L2 hint: the router asking for the next projection, gate/up for the down weights, evict-first).
+// one and two weight rows a warp, weights preloaded into shared memory or not.
 template <typename T>
 void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload) {
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
@@ -489,16 +482,12 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload) {
         mc::launch_dense_rows(dtype, two.h2.p, d_next.p, B, H, kNext, 0, two.next_out.p, eager);
 
         const mc::MoeRouting r1 = one.rb.routing();
-        const mc::L2Next router_l2{preload ? d_next.p : nullptr, sizeof(T) * kNext * H, false, false},
-            gate_up_l2{preload ? d_down.p : nullptr, sizeof(T) * H * I, true, preload},
-            down_l2{nullptr, 0, false, preload};
         mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
-                                         K, true, rows, one.h.p, one.logits.p, r1, done.p, fused_launch,
-                                         router_l2);
+                                         K, true, rows, one.h.p, one.logits.p, r1, done.p, fused_launch);
         mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
-                               eager, gate_up_l2);
+                               eager);
         mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, rows, one.y.p,
-                                    one.x.p, d_o.p, d_pos.p, done.p, fused_launch, down_l2);
+                                    one.x.p, d_o.p, d_pos.p, done.p, eager);
         mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext, rows,
                                    one.next_out.p, fused_launch);
         CK(cudaGetLastError());

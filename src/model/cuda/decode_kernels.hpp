@@ -39,21 +39,6 @@ struct Launch {
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 
-// L2 hints of a GEMV (launch_moe_gate_up, launch_moe_down*, the fused batch-1 GEMVs): bytes a later
-// kernel reads, asked into L2 by this one (cp.async.bulk.prefetch) so that DRAM keeps streaming
-// across the kernel boundary and through latency-bound kernels; and whether this kernel's own
-// weights leave L2 first (evict_first), so that what was asked for stays. Hints only: no result
-// depends on them. base and bytes must be 16-byte multiples, else nothing is prefetched.
-struct L2Next {
-    const void* base = nullptr;  // nullptr: no prefetch
-    size_t bytes = 0;            // per expert with per_expert
-    // The expert kernels: base + e * bytes for each routed expert e, split over the expert's blocks
-    // (issued when a block has read its own weights). Otherwise bytes at base split over all blocks
-    // (issued before the kernel waits for its predecessor).
-    bool per_expert = false;
-    bool own_evict_first = false;
-};
-
 struct MoeRouting {
     int* topk_idx = nullptr;        // [B, K] global expert, -1 for padding rows
     float* topk_weights = nullptr;  // [B, K]
@@ -135,12 +120,11 @@ void launch_route(int dtype, const void* router_logits, const int* position, int
 // or 4 weight rows per warp (0 = default).
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        const Launch& launch, const L2Next& l2 = {});
+                        const Launch& launch);
 
 // y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch,
-                     const L2Next& l2 = {});
+                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch);
 
 // The same two expert products on the tensor cores (bf16 only, H and I multiples of 32): each warp
 // takes 16 weight rows and up to 16 of an expert's tokens per pass (mma.sync, fp32 accumulation).
@@ -182,16 +166,14 @@ void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, f
 void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
                                   float eps, const int* position, const void* router, int B, int H, int E,
                                   int K, bool norm_topk_prob, int rows_per_warp, void* h, void* logits,
-                                  const MoeRouting& r, int* done, const Launch& launch,
-                                  const L2Next& l2 = {});
+                                  const MoeRouting& r, int* done, const Launch& launch);
 
 // launch_moe_down, then x[b] = round(round(x[b] + delta[b]) + round(sum_k w[b, k] y[b * K + k])) for
 // rows with position >= 0 (delta optional): the residual adds of add_rmsnorm and the combine without
 // the norm, which the next kernel does (launch_norm_dense_rows, or launch_add_rmsnorm with no delta).
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
-                             const void* delta, const int* position, int* done, const Launch& launch,
-                             const L2Next& l2 = {});
+                             const void* delta, const int* position, int* done, const Launch& launch);
 
 // out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number).
 // scratch: B 64-bit words.

@@ -100,33 +100,6 @@ __device__ __forceinline__ Raw8<__nv_bfloat16> load_raw8(const __nv_bfloat16* p)
 __device__ __forceinline__ Raw8<float> load_raw8(const float* p) {
     return {reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1]};
 }
-// L2 eviction policies for loads and prefetches with .L2::cache_hint (createpolicy, sm_80+).
-__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
-    uint64_t p;
-    if (evict_first)
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    else
-        asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-// load_raw8 from global memory (never shared) with an L2 eviction policy.
-__device__ __forceinline__ Raw8<__nv_bfloat16> load_raw8(const __nv_bfloat16* p, uint64_t policy) {
-    Raw8<__nv_bfloat16> r;
-    asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(r.v.x), "=r"(r.v.y), "=r"(r.v.z), "=r"(r.v.w)
-        : "l"(p), "l"(policy));
-    return r;
-}
-__device__ __forceinline__ Raw8<float> load_raw8(const float* p, uint64_t policy) {
-    Raw8<float> r;
-    asm("ld.global.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=f"(r.a.x), "=f"(r.a.y), "=f"(r.a.z), "=f"(r.a.w)
-        : "l"(p), "l"(policy));
-    asm("ld.global.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=f"(r.b.x), "=f"(r.b.y), "=f"(r.b.z), "=f"(r.b.w)
-        : "l"(p + 4), "l"(policy));
-    return r;
-}
 __device__ __forceinline__ void raw8_to_float(const Raw8<__nv_bfloat16>& r, float* out) {
     const auto* v = reinterpret_cast<const __nv_bfloat162*>(&r.v);
 #pragma unroll

@@ -232,40 +232,15 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows,
 // Copies rows [row0, row0 + rows) of w [out_rows, cols] (16-byte aligned rows) into dst, asynchronously
 // (cp.async, completed by cp_async_wait_all): the weights of a dense block, copied while it waits.
 template <typename T>
-__device__ __forceinline__ void preload_rows(const T* w, int row0, int rows, int out_rows, int cols, T* dst,
-                                             uint64_t policy) {
+__device__ __forceinline__ void preload_rows(const T* w, int row0, int rows, int out_rows, int cols, T* dst) {
     const int first = min(row0, out_rows), last = min(row0 + rows, out_rows);
     const char* src = reinterpret_cast<const char*>(w + static_cast<size_t>(first) * cols);
     const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     const int bytes = (last - first) * cols * static_cast<int>(sizeof(T));
     for (int off = threadIdx.x * 16; off < bytes; off += blockDim.x * 16)
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(base + off),
-                     "l"(src + off), "l"(policy)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + off), "l"(src + off)
                      : "memory");
     asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// This block's share of what l2 names (of expert e's bytes with per_expert), asked into L2 in 4 KB
-// pieces (cp.async.bulk.prefetch: no registers, no completion to wait for).
-__device__ __forceinline__ void prefetch_share_l2(const L2Next& l2, int e) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (l2.base == nullptr) return;
-    const size_t parts = l2.per_expert ? gridDim.x : size_t{gridDim.x} * gridDim.y;
-    const size_t part = l2.per_expert ? blockIdx.x : size_t{blockIdx.y} * gridDim.x + blockIdx.x;
-    const size_t share = ((l2.bytes + parts - 1) / parts + 127) / 128 * 128;
-    const size_t begin = part * share;
-    if (begin >= l2.bytes) return;
-    const size_t len = min(share, l2.bytes - begin);  // a multiple of 16, as bytes and begin are
-    const char* base =
-        static_cast<const char*>(l2.base) + (l2.per_expert ? static_cast<size_t>(e) * l2.bytes : 0) + begin;
-    constexpr size_t kPiece = 4096;
-    for (size_t off = threadIdx.x * kPiece; off < len; off += blockDim.x * kPiece)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + off),
-                     "r"(static_cast<unsigned>(min(kPiece, len - off)))
-                     : "memory");
-#else
-    (void)l2, (void)e;
-#endif
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
@@ -275,12 +250,11 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
 // depend on it), or with `preload` copies them into shared memory after the tile; so do the down
-// experts' blocks with `preload` (their routing is known by then). l2: see L2Next (the gate/up
-// weights read with its policy; the down experts' with it when preloaded).
+// experts' blocks with `preload` (their routing is known by then).
 template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, bool preload, T* act, float* y, Fusion<T> f, L2Next l2) {
+                       int out_rows, int num_rows, bool preload, T* act, float* y, Fusion<T> f) {
     static_assert(kFuse == kFuseNone || (kFuse == kCombine ? kMode == kExperts : kMode == kDense),
                   "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts");
     static_assert(kFuse == kFuseNone || kMoeWarps * 32 == kNormThreads, "norm_tile's sum order");
@@ -288,19 +262,17 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     T* tile = reinterpret_cast<T*>(tile_bytes);             // [kTile, cols]
     T* block_w = tile + static_cast<size_t>(kTile) * cols;  // preload: [kMoeWarps * kRows, cols]
     const int block_row0 = blockIdx.x * kMoeWarps * kRows;
-    const uint64_t policy = l2_policy(l2.own_evict_first);
     if constexpr (kMode == kDense) {
         if (preload)
-            preload_rows(w0, block_row0, kMoeWarps * kRows, out_rows, cols, block_w, policy);
+            preload_rows(w0, block_row0, kMoeWarps * kRows, out_rows, cols, block_w);
         else
             prefetch_rows_l2(w0, block_row0, kMoeWarps * kRows, out_rows, cols);
-        if (!l2.per_expert) prefetch_share_l2(l2, 0);
     } else if constexpr (kMode == kExperts) {
         // The routing comes from two kernels back (the router), complete before this kernel could start:
         // every kernel waits for its predecessor before it lets the next one start. Read past L1.
         if (preload && static_cast<int>(blockIdx.y) < __ldcg(r.num_active))
             preload_rows(w0 + static_cast<size_t>(__ldcg(r.active_experts + blockIdx.y)) * out_rows * cols,
-                         block_row0, kMoeWarps * kRows, out_rows, cols, block_w, policy);
+                         block_row0, kMoeWarps * kRows, out_rows, cols, block_w);
     }
     griddep_wait();
     griddep_launch_dependents();
@@ -353,9 +325,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 #pragma unroll
                     for (int m = 0; m < kMats; ++m)
 #pragma unroll
-                        for (int i = 0; i < kRows; ++i)
-                            raw[u][m][i] = kGated ? load_raw8(w[m][i] + cb + u * 256, policy)
-                                                  : load_raw8(w[m][i] + cb + u * 256);
+                        for (int i = 0; i < kRows; ++i) raw[u][m][i] = load_raw8(w[m][i] + cb + u * 256);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int c = cb + u * 256;
@@ -400,7 +370,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             }
         }
     }
-    if (kMode != kDense && l2.per_expert) prefetch_share_l2(l2, e);
     if constexpr (kFuse == kAddNormRoute) {
         if (!last_block_of(f.done, gridDim.x)) return;
         __shared__ int route_smem[3 * kMaxExperts + 1];
@@ -454,16 +423,10 @@ __global__ void __launch_bounds__(kNormThreads)
     });
 }
 
-// l2 as given, or without its prefetch where base or bytes are not 16-byte multiples.
-L2Next checked(L2Next l2) {
-    if (reinterpret_cast<uintptr_t>(l2.base) % 16 != 0 || l2.bytes % 16 != 0) l2.base = nullptr;
-    return l2;
-}
-
 template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
                  int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch,
-                 const Fusion<T>& f = {}, const L2Next& l2 = {}) {
+                 const Fusion<T>& f = {}) {
     const size_t weight_bytes = sizeof(T) * kMoeWarps * kRows * cols;
     const bool preload = kMode != kGatedExperts && launch.preload && weight_bytes <= kMaxPreloadBytes;
     const size_t smem = sizeof(T) * kTile * cols + (preload ? weight_bytes : 0);
@@ -473,7 +436,7 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
                   static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, preload,
-                  static_cast<T*>(act), y, f, checked(l2));
+                  static_cast<T*>(act), y, f);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
@@ -481,7 +444,7 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
 template <typename T, int kMode>
 void launch_expert_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int B,
                         int row_div, int cols, int out_rows, int max_active, int rows_per_warp, void* act,
-                        float* y, const Launch& launch, const L2Next& l2) {
+                        float* y, const Launch& launch) {
     if (max_active == 0 || B == 0) return;
     if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4)
         rows_per_warp = kMode == kGatedExperts ? 1 : 2;
@@ -489,7 +452,7 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 #define MOERL_ROWS_CASE(rows, t)                                                                             \
     if (rows_per_warp == rows && tile == t)                                                                  \
         return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act, y, \
-                                              launch, {}, l2);
+                                              launch);
     MOERL_ROWS_CASE(1, 1)
     MOERL_ROWS_CASE(1, 4)
     MOERL_ROWS_CASE(1, kMoeTokenTile)
@@ -507,25 +470,25 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
 template <typename T, int kMode, int kFuse, int kPerLane = 1>
 void launch_fused(int rows_per_warp, const void* in, const void* w0, const MoeRouting& r, int cols,
                   int out_rows, int B, int max_active, void* act, float* y, const Fusion<T>& f,
-                  const Launch& launch, const L2Next& l2 = {}) {
+                  const Launch& launch) {
     if (rows_per_warp == 1)
         launch_rows<T, kMode, 1, 1, kFuse, kPerLane>(in, w0, nullptr, r, 1, cols, out_rows, B, max_active,
-                                                     act, y, launch, f, l2);
+                                                     act, y, launch, f);
     else
         launch_rows<T, kMode, 2, 1, kFuse, kPerLane>(in, w0, nullptr, r, 1, cols, out_rows, B, max_active,
-                                                     act, y, launch, f, l2);
+                                                     act, y, launch, f);
 }
 
 template <typename T, int kPerLane>
 void launch_add_norm_router_typed(int rows_per_warp, const Fusion<T>& f, const void* router, int B, int H,
-                                  void* logits, const MoeRouting& r, const Launch& launch, const L2Next& l2) {
+                                  void* logits, const MoeRouting& r, const Launch& launch) {
     if constexpr (kPerLane < kMaxExperts / 32) {
         if (f.E > 32 * kPerLane)
             return launch_add_norm_router_typed<T, kPerLane * 2>(rows_per_warp, f, router, B, H, logits, r,
-                                                                 launch, l2);
+                                                                 launch);
     }
     launch_fused<T, kDense, kAddNormRoute, kPerLane>(rows_per_warp, nullptr, router, r, H, f.E, B, 1, logits,
-                                                     nullptr, f, launch, l2);
+                                                     nullptr, f, launch);
 }
 
 template <typename T>
@@ -567,35 +530,34 @@ void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, f
 void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
                                   float eps, const int* position, const void* router, int B, int H, int E,
                                   int K, bool norm_topk_prob, int rows_per_warp, void* h, void* logits,
-                                  const MoeRouting& r, int* done, const Launch& launch, const L2Next& l2) {
+                                  const MoeRouting& r, int* done, const Launch& launch) {
     if (B == 0) return;
     if (dtype == 0)
         launch_add_norm_router_typed<float, 1>(
             rows_per_warp,
             fusion_of<float>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob), router, B,
-            H, logits, r, launch, l2);
+            H, logits, r, launch);
     else
         launch_add_norm_router_typed<__nv_bfloat16, 1>(
             rows_per_warp,
             fusion_of<__nv_bfloat16>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob),
-            router, B, H, logits, r, launch, l2);
+            router, B, H, logits, r, launch);
 }
 
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
-                             const void* delta, const int* position, int* done, const Launch& launch,
-                             const L2Next& l2) {
+                             const void* delta, const int* position, int* done, const Launch& launch) {
     if (B == 0 || max_active == 0) return;
     // done[0] is the router's; chunk c of the output columns counts on done[1 + c].
     if (dtype == 0)
         launch_fused<float, kExperts, kCombine>(
             rows_per_warp, act, down, r, I, H, B, max_active, nullptr, y,
-            fusion_of<float>(x, delta, nullptr, 0.0f, nullptr, position, done + 1, 0, K, false), launch, l2);
+            fusion_of<float>(x, delta, nullptr, 0.0f, nullptr, position, done + 1, 0, K, false), launch);
     else
         launch_fused<__nv_bfloat16, kExperts, kCombine>(
             rows_per_warp, act, down, r, I, H, B, max_active, nullptr, y,
             fusion_of<__nv_bfloat16>(x, delta, nullptr, 0.0f, nullptr, position, done + 1, 0, K, false),
-            launch, l2);
+            launch);
 }
 
 template <typename T, int kPerLane>
@@ -621,35 +583,34 @@ void launch_route(int dtype, const void* router_logits, const int* position, int
 
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
                         int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        const Launch& launch, const L2Next& l2) {
+                        const Launch& launch) {
     if (dtype == 0)
         launch_expert_rows<float, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active, rows_per_warp, act,
-                                                 nullptr, launch, l2);
+                                                 nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kGatedExperts>(h, gate, up, r, B, K, H, I, max_active,
-                                                         rows_per_warp, act, nullptr, launch, l2);
+                                                         rows_per_warp, act, nullptr, launch);
 }
 
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch,
-                     const L2Next& l2) {
+                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch) {
     (void)K;
     if (dtype == 0)
         launch_expert_rows<float, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active, rows_per_warp,
-                                            nullptr, y, launch, l2);
+                                            nullptr, y, launch);
     else
         launch_expert_rows<__nv_bfloat16, kExperts>(act, down, nullptr, r, B, 1, I, H, max_active,
-                                                    rows_per_warp, nullptr, y, launch, l2);
+                                                    rows_per_warp, nullptr, y, launch);
 }
 
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
                        int rows_per_warp, void* out, const Launch& launch) {
     if (dtype == 0)
         launch_expert_rows<float, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                          rows_per_warp, out, nullptr, launch, {});
+                                          rows_per_warp, out, nullptr, launch);
     else
         launch_expert_rows<__nv_bfloat16, kDense>(in, weight, nullptr, MoeRouting{}, B, 1, cols, out_rows, 1,
-                                                  rows_per_warp, out, nullptr, launch, {});
+                                                  rows_per_warp, out, nullptr, launch);
 }
 
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
