@@ -117,9 +117,6 @@ struct Generator::Impl {
     // on an H200 (Qwen3-30B-A3B shape, 8 layers, bench rollout): step 0.687 -> 0.670 ms at batch 1,
     // the same at 16 and 64.
     bool gemv_preload = env::get_int("MOERL_GENERATOR_GEMV_PRELOAD", 1) != 0;
-    // The CUDA-core gate/up experts ask L2 for their weights once they know their expert
-    // (cuda::Launch::expert_prefetch).
-    bool expert_prefetch = env::get_int("MOERL_GENERATOR_EXPERT_PREFETCH", 1) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -185,7 +182,7 @@ struct Generator::Impl {
         const ModelConfig& c = m.config;
         // Overlapped launches only without per-kernel profiling (its events sit between the kernels).
         const cuda::Launch launch{at::cuda::getCurrentCUDAStream().stream(), overlap_launches && !profile,
-                                  gemv_preload, expert_prefetch};
+                                  gemv_preload};
         const float eps = static_cast<float>(c.rms_norm_eps);
         const int* pos = position.data_ptr<int>();
         const int* slots = slot.data_ptr<int>();

@@ -36,9 +36,6 @@ struct Launch {
     // routing is complete by then (written two kernels back). Blocks needing more than
     // kMaxPreloadBytes of weights read them as before.
     bool preload = false;
-    // The CUDA-core gate/up experts (launch_moe_gate_up) ask L2 for their weight rows as soon as they
-    // know their expert, before gathering their tokens (two more dependent round trips).
-    bool expert_prefetch = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 

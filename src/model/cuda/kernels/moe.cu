@@ -254,8 +254,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, bool preload, bool expert_prefetch, T* act, float* y,
-                       Fusion<T> f) {
+                       int out_rows, int num_rows, bool preload, T* act, float* y, Fusion<T> f) {
     static_assert(kFuse == kFuseNone || (kFuse == kCombine ? kMode == kExperts : kMode == kDense),
                   "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts");
     static_assert(kFuse == kFuseNone || kMoeWarps * 32 == kNormThreads, "norm_tile's sum order");
@@ -282,11 +281,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     if constexpr (kMode != kDense) {
         if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
         e = r.active_experts[blockIdx.y];
-        if (kGated && expert_prefetch) {
-            const size_t at = static_cast<size_t>(e) * out_rows * cols;
-            prefetch_rows_l2(w0 + at, block_row0, kMoeWarps * kRows, out_rows, cols);
-            prefetch_rows_l2(w1 + at, block_row0, kMoeWarps * kRows, out_rows, cols);
-        }
         first = r.expert_offset[e];
         n = r.expert_offset[e + 1] - first;
     }
@@ -442,7 +436,7 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
                   static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, preload,
-                  kMode == kGatedExperts && launch.expert_prefetch, static_cast<T*>(act), y, f);
+                  static_cast<T*>(act), y, f);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
