@@ -132,10 +132,11 @@ if [ -x "$MOERL" ]; then
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): weights not preloaded into shared memory, the
-      # one-row MoE kernels unfused, then the q/k step unfused too, tensor-core gate/up from batch 2,
-      # and the earlier defaults (CUDA-core experts, grouped GEMMs from 64). MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;GEMV_PRELOAD=0;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK_MAX_BATCH=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
+      # Variants of the decode kernels (graphs on): gate/up weight loads issued early, argmax in one
+      # kernel, weights not preloaded into shared memory, the one-row MoE kernels unfused, then the
+      # q/k step unfused too, tensor-core gate/up from batch 2, and the earlier defaults (CUDA-core
+      # experts, grouped GEMMs from 64). MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between).
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;EXPERT_EARLY=1;ARGMAX_ONE_KERNEL=1;GEMV_PRELOAD=0;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK_MAX_BATCH=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \

@@ -117,6 +117,11 @@ struct Generator::Impl {
     // on an H200 (Qwen3-30B-A3B shape, 8 layers, bench rollout): step 0.687 -> 0.670 ms at batch 1,
     // the same at 16 and 64.
     bool gemv_preload = env::get_int("MOERL_GENERATOR_GEMV_PRELOAD", 1) != 0;
+    // The CUDA-core gate/up experts request their first weight chunks as soon as they know their expert
+    // (cuda::Launch::early_expert_loads).
+    bool early_expert_loads = env::get_int("MOERL_GENERATOR_EXPERT_EARLY", 0) != 0;
+    // The greedy argmax in one kernel (launch_argmax_one_kernel) instead of a memset and two kernels.
+    bool argmax_one_kernel = env::get_int("MOERL_GENERATOR_ARGMAX_ONE_KERNEL", 0) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -182,7 +187,7 @@ struct Generator::Impl {
         const ModelConfig& c = m.config;
         // Overlapped launches only without per-kernel profiling (its events sit between the kernels).
         const cuda::Launch launch{at::cuda::getCurrentCUDAStream().stream(), overlap_launches && !profile,
-                                  gemv_preload};
+                                  gemv_preload, early_expert_loads};
         const float eps = static_cast<float>(c.rms_norm_eps);
         const int* pos = position.data_ptr<int>();
         const int* slots = slot.data_ptr<int>();
@@ -305,9 +310,13 @@ struct Generator::Impl {
         at::Tensor logits_b = rows(logits);
         at::mm_out(logits_b, rows(h), m.output_weight().t());
         mark("lm_head mm");
-        cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V),
-                            reinterpret_cast<unsigned long long*>(argmax_scratch.data_ptr<int64_t>()),
-                            greedy.data_ptr<int64_t>(), launch);
+        auto* scratch = reinterpret_cast<unsigned long long*>(argmax_scratch.data_ptr<int64_t>());
+        if (argmax_one_kernel)
+            cuda::launch_argmax_one_kernel(dtype, logits.data_ptr(), B, static_cast<int>(V), scratch,
+                                           greedy.data_ptr<int64_t>(), launch);
+        else
+            cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), scratch,
+                                greedy.data_ptr<int64_t>(), launch);
         mark("argmax");
         const cudaError_t err = cudaGetLastError();
         MOERL_CHECK(err == cudaSuccess, "decode step kernels failed to launch: ", cudaGetErrorString(err));
@@ -472,7 +481,7 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
     g.y = at::zeros({B * g.K + 1, g.H}, t.dtype(at::kFloat));  // + a spare row for unrouted slots
     g.logits = at::zeros({B, g.V}, t);
     g.greedy = at::zeros({B}, t.dtype(at::kLong));
-    g.argmax_scratch = at::zeros({B}, t.dtype(at::kLong));
+    g.argmax_scratch = at::zeros({2 * B}, t.dtype(at::kLong));  // launch_argmax_one_kernel's size
     g.fused_done = at::zeros({cuda::fused_rows_done_counters(g.H)}, i32);
     g.topk_idx = at::zeros({B * g.K}, i32);
     g.topk_weights = at::zeros({B * g.K}, t.dtype(at::kFloat));

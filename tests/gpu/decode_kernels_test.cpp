@@ -344,10 +344,15 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     Dev<float> y_preloaded{std::vector<float>(static_cast<size_t>(S) * H, -5.0f)};
     mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_preloaded.p,
                         {nullptr, false, true});
+    Dev<__nv_bfloat16> act_early{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
+    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_early.p,
+                           {nullptr, false, false, true});
     CK(cudaGetLastError());
     const auto ac = act_core.read(), am = act_mma.read();
     const auto yc = y_core.read(), ym = y_mma.read();
     EXPECT_EQ(y_preloaded.read(), yc) << "down experts with their weights preloaded into shared memory";
+    EXPECT_EQ(std::memcmp(act_early.read().data(), ac.data(), ac.size() * sizeof(ac[0])), 0)
+        << "gate/up with its first weight chunks requested early";
 
     // Products of bf16 values summed in double, rounded as the kernels round them.
     auto close = [](float got, double want) {
@@ -531,4 +536,57 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
                 fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64);
                 fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1);
             }
+}
+
+namespace {
+
+// Both argmax launchers against the CPU: ties to the lowest index, NaN above every number, rows
+// shorter than one block and rows of a real vocabulary; twice in a row (the one-kernel version's
+// scratch must come back to zero).
+template <typename T>
+void argmax_matches_cpu(int dtype, int V) {
+    constexpr int B = 3;
+    std::mt19937 rng(V + dtype);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<T> logits(static_cast<size_t>(B) * V);
+    for (T& x : logits) x = static_cast<T>(normal(rng));
+    logits[5] = logits[V - 3] = static_cast<T>(40.0f);  // row 0: a tie, the lower index wins
+    logits[V + 17] = static_cast<T>(std::nanf(""));     // row 1: NaN wins
+    logits[V + 18] = static_cast<T>(50.0f);
+    std::vector<int64_t> want(B);
+    for (int b = 0; b < B; ++b) {
+        int64_t best = 0;
+        for (int i = 1; i < V; ++i) {
+            const float v = static_cast<float>(logits[static_cast<size_t>(b) * V + i]);
+            const float m = static_cast<float>(logits[static_cast<size_t>(b) * V + best]);
+            if (!std::isnan(m) && (std::isnan(v) || v > m)) best = i;
+        }
+        want[b] = best;
+    }
+    ASSERT_EQ(want[0], 5);
+    ASSERT_EQ(want[1], 17);
+    Dev<T> d_logits(logits);
+    Dev<unsigned long long> scratch{std::vector<unsigned long long>(2 * B)};
+    for (int call = 0; call < 2; ++call) {
+        Dev<int64_t> two{std::vector<int64_t>(B, -1)}, one{std::vector<int64_t>(B, -1)};
+        mc::launch_argmax(dtype, d_logits.p, B, V, scratch.p, two.p, {nullptr, false});
+        CK(cudaMemset(scratch.p, 0, scratch.n * sizeof(unsigned long long)));
+        mc::launch_argmax_one_kernel(dtype, d_logits.p, B, V, scratch.p, one.p, {nullptr, false});
+        CK(cudaGetLastError());
+        const std::string at =
+            "dtype " + std::to_string(dtype) + " V " + std::to_string(V) + " call " + std::to_string(call);
+        EXPECT_EQ(two.read(), want) << at << ": memset + two kernels";
+        EXPECT_EQ(one.read(), want) << at << ": one kernel";
+        EXPECT_EQ(scratch.read(), std::vector<unsigned long long>(2 * B, 0ull)) << at << ": scratch left set";
+    }
+}
+
+}  // namespace
+
+TEST(DecodeArgmax, MatchesCpu) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    for (int V : {1000, 151936}) {
+        argmax_matches_cpu<float>(0, V);
+        argmax_matches_cpu<__nv_bfloat16>(1, V);
+    }
 }

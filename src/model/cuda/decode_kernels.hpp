@@ -36,6 +36,9 @@ struct Launch {
     // routing is complete by then (written two kernels back). Blocks needing more than
     // kMaxPreloadBytes of weights read them as before.
     bool preload = false;
+    // The CUDA-core gate/up experts (launch_moe_gate_up) request the first chunks of their weight rows
+    // as soon as they know their expert, before gathering their tokens (two dependent round trips).
+    bool early_expert_loads = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 
@@ -179,5 +182,10 @@ void launch_moe_down_combine(int dtype, const void* act, const void* down, const
 // scratch: B 64-bit words.
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
                    const Launch& launch);
+// The same in one kernel: the last block of each row to finish writes out[b] and returns the row's
+// scratch to zero (no memset, no second kernel). scratch: 2 B 64-bit words, zero before the first
+// call; each call leaves them zero.
+void launch_argmax_one_kernel(int dtype, const void* logits, int B, int V, unsigned long long* scratch,
+                              int64_t* out, const Launch& launch);
 
 }  // namespace moerl::model::cuda

@@ -254,7 +254,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, bool preload, T* act, float* y, Fusion<T> f) {
+                       int out_rows, int num_rows, bool preload, bool early, T* act, float* y, Fusion<T> f) {
     static_assert(kFuse == kFuseNone || (kFuse == kCombine ? kMode == kExperts : kMode == kDense),
                   "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts");
     static_assert(kFuse == kFuseNone || kMoeWarps * 32 == kNormThreads, "norm_tile's sum order");
@@ -296,6 +296,22 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
                                      : w0 + (static_cast<size_t>(e) * out_rows + row) * cols;
         if constexpr (kGated) w[kMats - 1][i] = w1 + (static_cast<size_t>(e) * out_rows + row) * cols;
     }
+    // kUnroll chunks of every weight row are requested before their arithmetic, so each lane keeps
+    // kUnroll * kMats * kRows 16-byte loads in flight. With `early` (gate/up: Launch::early_expert_loads)
+    // the first chunks are requested as soon as the expert is known, while the tokens are gathered.
+    constexpr int kUnroll = 4;
+    Raw8<T> raw[kUnroll][kMats][kRows];
+    auto request = [&](int cb) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (cb + u * 256 < cols)
+#pragma unroll
+                for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                    for (int i = 0; i < kRows; ++i) raw[u][m][i] = load_raw8(w[m][i] + cb + u * 256);
+    };
+    const bool requested_early = kGated && early && row0 < out_rows && n > 0;
+    if (requested_early) request(lane * 8);
     for (int c0 = 0; c0 < n; c0 += kTile) {
         const int nt = min(kTile, n - c0);
         __syncthreads();
@@ -314,18 +330,10 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int j = 0; j < kTile; ++j) acc[m][i][j] = 0.0f;
-        // kUnroll chunks of every weight row are requested before their arithmetic, so each lane
-        // keeps kUnroll * kMats * kRows 16-byte loads in flight.
-        constexpr int kUnroll = 4;
+        bool in_flight = requested_early && c0 == 0;
         for (int cb = lane * 8; cb < cols; cb += 256 * kUnroll) {
-            Raw8<T> raw[kUnroll][kMats][kRows];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-                if (cb + u * 256 < cols)
-#pragma unroll
-                    for (int m = 0; m < kMats; ++m)
-#pragma unroll
-                        for (int i = 0; i < kRows; ++i) raw[u][m][i] = load_raw8(w[m][i] + cb + u * 256);
+            if (!in_flight) request(cb);
+            in_flight = false;
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int c = cb + u * 256;
@@ -436,7 +444,7 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
                   static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, preload,
-                  static_cast<T*>(act), y, f);
+                  kMode == kGatedExperts && launch.early_expert_loads, static_cast<T*>(act), y, f);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from

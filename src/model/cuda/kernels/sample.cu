@@ -19,14 +19,12 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(i));
 }
 
+// The largest key of this block's range of row blockIdx.y, in thread 0 (logits [B, V]).
 template <typename T>
-__global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const T* logits, int V, unsigned long long* best_key) {
-    griddep_wait();
-    griddep_launch_dependents();
+__device__ __forceinline__ unsigned long long block_best_key(const T* logits, int V) {
     __shared__ unsigned long long warp_best[kArgmaxThreads / 32];
-    const int b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const T* row = logits + static_cast<size_t>(b) * V;  // logits [B, V]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const T* row = logits + static_cast<size_t>(blockIdx.y) * V;
     const int first = blockIdx.x * kArgmaxPerBlock;
     unsigned long long best = 0;
 #pragma unroll 8
@@ -38,17 +36,47 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(kFullMask, best, o));
     if (lane == 0) warp_best[warp] = best;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
         for (int w = 1; w < kArgmaxThreads / 32; ++w) best = max(best, warp_best[w]);
-        atomicMax(best_key + b, best);
-    }
+    return best;
+}
+
+__device__ __forceinline__ int64_t argmax_index(unsigned long long key) {
+    return static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(key & 0xffffffffu));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const T* logits, int V, unsigned long long* best_key) {
+    griddep_wait();
+    griddep_launch_dependents();
+    const unsigned long long best = block_best_key(logits, V);
+    if (threadIdx.x == 0) atomicMax(best_key + blockIdx.y, best);
+}
+
+// scratch [2, B]: the rows' best keys, then their finished-block counts.
+template <typename T>
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_one_kernel(const T* logits, int V, unsigned long long* scratch, int64_t* out) {
+    griddep_wait();
+    griddep_launch_dependents();
+    const unsigned long long best = block_best_key(logits, V);
+    if (threadIdx.x != 0) return;
+    const int b = blockIdx.y;
+    unsigned long long* key = scratch + b;
+    unsigned long long* done = scratch + gridDim.y + b;
+    atomicMax(key, best);
+    __threadfence();  // this block's key before its count
+    if (atomicAdd(done, 1ull) != gridDim.x - 1) return;
+    out[b] = argmax_index(atomicExch(key, 0ull));  // every block's key is in; zero for the next call
+    *done = 0;
 }
 
 __global__ void argmax_finish_kernel(const unsigned long long* best_key, int B, int64_t* out) {
     griddep_wait();
     griddep_launch_dependents();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b < B) out[b] = static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(best_key[b] & 0xffffffffu));
+    if (b < B) out[b] = argmax_index(best_key[b]);
 }
 
 }  // namespace
@@ -65,6 +93,18 @@ void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long lo
         launch_kernel(argmax_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
                       static_cast<const __nv_bfloat16*>(logits), V, scratch);
     launch_kernel(argmax_finish_kernel, (B + 255) / 256, 256, 0, launch, scratch, B, out);
+}
+
+void launch_argmax_one_kernel(int dtype, const void* logits, int B, int V, unsigned long long* scratch,
+                              int64_t* out, const Launch& launch) {
+    if (B == 0) return;
+    const dim3 grid((V + kArgmaxPerBlock - 1) / kArgmaxPerBlock, B);
+    if (dtype == 0)
+        launch_kernel(argmax_one_kernel<float>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const float*>(logits), V, scratch, out);
+    else
+        launch_kernel(argmax_one_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const __nv_bfloat16*>(logits), V, scratch, out);
 }
 
 }  // namespace moerl::model::cuda
