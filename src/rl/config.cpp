@@ -230,6 +230,9 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.integer("max_new_tokens", 0, 4096, c.sampling.max_new_tokens);
             s.integer("max_batch", 1, 1 << 16, c.rollout_max_batch);
             s.boolean("record_routing", c.record_routing);
+            s.choice("device", {"cpu", "cuda"}, c.rollout_device);
+            s.choice("dtype", {"fp32", "bf16"}, c.rollout_dtype);
+            s.integer("max_seq_len", 2, 1 << 20, c.rollout_max_seq_len);
         },
         top);
     section(
@@ -318,6 +321,9 @@ void RunConfig::validate() const {
     MOERL_CHECK(longest <= m.max_position_embeddings || !model_path.empty(), s, ": the longest sequence (",
                 longest, " tokens) exceeds the model's max_position_embeddings (", m.max_position_embeddings,
                 ")");
+    MOERL_CHECK(rollout_device != "cuda" || longest <= rollout_max_seq_len, s,
+                ": rollout.max_seq_len: ", rollout_max_seq_len, " is below the longest sequence (", longest,
+                " tokens: the task's longest prompt + rollout.max_new_tokens)");
 }
 
 double RunConfig::lr_at(int64_t step) const {

@@ -1,6 +1,8 @@
 // The env, rollout and train roles on top of the control plane.
 #include "moerl/rl/roles.hpp"
 
+#include <ATen/Context.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -37,6 +39,18 @@ std::string checkpoint_name(int64_t next_step) {
 // Policy versions live in the store as "policy-v{N}" checkpoints, or as a plain directory
 // ("file:///dir") when trainer and workers share a file system.
 constexpr const char* kStorePrefix = "store:";
+
+// The rollout model's device and dtype (rollout.device, rollout.dtype).
+model::ModelOptions rollout_model_options(const RunConfig& c) {
+    model::ModelOptions o;
+    o.dtype = c.rollout_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    if (c.rollout_device == "cuda") {
+        MOERL_CHECK(at::hasCUDA(), c.source,
+                    ": rollout.device: cuda, but this LibTorch build or machine has no CUDA device");
+        o.device = at::Device(at::kCUDA, 0);
+    }
+    return o;
+}
 }  // namespace
 
 ControlPlane ControlPlane::connect(const RunConfig& c, const std::string& run_id) {
@@ -98,9 +112,14 @@ struct RolloutWorker::Impl {
     std::map<uint64_t, InFlight> in_flight;
 
     Impl(const RunConfig& c, ControlPlane& control, std::string n, std::string cache)
-        : cfg(c), cp(control), name(std::move(n)), cache_dir(std::move(cache)), model(c.model, {}) {
+        : cfg(c),
+          cp(control),
+          name(std::move(n)),
+          cache_dir(std::move(cache)),
+          model(c.model, rollout_model_options(c)) {
         SamplingParams sp = c.sampling;
-        engine = std::make_unique<RolloutEngine>(model, sp, c.rollout_max_batch, c.record_routing);
+        engine = std::make_unique<RolloutEngine>(model, sp, c.rollout_max_batch, c.record_routing,
+                                                 c.rollout_max_seq_len);
         std::vector<std::unique_ptr<Rewarder>> parts;
         std::vector<double> weights;
         parts.push_back(make_verifier_rewarder(c.task));
@@ -125,6 +144,7 @@ struct RolloutWorker::Impl {
             control::fetch_checkpoint(*cp.store, ckpt, dir, (fs::path(cache_dir) / "cache").string());
         }
         model.load_weights(dir);
+        engine->refresh_weights();
         version = latest->first;
         return version;
     }
@@ -405,9 +425,9 @@ int64_t TrainerRole::version() const { return impl_->version; }
 namespace moerl::rl {
 
 RolloutBench bench_rollout(const RunConfig& c, int num_sequences, int max_batch) {
-    model::MoeModel m(c.model, {});
+    model::MoeModel m(c.model, rollout_model_options(c));
     m.init_random(c.seed);
-    RolloutEngine engine(m, c.sampling, max_batch, c.record_routing);
+    RolloutEngine engine(m, c.sampling, max_batch, c.record_routing, c.rollout_max_seq_len);
     for (int i = 0; i < num_sequences; ++i) {
         TaskPayload p = make_task_payload(c, 0, i, 0);
         engine.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, c.max_new_tokens()});

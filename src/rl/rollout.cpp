@@ -1,6 +1,8 @@
 // Continuous-batching generation on top of MoeModel's prefill/decode. The active batch shares one
 // KV cache; joining sequences are prefilled in their own cache and merged in, right-aligned (the
-// model's positions come from next_position, so leading empty columns are harmless).
+// model's positions come from next_position, so leading empty columns are harmless). On a CUDA
+// device without routing records, model::Generator holds the sequences instead (a slot each in its
+// paged cache) and runs prefill and the decode steps.
 #include "moerl/rl/rollout.hpp"
 
 #include <ATen/ATen.h>
@@ -11,6 +13,7 @@
 #include <numeric>
 
 #include "moerl/core/error.hpp"
+#include "moerl/model/generator.hpp"
 #include "moerl/model/model.hpp"
 
 namespace moerl::rl {
@@ -109,6 +112,7 @@ struct RolloutEngine::Impl {
         GenRequest req;
         Trajectory traj;
         int next_input = -1;  // last sampled token, not yet in the cache
+        int slot = -1;        // the Generator's slot (CUDA engine)
     };
     const model::MoeModel& model;
     SamplingParams params;
@@ -118,13 +122,27 @@ struct RolloutEngine::Impl {
     std::deque<GenRequest> waiting;
     std::vector<Seq> active;  // row i of the cache
     model::KvCache cache;
+    std::unique_ptr<model::Generator> gen;  // the CUDA engine, when it runs the sequences
+    int max_seq_len = 0;
     int64_t tokens = 0;
 
-    Impl(const model::MoeModel& m, const SamplingParams& p, int mb, bool rr)
-        : model(m), params(p), max_batch(mb), record_routing(rr) {
+    Impl(const model::MoeModel& m, const SamplingParams& p, int mb, bool rr, int msl)
+        : model(m), params(p), max_batch(mb), record_routing(rr), max_seq_len(msl) {
         num_moe_layers = m.config().num_moe_layers();
         top_k = m.config().num_experts_per_tok;
         vocab = m.config().vocab_size;
+        if (m.options().device.is_cuda() && !record_routing && model::Generator::available()) {
+            model::GeneratorOptions o;
+            o.max_batch = max_batch;
+            o.max_seq_len = max_seq_len;
+            gen = std::make_unique<model::Generator>(m, o);
+        }
+    }
+
+    // The Generator's slots of finished sequences go back (the eager path keeps its cache rows).
+    void release(Seq& s) {
+        if (gen && s.slot >= 0) gen->release(s.slot);
+        s.slot = -1;
     }
 
     size_t route_width() const { return static_cast<size_t>(num_moe_layers) * top_k; }
@@ -171,6 +189,7 @@ struct RolloutEngine::Impl {
         std::vector<Seq> kept;
         for (int64_t r : rows) kept.push_back(std::move(active[r]));
         active = std::move(kept);
+        if (gen) return;
         if (active.empty()) {
             cache = model::KvCache();
         } else {
@@ -183,6 +202,7 @@ struct RolloutEngine::Impl {
             std::min(waiting.size(), static_cast<size_t>(std::max(0, max_batch - (int)active.size())));
         if (n == 0) return;
         std::vector<Seq> joining;
+        std::vector<std::vector<int64_t>> contexts;  // prompt + resumed response
         int64_t longest = 0;
         for (size_t i = 0; i < n; ++i) {
             Seq s;
@@ -192,32 +212,48 @@ struct RolloutEngine::Impl {
             s.traj.num_moe_layers = num_moe_layers;
             s.traj.top_k = top_k;
             s.traj.routing.clear();  // recomputed below for prompt and prefix
-            longest = std::max<int64_t>(longest, s.req.prompt.size() + s.traj.tokens.size());
+            std::vector<int64_t> ctx(s.req.prompt.begin(), s.req.prompt.end());
+            ctx.insert(ctx.end(), s.traj.tokens.begin(), s.traj.tokens.end());
+            longest = std::max<int64_t>(longest, static_cast<int64_t>(ctx.size()));
+            contexts.push_back(std::move(ctx));
             joining.push_back(std::move(s));
         }
-        const int64_t B = static_cast<int64_t>(n);
-        at::Tensor ids = at::zeros({B, longest}, at::kLong);
-        at::Tensor mask = at::zeros({B, longest}, at::kLong);
-        std::vector<int64_t> pad(n);
-        for (size_t i = 0; i < n; ++i) {
-            std::vector<int64_t> ctx(joining[i].req.prompt.begin(), joining[i].req.prompt.end());
-            ctx.insert(ctx.end(), joining[i].traj.tokens.begin(), joining[i].traj.tokens.end());
-            pad[i] = longest - static_cast<int64_t>(ctx.size());
-            ids[i].narrow(0, pad[i], ctx.size()).copy_(at::tensor(ctx, at::kLong));
-            mask[i].narrow(0, pad[i], ctx.size()).fill_(1);
-        }
+        at::Tensor logits;  // [n, V]: each joining sequence's next-token logits
+        model::KvCache fresh;
         int64_t room = 0;
-        for (auto& s : joining)
-            room = std::max<int64_t>(room, s.req.max_new_tokens - (int64_t)s.traj.tokens.size());
-        for (auto& s : active)
-            room = std::max<int64_t>(room, s.req.max_new_tokens - (int64_t)s.traj.tokens.size());
-        model::KvCache fresh = model.new_cache(B, longest + room + 1);
-        model::StepOutput out = model.prefill(fresh, ids, mask, record_routing);
+        if (gen) {
+            std::vector<int> slots;
+            for (Seq& s : joining) {
+                s.slot = gen->acquire();
+                MOERL_CHECK(s.slot >= 0, "rollout: the CUDA engine has no free slot for request ", s.req.id);
+                slots.push_back(s.slot);
+            }
+            logits = gen->prefill(slots, contexts).logits;
+        } else {
+            const int64_t B = static_cast<int64_t>(n);
+            at::Tensor ids = at::zeros({B, longest}, at::kLong);
+            at::Tensor mask = at::zeros({B, longest}, at::kLong);
+            std::vector<int64_t> pad(n);
+            for (size_t i = 0; i < n; ++i) {
+                const int64_t len = static_cast<int64_t>(contexts[i].size());
+                pad[i] = longest - len;
+                ids[i].narrow(0, pad[i], len).copy_(at::tensor(contexts[i], at::kLong));
+                mask[i].narrow(0, pad[i], len).fill_(1);
+            }
+            for (auto& s : joining)
+                room = std::max<int64_t>(room, s.req.max_new_tokens - (int64_t)s.traj.tokens.size());
+            for (auto& s : active)
+                room = std::max<int64_t>(room, s.req.max_new_tokens - (int64_t)s.traj.tokens.size());
+            fresh = model.new_cache(B, longest + room + 1);
+            model::StepOutput out = model.prefill(fresh, ids, mask, record_routing);
+            if (record_routing)
+                for (size_t i = 0; i < n; ++i) append_routing(joining[i], out.routing[i], pad[i]);
+            logits = out.logits;
+        }
         // Sequences that still need tokens draw one from their prefill logits.
         std::vector<int64_t> drawing;
         std::vector<Seq*> drawn;
         for (size_t i = 0; i < n; ++i) {
-            if (record_routing) append_routing(joining[i], out.routing[i], pad[i]);
             if (static_cast<int>(joining[i].traj.tokens.size()) < joining[i].req.max_new_tokens) {
                 drawing.push_back(static_cast<int64_t>(i));
                 drawn.push_back(&joining[i]);
@@ -225,8 +261,7 @@ struct RolloutEngine::Impl {
         }
         std::vector<std::pair<int, float>> tokens;
         if (!drawing.empty())
-            tokens = draw(drawn,
-                          out.logits.index_select(0, at::tensor(drawing, at::kLong).to(out.logits.device())));
+            tokens = draw(drawn, logits.index_select(0, at::tensor(drawing, at::kLong).to(logits.device())));
         std::vector<int64_t> keep;
         for (size_t i = 0, d = 0; i < n; ++i) {
             Seq& s = joining[i];
@@ -236,15 +271,16 @@ struct RolloutEngine::Impl {
                 ++d;
             }
             if (finished) {
+                release(s);
                 done.push_back(finish(s));
             } else {
                 keep.push_back(static_cast<int64_t>(i));
             }
         }
         if (keep.empty()) return;
-        if (keep.size() < n) fresh.select(at::tensor(keep, at::kLong));
+        if (!gen && keep.size() < n) fresh.select(at::tensor(keep, at::kLong));
         for (int64_t k : keep) active.push_back(std::move(joining[k]));
-        cache = merge_caches(cache, fresh, room + 1);
+        if (!gen) cache = merge_caches(cache, fresh, room + 1);
     }
 
     std::vector<GenResult> step(int64_t version) {
@@ -253,8 +289,13 @@ struct RolloutEngine::Impl {
         admit(version, done);
         if (active.empty()) return done;
         std::vector<int64_t> in;
-        for (auto& s : active) in.push_back(s.next_input);
-        model::StepOutput out = model.decode(cache, at::tensor(in, at::kLong), record_routing);
+        std::vector<int> slots;
+        for (auto& s : active) in.push_back(s.next_input), slots.push_back(s.slot);
+        model::StepOutput out;
+        if (gen)
+            out.logits = gen->decode(slots, at::tensor(in, at::kLong)).logits;
+        else
+            out = model.decode(cache, at::tensor(in, at::kLong), record_routing);
         std::vector<Seq*> rows;
         for (auto& s : active) rows.push_back(&s);
         const std::vector<std::pair<int, float>> tokens = draw(rows, out.logits);
@@ -263,6 +304,7 @@ struct RolloutEngine::Impl {
             Seq& s = active[i];
             if (record_routing) append_routing(s, out.routing[i], 0);
             if (take(s, tokens[i].first, tokens[i].second, version)) {
+                release(s);
                 done.push_back(finish(s));
             } else {
                 keep.push_back(static_cast<int64_t>(i));
@@ -274,15 +316,21 @@ struct RolloutEngine::Impl {
 };
 
 RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
-                             bool record_routing)
-    : impl_(std::make_unique<Impl>(model, params, max_batch, record_routing)) {
+                             bool record_routing, int max_seq_len) {
     MOERL_CHECK(max_batch >= 1, "rollout max_batch must be >= 1, got ", max_batch);
     MOERL_CHECK(params.temperature > 0, "sampling temperature must be > 0, got ", params.temperature);
+    MOERL_CHECK(max_seq_len >= 2, "rollout max_seq_len must be >= 2, got ", max_seq_len);
+    impl_ = std::make_unique<Impl>(model, params, max_batch, record_routing, max_seq_len);
 }
 RolloutEngine::~RolloutEngine() = default;
 
 void RolloutEngine::add(GenRequest request) {
     MOERL_CHECK(!request.prompt.empty(), "rollout request ", request.id, " has an empty prompt");
+    const int64_t longest = static_cast<int64_t>(request.prompt.size()) +
+                            std::max<int64_t>(request.max_new_tokens, request.prefix.tokens.size());
+    MOERL_CHECK(!impl_->gen || longest <= impl_->max_seq_len, "rollout request ", request.id, " needs ",
+                longest, " tokens (prompt + max_new_tokens), above the CUDA engine's max_seq_len ",
+                impl_->max_seq_len);
     impl_->waiting.push_back(std::move(request));
 }
 
@@ -300,6 +348,7 @@ std::vector<GenResult> RolloutEngine::run_to_completion(int64_t policy_version) 
 std::vector<GenResult> RolloutEngine::drain() {
     std::vector<GenResult> out;
     for (auto& s : impl_->active) {
+        impl_->release(s);
         s.traj.routing.clear();  // a resumed sequence recomputes it in its prefill
         out.push_back({s.req.id, std::move(s.traj)});
     }
@@ -309,6 +358,11 @@ std::vector<GenResult> RolloutEngine::drain() {
     impl_->cache = model::KvCache();
     return out;
 }
+
+void RolloutEngine::refresh_weights() {
+    if (impl_->gen) impl_->gen->refresh_weights();
+}
+bool RolloutEngine::uses_generator() const { return impl_->gen != nullptr; }
 
 size_t RolloutEngine::num_active() const { return impl_->active.size(); }
 size_t RolloutEngine::num_waiting() const { return impl_->waiting.size(); }

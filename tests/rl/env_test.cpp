@@ -1,4 +1,5 @@
-// Tokenizer, tasks and verifiers, sampling, experience records and config errors.
+// Tokenizer, tasks and verifiers, sampling, experience records, config errors, and the rollout
+// engine on a CUDA device against the CPU.
 #include "moerl/rl/env.hpp"
 
 #include <ATen/ATen.h>
@@ -10,8 +11,11 @@
 #include <random>
 
 #include "moerl/core/error.hpp"
+#include "moerl/model/generator.hpp"
+#include "moerl/model/model.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/experience.hpp"
+#include "moerl/rl/roles.hpp"
 #include "moerl/rl/rollout.hpp"
 
 using namespace moerl::rl;
@@ -191,9 +195,64 @@ TEST(Config, BadInputNamesTheKey) {
          "quickstart.yaml: train.routing_replay: expected true or false"},
         {"train: [1, 2]\n", "quickstart.yaml: train: expected a mapping"},
         {"run: {steps: 10\n", "quickstart.yaml: not valid YAML"},
+        {"rollout:\n  device: tpu\n",
+         "quickstart.yaml: rollout.device: expected one of cpu, cuda, got 'tpu'"},
+        {"rollout:\n  dtype: fp8\n", "quickstart.yaml: rollout.dtype: expected one of bf16, fp32, got 'fp8'"},
+        {"rollout:\n  max_seq_len: 1\n",
+         "quickstart.yaml: rollout.max_seq_len: expected an integer in [2, 1048576], got 1"},
+        {"rollout:\n  device: cuda\n  max_seq_len: 4\n",
+         "quickstart.yaml: rollout.max_seq_len: 4 is below the longest sequence ("},
     };
     for (const auto& [yaml, expect] : cases) {
         const std::string msg = config_error(yaml);
         EXPECT_EQ(msg.rfind(expect, 0), 0u) << "input:\n" << yaml << "message: " << msg;
     }
+}
+
+// rollout.device: cuda. Without a CUDA device it is refused naming the key; with one, greedy
+// rollouts (top_k 1, fp32) on the GPU — through model::Generator where the build has it — give the
+// CPU's tokens and log-probabilities, under continuous batching (more requests than slots).
+TEST(Rollout, CudaMatchesCpuOrIsRefused) {
+    RunConfig c = RunConfig::from_yaml_text("rollout: {device: cuda, record_routing: false, top_k: 1}\n",
+                                            "quickstart.yaml");
+    if (!at::hasCUDA()) {
+        try {
+            bench_rollout(c, 2, 2);
+            ADD_FAILURE() << "rollout.device: cuda accepted without a CUDA device";
+        } catch (const moerl::Error& e) {
+            EXPECT_NE(e.message().find("quickstart.yaml: rollout.device: cuda, but"), std::string::npos)
+                << e.message();
+        }
+        return;
+    }
+    moerl::model::MoeModel cpu(c.model, {});
+    moerl::model::ModelOptions on_gpu;
+    on_gpu.device = at::Device(at::kCUDA, 0);
+    moerl::model::MoeModel gpu(c.model, on_gpu);
+    cpu.init_random(7);
+    gpu.init_random(7);
+    RolloutEngine a(cpu, c.sampling, 3, false, c.rollout_max_seq_len);
+    RolloutEngine b(gpu, c.sampling, 3, false, c.rollout_max_seq_len);
+    EXPECT_FALSE(a.uses_generator());
+    EXPECT_EQ(b.uses_generator(), moerl::model::Generator::available());
+    for (int i = 0; i < 7; ++i) {
+        const TaskPayload p = make_task_payload(c, 0, i, 0);
+        const int max_new = 2 + i % 5;  // sequences leave at different steps
+        a.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, max_new});
+        b.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, max_new});
+    }
+    auto by_id = [](std::vector<GenResult> v) {
+        std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
+        return v;
+    };
+    const std::vector<GenResult> want = by_id(a.run_to_completion(0)), got = by_id(b.run_to_completion(0));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
+        ASSERT_EQ(got[i].trajectory.logprobs.size(), want[i].trajectory.logprobs.size());
+        for (size_t t = 0; t < want[i].trajectory.logprobs.size(); ++t)
+            EXPECT_NEAR(got[i].trajectory.logprobs[t], want[i].trajectory.logprobs[t], 1e-3)
+                << "request " << want[i].id << " token " << t;
+    }
+    EXPECT_TRUE(b.idle());
 }

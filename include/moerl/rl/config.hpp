@@ -40,6 +40,11 @@ struct RunConfig {
     SamplingParams sampling;
     int rollout_max_batch = 64;  // sequences decoded together, >= 1
     bool record_routing = true;
+    // Where the rollout worker's model lives: cpu, or cuda (the first GPU; with record_routing off
+    // the sequences decode through model::Generator, the fused CUDA engine), in fp32 or bf16.
+    std::string rollout_device = "cpu";
+    std::string rollout_dtype = "fp32";
+    int rollout_max_seq_len = 1024;  // prompt + response a sequence may hold on cuda (its KV cache)
     // train
     int group_size = 8;        // G, >= 2
     int prompts_per_step = 8;  // >= 1

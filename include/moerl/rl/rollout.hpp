@@ -47,9 +47,12 @@ double uniform_draw(uint64_t seed, uint64_t draw);
 class RolloutEngine {
   public:
     // The model must outlive the engine; weights may be reloaded in place between steps (tokens
-    // carry the version that sampled them).
+    // carry the version that sampled them; call refresh_weights() after). A model on a CUDA device
+    // decodes through model::Generator (paged KV cache of max_seq_len tokens a sequence, fused decode
+    // kernels) when this build has it and routing is not recorded; otherwise through the model's
+    // own prefill/decode.
     RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
-                  bool record_routing);
+                  bool record_routing, int max_seq_len = 1024);
     ~RolloutEngine();
 
     void add(GenRequest request);
@@ -60,6 +63,11 @@ class RolloutEngine {
     std::vector<GenResult> run_to_completion(int64_t policy_version);
     // Removes every unfinished sequence and returns its partial trajectory (preemption).
     std::vector<GenResult> drain();
+
+    // Re-reads what the engine keeps of the weights (the CUDA engine's fused projections).
+    void refresh_weights();
+    // Whether sequences decode through model::Generator.
+    bool uses_generator() const;
 
     size_t num_active() const;
     size_t num_waiting() const;
