@@ -11,6 +11,7 @@
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_VARIANT_LIST,
 # MOERL_DEVICE_VARIANT_BATCH and MOERL_DEVICE_KBENCH_ARGS (e.g. "--no-attention") narrow those runs.
+# MOERL_DEVICE_RL=ON builds the rl layer too and runs its rollout engine on the GPU against the CPU.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +59,7 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test)
-for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test; do
+for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test; do
   grep -q "build $t:" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
@@ -194,6 +195,11 @@ if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/model/model_test" ];
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-model.log" | tail -12
   step ctest_model_cuda "$(grep -E 'tests passed' "$OUT/ctest-model.log" | tail -1)"
 fi
+# The RL rollout engine on the GPU against the CPU (built with MOERL_DEVICE_RL=ON).
+if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/rl/rl_unit_test" ]; then
+  (cd "$BUILD" && timeout 120 ctest -R 'Rollout\.Cuda' --output-on-failure --timeout 100) >"$OUT/ctest-rl.log" 2>&1
+  step ctest_rl_cuda "$(grep -E 'tests passed' "$OUT/ctest-rl.log" | tail -1)"
+fi
 
 # --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
 # MOERL_DEVICE_SANITIZE_CASES: other conformance cases (space-separated names after "MatchesHostReference/").
@@ -242,7 +248,7 @@ echo
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do [[ $k == sanitizer_* ]] && echo "| $k | ${STATUS[$k]} |"; done
