@@ -220,14 +220,14 @@ elif [ -x "$TEST_BIN" ] && command -v compute-sanitizer >/dev/null; then
 else
   step sanitizer "skipped (no test binary or compute-sanitizer)"
 fi
-# The decode kernels that count finished blocks across the grid (fused q/k attention, fused rows) or
-# copy weights into shared memory ahead (preload: dense GEMV, down experts).
+# The decode kernels that count finished blocks across the grid (fused q/k attention, fused rows,
+# one-kernel argmax) or copy weights into shared memory ahead (preload: dense GEMV, down experts).
 DECODE_TEST=$BUILD/tests/gpu/decode_kernels_test
 if [ "${MOERL_DEVICE_SANITIZE:-1}" = 1 ] && [ -x "$DECODE_TEST" ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     log="$OUT/sanitizer-$tool-decode.log"
     timeout 90 compute-sanitizer --tool $tool --print-limit 20 "$DECODE_TEST" \
-      --gtest_filter="DecodeAttentionFusedQk.*:DecodeFusedRows.*:*DecodeDense.*:*DecodeExperts.*" >"$log" 2>&1
+      --gtest_filter="DecodeAttentionFusedQk.*:DecodeFusedRows.*:*DecodeDense.*:*DecodeExperts.*:DecodeArgmax.*" >"$log" 2>&1
     step "sanitizer_${tool}_decode" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr '\n' ' ')"
   done
 fi

@@ -109,12 +109,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
                 (static_cast<size_t>(table[pos / block_size]) * block_size + pos % block_size) * head_stride +
                 static_cast<size_t>(kv_head) * D;
             if (warp == kAttnWarps - 1) {
-                T* k_dst = k_pool + row;
-                norm_rope_head(qkv_row + static_cast<size_t>(Hq + kv_head) * D, fused.k_norm, fused.eps,
-                               fused.rope_theta, pos, D, [&](int j, T lo, T hi) {
-                                   k_dst[j] = lo;
-                                   k_dst[j + D / 2] = hi;
-                               });
+                norm_rope_head_to(qkv_row + static_cast<size_t>(Hq + kv_head) * D, fused.k_norm, fused.eps,
+                                  fused.rope_theta, pos, D, k_pool + row);
             } else if (warp == kAttnWarps - 2) {
                 const T* v_src = qkv_row + static_cast<size_t>(Hq + Hkv + kv_head) * D;
                 for (int c = lane * 8; c < D; c += 256) {
@@ -261,18 +257,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
     if (direct) return;
     // The last split of (row, kv head) to finish merges all of them (and returns the counter to 0
     // for the next step), so no second kernel is launched.
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
     const int used = (num_tokens + chunk - 1) / chunk;
-    int* done = part.done + static_cast<size_t>(b) * gridDim.x + group;
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(done, 1) == used - 1;
-        if (is_last) *done = 0;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!last_block_of(part.done + static_cast<size_t>(b) * gridDim.x + group, used)) return;
     const size_t base = (static_cast<size_t>(b) * gridDim.x + group) * part.splits;
     for (int i = threadIdx.x * 4; i < G * D; i += blockDim.x * 4) {  // D % 4 == 0: one head per float4
         const int g = i / D;

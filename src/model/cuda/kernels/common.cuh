@@ -227,6 +227,31 @@ __device__ __forceinline__ void norm_rope_head(const T* src, const T* w, float e
     }
 }
 
+// norm_rope_head stored to dst [D].
+template <typename T>
+__device__ __forceinline__ void norm_rope_head_to(const T* src, const T* w, float eps, float rope_theta,
+                                                  int pos, int D, T* dst) {
+    norm_rope_head(src, w, eps, rope_theta, pos, D, [&](int j, T lo, T hi) {
+        dst[j] = lo;
+        dst[j + D / 2] = hi;
+    });
+}
+
+// True in the one block that finishes last of `expected` blocks counting on *done (which it returns to
+// zero for the next call); every write of the counted blocks is then visible to it.
+__device__ __forceinline__ bool last_block_of(int* done, int expected) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(done, 1) == expected - 1;
+        if (is_last) *done = 0;
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
 }  // namespace moerl::model::cuda

@@ -201,21 +201,6 @@ __device__ __forceinline__ void norm_tile(const T* x, const T* delta, const T* w
     }
 }
 
-// True in the one block that finishes last of `expected` blocks counting on *done (which it returns to
-// zero for the next call); every write of the counted blocks is then visible to it.
-__device__ __forceinline__ bool last_block_of(int* done, int expected) {
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(done, 1) == expected - 1;
-        if (is_last) *done = 0;
-    }
-    __syncthreads();
-    if (is_last) __threadfence();
-    return is_last;
-}
-
 // Asks L2 for rows [row0, row0 + rows) of w [out_rows, cols] (the rows one block reads), a 128-byte
 // line per thread and step. Issued before griddep_wait(): the weights do not depend on the previous
 // kernel, so a GEMV that starts early finds them in L2 instead of DRAM.

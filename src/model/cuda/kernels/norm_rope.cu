@@ -69,10 +69,7 @@ __global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T
     const bool is_q = head < Hq;
     const T* w = is_q ? q_norm : k_norm;
     T* dst = is_q ? q_out + (static_cast<size_t>(b) * Hq + head) * D : k_pool + (cache_row + (head - Hq)) * D;
-    norm_rope_head(src, w, eps, rope_theta, pos, D, [&](int j, T lo, T hi) {
-        dst[j] = lo;
-        dst[j + D / 2] = hi;
-    });
+    norm_rope_head_to(src, w, eps, rope_theta, pos, D, dst);
 }
 
 }  // namespace
