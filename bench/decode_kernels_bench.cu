@@ -372,10 +372,12 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     int* fused_done = pool.zeros<int>(mc::fused_rows_done_counters(kH));
     const mc::QkvInput qkv_in{qkv, qn, kn, 1e-6f, 1e6f};
     int rows = 2;  // weight rows a warp of the dense GEMVs (the down experts keep two, as the generator)
-    bool preload = false;  // Launch::preload
+    bool preload = false;    // Launch::preload
+    bool by_column = false;  // Launch::down_by_column
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
         mc::Launch l = launch;
         l.preload = preload;
+        l.down_by_column = by_column;
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
         if (kinds & 1u)
@@ -398,16 +400,22 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         return plain_and_overlapped(stream, iters,
                                     [&](int i, const mc::Launch& l) { fused_layer(i, kinds, l); });
     };
-    const std::pair<int, bool> variants[] = {{2, false}, {1, false}, {1, true}};
-    for (const auto& [variant_rows, variant_preload] : variants) {
-        rows = variant_rows;
-        preload = variant_preload;
+    struct Variant {
+        int rows;
+        bool preload, by_column;
+    };
+    const Variant variants[] = {{2, false, false}, {1, false, false}, {1, true, false}, {1, true, true}};
+    for (const Variant& v : variants) {
+        rows = v.rows;
+        preload = v.preload;
+        by_column = v.by_column;
         const Times fused = time_fused(63u);
         std::printf(
             "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
-            "GEMVs%s\n\n"
+            "GEMVs%s%s\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
-            rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "");
+            rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "",
+            by_column ? ", down experts + combine by output column" : "");
         for (int k = 0; k < 6; ++k) {
             const Times without = time_fused(63u & ~(1u << k));
             std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,

@@ -6,6 +6,7 @@
 #include "moerl/rl/rollout.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <cmath>
@@ -80,7 +81,7 @@ std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const
     if (B == 0) return {};
     MOERL_CHECK(V >= 1, "sample_tokens: empty vocabulary");
     // In double on the logits' device: tempered log-probabilities, sorted (stable) most likely first.
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     const at::Tensor z = logits.detach().to(at::kDouble) / p.temperature;
     const at::Tensor log_norm = at::logsumexp(z, 1, /*keepdim=*/true);
     auto [sorted, order] = at::sort(z, /*stable=*/true, /*dim=*/1, /*descending=*/true);
@@ -284,7 +285,7 @@ struct RolloutEngine::Impl {
     }
 
     std::vector<GenResult> step(int64_t version) {
-        at::NoGradGuard no_grad;
+        c10::NoGradGuard no_grad;
         std::vector<GenResult> done;
         admit(version, done);
         if (active.empty()) return done;

@@ -1,6 +1,7 @@
 #include "moerl/rl/trainer.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -150,7 +151,7 @@ struct PolicyTrainer::Impl {
         }
         if (cfg.grpo.kl_coef > 0) {
             k.ref = std::make_unique<model::MoeModel>(cfg.model, opts);
-            at::NoGradGuard g;
+            c10::NoGradGuard g;
             auto src = k.model->state_dict();
             auto dst = k.ref->state_dict();
             for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_(src[i].second);
@@ -176,7 +177,7 @@ struct PolicyTrainer::Impl {
         fo.compute_logprobs = false;
         if (cfg.routing_replay) fo.replay_routing = b.replay;
         if (k.ref) {
-            at::NoGradGuard g;
+            c10::NoGradGuard g;
             ref_lp =
                 tempered_logprobs(k.ref->forward(b.ids, b.attn, fo).logits, b.ids, cfg.sampling.temperature);
         }
@@ -214,7 +215,7 @@ struct PolicyTrainer::Impl {
     // Sums dense gradients across ranks, clips by the global norm, applies AdamW.
     void step_optimizer(int r, int epoch) {
         Rank& k = ranks[r];
-        at::NoGradGuard g;
+        c10::NoGradGuard g;
         std::vector<at::Tensor> dense, expert;
         for (auto& p : k.params) {
             at::Tensor grad = p.tensor.grad();
@@ -380,7 +381,7 @@ void PolicyTrainer::load(const std::string& dir) {
         auto& k = m.ranks[r];
         model::SafetensorsFile f(
             (fs::path(dir) / ("optimizer-rank" + std::to_string(r) + ".safetensors")).string());
-        at::NoGradGuard g;
+        c10::NoGradGuard g;
         for (size_t i = 0; i < k.params.size(); ++i) {
             for (int which = 0; which < 2; ++which) {
                 const std::string name = (which == 0 ? "exp_avg." : "exp_avg_sq.") + k.params[i].name;

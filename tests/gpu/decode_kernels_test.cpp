@@ -437,7 +437,7 @@ namespace {
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
 // one and two weight rows a warp, weights preloaded into shared memory or not.
 template <typename T>
-void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload) {
+void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, bool by_column) {
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
     std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * rows);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -457,7 +457,9 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload) {
         d_down(down), d_next(next_w);
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
-    const mc::Launch eager{nullptr, false}, fused_launch{nullptr, false, preload};
+    // by_column: gate/up by top-k slot too (early_expert_loads with one row).
+    const mc::Launch eager{nullptr, false}, fused_launch{nullptr, false, preload, by_column, by_column};
+    if (by_column) EXPECT_TRUE(mc::down_combine_by_column(dtype, B, K, I)) << "column kernel not taken";
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;
         Dev<float> y;
@@ -490,15 +492,16 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload) {
         mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
                                          K, true, rows, one.h.p, one.logits.p, r1, done.p, fused_launch);
         mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
-                               eager);
+                               fused_launch);
         mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, rows, one.y.p,
-                                    one.x.p, d_o.p, d_pos.p, done.p, eager);
+                                    one.x.p, d_o.p, d_pos.p, done.p, fused_launch);
         mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext, rows,
                                    one.next_out.p, fused_launch);
         CK(cudaGetLastError());
         const std::string at = "dtype " + std::to_string(dtype) + " B " + std::to_string(B) + " E " +
                                std::to_string(E) + " rows " + std::to_string(rows) +
-                               (preload ? " preloaded" : "") + " call " + std::to_string(call) + ": ";
+                               (preload ? " preloaded" : "") + (by_column ? " by column" : "") + " call " +
+                               std::to_string(call) + ": ";
         auto same = [](const auto& a, const auto& b, size_t n) {
             const auto u = a.read(), v = b.read();
             return std::memcmp(u.data(), v.data(), n * sizeof(u[0])) == 0;
@@ -533,16 +536,18 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
     for (int B : {1, 3})
         for (int E : {64, 200})
             for (int rows : {1, 2}) {
-                fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64);
-                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1);
+                fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64, false);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, false);
+                // The down experts and combine by output column (one kernel, no counters).
+                fused_rows_match_kernels<float>(0, B, E, rows, rows == 2, true);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, true);
             }
 }
 
 namespace {
 
-// Both argmax launchers against the CPU: ties to the lowest index, NaN above every number, rows
-// shorter than one block and rows of a real vocabulary; twice in a row (the one-kernel version's
-// scratch must come back to zero).
+// The argmax against the CPU: ties to the lowest index, NaN above every number, rows shorter than
+// one block and rows of a real vocabulary; twice in a row (the scratch is reset by the launcher).
 template <typename T>
 void argmax_matches_cpu(int dtype, int V) {
     constexpr int B = 3;
@@ -566,18 +571,12 @@ void argmax_matches_cpu(int dtype, int V) {
     ASSERT_EQ(want[0], 5);
     ASSERT_EQ(want[1], 17);
     Dev<T> d_logits(logits);
-    Dev<unsigned long long> scratch{std::vector<unsigned long long>(2 * B)};
+    Dev<unsigned long long> scratch{std::vector<unsigned long long>(B, ~0ull)};  // stale keys
     for (int call = 0; call < 2; ++call) {
-        Dev<int64_t> two{std::vector<int64_t>(B, -1)}, one{std::vector<int64_t>(B, -1)};
-        mc::launch_argmax(dtype, d_logits.p, B, V, scratch.p, two.p, {nullptr, false});
-        CK(cudaMemset(scratch.p, 0, scratch.n * sizeof(unsigned long long)));
-        mc::launch_argmax_one_kernel(dtype, d_logits.p, B, V, scratch.p, one.p, {nullptr, false});
+        Dev<int64_t> out{std::vector<int64_t>(B, -1)};
+        mc::launch_argmax(dtype, d_logits.p, B, V, scratch.p, out.p, {nullptr, false});
         CK(cudaGetLastError());
-        const std::string at =
-            "dtype " + std::to_string(dtype) + " V " + std::to_string(V) + " call " + std::to_string(call);
-        EXPECT_EQ(two.read(), want) << at << ": memset + two kernels";
-        EXPECT_EQ(one.read(), want) << at << ": one kernel";
-        EXPECT_EQ(scratch.read(), std::vector<unsigned long long>(2 * B, 0ull)) << at << ": scratch left set";
+        EXPECT_EQ(out.read(), want) << "dtype " << dtype << " V " << V << " call " << call;
     }
 }
 

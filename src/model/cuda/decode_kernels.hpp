@@ -37,10 +37,16 @@ struct Launch {
     // kMaxPreloadBytes of weights read them as before.
     bool preload = false;
     // The CUDA-core gate/up experts (launch_moe_gate_up) request the first chunks of their weight rows
-    // as soon as they know their expert, before gathering their tokens (two dependent round trips).
+    // as soon as they know their expert, before gathering their tokens (two dependent round trips); with
+    // one row, each block takes one top-k slot and reads its expert from the top-k directly.
     bool early_expert_loads = false;
+    // launch_moe_down_combine by output column where it fits (down_combine_by_column): each block takes
+    // a few output columns of every routed slot's expert, its weights copied into shared memory before
+    // it waits, and adds them into the residual itself (no fp32 y, no last-block combine).
+    bool down_by_column = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
+constexpr int kMaxColumnsSmem = 200 * 1024;
 
 struct MoeRouting {
     int* topk_idx = nullptr;        // [B, K] global expert, -1 for padding rows
@@ -174,6 +180,9 @@ void launch_add_norm_router_route(int dtype, const void* x, const void* delta, c
 // launch_moe_down, then x[b] = round(round(x[b] + delta[b]) + round(sum_k w[b, k] y[b * K + k])) for
 // rows with position >= 0 (delta optional): the residual adds of add_rmsnorm and the combine without
 // the norm, which the next kernel does (launch_norm_dense_rows, or launch_add_rmsnorm with no delta).
+// With Launch::down_by_column where down_combine_by_column holds, the same x from one kernel by output
+// column, y not written.
+bool down_combine_by_column(int dtype, int B, int K, int I);
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch);
@@ -182,10 +191,5 @@ void launch_moe_down_combine(int dtype, const void* act, const void* down, const
 // scratch: B 64-bit words.
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
                    const Launch& launch);
-// The same in one kernel: the last block of each row to finish writes out[b] and returns the row's
-// scratch to zero (no memset, no second kernel). scratch: 2 B 64-bit words, zero before the first
-// call; each call leaves them zero.
-void launch_argmax_one_kernel(int dtype, const void* logits, int B, int V, unsigned long long* scratch,
-                              int64_t* out, const Launch& launch);
 
 }  // namespace moerl::model::cuda

@@ -263,13 +263,23 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     griddep_launch_dependents();
     constexpr bool kGated = kMode == kGatedExperts;
     int e = 0, first = 0, n = num_rows;
+    // `early` with one row: block y takes slot y, its expert read from the top-k (the row's K experts
+    // differ) instead of through the active list, the offsets and the slot list (three dependent loads).
+    const bool by_slot = kGated && early && num_rows == 1;
     if constexpr (kMode != kDense) {
-        if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
-        e = r.active_experts[blockIdx.y];
-        first = r.expert_offset[e];
-        n = r.expert_offset[e + 1] - first;
+        if (by_slot) {
+            e = r.topk_idx[blockIdx.y];
+            if (e < 0) return;  // a padding row
+            first = static_cast<int>(blockIdx.y);
+            n = 1;
+        } else {
+            if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
+            e = r.active_experts[blockIdx.y];
+            first = r.expert_offset[e];
+            n = r.expert_offset[e + 1] - first;
+        }
     }
-    const int* slots = kMode == kDense ? nullptr : r.expert_slots;
+    const int* slots = kMode == kDense || by_slot ? nullptr : r.expert_slots;
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * kMoeWarps + (threadIdx.x >> 5)) * kRows;
     constexpr int kMats = kGated ? 2 : 1;
@@ -304,7 +314,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             norm_tile(f.x, kFuse == kAddNormRoute ? f.delta : nullptr, f.norm_w, f.eps, c0, nt, cols, tile,
                       kFuse == kAddNormRoute && blockIdx.x == 0 ? f.h : nullptr);
         else
-            load_tile(in, slots, first + c0, nt, row_div, cols, tile);
+            load_tile(in, slots, by_slot ? 0 : first + c0, nt, row_div, cols, tile);
         if (!kGated && preload && c0 == 0) cp_async_wait_all();  // own copies; the barrier: all
         __syncthreads();
         if (row0 >= out_rows) continue;
@@ -345,7 +355,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 #pragma unroll
         for (int j = 0; j < kTile; ++j) {
             if (j >= nt) break;
-            const int s = kMode == kDense ? c0 + j : r.expert_slots[first + c0 + j];
+            const int s = kMode == kDense ? c0 + j : by_slot ? first : r.expert_slots[first + c0 + j];
 #pragma unroll
             for (int i = 0; i < kRows; ++i) {
                 // Both sums before any lane leaves: the shuffles need the whole warp.
@@ -386,6 +396,74 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             if (f.delta != nullptr) v = round_to<T>(v + to_float(f.delta[at]));
             f.x[at] = from_float<T>(v + round_to<T>(acc));
         }
+    }
+}
+
+// The down experts and the combine of a few rows by output column: block c takes columns
+// [c * kMoeWarps, +kMoeWarps) of the expert of every slot (one column a warp) and adds the routed
+// slots, weighted, into x itself: no fp32 y, no counters, no last block. The weights (kMoeWarps rows
+// of each slot's expert, contiguous) are copied into shared memory before the kernel waits for
+// gate/up, the routing being complete two kernels back. A slot's weights are copied even when
+// another slot has the same expert (made for one row, whose top-k experts differ). The dot products
+// and the combine sum in the order of expert_rows_kernel and its kCombine tail: the same bits.
+template <typename T>
+__global__ void __launch_bounds__(kMoeWarps * 32)
+    down_combine_columns_kernel(const T* act, const T* down, MoeRouting r, int B, int K, int H, int I,
+                                const int* position, T* x, const T* delta) {
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    const int S = B * K;
+    T* wts = reinterpret_cast<T*>(smem_bytes);                                // [S, kMoeWarps, I]
+    T* tile = wts + static_cast<size_t>(S) * kMoeWarps * I;                   // [S, I]
+    int* expert = reinterpret_cast<int*>(tile + static_cast<size_t>(S) * I);  // [S]
+    float* weight = reinterpret_cast<float*>(expert + S);                     // [S]
+    const int col0 = blockIdx.x * kMoeWarps, cols = min(kMoeWarps, H - col0);
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        expert[s] = __ldcg(r.topk_idx + s);
+        weight[s] = __ldcg(r.topk_weights + s);
+    }
+    __syncthreads();
+    const int row_bytes = I * static_cast<int>(sizeof(T)), block_bytes = cols * row_bytes;
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(wts));
+    for (int s = 0; s < S; ++s) {
+        if (expert[s] < 0) continue;
+        const char* src =
+            reinterpret_cast<const char*>(down + (static_cast<size_t>(expert[s]) * H + col0) * I);
+        const unsigned dst = base + static_cast<unsigned>(s * kMoeWarps * row_bytes);
+        for (int off = threadIdx.x * 16; off < block_bytes; off += blockDim.x * 16)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + off), "l"(src + off)
+                         : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    griddep_wait();
+    griddep_launch_dependents();
+    load_tile(act, nullptr, 0, S, 1, I, tile);  // act [S, I]: slot s's row
+    cp_async_wait_all();
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp >= cols) return;
+    const int c = col0 + warp;
+    for (int b = 0; b < B; ++b) {
+        float acc = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            const int s = b * K + k;
+            if (expert[s] < 0) continue;
+            const T* wr = wts + (static_cast<size_t>(s) * kMoeWarps + warp) * I;
+            const T* ar = tile + static_cast<size_t>(s) * I;
+            float dot = 0.0f;
+            for (int cc = lane * 8; cc < I; cc += 256) {
+                float wv[8], av[8];
+                load8(wr + cc, wv);
+                load8(ar + cc, av);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot += wv[i] * av[i];
+            }
+            acc += weight[s] * round_to<T>(warp_sum(dot));
+        }
+        if (lane != 0 || position[b] < 0) continue;
+        const size_t at = static_cast<size_t>(b) * H + c;
+        float v = to_float(x[at]);
+        if (delta != nullptr) v = round_to<T>(v + to_float(delta[at]));
+        x[at] = from_float<T>(v + round_to<T>(acc));
     }
 }
 
@@ -537,10 +615,39 @@ void launch_add_norm_router_route(int dtype, const void* x, const void* delta, c
             router, B, H, logits, r, launch);
 }
 
+size_t down_columns_smem(int dtype, int B, int K, int I) {
+    const size_t S = static_cast<size_t>(B) * K, elem = dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16);
+    return elem * S * (kMoeWarps + 1) * I + 2 * sizeof(int) * S;
+}
+
+bool down_combine_by_column(int dtype, int B, int K, int I) {
+    const size_t weights =
+        (dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16)) * size_t{kMoeWarps} * B * K * I;
+    return I % 8 == 0 && weights <= kMaxPreloadBytes && down_columns_smem(dtype, B, K, I) <= kMaxColumnsSmem;
+}
+
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch) {
     if (B == 0 || max_active == 0) return;
+    if (launch.down_by_column && down_combine_by_column(dtype, B, K, I)) {
+        const size_t smem = down_columns_smem(dtype, B, K, I);
+        const dim3 grid((H + kMoeWarps - 1) / kMoeWarps);
+        if (dtype == 0) {
+            ensure_dynamic_smem(reinterpret_cast<const void*>(down_combine_columns_kernel<float>), smem);
+            launch_kernel(down_combine_columns_kernel<float>, grid, kMoeWarps * 32, smem, launch,
+                          static_cast<const float*>(act), static_cast<const float*>(down), r, B, K, H, I,
+                          position, static_cast<float*>(x), static_cast<const float*>(delta));
+        } else {
+            ensure_dynamic_smem(reinterpret_cast<const void*>(down_combine_columns_kernel<__nv_bfloat16>),
+                                smem);
+            launch_kernel(down_combine_columns_kernel<__nv_bfloat16>, grid, kMoeWarps * 32, smem, launch,
+                          static_cast<const __nv_bfloat16*>(act), static_cast<const __nv_bfloat16*>(down), r,
+                          B, K, H, I, position, static_cast<__nv_bfloat16*>(x),
+                          static_cast<const __nv_bfloat16*>(delta));
+        }
+        return;
+    }
     // done[0] is the router's; chunk c of the output columns counts on done[1 + c].
     if (dtype == 0)
         launch_fused<float, kExperts, kCombine>(

@@ -54,24 +54,6 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     if (threadIdx.x == 0) atomicMax(best_key + blockIdx.y, best);
 }
 
-// scratch [2, B]: the rows' best keys, then their finished-block counts.
-template <typename T>
-__global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_one_kernel(const T* logits, int V, unsigned long long* scratch, int64_t* out) {
-    griddep_wait();
-    griddep_launch_dependents();
-    const unsigned long long best = block_best_key(logits, V);
-    if (threadIdx.x != 0) return;
-    const int b = blockIdx.y;
-    unsigned long long* key = scratch + b;
-    unsigned long long* done = scratch + gridDim.y + b;
-    atomicMax(key, best);
-    __threadfence();  // this block's key before its count
-    if (atomicAdd(done, 1ull) != gridDim.x - 1) return;
-    out[b] = argmax_index(atomicExch(key, 0ull));  // every block's key is in; zero for the next call
-    *done = 0;
-}
-
 __global__ void argmax_finish_kernel(const unsigned long long* best_key, int B, int64_t* out) {
     griddep_wait();
     griddep_launch_dependents();
@@ -93,18 +75,6 @@ void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long lo
         launch_kernel(argmax_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
                       static_cast<const __nv_bfloat16*>(logits), V, scratch);
     launch_kernel(argmax_finish_kernel, (B + 255) / 256, 256, 0, launch, scratch, B, out);
-}
-
-void launch_argmax_one_kernel(int dtype, const void* logits, int B, int V, unsigned long long* scratch,
-                              int64_t* out, const Launch& launch) {
-    if (B == 0) return;
-    const dim3 grid((V + kArgmaxPerBlock - 1) / kArgmaxPerBlock, B);
-    if (dtype == 0)
-        launch_kernel(argmax_one_kernel<float>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const float*>(logits), V, scratch, out);
-    else
-        launch_kernel(argmax_one_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const __nv_bfloat16*>(logits), V, scratch, out);
 }
 
 }  // namespace moerl::model::cuda
