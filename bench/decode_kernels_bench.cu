@@ -372,15 +372,15 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     int* fused_done = pool.zeros<int>(mc::fused_rows_done_counters(kH));
     const mc::QkvInput qkv_in{qkv, qn, kn, 1e-6f, 1e6f};
     int rows = 2;  // weight rows a warp of the dense GEMVs (the down experts keep two, as the generator)
-    bool preload = false;   // Launch::preload
-    int column_warps = 0;   // Launch::down_column_warps
-    bool one_wave = false;  // Launch::gate_up_one_wave
+    bool preload = false;      // Launch::preload
+    bool by_column = false;    // Launch::down_by_column (with early_expert_loads, as the generator)
+    bool async_tiles = false;  // Launch::async_tiles
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
         mc::Launch l = launch;
         l.preload = preload;
-        l.down_column_warps = column_warps;
-        l.early_expert_loads = column_warps != 0;  // the generator's defaults go together
-        l.gate_up_one_wave = one_wave;
+        l.down_by_column = by_column;
+        l.early_expert_loads = by_column;
+        l.async_tiles = async_tiles;
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
         if (kinds & 1u)
@@ -405,30 +405,23 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     };
     struct Variant {
         int rows;
-        bool preload;
-        int column_warps;
-        bool one_wave;
+        bool preload, by_column, async_tiles;
     };
-    const Variant variants[] = {{2, false, 0, false},
-                                {1, true, 0, false},
-                                {1, true, 8, false},
-                                {1, true, 4, false},
-                                {1, true, 8, true}};
+    const Variant variants[] = {
+        {2, false, false, false}, {1, true, false, false}, {1, true, true, false}, {1, true, true, true}};
     for (const Variant& v : variants) {
         rows = v.rows;
         preload = v.preload;
-        column_warps = v.column_warps;
-        one_wave = v.one_wave;
+        by_column = v.by_column;
+        async_tiles = v.async_tiles;
         const Times fused = time_fused(63u);
         std::printf(
             "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
             "GEMVs%s%s%s\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
             rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "",
-            column_warps != 0 ? (column_warps == 4 ? ", experts by slot and by output column (4 a block)"
-                                                   : ", experts by slot and by output column (8 a block)")
-                              : "",
-            one_wave ? ", gate/up in one wave of blocks" : "");
+            by_column ? ", experts by top-k slot and by output column" : "",
+            async_tiles ? ", token tiles by cp.async" : "");
         for (int k = 0; k < 6; ++k) {
             const Times without = time_fused(63u & ~(1u << k));
             std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,

@@ -119,16 +119,16 @@ struct Generator::Impl {
     bool gemv_preload = env::get_int("MOERL_GENERATOR_GEMV_PRELOAD", 1) != 0;
     // The CUDA-core gate/up experts request their first weight chunks as soon as they know their expert,
     // at one row reading it from the top-k (cuda::Launch::early_expert_loads). Measured on an H200
-    // (Qwen3-30B-A3B shape, 8 layers, bench rollout, with down_column_warps 8): step 0.639 -> 0.630 ms at
+    // (Qwen3-30B-A3B shape, 8 layers, bench rollout, with down_by_column): step 0.639 -> 0.630 ms at
     // batch 1, 2.176 -> 2.142 at batch 16.
     bool early_expert_loads = env::get_int("MOERL_GENERATOR_EXPERT_EARLY", 1) != 0;
-    // The one-row down experts and combine by output column, this many columns a block (4 or 8; 0 = by
-    // expert; cuda::Launch::down_column_warps): one kernel, weights copied into shared memory while
-    // gate/up runs, no fp32 y and no last-block combine. Measured as above with 8: step 0.673 -> 0.639
-    // ms at batch 1 (twice); the layer in decode_kernels_bench 61.4 -> 57.6 us.
-    int down_column_warps = static_cast<int>(env::get_int("MOERL_GENERATOR_DOWN_COLUMNS", 8));
-    // The one-row gate/up kernel in one wave of blocks (cuda::Launch::gate_up_one_wave).
-    bool gate_up_one_wave = env::get_int("MOERL_GENERATOR_GATE_UP_ONE_WAVE", 0) != 0;
+    // The one-row down experts and combine by output column (cuda::Launch::down_by_column): one kernel,
+    // weights copied into shared memory while gate/up runs, no fp32 y and no last-block combine.
+    // Measured as above: step 0.673 -> 0.639 ms at batch 1 (twice); the layer in
+    // decode_kernels_bench 61.4 -> 57.6 us.
+    bool down_by_column = env::get_int("MOERL_GENERATOR_DOWN_COLUMNS", 1) != 0;
+    // Token tiles copied with cp.async (cuda::Launch::async_tiles).
+    bool async_tiles = env::get_int("MOERL_GENERATOR_TILE_ASYNC", 1) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -197,8 +197,8 @@ struct Generator::Impl {
                                   overlap_launches && !profile,
                                   gemv_preload,
                                   early_expert_loads,
-                                  down_column_warps,
-                                  gate_up_one_wave};
+                                  down_by_column,
+                                  async_tiles};
         const float eps = static_cast<float>(c.rms_norm_eps);
         const int* pos = position.data_ptr<int>();
         const int* slots = slot.data_ptr<int>();

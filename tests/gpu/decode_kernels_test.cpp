@@ -347,17 +347,22 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     Dev<__nv_bfloat16> act_early{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
     mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_early.p,
                            {nullptr, false, false, true});
-    Dev<__nv_bfloat16> act_one_wave{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
-    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_one_wave.p,
-                           {nullptr, false, false, true, 0, true});
+    // Token tiles copied with cp.async.
+    const mc::Launch async_tiles{nullptr, false, false, false, false, true};
+    Dev<__nv_bfloat16> act_async{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
+    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_async.p,
+                           async_tiles);
+    Dev<float> y_async{std::vector<float>(static_cast<size_t>(S) * H, -7.0f)};
+    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_async.p, async_tiles);
     CK(cudaGetLastError());
     const auto ac = act_core.read(), am = act_mma.read();
     const auto yc = y_core.read(), ym = y_mma.read();
     EXPECT_EQ(y_preloaded.read(), yc) << "down experts with their weights preloaded into shared memory";
     EXPECT_EQ(std::memcmp(act_early.read().data(), ac.data(), ac.size() * sizeof(ac[0])), 0)
         << "gate/up with its first weight chunks requested early";
-    EXPECT_EQ(std::memcmp(act_one_wave.read().data(), ac.data(), ac.size() * sizeof(ac[0])), 0)
-        << "gate/up held to one wave of blocks";
+    EXPECT_EQ(std::memcmp(act_async.read().data(), ac.data(), ac.size() * sizeof(ac[0])), 0)
+        << "gate/up with its token tile copied by cp.async";
+    EXPECT_EQ(y_async.read(), yc) << "down experts with their token tile copied by cp.async";
 
     // Products of bf16 values summed in double, rounded as the kernels round them.
     auto close = [](float got, double want) {
@@ -442,10 +447,7 @@ namespace {
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
 // one and two weight rows a warp, weights preloaded into shared memory or not.
 template <typename T>
-// column_warps: 0 = gate/up and down + combine by expert; 4 or 8 = by top-k slot and by output column,
-// that many columns a block.
-void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, int column_warps) {
-    const bool by_column = column_warps != 0;
+void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, bool by_column) {
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
     std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * rows);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -466,11 +468,10 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
     // by_column: gate/up by top-k slot too (early_expert_loads with one row).
-    // With 4 columns a block, gate/up in one wave of blocks too.
+    // by_column: token tiles copied with cp.async too.
     const mc::Launch eager{nullptr, false},
-        fused_launch{nullptr, false, preload, by_column, column_warps, column_warps == 4};
-    if (by_column)
-        EXPECT_TRUE(mc::down_combine_by_column(dtype, column_warps, B, K, I)) << "column kernel not taken";
+        fused_launch{nullptr, false, preload, by_column, by_column, by_column};
+    if (by_column) EXPECT_TRUE(mc::down_combine_by_column(dtype, B, K, I)) << "column kernel not taken";
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;
         Dev<float> y;
@@ -511,8 +512,8 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
         CK(cudaGetLastError());
         const std::string at = "dtype " + std::to_string(dtype) + " B " + std::to_string(B) + " E " +
                                std::to_string(E) + " rows " + std::to_string(rows) +
-                               (preload ? " preloaded" : "") + " column warps " +
-                               std::to_string(column_warps) + " call " + std::to_string(call) + ": ";
+                               (preload ? " preloaded" : "") + (by_column ? " by column" : "") + " call " +
+                               std::to_string(call) + ": ";
         auto same = [](const auto& a, const auto& b, size_t n) {
             const auto u = a.read(), v = b.read();
             return std::memcmp(u.data(), v.data(), n * sizeof(u[0])) == 0;
@@ -554,10 +555,11 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
     for (int B : {1, 3})
         for (int E : {64, 200})
             for (int rows : {1, 2}) {
-                for (int column_warps : {0, 4, 8}) {
-                    fused_rows_match_kernels<float>(0, B, E, rows, (rows == 1) == (E == 64), column_warps);
-                    fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, column_warps);
-                }
+                fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64, false);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, false);
+                // The down experts and combine by output column (one kernel, no counters).
+                fused_rows_match_kernels<float>(0, B, E, rows, rows == 2, true);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, true);
             }
 }
 

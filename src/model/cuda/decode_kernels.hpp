@@ -40,15 +40,14 @@ struct Launch {
     // as soon as they know their expert, before gathering their tokens (two dependent round trips); with
     // one row, each block takes one top-k slot and reads its expert from the top-k directly.
     bool early_expert_loads = false;
-    // launch_moe_down_combine by output column where it fits (down_combine_by_column), this many
-    // columns (4 or 8, one a warp) a block; 0 = by expert. Each block takes its columns of every routed
-    // slot's expert, its weights copied into shared memory before it waits, and adds them into the
-    // residual itself (no fp32 y, no last-block combine).
-    int down_column_warps = 0;
-    // The one-row bf16 CUDA-core gate/up kernel (one weight row a warp) held to 40 registers a thread,
-    // so six blocks fit an SM and a Qwen3-30B-A3B-shaped grid (8 experts x 96 blocks) is resident at
-    // once, with two 16-byte loads in flight a lane and matrix instead of four.
-    bool gate_up_one_wave = false;
+    // launch_moe_down_combine by output column where it fits (down_combine_by_column): each block takes
+    // a few output columns of every routed slot's expert, its weights copied into shared memory before
+    // it waits, and adds them into the residual itself (no fp32 y, no last-block combine).
+    bool down_by_column = false;
+    // The CUDA-core expert kernels and the dense GEMVs copy their token tile (the activations they
+    // multiply) into shared memory with cp.async, all of it in flight at once, instead of plain loads
+    // and stores (a round trip per 16 bytes a thread).
+    bool async_tiles = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 constexpr int kMaxColumnsSmem = 200 * 1024;
@@ -185,9 +184,9 @@ void launch_add_norm_router_route(int dtype, const void* x, const void* delta, c
 // launch_moe_down, then x[b] = round(round(x[b] + delta[b]) + round(sum_k w[b, k] y[b * K + k])) for
 // rows with position >= 0 (delta optional): the residual adds of add_rmsnorm and the combine without
 // the norm, which the next kernel does (launch_norm_dense_rows, or launch_add_rmsnorm with no delta).
-// With Launch::down_column_warps where down_combine_by_column holds, the same x from one kernel by
-// output column, y not written.
-bool down_combine_by_column(int dtype, int warps, int B, int K, int I);
+// With Launch::down_by_column where down_combine_by_column holds, the same x from one kernel by output
+// column, y not written.
+bool down_combine_by_column(int dtype, int B, int K, int I);
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch);

@@ -126,17 +126,27 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
 }
 
 // Rows [begin, begin + n) of the tile: the activations of the slots expert_slots[first + j]
-// (row slot / row_div of src [*, cols]) copied into tile [n, cols].
+// (row slot / row_div of src [*, cols]) copied into tile [n, cols]. With `async` the copies are
+// cp.async (all in flight at once; the caller waits with cp_async_wait_all before its barrier);
+// plain loads and stores wait a round trip per 16 bytes a thread.
 template <typename T>
 __device__ __forceinline__ void load_tile(const T* src, const int* expert_slots, int first, int n,
-                                          int row_div, int cols, T* tile) {
+                                          int row_div, int cols, T* tile, bool async) {
     constexpr int kVec = 16 / sizeof(T);
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(tile));
     for (int i = threadIdx.x * kVec; i < n * cols; i += blockDim.x * kVec) {
         const int j = i / cols, c = i % cols;
         const int src_row = expert_slots != nullptr ? expert_slots[first + j] / row_div : first + j;
-        *reinterpret_cast<uint4*>(tile + i) =
-            *reinterpret_cast<const uint4*>(src + static_cast<size_t>(src_row) * cols + c);
+        const T* from = src + static_cast<size_t>(src_row) * cols + c;
+        if (async)
+            asm volatile(
+                "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + i * static_cast<int>(sizeof(T))),
+                "l"(from)
+                : "memory");
+        else
+            *reinterpret_cast<uint4*>(tile + i) = *reinterpret_cast<const uint4*>(from);
     }
+    if (async) asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 enum RowsMode { kGatedExperts, kExperts, kDense };
@@ -235,13 +245,12 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // kDense: act[b] = in[b] w0^T for the num_rows rows of in (w0 [out_rows, cols], one "expert").
 // A dense block asks L2 for its weight rows before waiting for the previous kernel (they do not
 // depend on it), or with `preload` copies them into shared memory after the tile; so do the down
-// experts' blocks with `preload` (their routing is known by then). kBlocksPerSm (0 = any): blocks an SM
-// must hold (the registers a thread may use follow), with fewer loads in flight a lane from 6 on.
-template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1,
-          int kBlocksPerSm = 0>
-__global__ void __launch_bounds__(kMoeWarps * 32, kBlocksPerSm > 0 ? kBlocksPerSm : 1)
+// experts' blocks with `preload` (their routing is known by then).
+template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
+__global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
-                       int out_rows, int num_rows, bool preload, bool early, T* act, float* y, Fusion<T> f) {
+                       int out_rows, int num_rows, bool preload, bool early, bool async_tile, T* act,
+                       float* y, Fusion<T> f) {
     static_assert(kFuse == kFuseNone || (kFuse == kCombine ? kMode == kExperts : kMode == kDense),
                   "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts");
     static_assert(kFuse == kFuseNone || kMoeWarps * 32 == kNormThreads, "norm_tile's sum order");
@@ -296,7 +305,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kBlocksPerSm > 0 ? kBlocksPerS
     // kUnroll chunks of every weight row are requested before their arithmetic, so each lane keeps
     // kUnroll * kMats * kRows 16-byte loads in flight. With `early` (gate/up: Launch::early_expert_loads)
     // the first chunks are requested as soon as the expert is known, while the tokens are gathered.
-    constexpr int kUnroll = kBlocksPerSm >= 6 ? 2 : 4;
+    constexpr int kUnroll = 4;
     Raw8<T> raw[kUnroll][kMats][kRows];
     auto request = [&](int cb) {
 #pragma unroll
@@ -316,8 +325,9 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kBlocksPerSm > 0 ? kBlocksPerS
             norm_tile(f.x, kFuse == kAddNormRoute ? f.delta : nullptr, f.norm_w, f.eps, c0, nt, cols, tile,
                       kFuse == kAddNormRoute && blockIdx.x == 0 ? f.h : nullptr);
         else
-            load_tile(in, slots, by_slot ? 0 : first + c0, nt, row_div, cols, tile);
-        if (!kGated && preload && c0 == 0) cp_async_wait_all();  // own copies; the barrier: all
+            load_tile(in, slots, by_slot ? 0 : first + c0, nt, row_div, cols, tile, async_tile);
+        if ((!kGated && preload && c0 == 0) || async_tile)
+            cp_async_wait_all();  // own copies; the barrier: all
         __syncthreads();
         if (row0 >= out_rows) continue;
         float acc[kMats][kRows][kTile];
@@ -401,38 +411,55 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kBlocksPerSm > 0 ? kBlocksPerS
     }
 }
 
-// The S = B K slots' down weights for output columns [col0, col0 + cols) (kWarps rows of each slot's
-// expert, contiguous) copied into wts [S, kWarps, I], asynchronously (cp_async_wait_all).
-template <int kWarps, typename T>
-__device__ __forceinline__ void preload_down_columns(const T* down, const int* expert, int S, int H, int I,
-                                                     int col0, int cols, T* wts) {
+// The down experts and the combine of a few rows by output column: block c takes columns
+// [c * kMoeWarps, +kMoeWarps) of the expert of every slot (one column a warp) and adds the routed
+// slots, weighted, into x itself: no fp32 y, no counters, no last block. The weights (kMoeWarps rows
+// of each slot's expert, contiguous) are copied into shared memory before the kernel waits for
+// gate/up, the routing being complete two kernels back. A slot's weights are copied even when
+// another slot has the same expert (made for one row, whose top-k experts differ). The dot products
+// and the combine sum in the order of expert_rows_kernel and its kCombine tail: the same bits.
+template <typename T>
+__global__ void __launch_bounds__(kMoeWarps * 32)
+    down_combine_columns_kernel(const T* act, const T* down, MoeRouting r, int B, int K, int H, int I,
+                                const int* position, T* x, const T* delta, bool async_tile) {
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    const int S = B * K;
+    T* wts = reinterpret_cast<T*>(smem_bytes);                                // [S, kMoeWarps, I]
+    T* tile = wts + static_cast<size_t>(S) * kMoeWarps * I;                   // [S, I]
+    int* expert = reinterpret_cast<int*>(tile + static_cast<size_t>(S) * I);  // [S]
+    float* weight = reinterpret_cast<float*>(expert + S);                     // [S]
+    const int col0 = blockIdx.x * kMoeWarps, cols = min(kMoeWarps, H - col0);
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        expert[s] = __ldcg(r.topk_idx + s);
+        weight[s] = __ldcg(r.topk_weights + s);
+    }
+    __syncthreads();
     const int row_bytes = I * static_cast<int>(sizeof(T)), block_bytes = cols * row_bytes;
     const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(wts));
     for (int s = 0; s < S; ++s) {
         if (expert[s] < 0) continue;
         const char* src =
             reinterpret_cast<const char*>(down + (static_cast<size_t>(expert[s]) * H + col0) * I);
-        const unsigned dst = base + static_cast<unsigned>(s * kWarps * row_bytes);
+        const unsigned dst = base + static_cast<unsigned>(s * kMoeWarps * row_bytes);
         for (int off = threadIdx.x * 16; off < block_bytes; off += blockDim.x * 16)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + off), "l"(src + off)
                          : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Output column col0 + warp of every row: the down products of its slots (weights in wts, act rows in
-// tile) summed, weighted, into x in the order of expert_rows_kernel and its kCombine tail.
-template <int kWarps, typename T>
-__device__ __forceinline__ void combine_column(const T* wts, const T* tile, const int* expert,
-                                               const float* weight, const int* position, int B, int K, int H,
-                                               int I, int col0, T* x, const T* delta) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = col0 + warp;
+    griddep_wait();
+    griddep_launch_dependents();
+    load_tile(act, nullptr, 0, S, 1, I, tile, async_tile);  // act [S, I]: slot s's row
+    cp_async_wait_all();
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp >= cols) return;
+    const int c = col0 + warp;
     for (int b = 0; b < B; ++b) {
         float acc = 0.0f;
         for (int k = 0; k < K; ++k) {
             const int s = b * K + k;
             if (expert[s] < 0) continue;
-            const T* wr = wts + (static_cast<size_t>(s) * kWarps + warp) * I;
+            const T* wr = wts + (static_cast<size_t>(s) * kMoeWarps + warp) * I;
             const T* ar = tile + static_cast<size_t>(s) * I;
             float dot = 0.0f;
             for (int cc = lane * 8; cc < I; cc += 256) {
@@ -450,38 +477,6 @@ __device__ __forceinline__ void combine_column(const T* wts, const T* tile, cons
         if (delta != nullptr) v = round_to<T>(v + to_float(delta[at]));
         x[at] = from_float<T>(v + round_to<T>(acc));
     }
-}
-
-// The down experts and the combine of a few rows by output column: block c takes columns
-// [c * kWarps, +kWarps) of the expert of every slot (one column a warp) and adds the routed
-// slots, weighted, into x itself: no fp32 y, no counters, no last block. The weights are copied into
-// shared memory before the kernel waits for gate/up, the routing being complete two kernels back. A
-// slot's weights are copied even when another slot has the same expert (made for one row, whose
-// top-k experts differ).
-template <typename T, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32)
-    down_combine_columns_kernel(const T* act, const T* down, MoeRouting r, int B, int K, int H, int I,
-                                const int* position, T* x, const T* delta) {
-    extern __shared__ __align__(16) unsigned char smem_bytes[];
-    const int S = B * K;
-    T* wts = reinterpret_cast<T*>(smem_bytes);                                // [S, kWarps, I]
-    T* tile = wts + static_cast<size_t>(S) * kWarps * I;                      // [S, I]
-    int* expert = reinterpret_cast<int*>(tile + static_cast<size_t>(S) * I);  // [S]
-    float* weight = reinterpret_cast<float*>(expert + S);                     // [S]
-    const int col0 = blockIdx.x * kWarps, cols = min(kWarps, H - col0);
-    for (int s = threadIdx.x; s < S; s += blockDim.x) {
-        expert[s] = __ldcg(r.topk_idx + s);
-        weight[s] = __ldcg(r.topk_weights + s);
-    }
-    __syncthreads();
-    preload_down_columns<kWarps>(down, expert, S, H, I, col0, cols, wts);
-    griddep_wait();
-    griddep_launch_dependents();
-    load_tile(act, nullptr, 0, S, 1, I, tile);  // act [S, I]: slot s's row
-    cp_async_wait_all();
-    __syncthreads();
-    if ((threadIdx.x >> 5) < cols)
-        combine_column<kWarps>(wts, tile, expert, weight, position, B, K, H, I, col0, x, delta);
 }
 
 template <typename T>
@@ -511,21 +506,21 @@ __global__ void __launch_bounds__(kNormThreads)
     });
 }
 
-template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1,
-          int kBlocksPerSm = 0>
+template <typename T, int kMode, int kRows, int kTile, int kFuse = kFuseNone, int kPerLane = 1>
 void launch_rows(const void* in, const void* w0, const void* w1, const MoeRouting& r, int row_div, int cols,
                  int out_rows, int num_rows, int max_active, void* act, float* y, const Launch& launch,
                  const Fusion<T>& f = {}) {
     const size_t weight_bytes = sizeof(T) * kMoeWarps * kRows * cols;
     const bool preload = kMode != kGatedExperts && launch.preload && weight_bytes <= kMaxPreloadBytes;
     const size_t smem = sizeof(T) * kTile * cols + (preload ? weight_bytes : 0);
-    auto kernel = expert_rows_kernel<T, kMode, kRows, kTile, kFuse, kPerLane, kBlocksPerSm>;
+    auto kernel = expert_rows_kernel<T, kMode, kRows, kTile, kFuse, kPerLane>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
                   static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, preload,
-                  kMode == kGatedExperts && launch.early_expert_loads, static_cast<T*>(act), y, f);
+                  kMode == kGatedExperts && launch.early_expert_loads, launch.async_tiles,
+                  static_cast<T*>(act), y, f);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
@@ -538,11 +533,6 @@ void launch_expert_rows(const void* in, const void* w0, const void* w1, const Mo
     if (rows_per_warp != 1 && rows_per_warp != 2 && rows_per_warp != 4)
         rows_per_warp = kMode == kGatedExperts ? 1 : 2;
     const int tile = B <= 1 ? 1 : (B <= 16 ? 4 : kMoeTokenTile);
-    if constexpr (kMode == kGatedExperts && sizeof(T) == 2) {  // bf16: fp32 weights need more registers
-        if (launch.gate_up_one_wave && rows_per_warp == 1 && tile == 1)
-            return launch_rows<T, kMode, 1, 1, kFuseNone, 1, 6>(in, w0, w1, r, row_div, cols, out_rows, B,
-                                                                max_active, act, y, launch);
-    }
 #define MOERL_ROWS_CASE(rows, t)                                                                             \
     if (rows_per_warp == rows && tile == t)                                                                  \
         return launch_rows<T, kMode, rows, t>(in, w0, w1, r, row_div, cols, out_rows, B, max_active, act, y, \
@@ -638,43 +628,38 @@ void launch_add_norm_router_route(int dtype, const void* x, const void* delta, c
             router, B, H, logits, r, launch);
 }
 
-size_t down_columns_smem(int dtype, int warps, int B, int K, int I) {
+size_t down_columns_smem(int dtype, int B, int K, int I) {
     const size_t S = static_cast<size_t>(B) * K, elem = dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16);
-    return elem * S * (warps + 1) * I + 2 * sizeof(int) * S;
+    return elem * S * (kMoeWarps + 1) * I + 2 * sizeof(int) * S;
 }
 
-bool down_combine_by_column(int dtype, int warps, int B, int K, int I) {
-    const size_t weights = (dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16)) * size_t(warps) * B * K * I;
-    return (warps == 4 || warps == 8) && I % 8 == 0 && weights <= kMaxPreloadBytes &&
-           down_columns_smem(dtype, warps, B, K, I) <= kMaxColumnsSmem;
-}
-
-template <typename T, int kWarps>
-void launch_down_columns(const void* act, const void* down, const MoeRouting& r, int B, int K, int H, int I,
-                         void* x, const void* delta, const int* position, const Launch& launch) {
-    const int dtype = sizeof(T) == sizeof(float) ? 0 : 1;
-    const size_t smem = down_columns_smem(dtype, kWarps, B, K, I);
-    auto kernel = down_combine_columns_kernel<T, kWarps>;
-    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-    launch_kernel(kernel, dim3((H + kWarps - 1) / kWarps), kWarps * 32, smem, launch,
-                  static_cast<const T*>(act), static_cast<const T*>(down), r, B, K, H, I, position,
-                  static_cast<T*>(x), static_cast<const T*>(delta));
+bool down_combine_by_column(int dtype, int B, int K, int I) {
+    const size_t weights =
+        (dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16)) * size_t{kMoeWarps} * B * K * I;
+    return I % 8 == 0 && weights <= kMaxPreloadBytes && down_columns_smem(dtype, B, K, I) <= kMaxColumnsSmem;
 }
 
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch) {
     if (B == 0 || max_active == 0) return;
-    const int warps = launch.down_column_warps;
-    if (warps != 0 && down_combine_by_column(dtype, warps, B, K, I)) {
-        if (dtype == 0 && warps == 4)
-            launch_down_columns<float, 4>(act, down, r, B, K, H, I, x, delta, position, launch);
-        else if (dtype == 0)
-            launch_down_columns<float, 8>(act, down, r, B, K, H, I, x, delta, position, launch);
-        else if (warps == 4)
-            launch_down_columns<__nv_bfloat16, 4>(act, down, r, B, K, H, I, x, delta, position, launch);
-        else
-            launch_down_columns<__nv_bfloat16, 8>(act, down, r, B, K, H, I, x, delta, position, launch);
+    if (launch.down_by_column && down_combine_by_column(dtype, B, K, I)) {
+        const size_t smem = down_columns_smem(dtype, B, K, I);
+        const dim3 grid((H + kMoeWarps - 1) / kMoeWarps);
+        if (dtype == 0) {
+            ensure_dynamic_smem(reinterpret_cast<const void*>(down_combine_columns_kernel<float>), smem);
+            launch_kernel(down_combine_columns_kernel<float>, grid, kMoeWarps * 32, smem, launch,
+                          static_cast<const float*>(act), static_cast<const float*>(down), r, B, K, H, I,
+                          position, static_cast<float*>(x), static_cast<const float*>(delta),
+                          launch.async_tiles);
+        } else {
+            ensure_dynamic_smem(reinterpret_cast<const void*>(down_combine_columns_kernel<__nv_bfloat16>),
+                                smem);
+            launch_kernel(down_combine_columns_kernel<__nv_bfloat16>, grid, kMoeWarps * 32, smem, launch,
+                          static_cast<const __nv_bfloat16*>(act), static_cast<const __nv_bfloat16*>(down), r,
+                          B, K, H, I, position, static_cast<__nv_bfloat16*>(x),
+                          static_cast<const __nv_bfloat16*>(delta), launch.async_tiles);
+        }
         return;
     }
     // done[0] is the router's; chunk c of the output columns counts on done[1 + c].
