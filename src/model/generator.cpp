@@ -127,7 +127,9 @@ struct Generator::Impl {
     // Measured as above: step 0.673 -> 0.639 ms at batch 1 (twice); the layer in
     // decode_kernels_bench 61.4 -> 57.6 us.
     bool down_by_column = env::get_int("MOERL_GENERATOR_DOWN_COLUMNS", 1) != 0;
-    // Token tiles copied with cp.async (cuda::Launch::async_tiles).
+    // Token tiles copied with cp.async (cuda::Launch::async_tiles). Measured on an H200 (Qwen3-30B-A3B
+    // shape, 8 layers, bench rollout, twice each): step 0.632 / 0.630 -> 0.623 / 0.624 ms at batch 1,
+    // 2.152 -> 2.134 at batch 16.
     bool async_tiles = env::get_int("MOERL_GENERATOR_TILE_ASYNC", 1) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
