@@ -434,18 +434,10 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
         weight[s] = __ldcg(r.topk_weights + s);
     }
     __syncthreads();
-    const int row_bytes = I * static_cast<int>(sizeof(T)), block_bytes = cols * row_bytes;
-    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(wts));
-    for (int s = 0; s < S; ++s) {
-        if (expert[s] < 0) continue;
-        const char* src =
-            reinterpret_cast<const char*>(down + (static_cast<size_t>(expert[s]) * H + col0) * I);
-        const unsigned dst = base + static_cast<unsigned>(s * kMoeWarps * row_bytes);
-        for (int off = threadIdx.x * 16; off < block_bytes; off += blockDim.x * 16)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + off), "l"(src + off)
-                         : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    for (int s = 0; s < S; ++s)
+        if (expert[s] >= 0)
+            preload_rows(down + static_cast<size_t>(expert[s]) * H * I, col0, kMoeWarps, H, I,
+                         wts + static_cast<size_t>(s) * kMoeWarps * I);
     griddep_wait();
     griddep_launch_dependents();
     load_tile(act, nullptr, 0, S, 1, I, tile, async_tile);  // act [S, I]: slot s's row
