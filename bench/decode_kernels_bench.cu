@@ -375,12 +375,14 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     bool preload = false;      // Launch::preload
     bool by_column = false;    // Launch::down_by_column (with early_expert_loads, as the generator)
     bool async_tiles = false;  // Launch::async_tiles
+    bool routed = false;       // Launch::route_in_experts (the routed expert launchers)
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
         mc::Launch l = launch;
         l.preload = preload;
         l.down_by_column = by_column;
         l.early_expert_loads = by_column;
         l.async_tiles = async_tiles;
+        l.route_in_experts = routed;
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
         if (kinds & 1u)
@@ -392,6 +394,14 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         if (kinds & 8u)
             mc::launch_add_norm_router_route(1, x, o, norm_w, 1e-6f, d_pos, w.router_w, B, kH, kE, kK, true,
                                              rows, h, logits, r, fused_done, l);
+        if (routed) {
+            if (kinds & 16u)
+                mc::launch_moe_gate_up_routed(1, h, gate, up, logits, d_pos, r, kE, kK, true, kH, kI, act, l);
+            if (kinds & 32u)
+                mc::launch_moe_down_combine_routed(1, act, down, logits, d_pos, kE, kK, true, kH, kI, x, o,
+                                                   l);
+            return;
+        }
         if (kinds & 16u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
         if (kinds & 32u)
             mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, 2, y, x, o, d_pos, fused_done, l);
@@ -405,23 +415,28 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     };
     struct Variant {
         int rows;
-        bool preload, by_column, async_tiles;
+        bool preload, by_column, async_tiles, routed;
     };
-    const Variant variants[] = {
-        {2, false, false, false}, {1, true, false, false}, {1, true, true, false}, {1, true, true, true}};
+    const Variant variants[] = {{2, false, false, false, false},
+                                {1, true, false, false, false},
+                                {1, true, true, false, false},
+                                {1, true, true, true, false},
+                                {1, true, true, true, true}};
     for (const Variant& v : variants) {
         rows = v.rows;
         preload = v.preload;
         by_column = v.by_column;
         async_tiles = v.async_tiles;
+        routed = v.routed;
         const Times fused = time_fused(63u);
         std::printf(
             "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
-            "GEMVs%s%s%s\n\n"
+            "GEMVs%s%s%s%s\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
             rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "",
             by_column ? ", experts by top-k slot and by output column" : "",
-            async_tiles ? ", token tiles by cp.async" : "");
+            async_tiles ? ", token tiles by cp.async" : "",
+            routed ? ", the logits ranked in the expert kernels" : "");
         for (int k = 0; k < 6; ++k) {
             const Times without = time_fused(63u & ~(1u << k));
             std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,

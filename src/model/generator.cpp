@@ -131,6 +131,9 @@ struct Generator::Impl {
     // shape, 8 layers, bench rollout, twice each): step 0.632 / 0.630 -> 0.623 / 0.624 ms at batch 1,
     // 2.152 -> 2.134 at batch 16.
     bool async_tiles = env::get_int("MOERL_GENERATOR_TILE_ASYNC", 1) != 0;
+    // One-row steps rank the router logits in the expert kernels instead of the router's last block
+    // (cuda::Launch::route_in_experts; with the down experts by column).
+    bool route_in_experts = env::get_int("MOERL_GENERATOR_ROUTE_IN_EXPERTS", 0) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -194,13 +197,16 @@ struct Generator::Impl {
     // The kernels of one decode step over rows [0, B) of the static buffers, on the current stream.
     void run_step(int B) {
         const ModelConfig& c = m.config;
+        const bool rank_in_experts =
+            route_in_experts && down_by_column && cuda::down_combine_by_column(dtype, 1, K, I);
         // Overlapped launches only without per-kernel profiling (its events sit between the kernels).
         const cuda::Launch launch{at::cuda::getCurrentCUDAStream().stream(),
                                   overlap_launches && !profile,
                                   gemv_preload,
                                   early_expert_loads,
                                   down_by_column,
-                                  async_tiles};
+                                  async_tiles,
+                                  rank_in_experts};
         const float eps = static_cast<float>(c.rms_norm_eps);
         const int* pos = position.data_ptr<int>();
         const int* slots = slot.data_ptr<int>();
@@ -261,6 +267,18 @@ struct Generator::Impl {
                                                    c.norm_topk_prob, gemv_rows, h.data_ptr(),
                                                    router_logits.data_ptr(), r, done, launch);
                 mark("add+norm+router+route");
+                if (rank_in_experts) {
+                    cuda::launch_moe_gate_up_routed(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
+                                                    w.experts_up.data_ptr(), router_logits.data_ptr(), pos, r,
+                                                    E, K, c.norm_topk_prob, H, I, act.data_ptr(), launch);
+                    mark("experts gate+up");
+                    cuda::launch_moe_down_combine_routed(
+                        dtype, act.data_ptr(), w.experts_down.data_ptr(), router_logits.data_ptr(), pos, E, K,
+                        c.norm_topk_prob, H, I, x.data_ptr(), o.data_ptr(), launch);
+                    mark("experts down+combine");
+                    norm_pending = &next_norm;
+                    continue;
+                }
                 cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                          w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
                                          act.data_ptr(), launch);

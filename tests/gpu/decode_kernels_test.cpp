@@ -447,7 +447,10 @@ namespace {
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
 // one and two weight rows a warp, weights preloaded into shared memory or not.
 template <typename T>
-void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, bool by_column) {
+// experts: 0 = gate/up and down + combine by expert; 1 = gate/up by top-k slot, down + combine by
+// output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row).
+void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, int experts) {
+    const bool by_column = experts != 0, routed = experts == 2;
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
     std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * rows);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -467,10 +470,8 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, b
         d_down(down), d_next(next_w);
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
-    // by_column: gate/up by top-k slot too (early_expert_loads with one row).
-    // by_column: token tiles copied with cp.async too.
     const mc::Launch eager{nullptr, false},
-        fused_launch{nullptr, false, preload, by_column, by_column, by_column};
+        fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed};
     if (by_column) EXPECT_TRUE(mc::down_combine_by_column(dtype, B, K, I)) << "column kernel not taken";
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;
@@ -503,17 +504,24 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, b
         const mc::MoeRouting r1 = one.rb.routing();
         mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
                                          K, true, rows, one.h.p, one.logits.p, r1, done.p, fused_launch);
-        mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
-                               fused_launch);
-        mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, rows, one.y.p,
-                                    one.x.p, d_o.p, d_pos.p, done.p, fused_launch);
+        if (routed) {
+            mc::launch_moe_gate_up_routed(dtype, one.h.p, d_gate.p, d_up.p, one.logits.p, d_pos.p, r1, E, K,
+                                          true, H, I, one.act.p, fused_launch);
+            mc::launch_moe_down_combine_routed(dtype, one.act.p, d_down.p, one.logits.p, d_pos.p, E, K, true,
+                                               H, I, one.x.p, d_o.p, fused_launch);
+        } else {
+            mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
+                                   fused_launch);
+            mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, rows, one.y.p,
+                                        one.x.p, d_o.p, d_pos.p, done.p, fused_launch);
+        }
         mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext, rows,
                                    one.next_out.p, fused_launch);
         CK(cudaGetLastError());
         const std::string at = "dtype " + std::to_string(dtype) + " B " + std::to_string(B) + " E " +
                                std::to_string(E) + " rows " + std::to_string(rows) +
-                               (preload ? " preloaded" : "") + (by_column ? " by column" : "") + " call " +
-                               std::to_string(call) + ": ";
+                               (preload ? " preloaded" : "") + " experts " + std::to_string(experts) +
+                               " call " + std::to_string(call) + ": ";
         auto same = [](const auto& a, const auto& b, size_t n) {
             const auto u = a.read(), v = b.read();
             return std::memcmp(u.data(), v.data(), n * sizeof(u[0])) == 0;
@@ -555,11 +563,15 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
     for (int B : {1, 3})
         for (int E : {64, 200})
             for (int rows : {1, 2}) {
-                fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64, false);
-                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, false);
+                fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64, 0);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, 0);
                 // The down experts and combine by output column (one kernel, no counters).
-                fused_rows_match_kernels<float>(0, B, E, rows, rows == 2, true);
-                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, true);
+                fused_rows_match_kernels<float>(0, B, E, rows, rows == 2, 1);
+                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, 1);
+                if (B == 1) {  // the router logits ranked inside the expert kernels
+                    fused_rows_match_kernels<float>(0, B, E, rows, rows == 1, 2);
+                    fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 2, 2);
+                }
             }
 }
 

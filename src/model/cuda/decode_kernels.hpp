@@ -48,6 +48,10 @@ struct Launch {
     // multiply) into shared memory with cp.async, all of it in flight at once, instead of plain loads
     // and stores (a round trip per 16 bytes a thread).
     bool async_tiles = false;
+    // One-row steps rank the router logits inside the expert kernels (launch_moe_gate_up_routed,
+    // launch_moe_down_combine_routed): launch_add_norm_router_route then stops after the logits, without
+    // its last block's routing and the counter round trip before it.
+    bool route_in_experts = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 constexpr int kMaxColumnsSmem = 200 * 1024;
@@ -187,6 +191,18 @@ void launch_add_norm_router_route(int dtype, const void* x, const void* delta, c
 // With Launch::down_by_column where down_combine_by_column holds, the same x from one kernel by output
 // column, y not written.
 bool down_combine_by_column(int dtype, int B, int K, int I);
+
+// One row (B = 1) with Launch::route_in_experts, after launch_add_norm_router_route left the router
+// logits [1, E] unranked: gate/up whose block y ranks them (launch_route's top-k) and takes slot y's
+// expert, block (0, 0) writing the routing r for later readers; then the down experts + combine by
+// output column (down_combine_by_column(dtype, 1, K, I) must hold) whose blocks rank the logits
+// themselves before they wait. The same act and x as launch_moe_gate_up + launch_moe_down_combine.
+void launch_moe_gate_up_routed(int dtype, const void* h, const void* gate, const void* up, const void* logits,
+                               const int* position, const MoeRouting& r, int E, int K, bool norm_topk_prob,
+                               int H, int I, void* act, const Launch& launch);
+void launch_moe_down_combine_routed(int dtype, const void* act, const void* down, const void* logits,
+                                    const int* position, int E, int K, bool norm_topk_prob, int H, int I,
+                                    void* x, const void* delta, const Launch& launch);
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch);

@@ -3,6 +3,7 @@
 // them to all tokens routed to it (gathered on the fly, no permuted copy of the activations): at
 // decode batch sizes the weights, not the tokens, are the traffic.
 #include <cfloat>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -11,6 +12,55 @@ namespace {
 
 constexpr int kRouteWarps = 32;
 constexpr int kMoeWarps = 8;
+
+// One row's logits as a lane holds them for topk_of_row (experts lane, lane + 32, ...), read past L1.
+template <typename T, int kPerLane>
+__device__ __forceinline__ void load_logits_row(const T* row, int E, float (&p)[kPerLane]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+        p[i] = i * 32 + lane < E ? to_float(__ldcg(row + i * 32 + lane)) : -FLT_MAX;
+}
+
+// The softmax top-k of one row by one warp (p: load_logits_row's, overwritten): lane k < K gets the
+// k-th choice (lowest index on ties) and its probability, renormalised over the K when norm_topk_prob.
+template <int kPerLane>
+__device__ __forceinline__ void topk_of_row(float (&p)[kPerLane], int E, int K, bool norm_topk_prob,
+                                            int& my_idx, float& my_w) {
+    const int lane = threadIdx.x & 31;
+    float mx = -FLT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) mx = fmaxf(mx, p[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        p[i] = i * 32 + lane < E ? __expf(p[i] - mx) : -1.0f;  // -1: below every probability
+        sum += p[i] > 0.0f ? p[i] : 0.0f;
+    }
+    const float inv_sum = 1.0f / warp_sum(sum);
+    // K rounds of a warp argmax (lowest index on ties); lane k keeps the k-th choice. A lane's best
+    // becomes an unsigned key (the bits of a non-negative float order as the float; +1 keeps 0.0
+    // above "none left"), so each round is two warp reductions instead of ten shuffles.
+    my_idx = -1;
+    my_w = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        float best = -1.0f;
+        int best_e = E;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i)
+            if (p[i] > best) best = p[i], best_e = i * 32 + lane;
+        const unsigned key = best >= 0.0f ? __float_as_uint(best) + 1u : 0u;
+        const unsigned top = __reduce_max_sync(kFullMask, key);
+        const int chosen = top == 0u ? E : __reduce_min_sync(kFullMask, key == top ? best_e : E);
+        if (lane == k) my_idx = chosen, my_w = (top == 0u ? -1.0f : __uint_as_float(top - 1u)) * inv_sum;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i)
+            if (i * 32 + lane == chosen) p[i] = -2.0f;  // taken
+    }
+    const float total = warp_sum(lane < K ? my_w : 0.0f);
+    if (norm_topk_prob) my_w /= total;
+}
 
 // The routing of B rows of logits [B, E] by the whole block (any number of warps): top-k per row,
 // counts, offsets and slot lists into r. smem: 3 E + 1 ints. Logits are read past L1 (the fused
@@ -30,11 +80,8 @@ __device__ __forceinline__ void route_rows(const T* logits, const int* position,
     for (int b = warp; b < B; b += num_warps) {
         // The row's logits are requested together with its position (a padding row's are there too).
         const int pos = position[b];
-        const T* row = logits + static_cast<size_t>(b) * E;  // logits [B, E]
         float p[kPerLane];
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i)
-            p[i] = i * 32 + lane < E ? to_float(__ldcg(row + i * 32 + lane)) : -FLT_MAX;
+        load_logits_row(logits + static_cast<size_t>(b) * E, E, p);  // logits [B, E]
         if (pos < 0) {
             if (lane < K) {
                 r.topk_idx[b * K + lane] = -1;
@@ -42,40 +89,12 @@ __device__ __forceinline__ void route_rows(const T* logits, const int* position,
             }
             continue;
         }
-        float mx = -FLT_MAX;
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) mx = fmaxf(mx, p[i]);
-        mx = warp_max(mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-            p[i] = i * 32 + lane < E ? __expf(p[i] - mx) : -1.0f;  // -1: below every probability
-            sum += p[i] > 0.0f ? p[i] : 0.0f;
-        }
-        const float inv_sum = 1.0f / warp_sum(sum);
-        // K rounds of a warp argmax (lowest index on ties); lane k keeps the k-th choice. A lane's best
-        // becomes an unsigned key (the bits of a non-negative float order as the float; +1 keeps 0.0
-        // above "none left"), so each round is two warp reductions instead of ten shuffles.
-        int my_idx = -1;
-        float my_w = 0.0f;
-        for (int k = 0; k < K; ++k) {
-            float best = -1.0f;
-            int best_e = E;
-#pragma unroll
-            for (int i = 0; i < kPerLane; ++i)
-                if (p[i] > best) best = p[i], best_e = i * 32 + lane;
-            const unsigned key = best >= 0.0f ? __float_as_uint(best) + 1u : 0u;
-            const unsigned top = __reduce_max_sync(kFullMask, key);
-            const int chosen = top == 0u ? E : __reduce_min_sync(kFullMask, key == top ? best_e : E);
-            if (lane == k) my_idx = chosen, my_w = (top == 0u ? -1.0f : __uint_as_float(top - 1u)) * inv_sum;
-#pragma unroll
-            for (int i = 0; i < kPerLane; ++i)
-                if (i * 32 + lane == chosen) p[i] = -2.0f;  // taken
-        }
-        const float total = warp_sum(lane < K ? my_w : 0.0f);
+        int my_idx;
+        float my_w;
+        topk_of_row<kPerLane>(p, E, K, norm_topk_prob, my_idx, my_w);
         if (lane < K) {
             r.topk_idx[b * K + lane] = my_idx;
-            r.topk_weights[b * K + lane] = norm_topk_prob ? my_w / total : my_w;
+            r.topk_weights[b * K + lane] = my_w;
             atomicAdd(&count[my_idx], 1);
         }
     }
@@ -156,8 +175,10 @@ enum RowsMode { kGatedExperts, kExperts, kDense };
 // kAddNormRoute: the dense router's input is rms_norm(x + delta) * norm_w (block 0 stores it in h;
 // x is not written) and the last block to finish routes the logits;
 // kCombine: the down experts' last block over each chunk of output columns combines the routed
-// slots into x (after adding delta), leaving the norm to the next kernel.
-enum Fuse { kFuseNone, kNormIn, kAddNormRoute, kCombine };
+// slots into x (after adding delta), leaving the norm to the next kernel;
+// kRouteIn: the one-row gate/up experts take their slot's expert from the router logits (f.logits,
+// top-k as route_rows) instead of the routing, which block (0, 0) writes once its rows are done.
+enum Fuse { kFuseNone, kNormIn, kAddNormRoute, kCombine, kRouteIn };
 
 template <typename T>
 struct Fusion {
@@ -170,6 +191,8 @@ struct Fusion {
     int* done = nullptr;  // finished blocks (kAddNormRoute: one counter; kCombine: one a column chunk)
     int E = 0, K = 0;     // routing
     bool norm_topk_prob = false;
+    bool route = true;          // kAddNormRoute: false = stop after the logits (Launch::route_in_experts)
+    const T* logits = nullptr;  // kRouteIn: the router logits [1, E]
 };
 
 // Rows [first, first + n) of tile = round(w * round(v * inv_rms(v))) for v = x (+ delta, rounded):
@@ -251,8 +274,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     expert_rows_kernel(const T* in, const T* w0, const T* w1, MoeRouting r, int row_div, int cols,
                        int out_rows, int num_rows, bool preload, bool early, bool async_tile, T* act,
                        float* y, Fusion<T> f) {
-    static_assert(kFuse == kFuseNone || (kFuse == kCombine ? kMode == kExperts : kMode == kDense),
-                  "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts");
+    static_assert(
+        kFuse == kFuseNone || (kFuse == kCombine   ? kMode == kExperts
+                               : kFuse == kRouteIn ? kMode == kGatedExperts && kRows == 1 && kTile == 1
+                                                   : kMode == kDense),
+        "kNormIn and kAddNormRoute fuse into the dense GEMV, kCombine into the down experts, kRouteIn "
+        "into the one-row gate/up experts");
     static_assert(kFuse == kFuseNone || kMoeWarps * 32 == kNormThreads, "norm_tile's sum order");
     extern __shared__ __align__(16) unsigned char tile_bytes[];
     T* tile = reinterpret_cast<T*>(tile_bytes);             // [kTile, cols]
@@ -276,8 +303,27 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     int e = 0, first = 0, n = num_rows;
     // `early` with one row: block y takes slot y, its expert read from the top-k (the row's K experts
     // differ) instead of through the active list, the offsets and the slot list (three dependent loads).
-    const bool by_slot = kGated && early && num_rows == 1;
-    if constexpr (kMode != kDense) {
+    const bool by_slot = kGated && (early || kFuse == kRouteIn) && num_rows == 1;
+    if constexpr (kFuse == kRouteIn) {
+        // Warp 0 ranks the row's experts; slot y's goes to every warp (-1 for a padding row). Block
+        // (0, 0) stays to the end either way: it writes the routing.
+        __shared__ int slot_expert;
+        if (threadIdx.x < 32) {
+            float p[kPerLane];
+            load_logits_row(f.logits, f.E, p);
+            int idx;
+            float weight;
+            topk_of_row<kPerLane>(p, f.E, f.K, f.norm_topk_prob, idx, weight);
+            idx = __shfl_sync(kFullMask, idx, blockIdx.y);
+            if (threadIdx.x == 0) slot_expert = f.position[0] < 0 ? -1 : idx;
+        }
+        __syncthreads();
+        const bool writes_routing = blockIdx.x == 0 && blockIdx.y == 0;
+        if (slot_expert < 0 && !writes_routing) return;
+        e = max(slot_expert, 0);
+        first = static_cast<int>(blockIdx.y);
+        n = slot_expert < 0 ? 0 : 1;
+    } else if constexpr (kMode != kDense) {
         if (by_slot) {
             e = r.topk_idx[blockIdx.y];
             if (e < 0) return;  // a padding row
@@ -316,7 +362,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 #pragma unroll
                     for (int i = 0; i < kRows; ++i) raw[u][m][i] = load_raw8(w[m][i] + cb + u * 256);
     };
-    const bool requested_early = kGated && early && row0 < out_rows && n > 0;
+    const bool requested_early = kGated && (early || kFuse == kRouteIn) && row0 < out_rows && n > 0;
     if (requested_early) request(lane * 8);
     for (int c0 = 0; c0 < n; c0 += kTile) {
         const int nt = min(kTile, n - c0);
@@ -385,8 +431,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             }
         }
     }
-    if constexpr (kFuse == kAddNormRoute) {
-        if (!last_block_of(f.done, gridDim.x)) return;
+    if constexpr (kFuse == kRouteIn) {
+        if (blockIdx.x != 0 || blockIdx.y != 0) return;
+        __shared__ int route_smem[3 * kMaxExperts + 1];
+        route_rows<T, kPerLane>(f.logits, f.position, 1, f.E, f.K, f.norm_topk_prob, r, route_smem);
+    } else if constexpr (kFuse == kAddNormRoute) {
+        if (!f.route || !last_block_of(f.done, gridDim.x)) return;
         __shared__ int route_smem[3 * kMaxExperts + 1];
         route_rows<T, kPerLane>(act, f.position, num_rows, f.E, f.K, f.norm_topk_prob, r, route_smem);
     } else if constexpr (kFuse == kCombine) {
@@ -418,10 +468,13 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
 // gate/up, the routing being complete two kernels back. A slot's weights are copied even when
 // another slot has the same expert (made for one row, whose top-k experts differ). The dot products
 // and the combine sum in the order of expert_rows_kernel and its kCombine tail: the same bits.
-template <typename T>
+// kPerLane > 0 (one row, Launch::route_in_experts): warp 0 ranks the router logits itself (written
+// two kernels back, like the routing) instead of reading the routing.
+template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kMoeWarps * 32)
     down_combine_columns_kernel(const T* act, const T* down, MoeRouting r, int B, int K, int H, int I,
-                                const int* position, T* x, const T* delta, bool async_tile) {
+                                const T* logits, int E, bool norm_topk_prob, const int* position, T* x,
+                                const T* delta, bool async_tile) {
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     const int S = B * K;
     T* wts = reinterpret_cast<T*>(smem_bytes);                                // [S, kMoeWarps, I]
@@ -429,9 +482,21 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     int* expert = reinterpret_cast<int*>(tile + static_cast<size_t>(S) * I);  // [S]
     float* weight = reinterpret_cast<float*>(expert + S);                     // [S]
     const int col0 = blockIdx.x * kMoeWarps, cols = min(kMoeWarps, H - col0);
-    for (int s = threadIdx.x; s < S; s += blockDim.x) {
-        expert[s] = __ldcg(r.topk_idx + s);
-        weight[s] = __ldcg(r.topk_weights + s);
+    if constexpr (kPerLane == 0) {
+        for (int s = threadIdx.x; s < S; s += blockDim.x) {
+            expert[s] = __ldcg(r.topk_idx + s);
+            weight[s] = __ldcg(r.topk_weights + s);
+        }
+    } else if (threadIdx.x < 32) {  // S = K
+        float p[kPerLane];
+        load_logits_row(logits, E, p);
+        int idx;
+        float w;
+        topk_of_row<kPerLane>(p, E, K, norm_topk_prob, idx, w);
+        if (threadIdx.x < K) {
+            expert[threadIdx.x] = position[0] < 0 ? -1 : idx;
+            weight[threadIdx.x] = w;
+        }
     }
     __syncthreads();
     for (int s = 0; s < S; ++s)
@@ -608,16 +673,18 @@ void launch_add_norm_router_route(int dtype, const void* x, const void* delta, c
                                   int K, bool norm_topk_prob, int rows_per_warp, void* h, void* logits,
                                   const MoeRouting& r, int* done, const Launch& launch) {
     if (B == 0) return;
-    if (dtype == 0)
-        launch_add_norm_router_typed<float, 1>(
-            rows_per_warp,
-            fusion_of<float>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob), router, B,
-            H, logits, r, launch);
-    else
-        launch_add_norm_router_typed<__nv_bfloat16, 1>(
-            rows_per_warp,
-            fusion_of<__nv_bfloat16>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob),
-            router, B, H, logits, r, launch);
+    const bool route = !(launch.route_in_experts && B == 1);  // else the expert kernels rank the logits
+    if (dtype == 0) {
+        Fusion<float> f =
+            fusion_of<float>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob);
+        f.route = route;
+        launch_add_norm_router_typed<float, 1>(rows_per_warp, f, router, B, H, logits, r, launch);
+    } else {
+        Fusion<__nv_bfloat16> f =
+            fusion_of<__nv_bfloat16>(x, delta, norm_weight, eps, h, position, done, E, K, norm_topk_prob);
+        f.route = route;
+        launch_add_norm_router_typed<__nv_bfloat16, 1>(rows_per_warp, f, router, B, H, logits, r, launch);
+    }
 }
 
 size_t down_columns_smem(int dtype, int B, int K, int I) {
@@ -631,27 +698,74 @@ bool down_combine_by_column(int dtype, int B, int K, int I) {
     return I % 8 == 0 && weights <= kMaxPreloadBytes && down_columns_smem(dtype, B, K, I) <= kMaxColumnsSmem;
 }
 
+// The by-column kernel; kPerLane 0: routing from r, else from the logits (one row; kPerLane grown to E).
+template <typename T, int kPerLane>
+void launch_down_columns(const void* act, const void* down, const MoeRouting& r, int B, int K, int H, int I,
+                         const void* logits, int E, bool norm_topk_prob, const int* position, void* x,
+                         const void* delta, const Launch& launch) {
+    if constexpr (kPerLane > 0 && kPerLane < kMaxExperts / 32) {
+        if (E > 32 * kPerLane)
+            return launch_down_columns<T, kPerLane * 2>(act, down, r, B, K, H, I, logits, E, norm_topk_prob,
+                                                        position, x, delta, launch);
+    }
+    const size_t smem = down_columns_smem(std::is_same_v<T, float> ? 0 : 1, B, K, I);
+    auto kernel = down_combine_columns_kernel<T, kPerLane>;
+    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+    launch_kernel(kernel, dim3((H + kMoeWarps - 1) / kMoeWarps), kMoeWarps * 32, smem, launch,
+                  static_cast<const T*>(act), static_cast<const T*>(down), r, B, K, H, I,
+                  static_cast<const T*>(logits), E, norm_topk_prob, position, static_cast<T*>(x),
+                  static_cast<const T*>(delta), launch.async_tiles);
+}
+
+template <typename T, int kPerLane>
+void launch_gate_up_routed(const void* h, const void* gate, const void* up, const MoeRouting& r, int K, int H,
+                           int I, void* act, const Fusion<T>& f, const Launch& launch) {
+    if constexpr (kPerLane < kMaxExperts / 32) {
+        if (f.E > 32 * kPerLane)
+            return launch_gate_up_routed<T, kPerLane * 2>(h, gate, up, r, K, H, I, act, f, launch);
+    }
+    launch_rows<T, kGatedExperts, 1, 1, kRouteIn, kPerLane>(h, gate, up, r, K, H, I, 1, K, act, nullptr,
+                                                            launch, f);
+}
+
+void launch_moe_gate_up_routed(int dtype, const void* h, const void* gate, const void* up, const void* logits,
+                               const int* position, const MoeRouting& r, int E, int K, bool norm_topk_prob,
+                               int H, int I, void* act, const Launch& launch) {
+    if (dtype == 0) {
+        Fusion<float> f = fusion_of<float>(nullptr, nullptr, nullptr, 0.0f, nullptr, position, nullptr, E, K,
+                                           norm_topk_prob);
+        f.logits = static_cast<const float*>(logits);
+        launch_gate_up_routed<float, 1>(h, gate, up, r, K, H, I, act, f, launch);
+    } else {
+        Fusion<__nv_bfloat16> f = fusion_of<__nv_bfloat16>(nullptr, nullptr, nullptr, 0.0f, nullptr, position,
+                                                           nullptr, E, K, norm_topk_prob);
+        f.logits = static_cast<const __nv_bfloat16*>(logits);
+        launch_gate_up_routed<__nv_bfloat16, 1>(h, gate, up, r, K, H, I, act, f, launch);
+    }
+}
+
+void launch_moe_down_combine_routed(int dtype, const void* act, const void* down, const void* logits,
+                                    const int* position, int E, int K, bool norm_topk_prob, int H, int I,
+                                    void* x, const void* delta, const Launch& launch) {
+    if (dtype == 0)
+        launch_down_columns<float, 1>(act, down, MoeRouting{}, 1, K, H, I, logits, E, norm_topk_prob,
+                                      position, x, delta, launch);
+    else
+        launch_down_columns<__nv_bfloat16, 1>(act, down, MoeRouting{}, 1, K, H, I, logits, E, norm_topk_prob,
+                                              position, x, delta, launch);
+}
+
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch) {
     if (B == 0 || max_active == 0) return;
     if (launch.down_by_column && down_combine_by_column(dtype, B, K, I)) {
-        const size_t smem = down_columns_smem(dtype, B, K, I);
-        const dim3 grid((H + kMoeWarps - 1) / kMoeWarps);
-        if (dtype == 0) {
-            ensure_dynamic_smem(reinterpret_cast<const void*>(down_combine_columns_kernel<float>), smem);
-            launch_kernel(down_combine_columns_kernel<float>, grid, kMoeWarps * 32, smem, launch,
-                          static_cast<const float*>(act), static_cast<const float*>(down), r, B, K, H, I,
-                          position, static_cast<float*>(x), static_cast<const float*>(delta),
-                          launch.async_tiles);
-        } else {
-            ensure_dynamic_smem(reinterpret_cast<const void*>(down_combine_columns_kernel<__nv_bfloat16>),
-                                smem);
-            launch_kernel(down_combine_columns_kernel<__nv_bfloat16>, grid, kMoeWarps * 32, smem, launch,
-                          static_cast<const __nv_bfloat16*>(act), static_cast<const __nv_bfloat16*>(down), r,
-                          B, K, H, I, position, static_cast<__nv_bfloat16*>(x),
-                          static_cast<const __nv_bfloat16*>(delta), launch.async_tiles);
-        }
+        if (dtype == 0)
+            launch_down_columns<float, 0>(act, down, r, B, K, H, I, nullptr, 0, false, position, x, delta,
+                                          launch);
+        else
+            launch_down_columns<__nv_bfloat16, 0>(act, down, r, B, K, H, I, nullptr, 0, false, position, x,
+                                                  delta, launch);
         return;
     }
     // done[0] is the router's; chunk c of the output columns counts on done[1 + c].
