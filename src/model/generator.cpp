@@ -276,17 +276,16 @@ struct Generator::Impl {
                         dtype, act.data_ptr(), w.experts_down.data_ptr(), router_logits.data_ptr(), pos, E, K,
                         c.norm_topk_prob, H, I, x.data_ptr(), o.data_ptr(), launch);
                     mark("experts down+combine");
-                    norm_pending = &next_norm;
-                    continue;
+                } else {
+                    cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
+                                             w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
+                                             act.data_ptr(), launch);
+                    mark("experts gate+up");
+                    cuda::launch_moe_down_combine(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K,
+                                                  H, I, max_active, down_rows, y.data_ptr<float>(),
+                                                  x.data_ptr(), o.data_ptr(), pos, done, launch);
+                    mark("experts down+combine");
                 }
-                cuda::launch_moe_gate_up(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
-                                         w.experts_up.data_ptr(), r, B, K, H, I, max_active, gate_up_rows,
-                                         act.data_ptr(), launch);
-                mark("experts gate+up");
-                cuda::launch_moe_down_combine(dtype, act.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
-                                              max_active, down_rows, y.data_ptr<float>(), x.data_ptr(),
-                                              o.data_ptr(), pos, done, launch);
-                mark("experts down+combine");
                 norm_pending = &next_norm;
                 continue;
             }
