@@ -446,9 +446,9 @@ namespace {
 // the router's input h, the routing, the expert outputs combined into the residual and the next
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
 // one and two weight rows a warp, weights preloaded into shared memory or not.
-template <typename T>
 // experts: 0 = gate/up and down + combine by expert; 1 = gate/up by top-k slot, down + combine by
 // output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row).
+template <typename T>
 void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, int experts) {
     const bool by_column = experts != 0, routed = experts == 2;
     constexpr int H = 512, K = 4, I = 128, kNext = 384;

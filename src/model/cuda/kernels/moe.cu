@@ -262,6 +262,15 @@ __device__ __forceinline__ void preload_rows(const T* w, int row0, int rows, int
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// x[at] = round(round(x[at] + delta[at]) + round(combined)) (delta optional): the residual add and the
+// routed experts' weighted sum, rounded as add_rmsnorm and combine_rmsnorm_kernel round them.
+template <typename T>
+__device__ __forceinline__ void add_combined(T* x, const T* delta, size_t at, float combined) {
+    float v = to_float(x[at]);
+    if (delta != nullptr) v = round_to<T>(v + to_float(delta[at]));
+    x[at] = from_float<T>(v + round_to<T>(combined));
+}
+
 // Rows [row0, row0 + kRows) of expert e's weights applied to every slot routed to e, kTile
 // slots per pass over the weights. kGatedExperts: act[s] = silu(in[s / K] gate^T) * (in[s / K] up^T)
 // (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
@@ -453,10 +462,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
                 if (r.topk_idx[s] < 0) continue;
                 acc += r.topk_weights[s] * __ldcg(y + static_cast<size_t>(s) * out_rows + c);
             }
-            const size_t at = static_cast<size_t>(b) * out_rows + c;
-            float v = to_float(f.x[at]);
-            if (f.delta != nullptr) v = round_to<T>(v + to_float(f.delta[at]));
-            f.x[at] = from_float<T>(v + round_to<T>(acc));
+            add_combined(f.x, f.delta, static_cast<size_t>(b) * out_rows + c, acc);
         }
     }
 }
@@ -528,11 +534,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             }
             acc += weight[s] * round_to<T>(warp_sum(dot));
         }
-        if (lane != 0 || position[b] < 0) continue;
-        const size_t at = static_cast<size_t>(b) * H + c;
-        float v = to_float(x[at]);
-        if (delta != nullptr) v = round_to<T>(v + to_float(delta[at]));
-        x[at] = from_float<T>(v + round_to<T>(acc));
+        if (lane == 0 && position[b] >= 0) add_combined(x, delta, static_cast<size_t>(b) * H + c, acc);
     }
 }
 

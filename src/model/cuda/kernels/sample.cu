@@ -19,12 +19,14 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(i));
 }
 
-// The largest key of this block's range of row blockIdx.y, in thread 0 (logits [B, V]).
 template <typename T>
-__device__ __forceinline__ unsigned long long block_best_key(const T* logits, int V) {
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const T* logits, int V, unsigned long long* best_key) {
+    griddep_wait();
+    griddep_launch_dependents();
     __shared__ unsigned long long warp_best[kArgmaxThreads / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const T* row = logits + static_cast<size_t>(blockIdx.y) * V;
+    const int b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const T* row = logits + static_cast<size_t>(b) * V;  // logits [B, V]
     const int first = blockIdx.x * kArgmaxPerBlock;
     unsigned long long best = 0;
 #pragma unroll 8
@@ -36,29 +38,17 @@ __device__ __forceinline__ unsigned long long block_best_key(const T* logits, in
     for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(kFullMask, best, o));
     if (lane == 0) warp_best[warp] = best;
     __syncthreads();
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         for (int w = 1; w < kArgmaxThreads / 32; ++w) best = max(best, warp_best[w]);
-    return best;
-}
-
-__device__ __forceinline__ int64_t argmax_index(unsigned long long key) {
-    return static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(key & 0xffffffffu));
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const T* logits, int V, unsigned long long* best_key) {
-    griddep_wait();
-    griddep_launch_dependents();
-    const unsigned long long best = block_best_key(logits, V);
-    if (threadIdx.x == 0) atomicMax(best_key + blockIdx.y, best);
+        atomicMax(best_key + b, best);
+    }
 }
 
 __global__ void argmax_finish_kernel(const unsigned long long* best_key, int B, int64_t* out) {
     griddep_wait();
     griddep_launch_dependents();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b < B) out[b] = argmax_index(best_key[b]);
+    if (b < B) out[b] = static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(best_key[b] & 0xffffffffu));
 }
 
 }  // namespace
