@@ -376,7 +376,6 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     bool by_column = false;    // Launch::down_by_column (with early_expert_loads, as the generator)
     bool async_tiles = false;  // Launch::async_tiles
     bool routed = false;       // Launch::route_in_experts (the routed expert launchers)
-    bool ahead = false;        // Launch::l2_ahead (the next layer's q/k/v)
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
         mc::Launch l = launch;
         l.preload = preload;
@@ -391,14 +390,7 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         if (kinds & 2u)
             mc::launch_paged_attention(1, nullptr, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks,
                                        kBlock, B, kHq, kHkv, kD, partial, done, attn, l, shape, qkv_in);
-        if (kinds & 4u) {
-            mc::Launch lo = l;
-            if (ahead) {
-                lo.l2_ahead = layers[(i + 1) % kLayers].qkv_w;
-                lo.l2_ahead_bytes = sizeof(__nv_bfloat16) * kQkvRows * kH;
-            }
-            mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, rows, o, lo);
-        }
+        if (kinds & 4u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, rows, o, l);
         if (kinds & 8u)
             mc::launch_add_norm_router_route(1, x, o, norm_w, 1e-6f, d_pos, w.router_w, B, kH, kE, kK, true,
                                              rows, h, logits, r, fused_done, l);
@@ -423,28 +415,28 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     };
     struct Variant {
         int rows;
-        bool preload, by_column, async_tiles, routed, ahead;
+        bool preload, by_column, async_tiles, routed;
     };
-    const Variant variants[] = {{2, false, false, false, false, false}, {1, true, false, false, false, false},
-                                {1, true, true, false, false, false},   {1, true, true, true, false, false},
-                                {1, true, true, true, true, false},     {1, true, true, true, true, true}};
+    const Variant variants[] = {{2, false, false, false, false},
+                                {1, true, false, false, false},
+                                {1, true, true, false, false},
+                                {1, true, true, true, false},
+                                {1, true, true, true, true}};
     for (const Variant& v : variants) {
         rows = v.rows;
         preload = v.preload;
         by_column = v.by_column;
         async_tiles = v.async_tiles;
         routed = v.routed;
-        ahead = v.ahead;
         const Times fused = time_fused(63u);
         std::printf(
             "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
-            "GEMVs%s%s%s%s%s\n\n"
+            "GEMVs%s%s%s%s\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
             rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "",
             by_column ? ", experts by top-k slot and by output column" : "",
             async_tiles ? ", token tiles by cp.async" : "",
-            routed ? ", the logits ranked in the expert kernels" : "",
-            ahead ? ", the next layer's q/k/v asked into L2 during attention" : "");
+            routed ? ", the logits ranked in the expert kernels" : "");
         for (int k = 0; k < 6; ++k) {
             const Times without = time_fused(63u & ~(1u << k));
             std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,

@@ -136,9 +136,6 @@ struct Generator::Impl {
     // (Qwen3-30B-A3B shape, 8 layers, bench rollout, twice, alternated): step 0.628 / 0.630 -> 0.627 /
     // 0.625 ms at batch 1; the layer in decode_kernels_bench 55.65 -> 55.18 us.
     bool route_in_experts = env::get_int("MOERL_GENERATOR_ROUTE_IN_EXPERTS", 1) != 0;
-    // Steps on the GEMV kernels (B <= gemv_max_batch): the o projection's blocks ask L2 to keep the next
-    // layer's q/k/v weights while attention runs (cuda::Launch::l2_ahead).
-    bool l2_ahead = env::get_int("MOERL_GENERATOR_L2_AHEAD", 0) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -264,12 +261,7 @@ struct Generator::Impl {
                                          attn_partial.data_ptr<float>(), attn_split_done.data_ptr<int>(),
                                          attn.data_ptr(), launch, attention, qkv_in);
             mark("attention");
-            cuda::Launch o_launch = launch;
-            if (l2_ahead && B <= gemv_max_batch && l + 1 < m.layers.size()) {
-                o_launch.l2_ahead = qkv_weight[l + 1].data_ptr();
-                o_launch.l2_ahead_bytes = qkv_weight[l + 1].nbytes();
-            }
-            linear(attn, w.o_proj, o, B, o_launch);
+            linear(attn, w.o_proj, o, B, launch);
             mark("o mm");
             if (w.moe_index >= 0 && fuse_moe) {
                 cuda::launch_add_norm_router_route(dtype, x.data_ptr(), o.data_ptr(), w.post_norm.data_ptr(),

@@ -403,8 +403,7 @@ INSTANTIATE_TEST_SUITE_P(Batches, DecodeExperts, ::testing::Values(1, 5, 24, 64)
 
 // The dense GEMV (fp32) against a CPU reference with one, two and four weight rows a warp and with
 // the weights preloaded into shared memory, columns that end inside a step of the unrolled loop and
-// output rows that do not fill the last block; the last two with the weights asked into L2 ahead
-// (Launch::l2_ahead), which must not change a bit.
+// output rows that do not fill the last block.
 class DecodeDense : public ::testing::TestWithParam<int> {};
 
 TEST_P(DecodeDense, MatchesCpu) {
@@ -416,16 +415,11 @@ TEST_P(DecodeDense, MatchesCpu) {
     for (float& x : in) x = normal(rng);
     for (float& x : w) x = normal(rng);
     Dev<float> d_in(in), d_w(w);
-    for (int variant = 0; variant < 6; ++variant) {  // 1, 2, 4 weight rows a warp; 1 preloaded; hinted
-        const int rows = variant == 3 || variant == 5 ? 1 : 1 << (variant % 4);
-        const bool preload = variant == 3 || variant == 5;
-        mc::Launch launch{nullptr, false, preload};
-        if (variant >= 4) {
-            launch.l2_ahead = d_w.p;
-            launch.l2_ahead_bytes = w.size() * sizeof(float);
-        }
+    for (int variant = 0; variant < 4; ++variant) {  // 1, 2, 4 weight rows a warp; 1 preloaded
+        const int rows = variant == 3 ? 1 : 1 << variant;
+        const bool preload = variant == 3;
         Dev<float> d_out(std::vector<float>(static_cast<size_t>(B) * out_rows, 7.0f));
-        mc::launch_dense_rows(0, d_in.p, d_w.p, B, cols, out_rows, rows, d_out.p, launch);
+        mc::launch_dense_rows(0, d_in.p, d_w.p, B, cols, out_rows, rows, d_out.p, {nullptr, false, preload});
         CK(cudaGetLastError());
         const std::vector<float> out = d_out.read();
         for (int b = 0; b < B; ++b)
@@ -436,7 +430,7 @@ TEST_P(DecodeDense, MatchesCpu) {
                             w[static_cast<size_t>(o) * cols + c];
                 ASSERT_NEAR(out[static_cast<size_t>(b) * out_rows + o], want, 1e-3 + 1e-5 * std::fabs(want))
                     << "row " << b << " output " << o << ", " << rows << " rows a warp"
-                    << (preload ? ", preloaded" : "") << (variant >= 4 ? ", L2 hints" : "");
+                    << (preload ? ", preloaded" : "");
             }
     }
 }
@@ -453,8 +447,7 @@ namespace {
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
 // one and two weight rows a warp, weights preloaded into shared memory or not.
 // experts: 0 = gate/up and down + combine by expert; 1 = gate/up by top-k slot, down + combine by
-// output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row),
-// with the next projection's weights asked into L2 ahead by the dense GEMVs.
+// output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row).
 template <typename T>
 void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, int experts) {
     const bool by_column = experts != 0, routed = experts == 2;
@@ -477,12 +470,8 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
         d_down(down), d_next(next_w);
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
-    const mc::Launch eager{nullptr, false};
-    mc::Launch fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed};
-    if (routed) {
-        fused_launch.l2_ahead = d_next.p;
-        fused_launch.l2_ahead_bytes = next_w.size() * sizeof(T);
-    }
+    const mc::Launch eager{nullptr, false},
+        fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed};
     if (by_column) EXPECT_TRUE(mc::down_combine_by_column(dtype, B, K, I)) << "column kernel not taken";
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;

@@ -52,12 +52,6 @@ struct Launch {
     // launch_moe_down_combine_routed): launch_add_norm_router_route then stops after the logits, without
     // its last block's routing and the counter round trip before it.
     bool route_in_experts = false;
-    // Weights a later kernel reads (the next layer's q/k/v projection), asked into L2 to stay
-    // (evict_last, above the experts streaming past) by the blocks of the dense GEMV launched with this
-    // Launch, before they wait: the o projection's blocks wait for the latency-bound attention, while
-    // DRAM has little else to do.
-    const void* l2_ahead = nullptr;
-    size_t l2_ahead_bytes = 0;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 constexpr int kMaxColumnsSmem = 200 * 1024;

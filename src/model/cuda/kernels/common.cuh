@@ -100,19 +100,6 @@ __device__ __forceinline__ Raw8<__nv_bfloat16> load_raw8(const __nv_bfloat16* p)
 __device__ __forceinline__ Raw8<float> load_raw8(const float* p) {
     return {reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1]};
 }
-
-// Asks L2 to keep [base, base + bytes) (evict_last: lines of normal priority go first), the whole
-// grid sharing the work: block b takes its share, a 128-byte line a thread and step.
-__device__ __forceinline__ void prefetch_share_l2(const void* base, size_t bytes) {
-    constexpr size_t kLine = 128;
-    const size_t blocks = static_cast<size_t>(gridDim.x) * gridDim.y;
-    const size_t block = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-    const size_t share = ((bytes + blocks - 1) / blocks + kLine - 1) / kLine * kLine;
-    const size_t first = block * share, last = first + share < bytes ? first + share : bytes;
-    for (size_t off = first + threadIdx.x * kLine; off < last; off += blockDim.x * kLine)
-        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(static_cast<const char*>(base) + off));
-}
-
 __device__ __forceinline__ void raw8_to_float(const Raw8<__nv_bfloat16>& r, float* out) {
     const auto* v = reinterpret_cast<const __nv_bfloat162*>(&r.v);
 #pragma unroll

@@ -197,10 +197,6 @@ struct Fusion {
     bool norm_topk_prob = false;
     bool route = true;          // kAddNormRoute: false = stop after the logits (Launch::route_in_experts)
     const T* logits = nullptr;  // kRouteIn: the router logits [1, E]
-    // Launch::l2_ahead, set by launch_rows: the dense GEMV's blocks ask L2 to keep [ahead, ahead +
-    // ahead_bytes) before they wait.
-    const void* ahead = nullptr;
-    size_t ahead_bytes = 0;
 };
 
 // Rows [first, first + n) of tile = round(w * round(v * inv_rms(v))) for v = x (+ delta, rounded):
@@ -307,7 +303,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
             preload_rows(w0, block_row0, kMoeWarps * kRows, out_rows, cols, block_w);
         else
             prefetch_rows_l2(w0, block_row0, kMoeWarps * kRows, out_rows, cols);
-        if (f.ahead_bytes > 0) prefetch_share_l2(f.ahead, f.ahead_bytes);
     } else if constexpr (kMode == kExperts) {
         // The routing comes from two kernels back (the router), complete before this kernel could start:
         // every kernel waits for its predecessor before it lets the next one start. Read past L1.
@@ -584,13 +579,11 @@ void launch_rows(const void* in, const void* w0, const void* w1, const MoeRoutin
     auto kernel = expert_rows_kernel<T, kMode, kRows, kTile, kFuse, kPerLane>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     constexpr int kRowsPerBlock = kMoeWarps * kRows;
-    Fusion<T> g = f;
-    if constexpr (kMode == kDense) g.ahead = launch.l2_ahead, g.ahead_bytes = launch.l2_ahead_bytes;
     launch_kernel(kernel, dim3((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, max_active), kMoeWarps * 32,
                   smem, launch, static_cast<const T*>(in), static_cast<const T*>(w0),
                   static_cast<const T*>(w1), r, row_div, cols, out_rows, num_rows, preload,
                   kMode == kGatedExperts && launch.early_expert_loads, launch.async_tiles,
-                  static_cast<T*>(act), y, g);
+                  static_cast<T*>(act), y, f);
 }
 
 // Slots per pass from the batch (a bound on the tokens of one expert); weight rows per warp from
