@@ -136,9 +136,6 @@ struct Generator::Impl {
     // (Qwen3-30B-A3B shape, 8 layers, bench rollout, twice, alternated): step 0.628 / 0.630 -> 0.627 /
     // 0.625 ms at batch 1; the layer in decode_kernels_bench 55.65 -> 55.18 us.
     bool route_in_experts = env::get_int("MOERL_GENERATOR_ROUTE_IN_EXPERTS", 1) != 0;
-    // With route_in_experts: the gate/up kernel's last blocks ask L2 for the routed experts' down
-    // weights (cuda::Launch::down_ahead); 2 = kept above normal lines (down_ahead_keep), 0 = off.
-    int down_prefetch = static_cast<int>(env::get_int("MOERL_GENERATOR_DOWN_PREFETCH", 0));
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -273,15 +270,9 @@ struct Generator::Impl {
                                                    router_logits.data_ptr(), r, done, launch);
                 mark("add+norm+router+route");
                 if (rank_in_experts) {
-                    cuda::Launch gate_up_launch = launch;
-                    if (down_prefetch != 0) {
-                        gate_up_launch.down_ahead = w.experts_down.data_ptr();
-                        gate_up_launch.down_ahead_keep = down_prefetch == 2;
-                    }
                     cuda::launch_moe_gate_up_routed(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                                     w.experts_up.data_ptr(), router_logits.data_ptr(), pos, r,
-                                                    E, K, c.norm_topk_prob, H, I, act.data_ptr(),
-                                                    gate_up_launch);
+                                                    E, K, c.norm_topk_prob, H, I, act.data_ptr(), launch);
                     mark("experts gate+up");
                     cuda::launch_moe_down_combine_routed(
                         dtype, act.data_ptr(), w.experts_down.data_ptr(), router_logits.data_ptr(), pos, E, K,

@@ -447,8 +447,7 @@ namespace {
 // projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
 // one and two weight rows a warp, weights preloaded into shared memory or not.
 // experts: 0 = gate/up and down + combine by expert; 1 = gate/up by top-k slot, down + combine by
-// output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row),
-// gate/up asking L2 for the routed down weights.
+// output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row).
 template <typename T>
 void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, int experts) {
     const bool by_column = experts != 0, routed = experts == 2;
@@ -471,12 +470,8 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
         d_down(down), d_next(next_w);
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
-    const mc::Launch eager{nullptr, false};
-    mc::Launch fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed};
-    if (routed) {  // the gate/up kernel also asks L2 for the routed down weights (must change nothing)
-        fused_launch.down_ahead = d_down.p;
-        fused_launch.down_ahead_keep = dtype == 1;
-    }
+    const mc::Launch eager{nullptr, false},
+        fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed};
     if (by_column) EXPECT_TRUE(mc::down_combine_by_column(dtype, B, K, I)) << "column kernel not taken";
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;

@@ -52,11 +52,6 @@ struct Launch {
     // launch_moe_down_combine_routed): launch_add_norm_router_route then stops after the logits, without
     // its last block's routing and the counter round trip before it.
     bool route_in_experts = false;
-    // launch_moe_gate_up_routed: the blocks of its last third ask L2 for the routed experts' down
-    // weights (down_ahead [E, H, I]), so the down kernel after it copies them from L2 while DRAM would
-    // idle in gate/up's tail; down_ahead_keep marks them evict_last (kept above normal lines).
-    const void* down_ahead = nullptr;
-    bool down_ahead_keep = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 constexpr int kMaxColumnsSmem = 200 * 1024;

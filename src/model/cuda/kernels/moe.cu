@@ -197,8 +197,6 @@ struct Fusion {
     bool norm_topk_prob = false;
     bool route = true;          // kAddNormRoute: false = stop after the logits (Launch::route_in_experts)
     const T* logits = nullptr;  // kRouteIn: the router logits [1, E]
-    const T* down = nullptr;    // kRouteIn: Launch::down_ahead
-    bool down_keep = false;     // kRouteIn: Launch::down_ahead_keep
 };
 
 // Rows [first, first + n) of tile = round(w * round(v * inv_rms(v))) for v = x (+ delta, rounded):
@@ -277,29 +275,6 @@ __device__ __forceinline__ void add_combined(T* x, const T* delta, size_t at, fl
     x[at] = from_float<T>(v + round_to<T>(combined));
 }
 
-// The blocks of the grid's last third ask L2 for the down weights (down [E, H, I]) of the K experts
-// in `ranked`, the work split evenly over them, a 128-byte line a thread and step; `keep`: evict_last.
-template <typename T>
-__device__ __forceinline__ void prefetch_routed_down(const T* down, const int* ranked, int K, int H, int I,
-                                                     bool keep) {
-    constexpr size_t kLine = 128;
-    const int blocks = static_cast<int>(gridDim.x * gridDim.y), first_block = blocks - blocks / 3;
-    const int block = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
-    if (block < first_block) return;
-    const size_t per_expert = static_cast<size_t>(H) * I * sizeof(T), total = per_expert * K;
-    const size_t prefetchers = static_cast<size_t>(blocks - first_block);
-    const size_t share = ((total + prefetchers - 1) / prefetchers + kLine - 1) / kLine * kLine;
-    const size_t begin = (block - first_block) * share, end = min(total, begin + share);
-    const char* base = reinterpret_cast<const char*>(down);
-    for (size_t off = begin + threadIdx.x * kLine; off < end; off += blockDim.x * kLine) {
-        const char* p = base + static_cast<size_t>(ranked[off / per_expert]) * per_expert + off % per_expert;
-        if (keep)
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
-        else
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
-}
-
 // Rows [row0, row0 + kRows) of expert e's weights applied to every slot routed to e, kTile
 // slots per pass over the weights. kGatedExperts: act[s] = silu(in[s / K] gate^T) * (in[s / K] up^T)
 // (gate/up [E, out_rows, cols]); kExperts: y[s] = in[s] w0^T (w0 [E, out_rows, cols], fp32 out);
@@ -342,18 +317,16 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     // `early` with one row: block y takes slot y, its expert read from the top-k (the row's K experts
     // differ) instead of through the active list, the offsets and the slot list (three dependent loads).
     const bool by_slot = kGated && (early || kFuse == kRouteIn) && num_rows == 1;
-    const int* ranked_experts = nullptr;  // kRouteIn: the row's K experts (shared memory)
     if constexpr (kFuse == kRouteIn) {
         // Warp 0 ranks the row's experts; slot y's goes to every warp (-1 for a padding row). Block
         // (0, 0) stays to the end either way: it writes the routing.
-        __shared__ int slot_expert, ranked[32];
+        __shared__ int slot_expert;
         if (threadIdx.x < 32) {
             float p[kPerLane];
             load_logits_row(f.logits, f.E, p);
             int idx;
             float weight;
             topk_of_row<kPerLane>(p, f.E, f.K, f.norm_topk_prob, idx, weight);
-            if (threadIdx.x < f.K) ranked[threadIdx.x] = idx;
             idx = __shfl_sync(kFullMask, idx, blockIdx.y);
             if (threadIdx.x == 0) slot_expert = f.position[0] < 0 ? -1 : idx;
         }
@@ -363,7 +336,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
         e = max(slot_expert, 0);
         first = static_cast<int>(blockIdx.y);
         n = slot_expert < 0 ? 0 : 1;
-        ranked_experts = ranked;
     } else if constexpr (kMode != kDense) {
         if (by_slot) {
             e = r.topk_idx[blockIdx.y];
@@ -405,9 +377,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     };
     const bool requested_early = kGated && (early || kFuse == kRouteIn) && row0 < out_rows && n > 0;
     if (requested_early) request(lane * 8);
-    if constexpr (kFuse == kRouteIn)
-        if (f.down != nullptr && n > 0)
-            prefetch_routed_down(f.down, ranked_experts, f.K, cols, out_rows, f.down_keep);
     for (int c0 = 0; c0 < n; c0 += kTile) {
         const int nt = min(kTile, n - c0);
         __syncthreads();
@@ -772,15 +741,11 @@ void launch_moe_gate_up_routed(int dtype, const void* h, const void* gate, const
         Fusion<float> f = fusion_of<float>(nullptr, nullptr, nullptr, 0.0f, nullptr, position, nullptr, E, K,
                                            norm_topk_prob);
         f.logits = static_cast<const float*>(logits);
-        f.down = static_cast<const float*>(launch.down_ahead);
-        f.down_keep = launch.down_ahead_keep;
         launch_gate_up_routed<float, 1>(h, gate, up, r, K, H, I, act, f, launch);
     } else {
         Fusion<__nv_bfloat16> f = fusion_of<__nv_bfloat16>(nullptr, nullptr, nullptr, 0.0f, nullptr, position,
                                                            nullptr, E, K, norm_topk_prob);
         f.logits = static_cast<const __nv_bfloat16*>(logits);
-        f.down = static_cast<const __nv_bfloat16*>(launch.down_ahead);
-        f.down_keep = launch.down_ahead_keep;
         launch_gate_up_routed<__nv_bfloat16, 1>(h, gate, up, r, K, H, I, act, f, launch);
     }
 }
