@@ -258,4 +258,4 @@ echo "|---|---|"
 for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
-for k in "${!STATUS[@]}"; do [[ $k == sanitizer_* ]] && echo "| $k | ${STATUS[$k]} |"; done
+for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done
