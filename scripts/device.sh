@@ -139,7 +139,7 @@ if [ -x "$MOERL" ]; then
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): the router logits ranked in the one-row expert
+      # Variants of the decode kernels (graphs on): the router logits ranked by the router, not the one-row expert
       # kernels, token tiles by plain loads, the one-row down experts by expert instead of by output
       # column, gate/up weight loads not issued early, weights not preloaded into shared memory, the
       # one-row MoE kernels unfused, then the q/k step unfused too, tensor-core gate/up from batch 2,
