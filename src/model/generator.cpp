@@ -66,9 +66,14 @@ struct Generator::Impl {
     // Static step buffers (graphs read and write them in place), max_batch rows.
     at::Tensor tokens, position, slot, table;
     at::Tensor x, h, qkv, q, attn, attn_partial, attn_split_done, o, router_logits, act, y, logits, greedy,
-        argmax_scratch, fused_done;
+        argmax_keys, argmax_done, fused_done;
     at::Tensor topk_idx, topk_weights, expert_offset, active_experts, num_active, expert_slots, experts_read;
-    std::map<int, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
+    // One graph per batch bucket and token source (false: `tokens`, true: `greedy`, the last step's
+    // own choice fed back).
+    std::map<std::pair<int, bool>, std::unique_ptr<at::cuda::CUDAGraph>> graphs;
+    // What `position` and `slot` hold on the device, as far as the host knows (device_inputs): a step
+    // leaves its rows' positions one token on, so a step continuing the same rows uploads nothing.
+    std::vector<int> device_position, device_slot;
 
     // MOERL_GENERATOR_PROFILE=1 with eager steps (no graphs, so every run_step really runs): time per
     // kernel kind, summed over steps.
@@ -136,6 +141,10 @@ struct Generator::Impl {
     // (Qwen3-30B-A3B shape, 8 layers, bench rollout, twice, alternated): step 0.628 / 0.630 -> 0.627 /
     // 0.625 ms at batch 1; the layer in decode_kernels_bench 55.65 -> 55.18 us.
     bool route_in_experts = env::get_int("MOERL_GENERATOR_ROUTE_IN_EXPERTS", 1) != 0;
+    // A decode step that continues the previous one's rows with its greedy tokens copies nothing to
+    // the device: the embedding reads `greedy` itself and the argmax kernel leaves the next positions
+    // (no token, position or slot copies between two steps' kernels). Off: every step uploads them.
+    bool device_inputs = env::get_int("MOERL_GENERATOR_DEVICE_INPUTS", 1) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -196,8 +205,9 @@ struct Generator::Impl {
         at::mm_out(out_b, in.narrow(0, 0, B), weight.t());
     }
 
-    // The kernels of one decode step over rows [0, B) of the static buffers, on the current stream.
-    void run_step(int B) {
+    // The kernels of one decode step over rows [0, B) of the static buffers, on the current stream,
+    // embedding the tokens at token_ids ([B], `tokens` or `greedy`).
+    void run_step(int B, const int64_t* token_ids) {
         const ModelConfig& c = m.config;
         const bool rank_in_experts =
             route_in_experts && down_by_column && cuda::down_combine_by_column(dtype, 1, K, I);
@@ -215,9 +225,8 @@ struct Generator::Impl {
         const int* tbl = table.data_ptr<int>();
         auto rows = [B](const at::Tensor& t) { return t.narrow(0, 0, B); };
         mark("start");
-        cuda::launch_embed_rmsnorm(dtype, tokens.data_ptr<int64_t>(), m.embed.data_ptr(),
-                                   m.layers[0].input_norm.data_ptr(), eps, B, static_cast<int>(V), H,
-                                   x.data_ptr(), h.data_ptr(), launch);
+        cuda::launch_embed_rmsnorm(dtype, token_ids, m.embed.data_ptr(), m.layers[0].input_norm.data_ptr(),
+                                   eps, B, static_cast<int>(V), H, x.data_ptr(), h.data_ptr(), launch);
         mark("embed+norm");
         const cuda::MoeRouting r = routing();
         const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
@@ -342,9 +351,10 @@ struct Generator::Impl {
         at::Tensor logits_b = rows(logits);
         at::mm_out(logits_b, rows(h), m.output_weight().t());
         mark("lm_head mm");
-        auto* scratch = reinterpret_cast<unsigned long long*>(argmax_scratch.data_ptr<int64_t>());
-        cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), scratch,
-                            greedy.data_ptr<int64_t>(), launch);
+        auto* keys = reinterpret_cast<unsigned long long*>(argmax_keys.data_ptr<int64_t>());
+        cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), keys,
+                            argmax_done.data_ptr<int>(), greedy.data_ptr<int64_t>(),
+                            device_inputs ? position.data_ptr<int>() : nullptr, launch);
         mark("argmax");
         const cudaError_t err = cudaGetLastError();
         MOERL_CHECK(err == cudaSuccess, "decode step kernels failed to launch: ", cudaGetErrorString(err));
@@ -372,10 +382,12 @@ struct Generator::Impl {
 #endif
     }
 
-    // Replays the graph of bucket B, capturing it first (after one eager warm-up on the capture
-    // stream, which also creates the cuBLAS state the capture needs).
-    void replay(int B) {
-        auto it = graphs.find(B);
+    // Replays the graph of bucket B with the tokens of `greedy` (fed_back) or `tokens`, capturing it
+    // first (after one eager warm-up on the capture stream, which also creates the cuBLAS state the
+    // capture needs).
+    void replay(int B, bool fed_back) {
+        const int64_t* token_ids = (fed_back ? greedy : tokens).data_ptr<int64_t>();
+        auto it = graphs.find({B, fed_back});
         if (it == graphs.end()) {
             at::cuda::CUDAStream caller = at::cuda::getCurrentCUDAStream();
             at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
@@ -385,16 +397,16 @@ struct Generator::Impl {
             auto graph = std::make_unique<at::cuda::CUDAGraph>();
             {
                 c10::cuda::CUDAStreamGuard guard(side);
-                run_step(
-                    B);  // this step's results; the capture below records the launches without running them
+                // This step's results; the capture below records the launches without running them.
+                run_step(B, token_ids);
                 graph->capture_begin();
-                run_step(B);
+                run_step(B, token_ids);
                 graph->capture_end();
             }
             at::cuda::CUDAEvent done;
             done.record(side);
             done.block(caller);
-            graphs.emplace(B, std::move(graph));
+            graphs.emplace(std::make_pair(B, fed_back), std::move(graph));
             return;
         }
         it->second->replay();
@@ -509,7 +521,10 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
     g.y = at::zeros({B * g.K + 1, g.H}, t.dtype(at::kFloat));  // + a spare row for unrouted slots
     g.logits = at::zeros({B, g.V}, t);
     g.greedy = at::zeros({B}, t.dtype(at::kLong));
-    g.argmax_scratch = at::zeros({B}, t.dtype(at::kLong));
+    g.argmax_keys = at::zeros({B}, t.dtype(at::kLong));
+    g.argmax_done = at::zeros({B}, i32);
+    g.device_position.assign(B, -1);
+    g.device_slot.assign(B, 0);
     g.fused_done = at::zeros({cuda::fused_rows_done_counters(g.H)}, i32);
     g.topk_idx = at::zeros({B * g.K}, i32);
     g.topk_weights = at::zeros({B * g.K}, t.dtype(at::kFloat));
@@ -624,9 +639,6 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     MOERL_CHECK(tokens.dim() == 1 && tokens.size(0) == n, "decode: tokens has shape ", tokens.sizes(),
                 ", expected [", n, "]");
     const int B = g.opt.cuda_graphs ? g.bucket_for(n) : n;
-    at::Tensor meta = at::empty({2, B}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-    int* pos = meta[0].data_ptr<int>();
-    int* slot_of_row = meta[1].data_ptr<int>();
     std::vector<bool> seen(g.opt.max_batch, false);
     for (int i = 0; i < n; ++i) {
         const int s = slots[i];
@@ -638,6 +650,10 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
         MOERL_CHECK(len < g.opt.max_seq_len, "decode: slot ", s,
                     " is full (max_seq_len = ", g.opt.max_seq_len, ")");
     }
+    // The last step's greedy tokens, fed back as they are (or as the caller changed them in place):
+    // the embedding reads them where they lie.
+    const bool fed_back = g.device_inputs && tokens.is_cuda() && tokens.scalar_type() == at::kLong &&
+                          tokens.is_contiguous() && tokens.data_ptr() == g.greedy.data_ptr();
     // Host tokens are checked here; device tokens (typically this generator's own greedy output) are
     // clamped to the vocabulary by the embedding kernel instead of costing a synchronisation.
     if (tokens.is_cpu()) {
@@ -653,6 +669,7 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
                 "KV cache out of blocks: this step needs ", new_blocks, " new blocks, ", g.free_list.size(),
                 " of ", g.num_blocks - 1,
                 " are free (raise GeneratorOptions::num_blocks or release sequences)");
+    std::vector<int> pos(B, -1), slot_of_row(B, 0);
     for (int i = 0; i < n; ++i) {
         const int s = slots[i];
         const int64_t len = g.length[s];
@@ -660,19 +677,32 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
         pos[i] = static_cast<int>(len);
         slot_of_row[i] = s;
     }
-    for (int i = n; i < B; ++i) pos[i] = -1, slot_of_row[i] = 0;
-    at::Tensor ids = tokens.to(g.device, at::kLong);
-    g.tokens.narrow(0, 0, n).copy_(ids);
-    if (B > n) g.tokens.narrow(0, n, B - n).zero_();
-    g.position.narrow(0, 0, B).copy_(meta[0], /*non_blocking=*/true);
-    g.slot.narrow(0, 0, B).copy_(meta[1], /*non_blocking=*/true);
+    if (!fed_back) {
+        at::Tensor ids = tokens.to(g.device, at::kLong);
+        g.tokens.narrow(0, 0, n).copy_(ids);
+        if (B > n) g.tokens.narrow(0, n, B - n).zero_();
+    }
+    const bool same_rows = g.device_inputs && std::equal(pos.begin(), pos.end(), g.device_position.begin()) &&
+                           std::equal(slot_of_row.begin(), slot_of_row.end(), g.device_slot.begin());
+    if (!same_rows) {
+        at::Tensor meta = at::empty({2, B}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+        std::copy(pos.begin(), pos.end(), meta[0].data_ptr<int>());
+        std::copy(slot_of_row.begin(), slot_of_row.end(), meta[1].data_ptr<int>());
+        g.position.narrow(0, 0, B).copy_(meta[0], /*non_blocking=*/true);
+        g.slot.narrow(0, 0, B).copy_(meta[1], /*non_blocking=*/true);
+        std::copy(pos.begin(), pos.end(), g.device_position.begin());
+        std::copy(slot_of_row.begin(), slot_of_row.end(), g.device_slot.begin());
+    }
     g.upload_table();
     if (g.opt.cuda_graphs)
-        g.replay(B);
+        g.replay(B, fed_back);
     else {
-        g.run_step(B);
+        g.run_step(B, (fed_back ? g.greedy : g.tokens).data_ptr<int64_t>());
         g.collect_profile();
     }
+    // The argmax kernel moved the rows on (device_inputs).
+    for (int i = 0; i < B; ++i)
+        if (g.device_inputs && g.device_position[i] >= 0) ++g.device_position[i];
     for (int i = 0; i < n; ++i) {
         g.host_stats.kv_tokens_read += g.length[slots[i]] + 1;
         ++g.length[slots[i]];

@@ -578,7 +578,8 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
 namespace {
 
 // The argmax against the CPU: ties to the lowest index, NaN above every number, rows shorter than
-// one block and rows of a real vocabulary; twice in a row (the scratch is reset by the launcher).
+// one block and rows of a real vocabulary; twice in a row (the kernel leaves its scratch zero), the
+// first call advancing the positions of the rows that are not padding.
 template <typename T>
 void argmax_matches_cpu(int dtype, int V) {
     constexpr int B = 3;
@@ -602,13 +603,19 @@ void argmax_matches_cpu(int dtype, int V) {
     ASSERT_EQ(want[0], 5);
     ASSERT_EQ(want[1], 17);
     Dev<T> d_logits(logits);
-    Dev<unsigned long long> scratch{std::vector<unsigned long long>(B, ~0ull)};  // stale keys
+    Dev<unsigned long long> keys{std::vector<unsigned long long>(B, 0)};
+    Dev<int> blocks_done{std::vector<int>(B, 0)};
+    Dev<int> position{std::vector<int>{5, -1, 0}};  // row 1 is padding: it stays put
     for (int call = 0; call < 2; ++call) {
         Dev<int64_t> out{std::vector<int64_t>(B, -1)};
-        mc::launch_argmax(dtype, d_logits.p, B, V, scratch.p, out.p, {nullptr, false});
+        mc::launch_argmax(dtype, d_logits.p, B, V, keys.p, blocks_done.p, out.p,
+                          call == 0 ? position.p : nullptr, {nullptr, call == 1});
         CK(cudaGetLastError());
         EXPECT_EQ(out.read(), want) << "dtype " << dtype << " V " << V << " call " << call;
+        EXPECT_EQ(keys.read(), std::vector<unsigned long long>(B, 0)) << "keys not left zero";
+        EXPECT_EQ(blocks_done.read(), std::vector<int>(B, 0)) << "block counters not left zero";
     }
+    EXPECT_EQ(position.read(), (std::vector<int>{6, -1, 1})) << "positions advanced once, padding kept";
 }
 
 }  // namespace

@@ -21,7 +21,9 @@
 // [32 / 2; 0: never]), _ATTENTION_LANES (lanes per token in the attention kernel: 1, 2 or 4 [0: 4]),
 // _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _ATTENTION_EARLY (the attention kernel's
 // cache reads begun before it waits for the previous kernel [1]), _PDL (programmatic dependent launch
-// of the decode kernels; 0 = plain stream order [1]), _PROFILE (below).
+// of the decode kernels; 0 = plain stream order [1]), _DEVICE_INPUTS (fed-back tokens read in place,
+// positions moved on by the step itself; 0 = every step uploads its tokens, positions and slots [1]),
+// _PROFILE (below).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -80,6 +82,8 @@ class Generator {
     // each prompt's last token.
     GenerationStep prefill(const std::vector<int>& slots, const std::vector<std::vector<int64_t>>& prompts);
     // Appends tokens [n] (int64, any device) to the n listed slots and returns the next logits.
+    // Tokens that are the last step's `greedy` itself (changed in place or not) are read where they
+    // lie; a step continuing the previous step's slots in the same order copies nothing to the device.
     GenerationStep decode(const std::vector<int>& slots, const at::Tensor& tokens);
 
     // Re-reads weights the generator keeps in its own layout (the fused q/k/v projection); call

@@ -207,9 +207,12 @@ void launch_moe_down_combine(int dtype, const void* act, const void* down, const
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch);
 
-// out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number).
-// scratch: B 64-bit words.
-void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
-                   const Launch& launch);
+// out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number), one kernel.
+// keys and blocks_done: B each, zero before the first call; each call leaves them zero. With
+// advance_position (optional, [B]), rows whose position is >= 0 move on by one token once their argmax
+// is known: a decode step that ends this way leaves the next step's positions for the same rows on
+// the device (every earlier kernel of the step has finished reading them by then).
+void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
+                   int64_t* out, int* advance_position, const Launch& launch);
 
 }  // namespace moerl::model::cuda

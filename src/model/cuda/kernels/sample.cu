@@ -1,7 +1,7 @@
 // Greedy token choice on the device, so a decode step needs no logits on the host. Many blocks per
 // row (a vocabulary of 150k is too long for one block to scan quickly): each folds its range into
-// one 64-bit key (orderable value bits, then the inverted index so ties go to the lowest index) and
-// the row's maximum key is kept with one atomicMax.
+// one 64-bit key (orderable value bits, then the inverted index so ties go to the lowest index), the
+// row's maximum key is kept with one atomicMax, and the row's last block to finish writes its index.
 #include <cfloat>
 
 #include "common.cuh"
@@ -21,7 +21,8 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
 
 template <typename T>
 __global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const T* logits, int V, unsigned long long* best_key) {
+    argmax_kernel(const T* logits, int V, unsigned long long* best_key, int* blocks_done, int64_t* out,
+                  int* advance_position) {
     griddep_wait();
     griddep_launch_dependents();
     __shared__ unsigned long long warp_best[kArgmaxThreads / 32];
@@ -42,29 +43,25 @@ __global__ void __launch_bounds__(kArgmaxThreads)
         for (int w = 1; w < kArgmaxThreads / 32; ++w) best = max(best, warp_best[w]);
         atomicMax(best_key + b, best);
     }
-}
-
-__global__ void argmax_finish_kernel(const unsigned long long* best_key, int B, int64_t* out) {
-    griddep_wait();
-    griddep_launch_dependents();
-    const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b < B) out[b] = static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(best_key[b] & 0xffffffffu));
+    // The row's last block reads the winner and leaves the key zero for the next call.
+    if (!last_block_of(blocks_done + b, gridDim.x) || threadIdx.x != 0) return;
+    const unsigned long long key = atomicExch(best_key + b, 0ull);
+    out[b] = static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(key & 0xffffffffu));
+    if (advance_position != nullptr && advance_position[b] >= 0) advance_position[b] += 1;
 }
 
 }  // namespace
 
-void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* scratch, int64_t* out,
-                   const Launch& launch) {
+void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
+                   int64_t* out, int* advance_position, const Launch& launch) {
     if (B == 0) return;
-    cudaMemsetAsync(scratch, 0, sizeof(unsigned long long) * B, launch.stream);
     const dim3 grid((V + kArgmaxPerBlock - 1) / kArgmaxPerBlock, B);
     if (dtype == 0)
         launch_kernel(argmax_kernel<float>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const float*>(logits), V, scratch);
+                      static_cast<const float*>(logits), V, keys, blocks_done, out, advance_position);
     else
         launch_kernel(argmax_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const __nv_bfloat16*>(logits), V, scratch);
-    launch_kernel(argmax_finish_kernel, (B + 255) / 256, 256, 0, launch, scratch, B, out);
+                      static_cast<const __nv_bfloat16*>(logits), V, keys, blocks_done, out, advance_position);
 }
 
 }  // namespace moerl::model::cuda
