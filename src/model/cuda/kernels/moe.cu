@@ -2,6 +2,7 @@
 // weighted combine. The expert kernels read each routed expert's weights once per step and apply
 // them to all tokens routed to it (gathered on the fly, no permuted copy of the activations): at
 // decode batch sizes the weights, not the tokens, are the traffic.
+#include <algorithm>
 #include <cfloat>
 #include <type_traits>
 
@@ -542,6 +543,149 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     }
 }
 
+// The one-row routed experts in one kernel (Launch::fused_experts): gate/up, then the down experts and
+// the combine by output column, with a grid-wide barrier between them instead of a kernel boundary.
+// Block b ranks the router logits (warp 0), asks for output columns [b * kMoeWarps, +kMoeWarps) of
+// every routed expert's down weights (cp.async into shared memory, streaming while gate/up runs), then
+// computes its share of the K * I gate/up row pairs, up to 8 chunks of 8 columns of each matrix in
+// flight a lane, across pair boundaries. Once every block's act is written it adds its columns of the routed
+// experts' down products, weighted, into x. The grid (H / kMoeWarps blocks) must fit the device at
+// once (moe_fused_experts_supported): blocks wait for each other. Block 0 writes the routing r while it
+// waits. The dot products and the combine sum in the order of the two kernels they replace
+// (expert_rows_kernel's kRouteIn, down_combine_columns_kernel): the same bits.
+template <typename T, int kPerLane, int kChunks>
+__global__ void __launch_bounds__(kMoeWarps * 32, 2)
+    fused_experts_kernel(const T* h, const T* gate, const T* up, const T* down, const T* logits,
+                         const int* position, int E, int K, bool norm_topk_prob, int H, int I, MoeRouting r,
+                         T* act, T* x, const T* delta, int* barrier) {
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    const int tile_elems = max(H, K * I);
+    T* wts = reinterpret_cast<T*>(smem_bytes);                                     // [K, kMoeWarps, I]
+    T* tile = wts + static_cast<size_t>(K) * kMoeWarps * I;                        // h [H], then act [K, I]
+    int* expert = reinterpret_cast<int*>(tile + static_cast<size_t>(tile_elems));  // [K]
+    float* weight = reinterpret_cast<float*>(expert + K);                          // [K]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    griddep_wait();  // the logits and h come from the router kernel just before
+    if (warp == 0) {
+        float p[kPerLane];
+        load_logits_row(logits, E, p);
+        int idx;
+        float w;
+        topk_of_row<kPerLane>(p, E, K, norm_topk_prob, idx, w);
+        if (lane < K) {
+            expert[lane] = position[0] < 0 ? -1 : idx;
+            weight[lane] = w;
+        }
+    }
+    __syncthreads();
+    if (expert[0] < 0) {  // a padding row: no expert, x as it was; block 0 still writes the routing
+        if (blockIdx.x == 0)
+            route_rows<T, kPerLane>(logits, position, 1, E, K, norm_topk_prob, r,
+                                    reinterpret_cast<int*>(tile));
+        return;
+    }
+    const int col0 = blockIdx.x * kMoeWarps;
+    for (int s = 0; s < K; ++s)
+        preload_rows(down + static_cast<size_t>(expert[s]) * H * I, col0, kMoeWarps, H, I,
+                     wts + static_cast<size_t>(s) * kMoeWarps * I);
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8)  // h: plain loads, the copies above in flight
+        *reinterpret_cast<Raw8<T>*>(tile + c) = load_raw8(h + c);
+    __syncthreads();
+
+    // Gate/up: warp w of block b takes pairs [(b * kMoeWarps + w) * per_warp, +per_warp) of the K * I
+    // (slot, row) pairs, as a stream of steps of 32 lanes x 8 columns (kChunks = H / 256 steps a pair),
+    // the loads kDepth steps ahead of the arithmetic (kDepth divides kChunks).
+    constexpr int kDepth = kChunks < (sizeof(T) == 2 ? 8 : 4) ? kChunks : (sizeof(T) == 2 ? 8 : 4);
+    static_assert(kChunks % kDepth == 0);
+    const int pairs = K * I;
+    const int per_warp = (pairs + gridDim.x * kMoeWarps - 1) / (gridDim.x * kMoeWarps);
+    const int pair0 = (blockIdx.x * kMoeWarps + warp) * per_warp;
+    const int steps = per_warp * kChunks;
+    auto pair_offset = [&](int i) {  // pair i's first 8 columns of this lane, in gate and up alike
+        const int p = min(pair0 + i, pairs - 1);  // pairs past the end repeat the last (not stored)
+        return (static_cast<size_t>(expert[p / I]) * I + p % I) * H + lane * 8;
+    };
+    Raw8<T> raw_g[kDepth], raw_u[kDepth];
+    {
+        const size_t off = pair_offset(0);
+#pragma unroll
+        for (int d = 0; d < kDepth; ++d) {
+            raw_g[d] = load_raw8(gate + off + d * 256);
+            raw_u[d] = load_raw8(up + off + d * 256);
+        }
+    }
+    float acc_g = 0.0f, acc_u = 0.0f;
+    for (int base = 0; base < steps; base += kDepth) {
+        const int next = base + kDepth, chunk0 = base % kChunks;
+        const size_t next_off = next < steps ? pair_offset(next / kChunks) + (next % kChunks) * 256 : 0;
+#pragma unroll
+        for (int d = 0; d < kDepth; ++d) {
+            float wg[8], wu[8], xv[8];
+            raw8_to_float(raw_g[d], wg);
+            raw8_to_float(raw_u[d], wu);
+            if (next < steps) {
+                raw_g[d] = load_raw8(gate + next_off + d * 256);
+                raw_u[d] = load_raw8(up + next_off + d * 256);
+            }
+            load8(tile + (chunk0 + d) * 256 + lane * 8, xv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc_g += wg[k] * xv[k];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc_u += wu[k] * xv[k];
+            if (chunk0 + d == kChunks - 1) {  // the pair is done (warp-uniform)
+                const float v0 = round_to<T>(warp_sum(acc_g)), v1 = round_to<T>(warp_sum(acc_u));
+                const int p = pair0 + base / kChunks;
+                if (lane == 0 && p < pairs) act[p] = from_float<T>(round_to<T>(silu(v0)) * v1);  // act [K, I]
+                acc_g = acc_u = 0.0f;
+            }
+        }
+    }
+
+    // Every block's act written: the grid-wide barrier (arrivals on barrier[0]).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(barrier, 1);
+    }
+    if (blockIdx.x == 0) {  // the tile is free until act is copied in
+        route_rows<T, kPerLane>(logits, position, 1, E, K, norm_topk_prob, r, reinterpret_cast<int*>(tile));
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        while (*reinterpret_cast<volatile int*>(barrier) < static_cast<int>(gridDim.x)) __nanosleep(32);
+        __threadfence();
+    }
+    __syncthreads();
+    griddep_launch_dependents();  // only now: every block of this grid is resident
+
+    load_tile(act, nullptr, 0, K, 1, I, tile, true);  // act [K, I], past L1
+    cp_async_wait_all();                              // and the down weights
+    __syncthreads();
+    const int c = col0 + warp;
+    if (c < H) {
+        float acc = 0.0f;
+        for (int s = 0; s < K; ++s) {
+            const T* wr = wts + (static_cast<size_t>(s) * kMoeWarps + warp) * I;
+            const T* ar = tile + static_cast<size_t>(s) * I;
+            float dot = 0.0f;
+            for (int cc = lane * 8; cc < I; cc += 256) {
+                float wv[8], av[8];
+                load8(wr + cc, wv);
+                load8(ar + cc, av);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot += wv[i] * av[i];
+            }
+            acc += weight[s] * round_to<T>(warp_sum(dot));
+        }
+        if (lane == 0) add_combined(x, delta, static_cast<size_t>(c), acc);
+    }
+    // The last block past the barrier returns both counters to zero (every block has left the spin).
+    if (threadIdx.x == 0 && atomicAdd(barrier + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        barrier[0] = 0;
+        barrier[1] = 0;
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     combine_rmsnorm_kernel(T* x, const float* y, MoeRouting r, const T* w, float eps, const int* position,
@@ -655,9 +799,96 @@ Fusion<T> fusion_of(const void* x, const void* delta, const void* norm_weight, f
     return f;
 }
 
+size_t fused_experts_smem(int dtype, int K, int H, int I) {
+    const size_t elem = dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16);
+    return elem * (static_cast<size_t>(K) * kMoeWarps * I + std::max(H, K * I)) + 2 * sizeof(int) * K;
+}
+
+// fn(kernel) with the fused_experts_kernel for E experts (kPerLane grown to E) and kChunks = H / 256;
+// false where H has no instance (512, 1024, 2048 and 4096 have).
+template <typename T, int kPerLane, int kChunks, typename Fn>
+void visit_fused_experts_lanes(int E, Fn&& fn) {
+    if constexpr (kPerLane < kMaxExperts / 32) {
+        if (E > 32 * kPerLane) return visit_fused_experts_lanes<T, kPerLane * 2, kChunks>(E, fn);
+    }
+    fn(fused_experts_kernel<T, kPerLane, kChunks>);
+}
+template <typename T, typename Fn>
+bool visit_fused_experts(int E, int H, Fn&& fn) {
+    if (H % 256 != 0) return false;
+    switch (H / 256) {
+        case 2:
+            visit_fused_experts_lanes<T, 1, 2>(E, fn);
+            return true;
+        case 4:
+            visit_fused_experts_lanes<T, 1, 4>(E, fn);
+            return true;
+        case 8:
+            visit_fused_experts_lanes<T, 1, 8>(E, fn);
+            return true;
+        case 16:
+            visit_fused_experts_lanes<T, 1, 16>(E, fn);
+            return true;
+        default:
+            return false;
+    }
+}
+
+template <typename T>
+bool fused_experts_fit(int E, int K, int H, int I) {
+    const size_t smem = fused_experts_smem(std::is_same_v<T, float> ? 0 : 1, K, H, I);
+    if (sizeof(T) * std::max(H, K * I) < sizeof(int) * (3 * E + 1)) return false;  // route_rows' counts
+    if (smem > 227 * 1024) return false;
+    // Every block must be resident at once: they wait for each other.
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return false;
+    bool ok = false;
+    const bool instance = visit_fused_experts<T>(E, H, [&](auto kernel) {
+        ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+        ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMoeWarps * 32, smem) ==
+             cudaSuccess;
+    });
+    cudaGetLastError();
+    return instance && ok && static_cast<long>(per_sm) * sms >= H / kMoeWarps;
+}
+
+template <typename T>
+void launch_fused_experts_typed(const void* h, const void* gate, const void* up, const void* down,
+                                const void* logits, const int* position, const MoeRouting& r, int E, int K,
+                                bool norm_topk_prob, int H, int I, void* act, void* x, const void* delta,
+                                int* barrier, const Launch& launch) {
+    const size_t smem = fused_experts_smem(std::is_same_v<T, float> ? 0 : 1, K, H, I);
+    visit_fused_experts<T>(E, H, [&](auto kernel) {
+        ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+        launch_kernel(kernel, dim3(H / kMoeWarps), kMoeWarps * 32, smem, launch, static_cast<const T*>(h),
+                      static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<const T*>(down),
+                      static_cast<const T*>(logits), position, E, K, norm_topk_prob, H, I, r,
+                      static_cast<T*>(act), static_cast<T*>(x), static_cast<const T*>(delta), barrier);
+    });
+}
+
 }  // namespace
 
-int fused_rows_done_counters(int H) { return 1 + (H + kMoeWarps - 1) / kMoeWarps; }
+int fused_rows_done_counters(int H) { return 3 + (H + kMoeWarps - 1) / kMoeWarps; }
+
+bool moe_fused_experts_supported(int dtype, int E, int K, int H, int I) {
+    if (I % 8 != 0 || K < 1 || K > 32 || E < K || E > kMaxExperts) return false;
+    return dtype == 0 ? fused_experts_fit<float>(E, K, H, I) : fused_experts_fit<__nv_bfloat16>(E, K, H, I);
+}
+
+void launch_moe_fused_experts(int dtype, const void* h, const void* gate, const void* up, const void* down,
+                              const void* logits, const int* position, const MoeRouting& r, int E, int K,
+                              bool norm_topk_prob, int H, int I, void* act, void* x, const void* delta,
+                              int* barrier, const Launch& launch) {
+    if (dtype == 0)
+        launch_fused_experts_typed<float>(h, gate, up, down, logits, position, r, E, K, norm_topk_prob, H, I,
+                                          act, x, delta, barrier, launch);
+    else
+        launch_fused_experts_typed<__nv_bfloat16>(h, gate, up, down, logits, position, r, E, K,
+                                                  norm_topk_prob, H, I, act, x, delta, barrier, launch);
+}
 
 void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
                             int B, int cols, int out_rows, int rows_per_warp, void* out,
