@@ -543,15 +543,21 @@ __global__ void __launch_bounds__(kMoeWarps * 32)
     }
 }
 
+// Bytes of fused_experts_kernel's tile: h [H], then route_rows' counts (3 E + 1 ints), then act [K, I].
+__host__ __device__ __forceinline__ int fused_tile_bytes(int elem, int E, int K, int H, int I) {
+    const int bytes = max(max(H, K * I) * elem, static_cast<int>(sizeof(int)) * (3 * E + 1));
+    return (bytes + 15) / 16 * 16;
+}
+
 // The one-row routed experts in one kernel (Launch::fused_experts): gate/up, then the down experts and
 // the combine by output column, with a grid-wide barrier between them instead of a kernel boundary.
 // Block b ranks the router logits (warp 0), asks for output columns [b * kMoeWarps, +kMoeWarps) of
 // every routed expert's down weights (cp.async into shared memory, streaming while gate/up runs), then
-// computes its share of the K * I gate/up row pairs, up to 8 chunks of 8 columns of each matrix in
-// flight a lane, across pair boundaries. Once every block's act is written it adds its columns of the routed
-// experts' down products, weighted, into x. The grid (H / kMoeWarps blocks) must fit the device at
-// once (moe_fused_experts_supported): blocks wait for each other. Block 0 writes the routing r while it
-// waits. The dot products and the combine sum in the order of the two kernels they replace
+// its warps take units of the K * I gate/up row pairs, a whole pair (H / 256 = kChunks chunks of 8
+// columns a lane) of each matrix in flight ahead of the arithmetic. Once every block's act is written
+// it adds its columns of the routed experts' down products, weighted, into x. The grid (H / kMoeWarps blocks)
+// must fit the device at once (moe_fused_experts_supported): blocks wait for each other. Block 0 writes the
+// routing r while it waits. The dot products and the combine sum in the order of the two kernels they replace
 // (expert_rows_kernel's kRouteIn, down_combine_columns_kernel): the same bits.
 template <typename T, int kPerLane, int kChunks>
 __global__ void __launch_bounds__(kMoeWarps * 32, 2)
@@ -559,11 +565,11 @@ __global__ void __launch_bounds__(kMoeWarps * 32, 2)
                          const int* position, int E, int K, bool norm_topk_prob, int H, int I, MoeRouting r,
                          T* act, T* x, const T* delta, int* barrier) {
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    const int tile_elems = max(H, K * I);
-    T* wts = reinterpret_cast<T*>(smem_bytes);                                     // [K, kMoeWarps, I]
-    T* tile = wts + static_cast<size_t>(K) * kMoeWarps * I;                        // h [H], then act [K, I]
-    int* expert = reinterpret_cast<int*>(tile + static_cast<size_t>(tile_elems));  // [K]
-    float* weight = reinterpret_cast<float*>(expert + K);                          // [K]
+    T* wts = reinterpret_cast<T*>(smem_bytes);               // [K, kMoeWarps, I]
+    T* tile = wts + static_cast<size_t>(K) * kMoeWarps * I;  // h [H], route_rows' counts, then act [K, I]
+    int* expert = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(tile) +
+                                         fused_tile_bytes(static_cast<int>(sizeof(T)), E, K, H, I));  // [K]
+    float* weight = reinterpret_cast<float*>(expert + K);                                             // [K]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     griddep_wait();  // the logits and h come from the router kernel just before
     if (warp == 0) {
@@ -592,53 +598,57 @@ __global__ void __launch_bounds__(kMoeWarps * 32, 2)
         *reinterpret_cast<Raw8<T>*>(tile + c) = load_raw8(h + c);
     __syncthreads();
 
-    // Gate/up: warp w of block b takes pairs [(b * kMoeWarps + w) * per_warp, +per_warp) of the K * I
-    // (slot, row) pairs, as a stream of steps of 32 lanes x 8 columns (kChunks = H / 256 steps a pair),
-    // the loads kDepth steps ahead of the arithmetic (kDepth divides kChunks).
-    constexpr int kDepth = kChunks < (sizeof(T) == 2 ? 8 : 4) ? kChunks : (sizeof(T) == 2 ? 8 : 4);
-    static_assert(kChunks % kDepth == 0);
-    const int pairs = K * I;
-    const int per_warp = (pairs + gridDim.x * kMoeWarps - 1) / (gridDim.x * kMoeWarps);
-    const int pair0 = (blockIdx.x * kMoeWarps + warp) * per_warp;
-    const int steps = per_warp * kChunks;
-    auto pair_offset = [&](int i) {  // pair i's first 8 columns of this lane, in gate and up alike
-        const int p = min(pair0 + i, pairs - 1);  // pairs past the end repeat the last (not stored)
+    // Gate/up: the K * I (slot, row) pairs in units of kUnitPairs, warp g (of the grid) taking unit g
+    // first and then the next unit not yet taken (barrier[2] counts those), so the warps on faster SMs
+    // take more and no block holds the barrier back long. A pair is kChunks steps of 32 lanes x 8
+    // columns; the loads run one pair ahead of the arithmetic, across unit boundaries.
+    constexpr int kUnitPairs = 2;
+    const int pairs = K * I, units = (pairs + kUnitPairs - 1) / kUnitPairs;
+    const int warps = gridDim.x * kMoeWarps;
+    int load_unit = blockIdx.x * kMoeWarps + warp, load_k = 0;
+    // The next unit, requested a whole unit before it is needed (lane 0 holds the answer).
+    int spare = lane == 0 ? warps + atomicAdd(barrier + 2, 1) : 0;
+    auto pair_offset = [&](int p) {  // pair p's first 8 columns of this lane, in gate and up alike
+        p = min(p, pairs - 1);       // pairs past the end repeat the last (not stored)
         return (static_cast<size_t>(expert[p / I]) * I + p % I) * H + lane * 8;
     };
-    Raw8<T> raw_g[kDepth], raw_u[kDepth];
+    int load_pair = load_unit < units ? load_unit * kUnitPairs : pairs;  // pairs: none left
+    Raw8<T> raw_g[kChunks], raw_u[kChunks];
     {
-        const size_t off = pair_offset(0);
+        const size_t off = pair_offset(load_pair);
 #pragma unroll
-        for (int d = 0; d < kDepth; ++d) {
+        for (int d = 0; d < kChunks; ++d) {
             raw_g[d] = load_raw8(gate + off + d * 256);
             raw_u[d] = load_raw8(up + off + d * 256);
         }
     }
-    float acc_g = 0.0f, acc_u = 0.0f;
-    for (int base = 0; base < steps; base += kDepth) {
-        const int next = base + kDepth, chunk0 = base % kChunks;
-        const size_t next_off = next < steps ? pair_offset(next / kChunks) + (next % kChunks) * 256 : 0;
+    while (load_pair < pairs) {  // warp-uniform
+        const int pair = load_pair;
+        if (++load_k == kUnitPairs || pair + 1 >= pairs) {
+            load_unit = __shfl_sync(kFullMask, spare, 0);
+            if (load_unit < units) spare = lane == 0 ? warps + atomicAdd(barrier + 2, 1) : 0;
+            load_k = 0;
+        }
+        load_pair = load_unit < units ? load_unit * kUnitPairs + load_k : pairs;
+        const size_t next_off = pair_offset(load_pair);
+        float acc_g = 0.0f, acc_u = 0.0f;
 #pragma unroll
-        for (int d = 0; d < kDepth; ++d) {
+        for (int d = 0; d < kChunks; ++d) {
             float wg[8], wu[8], xv[8];
             raw8_to_float(raw_g[d], wg);
             raw8_to_float(raw_u[d], wu);
-            if (next < steps) {
+            if (load_pair < pairs) {
                 raw_g[d] = load_raw8(gate + next_off + d * 256);
                 raw_u[d] = load_raw8(up + next_off + d * 256);
             }
-            load8(tile + (chunk0 + d) * 256 + lane * 8, xv);
+            load8(tile + d * 256 + lane * 8, xv);
 #pragma unroll
             for (int k = 0; k < 8; ++k) acc_g += wg[k] * xv[k];
 #pragma unroll
             for (int k = 0; k < 8; ++k) acc_u += wu[k] * xv[k];
-            if (chunk0 + d == kChunks - 1) {  // the pair is done (warp-uniform)
-                const float v0 = round_to<T>(warp_sum(acc_g)), v1 = round_to<T>(warp_sum(acc_u));
-                const int p = pair0 + base / kChunks;
-                if (lane == 0 && p < pairs) act[p] = from_float<T>(round_to<T>(silu(v0)) * v1);  // act [K, I]
-                acc_g = acc_u = 0.0f;
-            }
         }
+        const float v0 = round_to<T>(warp_sum(acc_g)), v1 = round_to<T>(warp_sum(acc_u));
+        if (lane == 0) act[pair] = from_float<T>(round_to<T>(silu(v0)) * v1);  // act [K, I]
     }
 
     // Every block's act written: the grid-wide barrier (arrivals on barrier[0]).
@@ -679,10 +689,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32, 2)
         }
         if (lane == 0) add_combined(x, delta, static_cast<size_t>(c), acc);
     }
-    // The last block past the barrier returns both counters to zero (every block has left the spin).
+    // The last block past the barrier returns the counters to zero (every block has left the spin and
+    // taken its last unit).
     if (threadIdx.x == 0 && atomicAdd(barrier + 1, 1) == static_cast<int>(gridDim.x) - 1) {
         barrier[0] = 0;
         barrier[1] = 0;
+        barrier[2] = 0;
     }
 }
 
@@ -799,13 +811,14 @@ Fusion<T> fusion_of(const void* x, const void* delta, const void* norm_weight, f
     return f;
 }
 
-size_t fused_experts_smem(int dtype, int K, int H, int I) {
-    const size_t elem = dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16);
-    return elem * (static_cast<size_t>(K) * kMoeWarps * I + std::max(H, K * I)) + 2 * sizeof(int) * K;
+size_t fused_experts_smem(int dtype, int E, int K, int H, int I) {
+    const int elem = dtype == 0 ? sizeof(float) : sizeof(__nv_bfloat16);
+    return static_cast<size_t>(elem) * K * kMoeWarps * I + fused_tile_bytes(elem, E, K, H, I) +
+           2 * sizeof(int) * K;
 }
 
 // fn(kernel) with the fused_experts_kernel for E experts (kPerLane grown to E) and kChunks = H / 256;
-// false where H has no instance (512, 1024, 2048 and 4096 have).
+// false where H has no instance (512, 1024 and, bf16, 2048 have: a lane holds a pair's loads).
 template <typename T, int kPerLane, int kChunks, typename Fn>
 void visit_fused_experts_lanes(int E, Fn&& fn) {
     if constexpr (kPerLane < kMaxExperts / 32) {
@@ -824,11 +837,11 @@ bool visit_fused_experts(int E, int H, Fn&& fn) {
             visit_fused_experts_lanes<T, 1, 4>(E, fn);
             return true;
         case 8:
-            visit_fused_experts_lanes<T, 1, 8>(E, fn);
-            return true;
-        case 16:
-            visit_fused_experts_lanes<T, 1, 16>(E, fn);
-            return true;
+            if constexpr (sizeof(T) == 2) {
+                visit_fused_experts_lanes<T, 1, 8>(E, fn);
+                return true;
+            }
+            return false;
         default:
             return false;
     }
@@ -836,8 +849,7 @@ bool visit_fused_experts(int E, int H, Fn&& fn) {
 
 template <typename T>
 bool fused_experts_fit(int E, int K, int H, int I) {
-    const size_t smem = fused_experts_smem(std::is_same_v<T, float> ? 0 : 1, K, H, I);
-    if (sizeof(T) * std::max(H, K * I) < sizeof(int) * (3 * E + 1)) return false;  // route_rows' counts
+    const size_t smem = fused_experts_smem(std::is_same_v<T, float> ? 0 : 1, E, K, H, I);
     if (smem > 227 * 1024) return false;
     // Every block must be resident at once: they wait for each other.
     int device = 0, sms = 0, per_sm = 0;
@@ -859,7 +871,7 @@ void launch_fused_experts_typed(const void* h, const void* gate, const void* up,
                                 const void* logits, const int* position, const MoeRouting& r, int E, int K,
                                 bool norm_topk_prob, int H, int I, void* act, void* x, const void* delta,
                                 int* barrier, const Launch& launch) {
-    const size_t smem = fused_experts_smem(std::is_same_v<T, float> ? 0 : 1, K, H, I);
+    const size_t smem = fused_experts_smem(std::is_same_v<T, float> ? 0 : 1, E, K, H, I);
     visit_fused_experts<T>(E, H, [&](auto kernel) {
         ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
         launch_kernel(kernel, dim3(H / kMoeWarps), kMoeWarps * 32, smem, launch, static_cast<const T*>(h),
@@ -871,7 +883,7 @@ void launch_fused_experts_typed(const void* h, const void* gate, const void* up,
 
 }  // namespace
 
-int fused_rows_done_counters(int H) { return 3 + (H + kMoeWarps - 1) / kMoeWarps; }
+int fused_rows_done_counters(int H) { return 4 + (H + kMoeWarps - 1) / kMoeWarps; }
 
 bool moe_fused_experts_supported(int dtype, int E, int K, int H, int I) {
     if (I % 8 != 0 || K < 1 || K > 32 || E < K || E > kMaxExperts) return false;
