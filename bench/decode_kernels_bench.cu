@@ -376,7 +376,6 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     bool by_column = false;    // Launch::down_by_column (with early_expert_loads, as the generator)
     bool async_tiles = false;  // Launch::async_tiles
     bool routed = false;       // Launch::route_in_experts (the routed expert launchers)
-    bool fused = false;        // Launch::fused_experts (gate/up and down + combine in one kernel)
     auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
         mc::Launch l = launch;
         l.preload = preload;
@@ -395,12 +394,6 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         if (kinds & 8u)
             mc::launch_add_norm_router_route(1, x, o, norm_w, 1e-6f, d_pos, w.router_w, B, kH, kE, kK, true,
                                              rows, h, logits, r, fused_done, l);
-        if (fused) {
-            if (kinds & 16u)
-                mc::launch_moe_fused_experts(1, h, gate, up, down, logits, d_pos, r, kE, kK, true, kH, kI,
-                                             act, x, o, fused_done + 1 + (kH + 7) / 8, l);
-            return;
-        }
         if (routed) {
             if (kinds & 16u)
                 mc::launch_moe_gate_up_routed(1, h, gate, up, logits, d_pos, r, kE, kK, true, kH, kI, act, l);
@@ -422,43 +415,35 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     };
     struct Variant {
         int rows;
-        bool preload, by_column, async_tiles, routed, fused;
+        bool preload, by_column, async_tiles, routed;
     };
-    // The generator's one-row layer before the routed experts, with them, and with them in one kernel
-    // (earlier variants: bench/RESULTS.md).
-    const Variant variants[] = {{1, true, true, true, false, false},
-                                {1, true, true, true, true, false},
-                                {1, true, true, true, true, true}};
-    if (!mc::moe_fused_experts_supported(1, kE, kK, kH, kI))
-        std::printf("\n(fused experts do not fit this device)\n");
+    const Variant variants[] = {{2, false, false, false, false},
+                                {1, true, false, false, false},
+                                {1, true, true, false, false},
+                                {1, true, true, true, false},
+                                {1, true, true, true, true}};
     for (const Variant& v : variants) {
         rows = v.rows;
         preload = v.preload;
         by_column = v.by_column;
         async_tiles = v.async_tiles;
         routed = v.routed;
-        fused = v.fused && mc::moe_fused_experts_supported(1, kE, kK, kH, kI);
-        if (v.fused && !fused) continue;
-        const unsigned all = fused ? 31u : 63u;
-        const Times layer = time_fused(all);
+        const Times fused = time_fused(63u);
         std::printf(
-            "\nthe same layer in %d kernels (what one-row steps run), %d weight row%s a warp in the dense "
-            "GEMVs%s%s%s%s%s\n\n"
+            "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
+            "GEMVs%s%s%s%s\n\n"
             "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
-            fused ? 5 : 6, rows, rows == 1 ? "" : "s",
-            preload ? ", weights preloaded into shared memory" : "",
+            rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "",
             by_column ? ", experts by top-k slot and by output column" : "",
             async_tiles ? ", token tiles by cp.async" : "",
-            routed ? ", the logits ranked in the expert kernels" : "",
-            fused ? ", gate/up and down + combine in one kernel" : "");
-        for (int k = 0; k < (fused ? 5 : 6); ++k) {
-            const Times without = time_fused(all & ~(1u << k));
-            std::printf("| %s | %.2f | %.2f |\n",
-                        fused && k == 4 ? "experts gate+up + down + combine" : fused_names[k],
-                        layer.plain - without.plain, layer.overlap - without.overlap);
+            routed ? ", the logits ranked in the expert kernels" : "");
+        for (int k = 0; k < 6; ++k) {
+            const Times without = time_fused(63u & ~(1u << k));
+            std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,
+                        fused.overlap - without.overlap);
             std::fflush(stdout);
         }
-        std::printf("| the layer | %.2f | %.2f |\n", layer.plain, layer.overlap);
+        std::printf("| the layer | %.2f | %.2f |\n", fused.plain, fused.overlap);
     }
 }
 

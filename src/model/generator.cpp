@@ -141,10 +141,6 @@ struct Generator::Impl {
     // (Qwen3-30B-A3B shape, 8 layers, bench rollout, twice, alternated): step 0.628 / 0.630 -> 0.627 /
     // 0.625 ms at batch 1; the layer in decode_kernels_bench 55.65 -> 55.18 us.
     bool route_in_experts = env::get_int("MOERL_GENERATOR_ROUTE_IN_EXPERTS", 1) != 0;
-    // With the logits ranked in the experts: gate/up and the down experts + combine as one kernel
-    // (cuda::Launch::fused_experts) where its grid fits the device at once (fused_experts_fit).
-    bool fused_experts = env::get_int("MOERL_GENERATOR_FUSED_EXPERTS", 1) != 0;
-    bool fused_experts_fit = false;
     // A decode step that continues the previous one's rows with its greedy tokens copies nothing to
     // the device: the embedding reads `greedy` itself and the argmax kernel leaves the next positions
     // (no token, position or slot copies between two steps' kernels). Off: every step uploads them.
@@ -222,8 +218,7 @@ struct Generator::Impl {
                                   early_expert_loads,
                                   down_by_column,
                                   async_tiles,
-                                  rank_in_experts,
-                                  rank_in_experts && fused_experts && fused_experts_fit};
+                                  rank_in_experts};
         const float eps = static_cast<float>(c.rms_norm_eps);
         const int* pos = position.data_ptr<int>();
         const int* slots = slot.data_ptr<int>();
@@ -283,13 +278,7 @@ struct Generator::Impl {
                                                    c.norm_topk_prob, gemv_rows, h.data_ptr(),
                                                    router_logits.data_ptr(), r, done, launch);
                 mark("add+norm+router+route");
-                if (launch.fused_experts) {
-                    cuda::launch_moe_fused_experts(
-                        dtype, h.data_ptr(), w.experts_gate.data_ptr(), w.experts_up.data_ptr(),
-                        w.experts_down.data_ptr(), router_logits.data_ptr(), pos, r, E, K, c.norm_topk_prob,
-                        H, I, act.data_ptr(), x.data_ptr(), o.data_ptr(), done + 1 + (H + 7) / 8, launch);
-                    mark("experts gate+up+down+combine");
-                } else if (rank_in_experts) {
+                if (rank_in_experts) {
                     cuda::launch_moe_gate_up_routed(dtype, h.data_ptr(), w.experts_gate.data_ptr(),
                                                     w.experts_up.data_ptr(), router_logits.data_ptr(), pos, r,
                                                     E, K, c.norm_topk_prob, H, I, act.data_ptr(), launch);
@@ -537,8 +526,6 @@ Generator::Generator(const MoeModel& model, const GeneratorOptions& options)
     g.device_position.assign(B, -1);
     g.device_slot.assign(B, 0);
     g.fused_done = at::zeros({cuda::fused_rows_done_counters(g.H)}, i32);
-    g.fused_experts_fit =
-        c.num_moe_layers() > 0 && cuda::moe_fused_experts_supported(g.dtype, g.E, g.K, g.H, g.I);
     g.topk_idx = at::zeros({B * g.K}, i32);
     g.topk_weights = at::zeros({B * g.K}, t.dtype(at::kFloat));
     g.expert_offset = at::zeros({g.E + 1}, i32);

@@ -450,7 +450,7 @@ namespace {
 // output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row).
 template <typename T>
 void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, int experts) {
-    const bool by_column = experts != 0, routed = experts >= 2, fused = experts == 3;
+    const bool by_column = experts != 0, routed = experts == 2;
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
     std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * rows);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -471,10 +471,8 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
     const mc::Launch eager{nullptr, false},
-        fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed, fused};
+        fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed};
     if (by_column) EXPECT_TRUE(mc::down_combine_by_column(dtype, B, K, I)) << "column kernel not taken";
-    if (fused)
-        ASSERT_TRUE(mc::moe_fused_experts_supported(dtype, E, K, H, I)) << "fused experts not supported";
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;
         Dev<float> y;
@@ -506,11 +504,7 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
         const mc::MoeRouting r1 = one.rb.routing();
         mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
                                          K, true, rows, one.h.p, one.logits.p, r1, done.p, fused_launch);
-        if (fused) {
-            mc::launch_moe_fused_experts(dtype, one.h.p, d_gate.p, d_up.p, d_down.p, one.logits.p, d_pos.p,
-                                         r1, E, K, true, H, I, one.act.p, one.x.p, d_o.p,
-                                         done.p + 1 + (H + 7) / 8, fused_launch);
-        } else if (routed) {
+        if (routed) {
             mc::launch_moe_gate_up_routed(dtype, one.h.p, d_gate.p, d_up.p, one.logits.p, d_pos.p, r1, E, K,
                                           true, H, I, one.act.p, fused_launch);
             mc::launch_moe_down_combine_routed(dtype, one.act.p, d_down.p, one.logits.p, d_pos.p, E, K, true,
@@ -577,9 +571,6 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
                 if (B == 1) {  // the router logits ranked inside the expert kernels
                     fused_rows_match_kernels<float>(0, B, E, rows, rows == 1, 2);
                     fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 2, 2);
-                    // ... and gate/up with the down experts in one kernel (a grid-wide barrier between)
-                    fused_rows_match_kernels<float>(0, B, E, rows, rows == 1, 3);
-                    fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 2, 3);
                 }
             }
 }

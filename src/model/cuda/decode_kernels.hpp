@@ -52,10 +52,6 @@ struct Launch {
     // launch_moe_down_combine_routed): launch_add_norm_router_route then stops after the logits, without
     // its last block's routing and the counter round trip before it.
     bool route_in_experts = false;
-    // One-row steps run gate/up and the down experts + combine as one kernel where it fits
-    // (launch_moe_fused_experts): the down weights stream while gate/up runs, and a grid-wide barrier
-    // replaces the kernel boundary.
-    bool fused_experts = false;
 };
 constexpr int kMaxPreloadBytes = 160 * 1024;
 constexpr int kMaxColumnsSmem = 200 * 1024;
@@ -172,8 +168,7 @@ void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRou
 // The batch-1 GEMVs with the small kernels around them folded in (made for one-row steps, where a
 // layer is bound by its kernel boundaries; B rows work but take B passes over the weights), with 1 or
 // 2 weight rows a warp (rows_per_warp, else 2). `done` holds fused_rows_done_counters(H) ints, zero
-// before the first call; each call leaves them zero: [0] the router's, [1, 1 + H / 8) the down
-// experts' column chunks, the last three launch_moe_fused_experts' barrier.
+// before the first call; each call leaves them zero.
 int fused_rows_done_counters(int H);
 
 // out = (rms_norm(x) * norm_weight) weight^T: the dense GEMV normalising its input itself (every
@@ -208,15 +203,6 @@ void launch_moe_gate_up_routed(int dtype, const void* h, const void* gate, const
 void launch_moe_down_combine_routed(int dtype, const void* act, const void* down, const void* logits,
                                     const int* position, int E, int K, bool norm_topk_prob, int H, int I,
                                     void* x, const void* delta, const Launch& launch);
-// The two above in one kernel (Launch::fused_experts): the same act, x and routing r. `barrier`: three
-// ints, zero before the first call; each call leaves them zero. Every block of its grid (H / 8) must be
-// resident at once, which moe_fused_experts_supported checks on the current device (with H = 512 or
-// 1024, or 2048 in bf16; E <= kMaxExperts).
-bool moe_fused_experts_supported(int dtype, int E, int K, int H, int I);
-void launch_moe_fused_experts(int dtype, const void* h, const void* gate, const void* up, const void* down,
-                              const void* logits, const int* position, const MoeRouting& r, int E, int K,
-                              bool norm_topk_prob, int H, int I, void* act, void* x, const void* delta,
-                              int* barrier, const Launch& launch);
 void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
                              int H, int I, int max_active, int rows_per_warp, float* y, void* x,
                              const void* delta, const int* position, int* done, const Launch& launch);
