@@ -145,6 +145,9 @@ struct Generator::Impl {
     // the device: the embedding reads `greedy` itself and the argmax kernel leaves the next positions
     // (no token, position or slot copies between two steps' kernels). Off: every step uploads them.
     bool device_inputs = env::get_int("MOERL_GENERATOR_DEVICE_INPUTS", 1) != 0;
+    // Up to gemv_max_batch, the LM head through the GEMV kernel (the final norm inside, weights copied
+    // into shared memory before it waits for the last layer) instead of a norm kernel and cuBLAS.
+    bool lm_head_gemv = env::get_int("MOERL_GENERATOR_LM_HEAD_GEMV", 0) != 0;
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -341,16 +344,26 @@ struct Generator::Impl {
                 mark("dense mlp");
             }
         }
-        if (norm_pending != nullptr) {
-            cuda::launch_add_rmsnorm(dtype, x.data_ptr(), nullptr, norm_pending->data_ptr(), eps, pos, B, H,
-                                     h.data_ptr(), launch);
-            mark("final norm");
+        const at::Tensor& head = m.output_weight();
+        if (lm_head_gemv && B <= gemv_max_batch) {
+            if (norm_pending != nullptr)
+                cuda::launch_norm_dense_rows(dtype, x.data_ptr(), norm_pending->data_ptr(), eps,
+                                             head.data_ptr(), B, H, static_cast<int>(V), gemv_rows,
+                                             logits.data_ptr(), launch);
+            else
+                cuda::launch_dense_rows(dtype, h.data_ptr(), head.data_ptr(), B, H, static_cast<int>(V),
+                                        gemv_rows, logits.data_ptr(), launch);
+            mark("lm_head gemv");
+        } else {
+            if (norm_pending != nullptr) {
+                cuda::launch_add_rmsnorm(dtype, x.data_ptr(), nullptr, norm_pending->data_ptr(), eps, pos, B,
+                                         H, h.data_ptr(), launch);
+                mark("final norm");
+            }
+            at::Tensor logits_b = rows(logits);
+            at::mm_out(logits_b, rows(h), head.t());
+            mark("lm_head mm");
         }
-        // cuBLAS: the GEMV kernel with the final norm inside measured the same at batch 1 (0.691 against
-        // 0.687 ms a step on an H200).
-        at::Tensor logits_b = rows(logits);
-        at::mm_out(logits_b, rows(h), m.output_weight().t());
-        mark("lm_head mm");
         auto* keys = reinterpret_cast<unsigned long long*>(argmax_keys.data_ptr<int64_t>());
         cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), keys,
                             argmax_done.data_ptr<int>(), greedy.data_ptr<int64_t>(),
