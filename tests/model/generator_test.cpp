@@ -329,6 +329,39 @@ TEST_P(GeneratorFeedback, GreedyFedBackEqualsHostTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Graphs, GeneratorFeedback, ::testing::Bool());
 
+// One-row steps with the LM head through the GEMV kernel (MOERL_GENERATOR_LM_HEAD_GEMV: the final norm
+// inside it, no cuBLAS call) continue as the CPU model does and as the cuBLAS head does, fp32 on both.
+TEST(Generator, LmHeadGemvMatchesCublasAndCpu) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    const std::vector<int64_t> prompt = random_prompt(6, c.vocab_size, 41);
+    constexpr int kSteps = 10;
+    const std::vector<int64_t> expected = greedy_reference(t.cpu, prompt, kSteps + 1);
+    auto run = [&](const char* gemv, std::vector<at::Tensor>& logits) {
+        const ScopedEnv env("MOERL_GENERATOR_LM_HEAD_GEMV", gemv);
+        Generator gen(t.gpu, {.max_batch = 1, .max_seq_len = 32, .block_size = 4});
+        const int s = gen.acquire();
+        at::Tensor next = gen.prefill({s}, {prompt}).greedy;
+        std::vector<int64_t> tokens;
+        for (int i = 0; i < kSteps; ++i) {
+            GenerationStep r = gen.decode({s}, next);
+            logits.push_back(r.logits.cpu().clone());
+            tokens.push_back(r.greedy.item<int64_t>());
+            next = r.greedy;
+        }
+        return tokens;
+    };
+    std::vector<at::Tensor> gemv_logits, blas_logits;
+    const std::vector<int64_t> gemv = run("1", gemv_logits), blas = run("0", blas_logits);
+    EXPECT_EQ(gemv, std::vector<int64_t>(expected.begin() + 1, expected.end()));
+    EXPECT_EQ(gemv, blas);
+    for (int i = 0; i < kSteps; ++i)
+        EXPECT_TRUE(at::allclose(gemv_logits[i], blas_logits[i], 1e-4, 1e-4))
+            << "step " << i << ": max difference "
+            << (gemv_logits[i] - blas_logits[i]).abs().max().item<float>();
+}
+
 TEST(Generator, BadInputIsRefusedAndTheEngineStaysUsable) {
     SKIP_WITHOUT_ENGINE();
     const ModelConfig c = engine_config();

@@ -23,7 +23,8 @@
 // cache reads begun before it waits for the previous kernel [1]), _PDL (programmatic dependent launch
 // of the decode kernels; 0 = plain stream order [1]), _DEVICE_INPUTS (fed-back tokens read in place,
 // positions moved on by the step itself; 0 = every step uploads its tokens, positions and slots [1]),
-// _PROFILE (below).
+// _LM_HEAD_GEMV (one-row steps' LM head through the GEMV kernel, the final norm inside [0]), _PROFILE
+// (below).
 #pragma once
 
 #include <ATen/core/Tensor.h>
