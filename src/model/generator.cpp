@@ -717,9 +717,8 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
         g.run_step(B, (fed_back ? g.greedy : g.tokens).data_ptr<int64_t>());
         g.collect_profile();
     }
-    // The argmax kernel moved the rows on (device_inputs).
-    for (int i = 0; i < B; ++i)
-        if (g.device_inputs && g.device_position[i] >= 0) ++g.device_position[i];
+    if (g.device_inputs)  // the argmax kernel moved the rows on
+        for (int i = 0; i < B; ++i) g.device_position[i] += g.device_position[i] >= 0;
     for (int i = 0; i < n; ++i) {
         g.host_stats.kv_tokens_read += g.length[slots[i]] + 1;
         ++g.length[slots[i]];
