@@ -349,25 +349,23 @@ struct Generator::Impl {
             }
         }
         const at::Tensor& head = m.output_weight();
-        if (lm_head_gemv && B <= gemv_max_batch) {
-            if (norm_pending != nullptr)
-                cuda::launch_norm_dense_rows(dtype, x.data_ptr(), norm_pending->data_ptr(), eps,
-                                             head.data_ptr(), B, H, static_cast<int>(V), gemv_rows,
-                                             logits.data_ptr(), launch);
-            else
-                cuda::launch_dense_rows(dtype, h.data_ptr(), head.data_ptr(), B, H, static_cast<int>(V),
-                                        gemv_rows, logits.data_ptr(), launch);
-            mark("lm_head gemv");
+        if (lm_head_gemv && norm_pending != nullptr && B <= gemv_max_batch) {
+            cuda::launch_norm_dense_rows(dtype, x.data_ptr(), norm_pending->data_ptr(), eps, head.data_ptr(),
+                                         B, H, static_cast<int>(V), gemv_rows, logits.data_ptr(), launch);
         } else {
             if (norm_pending != nullptr) {
                 cuda::launch_add_rmsnorm(dtype, x.data_ptr(), nullptr, norm_pending->data_ptr(), eps, pos, B,
                                          H, h.data_ptr(), launch);
                 mark("final norm");
             }
-            at::Tensor logits_b = rows(logits);
-            at::mm_out(logits_b, rows(h), head.t());
-            mark("lm_head mm");
+            if (lm_head_gemv) {
+                linear(h, head, logits, B, launch);
+            } else {
+                at::Tensor logits_b = rows(logits);
+                at::mm_out(logits_b, rows(h), head.t());
+            }
         }
+        mark("lm_head");
         auto* keys = reinterpret_cast<unsigned long long*>(argmax_keys.data_ptr<int64_t>());
         cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), keys,
                             argmax_done.data_ptr<int>(), greedy.data_ptr<int64_t>(),
