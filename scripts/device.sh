@@ -145,7 +145,7 @@ if [ -x "$MOERL" ]; then
       # column, gate/up weight loads not issued early, weights not preloaded into shared memory, the
       # one-row MoE kernels unfused, then the q/k step unfused too, tensor-core gate/up from batch 2,
       # and the earlier defaults (CUDA-core experts, grouped GEMMs from 64). MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;LM_HEAD_GEMV=1;DEVICE_INPUTS=0;ROUTE_IN_EXPERTS=0;TILE_ASYNC=0;DOWN_COLUMNS=0;EXPERT_EARLY=0;GEMV_PRELOAD=0;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK_MAX_BATCH=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;LM_HEAD_GEMV=0;DEVICE_INPUTS=0;ROUTE_IN_EXPERTS=0;TILE_ASYNC=0;DOWN_COLUMNS=0;EXPERT_EARLY=0;GEMV_PRELOAD=0;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK_MAX_BATCH=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
