@@ -168,8 +168,6 @@ struct Generator::Impl {
     // it waits for the q/k store (AttentionShape::early_loads). Measured on an H200 (Qwen3-30B-A3B
     // shape, 8 layers, bench rollout): step 0.709 -> 0.684 ms at batch 1, 5.48 -> 5.35 at 256.
     bool attention_early = env::get_int("MOERL_GENERATOR_ATTENTION_EARLY", 1) != 0;
-    // Attention requests each pass's values together with its keys (AttentionShape::values_with_keys).
-    bool attention_values_early = env::get_int("MOERL_GENERATOR_ATTENTION_VALUES_EARLY", 0) != 0;
     // Up to this batch bucket attention normalises and rotates q and the new key itself, from the q/k/v
     // projection, and stores the new key and value (cuda::QkvInput): one kernel fewer per layer; 0 =
     // never. Measured on an H200 (Qwen3-30B-A3B shape, 8 layers, bench rollout): the same step at
@@ -247,7 +245,6 @@ struct Generator::Impl {
         const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
         cuda::AttentionShape attention = cuda::attention_shape(B, Hkv, attention_warps, attention_lanes);
         attention.early_loads = attention_early;
-        attention.values_with_keys = attention_values_early;
         const bool experts_grouped_mm = B >= grouped_min_batch && use_grouped_mm;
         const bool tensor_cores = cuda::moe_tensor_cores_supported(dtype, H, I);
         const bool gate_up_mma = tensor_cores && gate_up_mma_min_batch > 0 && B >= gate_up_mma_min_batch;

@@ -112,9 +112,8 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     const bool one_lane = shape_name[0] == 'w';
     mc::AttentionShape shape =
         mc::attention_shape(B, Hkv, one_lane ? shape_name[1] - '0' : 2, one_lane ? 1 : shape_name[1] - '0');
-    shape.early_loads = shape_name[0] == 'e' || shape_name[0] == 'v';  // "e4": four lanes, early loads
-    shape.values_with_keys = shape_name[0] == 'v';  // "v4": and values requested with the keys
-    for (int call = 0; call < 2; ++call)            // the second call finds the split counters back at zero
+    shape.early_loads = shape_name[0] == 'e';  // "e4": four lanes, early loads
+    for (int call = 0; call < 2; ++call)       // the second call finds the split counters back at zero
         mc::launch_paged_attention(0, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B,
                                    Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false}, shape);
     CK(cudaGetLastError());
@@ -158,21 +157,21 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     RecordProperty("worst_abs_error", std::to_string(worst));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, DecodeAttention,
-    ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"}, AttentionCase{1, "l2"},
-                      AttentionCase{1, "l4"}, AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
-                      AttentionCase{5, "l4"}, AttentionCase{20, "w2"}, AttentionCase{20, "l2"},
-                      AttentionCase{20, "l4"}, AttentionCase{1, "v4"}, AttentionCase{20, "v4"},
-                      AttentionCase{5, "v2"}),
-    [](const auto& info) { return "b" + std::to_string(info.param.B) + "_" + info.param.shape; });
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
+                         ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"},
+                                           AttentionCase{1, "l2"}, AttentionCase{1, "l4"},
+                                           AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
+                                           AttentionCase{5, "l4"}, AttentionCase{20, "w2"},
+                                           AttentionCase{20, "l2"}, AttentionCase{20, "l4"}),
+                         [](const auto& info) {
+                             return "b" + std::to_string(info.param.B) + "_" + info.param.shape;
+                         });
 
 // The q/k step folded into attention (QkvInput) against the two kernels it replaces: the same
 // output and the same keys and values in the pools, bit for bit, in fp32 and bf16, one row and 20
-// rows with a padding row, the new token anywhere in its chunk; values requested after the softmax or
-// with the keys.
+// rows with a padding row, the new token anywhere in its chunk.
 template <typename T>
-void fused_qk_matches_two_kernels(int dtype, int B, bool values_with_keys) {
+void fused_qk_matches_two_kernels(int dtype, int B) {
     constexpr int Hq = 8, Hkv = 2, D = 128, bs = 16, max_len = 300;
     const int heads = Hq + 2 * Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
     std::mt19937 rng(77 + B + 1000 * dtype);
@@ -201,7 +200,6 @@ void fused_qk_matches_two_kernels(int dtype, int B, bool values_with_keys) {
         done(std::vector<int>(static_cast<size_t>(B) * Hq));
     mc::AttentionShape shape = mc::attention_shape(B, Hkv, 8, 0);
     shape.early_loads = true;
-    shape.values_with_keys = values_with_keys;
     const mc::Launch eager{nullptr, false};
     mc::launch_qk_norm_rope_store(dtype, d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f, d_pos.p, d_slot.p, d_table.p,
                                   max_blocks, bs, B, Hq, Hkv, D, d_q.p, k_two.p, v_two.p, eager);
@@ -223,11 +221,10 @@ void fused_qk_matches_two_kernels(int dtype, int B, bool values_with_keys) {
 
 TEST(DecodeAttentionFusedQk, MatchesTwoKernels) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
-    for (int B : {1, 20})
-        for (bool values_with_keys : {false, true}) {
-            fused_qk_matches_two_kernels<float>(0, B, values_with_keys);
-            fused_qk_matches_two_kernels<__nv_bfloat16>(1, B, values_with_keys);
-        }
+    for (int B : {1, 20}) {
+        fused_qk_matches_two_kernels<float>(0, B);
+        fused_qk_matches_two_kernels<__nv_bfloat16>(1, B);
+    }
 }
 
 class DecodeRoute : public ::testing::TestWithParam<int> {};

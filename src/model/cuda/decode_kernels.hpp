@@ -98,9 +98,6 @@ struct AttentionShape {
     int warps = 2;
     int lanes = 1;
     bool early_loads = false;
-    // Shapes whose warp pass is one group of values (2 and 4 lanes a token) request a pass's values
-    // together with its keys, before the scores, instead of after the softmax.
-    bool values_with_keys = false;
 };
 
 // The shape for B rows: lanes 0 = the default (four lanes a token in blocks of 8 warps); lanes 2 or

@@ -51,8 +51,7 @@ template <typename T, int G, int kDimsPerLane, int kAttnWarps, int kLanes>
 __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
     paged_attention_kernel(const T* q, T* k_pool, T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
-                           int chunk, Partials part, bool early_loads, bool values_with_keys,
-                           QkvTyped<T> fused, T* out) {
+                           int chunk, Partials part, bool early_loads, QkvTyped<T> fused, T* out) {
     // AttentionShape::early_loads: the row's position and block table, and L2 requests for the keys
     // and values of this block's chunk up to (not including) the token the previous kernel stores.
     if (early_loads) {
@@ -141,40 +140,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
         for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] = 0.0f;
     }
     constexpr int kTokens = 32 / kLanes;  // tokens of a warp pass
-    // Values kVGroup tokens at a time, their loads issued together; token j's row and weights come
-    // from its first lane, j * kLanes. Where a pass is one group and `values_with_keys`, the values
-    // are requested together with the keys, before the scores: one round trip a pass instead of two.
-    // Built for blocks of up to 4 heads (few rows): with 8 the block holds 128 registers without them.
-    constexpr int kVGroup = kTokens < 16 ? kTokens : 16;
-    constexpr bool kValuesWithKeys = kTokens <= kVGroup && G <= 4;
-    const bool early_values = kValuesWithKeys && values_with_keys;
-    const int share = lane % kLanes;  // the lane's share of its token's key row
+    const int share = lane % kLanes;      // the lane's share of its token's key row
     for (int base = first + warp * kTokens; base < last; base += kAttnWarps * kTokens) {
         const int t = base + lane / kLanes;
         const bool valid = t < last;
-        const int count = min(kTokens, last - base);
         size_t row = 0;  // element offset of token t's (kv_head) row in the pools
-        if (valid)
-            row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
-                  static_cast<size_t>(kv_head) * D;
-        float v[kVGroup][kDimsPerLane];
-        auto load_values = [&](int j0) {
-#pragma unroll
-            for (int jj = 0; jj < kVGroup; ++jj) {
-                const size_t vrow = __shfl_sync(kFullMask, row, ((j0 + jj) * kLanes) & 31);
-                const T* v_row = v_pool + vrow;
-#pragma unroll
-                for (int i = 0; i < kDimsPerLane; ++i) {
-                    const int d = lane + 32 * i;
-                    v[jj][i] = j0 + jj < count && d < D ? to_float(v_row[d]) : 0.0f;
-                }
-            }
-        };
-        if (early_values) load_values(0);
         float s[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) s[g] = 0.0f;
         if (valid) {
+            row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
+                  static_cast<size_t>(kv_head) * D;
             const T* k_row = k_pool + row;
             // The lane's chunks of 8 (every kLanes-th of the D / 8) are requested before any
             // arithmetic: one memory latency per pass instead of one per chunk.
@@ -215,8 +191,22 @@ __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
 #pragma unroll
             for (int i = 0; i < kDimsPerLane; ++i) acc[g][i] *= correction;
         }
+        // Values kVGroup tokens at a time, their loads issued together; token j's row and weights
+        // come from its first lane, j * kLanes.
+        constexpr int kVGroup = kTokens < 16 ? kTokens : 16;
+        const int count = min(kTokens, last - base);
         for (int j0 = 0; j0 < count; j0 += kVGroup) {
-            if (!early_values) load_values(j0);
+            float v[kVGroup][kDimsPerLane];
+#pragma unroll
+            for (int jj = 0; jj < kVGroup; ++jj) {
+                const size_t vrow = __shfl_sync(kFullMask, row, ((j0 + jj) * kLanes) & 31);
+                const T* v_row = v_pool + vrow;
+#pragma unroll
+                for (int i = 0; i < kDimsPerLane; ++i) {
+                    const int d = lane + 32 * i;
+                    v[jj][i] = j0 + jj < count && d < D ? to_float(v_row[d]) : 0.0f;
+                }
+            }
 #pragma unroll
             for (int jj = 0; jj < kVGroup; ++jj) {
 #pragma unroll
@@ -303,7 +293,6 @@ struct AttnLaunch {
     void* out;
     Launch launch;
     bool early_loads;
-    bool values_with_keys;
     QkvInput fused;
 };
 
@@ -315,7 +304,7 @@ void launch_group(const AttnLaunch& l) {
     launch_kernel(kernel, dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.launch,
                   static_cast<const T*>(l.q), static_cast<T*>(l.k_pool), static_cast<T*>(l.v_pool),
                   l.position, l.slot, l.block_table, l.max_blocks, l.block_size, l.Hq, l.Hkv, l.D, l.chunk,
-                  l.part, l.early_loads, l.values_with_keys,
+                  l.part, l.early_loads,
                   QkvTyped<T>{static_cast<const T*>(l.fused.qkv), static_cast<const T*>(l.fused.q_norm),
                               static_cast<const T*>(l.fused.k_norm), l.fused.eps, l.fused.rope_theta},
                   static_cast<T*>(l.out));
@@ -339,9 +328,9 @@ void launch_dims(const AttnLaunch& l) {
 // Anything else runs as (2, 1). These are the shapes launch_shape instantiates.
 AttentionShape built_shape(AttentionShape s, int heads, int D) {
     if ((s.lanes == 2 || s.lanes == 4) && heads <= 8 && D <= 128)
-        return {2 * s.lanes, s.lanes, s.early_loads, s.values_with_keys};
-    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1, s.early_loads, s.values_with_keys};
-    return {2, 1, s.early_loads, s.values_with_keys};
+        return {2 * s.lanes, s.lanes, s.early_loads};
+    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1, s.early_loads};
+    return {2, 1, s.early_loads};
 }
 
 template <typename T, int G>
@@ -439,7 +428,6 @@ void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool
                  out,
                  launch,
                  run.early_loads,
-                 run.values_with_keys,
                  qkv};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
