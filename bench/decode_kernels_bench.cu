@@ -218,8 +218,8 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
                 }
         }
     }
-    // The LM head [151936, 2048] with the final norm inside, one row (622 MB, one copy: past L2 anyway):
-    // a block per 8 weight rows (as the q/k/v projection), and as one stream of a few blocks an SM.
+    // The LM head [151936, 2048] with the final norm inside, one row (622 MB, one copy: past L2 anyway),
+    // a block per 8 weight rows as the generator runs it at batch 1.
     if (std::find(batches.begin(), batches.end(), 1) != batches.end()) {
         constexpr int kVocab = 151936;
         const size_t elems = static_cast<size_t>(kVocab) * kH;
@@ -234,17 +234,6 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
                     lp.preload = preload;
                     mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w, 1, kH, kVocab, 1, out, lp);
                 });
-        for (const std::pair<int, int> shape :
-             {std::pair{1, 2}, std::pair{1, 3}, std::pair{1, 4}, std::pair{2, 2}, std::pair{2, 3},
-              std::pair{3, 2}, std::pair{4, 1}}) {
-            const int blocks = shape.first, stages = shape.second;
-            row("lm head (norm inside)", 1,
-                "stream, " + std::to_string(blocks) + " blocks x " + std::to_string(stages) + " stages",
-                elems * 2e-6, [&](int, const mc::Launch& l) {
-                    mc::launch_norm_dense_stream(1, x, norm_w, 1e-6f, w, 1, kH, kVocab, blocks, stages, out,
-                                                 l);
-                });
-        }
     }
     // Experts: gate/up [E, I, H] and down [E, H, I], one routing per launch out of 16 (random logits).
     auto* gate = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);

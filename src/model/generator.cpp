@@ -152,12 +152,6 @@ struct Generator::Impl {
     // Measured on an H200 (Qwen3-30B-A3B shape, 8 layers, bench rollout, twice, alternated): step
     // 0.617 / 0.617 -> 0.607 / 0.606 ms at batch 1.
     bool lm_head_gemv = env::get_int("MOERL_GENERATOR_LM_HEAD_GEMV", 1) != 0;
-    // With lm_head_gemv, the LM head as one stream (cuda::launch_norm_dense_stream): lm_head_blocks
-    // blocks an SM, each normalising once and walking its share of the rows through lm_head_stages
-    // shared-memory buffers; 0 = a block per 8 rows (launch_norm_dense_rows).
-    bool lm_head_stream = env::get_int("MOERL_GENERATOR_LM_HEAD_STREAM", 0) != 0;
-    int lm_head_blocks = static_cast<int>(env::get_int("MOERL_GENERATOR_LM_HEAD_BLOCKS", 2));
-    int lm_head_stages = static_cast<int>(env::get_int("MOERL_GENERATOR_LM_HEAD_STAGES", 3));
     // Programmatic dependent launch of the decode kernels (each may start while the previous drains).
     bool overlap_launches = env::get_int("MOERL_GENERATOR_PDL", 1) != 0;
     // Attention block shape: lanes per token (0 = the kernels' default, 1, 2 or 4) and, with one lane,
@@ -356,14 +350,8 @@ struct Generator::Impl {
         }
         const at::Tensor& head = m.output_weight();
         if (lm_head_gemv && norm_pending != nullptr && B <= gemv_max_batch) {
-            if (lm_head_stream)
-                cuda::launch_norm_dense_stream(dtype, x.data_ptr(), norm_pending->data_ptr(), eps,
-                                               head.data_ptr(), B, H, static_cast<int>(V), lm_head_blocks,
-                                               lm_head_stages, logits.data_ptr(), launch);
-            else
-                cuda::launch_norm_dense_rows(dtype, x.data_ptr(), norm_pending->data_ptr(), eps,
-                                             head.data_ptr(), B, H, static_cast<int>(V), gemv_rows,
-                                             logits.data_ptr(), launch);
+            cuda::launch_norm_dense_rows(dtype, x.data_ptr(), norm_pending->data_ptr(), eps, head.data_ptr(),
+                                         B, H, static_cast<int>(V), gemv_rows, logits.data_ptr(), launch);
         } else {
             if (norm_pending != nullptr) {
                 cuda::launch_add_rmsnorm(dtype, x.data_ptr(), nullptr, norm_pending->data_ptr(), eps, pos, B,

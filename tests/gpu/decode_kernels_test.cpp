@@ -437,49 +437,6 @@ TEST_P(DecodeDense, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Batches, DecodeDense, ::testing::Values(1, 3));
 
-// The LM head as one stream (few blocks, a ring of shared-memory buffers) against the block-per-8-rows
-// GEMV it stands in for, bit for bit: one and three rows, output rows that do not fill the last chunk,
-// one block an SM with two buffers (every block walks many chunks round its ring) and the defaults,
-// overlapped or not; x is not written.
-template <typename T>
-void norm_stream_matches_rows(int dtype, int B) {
-    const int cols = 520, out_rows = 8 * 132 * 3 + 5;  // columns ending inside a 256-column step
-    std::mt19937 rng(11 + B + dtype);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<T> x(static_cast<size_t>(B) * cols), norm_w(cols), w(static_cast<size_t>(out_rows) * cols);
-    for (T& v : x) v = static_cast<T>(3.0f * normal(rng));
-    for (T& v : norm_w) v = static_cast<T>(1.0f + 0.1f * normal(rng));
-    for (T& v : w) v = static_cast<T>(normal(rng));
-    Dev<T> d_x(x), d_norm(norm_w), d_w(w);
-    Dev<T> want(std::vector<T>(static_cast<size_t>(B) * out_rows, static_cast<T>(7.0f)));
-    mc::launch_norm_dense_rows(dtype, d_x.p, d_norm.p, 1e-6f, d_w.p, B, cols, out_rows, 1, want.p,
-                               {nullptr, false, true});
-    CK(cudaGetLastError());
-    const std::vector<T> expected = want.read();
-    for (const auto& [blocks, stages] : {std::pair{1, 2}, std::pair{2, 3}, std::pair{4, 4}})
-        for (bool overlap : {false, true}) {
-            Dev<T> got(std::vector<T>(static_cast<size_t>(B) * out_rows, static_cast<T>(7.0f)));
-            mc::launch_norm_dense_stream(dtype, d_x.p, d_norm.p, 1e-6f, d_w.p, B, cols, out_rows, blocks,
-                                         stages, got.p, {nullptr, overlap});
-            CK(cudaGetLastError());
-            const std::vector<T> out = got.read();
-            for (size_t i = 0; i < out.size(); ++i)
-                ASSERT_EQ(std::memcmp(&out[i], &expected[i], sizeof(T)), 0)
-                    << "row " << i / out_rows << " output " << i % out_rows << ": "
-                    << static_cast<float>(out[i]) << " against " << static_cast<float>(expected[i])
-                    << " (dtype " << dtype << ", " << blocks << " blocks an SM, " << stages << " stages)";
-        }
-    EXPECT_EQ(std::memcmp(d_x.read().data(), x.data(), x.size() * sizeof(T)), 0) << "x was written";
-}
-
-TEST(DecodeDense, NormStreamEqualsNormRows) {
-    if (!have_device()) GTEST_SKIP() << "no CUDA device";
-    for (int B : {1, 3}) {
-        norm_stream_matches_rows<float>(0, B);
-        norm_stream_matches_rows<__nv_bfloat16>(1, B);
-    }
-}
-
 }  // namespace
 
 namespace {

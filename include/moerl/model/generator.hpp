@@ -23,10 +23,8 @@
 // cache reads begun before it waits for the previous kernel [1]), _PDL (programmatic dependent launch
 // of the decode kernels; 0 = plain stream order [1]), _DEVICE_INPUTS (fed-back tokens read in place,
 // positions moved on by the step itself; 0 = every step uploads its tokens, positions and slots [1]),
-// _LM_HEAD_GEMV (one-row steps' LM head through the GEMV kernel, the final norm inside [1]),
-// _LM_HEAD_STREAM (that GEMV as a few long-lived blocks an SM streaming the weights [0]) with
-// _LM_HEAD_BLOCKS / _LM_HEAD_STAGES (blocks an SM [2], shared-memory buffers a block, 1-4 [3]),
-// _PROFILE (below).
+// _LM_HEAD_GEMV (one-row steps' LM head through the GEMV kernel, the final norm inside [1]), _PROFILE
+// (below).
 #pragma once
 
 #include <ATen/core/Tensor.h>

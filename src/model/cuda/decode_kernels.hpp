@@ -177,15 +177,6 @@ void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, f
                             int B, int cols, int out_rows, int rows_per_warp, void* out,
                             const Launch& launch);
 
-// launch_norm_dense_rows with one weight row a warp (the same bits) as one stream, made for the LM
-// head (hundreds of MB, one to a few rows): blocks_per_sm blocks an SM, each normalising x once and
-// then walking its share of the weight rows through `stages` shared-memory buffers (1-4), the next
-// ones copied while it multiplies the current, instead of a short-lived block per 8 weight rows that
-// normalises x again. Where the buffers do not fit shared memory, launch_norm_dense_rows runs.
-void launch_norm_dense_stream(int dtype, const void* x, const void* norm_weight, float eps,
-                              const void* weight, int B, int cols, int out_rows, int blocks_per_sm,
-                              int stages, void* out, const Launch& launch);
-
 // h = rms_norm(x + delta) * norm_weight (x itself is not written), logits = h router^T with router
 // [E, H] (H <= kMaxHidden, E <= kMaxExperts), then launch_route's routing of the logits: add + norm,
 // router GEMV and routing in one kernel.

@@ -2,7 +2,6 @@
 // weighted combine. The expert kernels read each routed expert's weights once per step and apply
 // them to all tokens routed to it (gathered on the fly, no permuted copy of the activations): at
 // decode batch sizes the weights, not the tokens, are the traffic.
-#include <algorithm>
 #include <cfloat>
 #include <type_traits>
 
@@ -639,77 +638,6 @@ void launch_add_norm_router_typed(int rows_per_warp, const Fusion<T>& f, const v
                                                      nullptr, f, launch);
 }
 
-// Waits until at most `pending` (0-3) of this thread's cp.async groups are still in flight.
-__device__ __forceinline__ void cp_async_wait_pending(int pending) {
-    switch (pending) {
-        case 0:
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
-            break;
-        case 1:
-            asm volatile("cp.async.wait_group 1;" ::: "memory");
-            break;
-        case 2:
-            asm volatile("cp.async.wait_group 2;" ::: "memory");
-            break;
-        default:
-            asm volatile("cp.async.wait_group 3;" ::: "memory");
-            break;
-    }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// The LM head of a few rows as one stream (launch_norm_dense_stream): a grid of a few blocks an SM,
-// each normalising the rows once and then walking its chunks of kMoeWarps weight rows (chunk
-// blockIdx.x, + gridDim.x, ...) through a ring of `stages` shared-memory buffers, the next chunks'
-// copies (cp.async) in flight while it multiplies the current one. One warp a weight row, its dot
-// product summed as expert_rows_kernel's dense GEMV with one row a warp sums it: the same bits.
-template <typename T>
-__global__ void __launch_bounds__(kNormThreads)
-    norm_dense_stream_kernel(const T* x, const T* norm_w, float eps, const T* w, int B, int cols,
-                             int out_rows, int stages, T* out) {
-    extern __shared__ __align__(16) unsigned char stream_bytes[];
-    T* tile = reinterpret_cast<T*>(stream_bytes);    // [B, cols]
-    T* ring = tile + static_cast<size_t>(B) * cols;  // [stages, kMoeWarps, cols]
-    const size_t stage_elems = static_cast<size_t>(kMoeWarps) * cols;
-    const int chunks = (out_rows + kMoeWarps - 1) / kMoeWarps;
-    const int mine = static_cast<int>(blockIdx.x) < chunks ? (chunks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-    auto copy = [&](int i) {  // chunk i of this block into its stage; one commit group either way
-        if (i < mine)
-            preload_rows(w, (blockIdx.x + i * gridDim.x) * kMoeWarps, kMoeWarps, out_rows, cols,
-                         ring + (i % stages) * stage_elems);
-        else
-            cp_async_commit();
-    };
-    for (int i = 0; i < stages; ++i) copy(i);  // the weights do not depend on the previous kernel
-    griddep_wait();
-    griddep_launch_dependents();
-    norm_tile<T>(x, nullptr, norm_w, eps, 0, B, cols, tile, nullptr);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int i = 0; i < mine; ++i) {
-        cp_async_wait_pending(stages - 1);  // this thread's copies of chunk i
-        __syncthreads();                    // everyone's, and the tile
-        const int row = (blockIdx.x + i * gridDim.x) * kMoeWarps + warp;
-        if (row < out_rows) {
-            const T* wr = ring + (i % stages) * stage_elems + static_cast<size_t>(warp) * cols;
-            for (int b = 0; b < B; ++b) {
-                const T* xr = tile + static_cast<size_t>(b) * cols;
-                float acc = 0.0f;
-                for (int c = lane * 8; c < cols; c += 256) {
-                    float wv[8], xv[8];
-                    load8(wr + c, wv);
-                    load8(xr + c, xv);
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) acc += wv[k] * xv[k];
-                }
-                const float v = round_to<T>(warp_sum(acc));
-                if (lane == 0) out[static_cast<size_t>(b) * out_rows + row] = from_float<T>(v);
-            }
-        }
-        __syncthreads();  // the stage is free again
-        copy(i + stages);
-    }
-}
-
 template <typename T>
 Fusion<T> fusion_of(const void* x, const void* delta, const void* norm_weight, float eps, void* h,
                     const int* position, int* done, int E, int K, bool norm_topk_prob) {
@@ -744,56 +672,6 @@ void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, f
             rows_per_warp, nullptr, weight, MoeRouting{}, cols, out_rows, B, 1, out, nullptr,
             fusion_of<__nv_bfloat16>(x, nullptr, norm_weight, eps, nullptr, nullptr, nullptr, 0, 0, false),
             launch);
-}
-
-namespace {
-
-int multiprocessors() {
-    static const int count = [] {
-        int device = 0, n = 0;
-        cudaGetDevice(&device);
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-        return std::max(n, 1);
-    }();
-    return count;
-}
-
-template <typename T>
-bool launch_stream_typed(const void* x, const void* norm_weight, float eps, const void* weight, int B,
-                         int cols, int out_rows, int blocks_per_sm, int stages, void* out,
-                         const Launch& launch) {
-    constexpr size_t kSmemLimit = 220 * 1024;  // of an SM, less the static and reserved shared memory
-    const size_t tile = sizeof(T) * B * cols, stage = sizeof(T) * kMoeWarps * cols;
-    stages = std::clamp(stages, 1, 4);
-    blocks_per_sm = std::clamp(blocks_per_sm, 1, 8);
-    // Fewer stages, then fewer blocks an SM, until a block's buffers fit.
-    while (stages > 2 && blocks_per_sm * (tile + stages * stage) > kSmemLimit) --stages;
-    while (blocks_per_sm > 1 && blocks_per_sm * (tile + stages * stage) > kSmemLimit) --blocks_per_sm;
-    const size_t smem = tile + stages * stage;
-    if (smem > kSmemLimit || cols % 8 != 0) return false;
-    auto kernel = norm_dense_stream_kernel<T>;
-    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
-    const int chunks = (out_rows + kMoeWarps - 1) / kMoeWarps;
-    const int grid = std::min(chunks, multiprocessors() * blocks_per_sm);
-    launch_kernel(kernel, dim3(grid), kNormThreads, smem, launch, static_cast<const T*>(x),
-                  static_cast<const T*>(norm_weight), eps, static_cast<const T*>(weight), B, cols, out_rows,
-                  stages, static_cast<T*>(out));
-    return true;
-}
-
-}  // namespace
-
-void launch_norm_dense_stream(int dtype, const void* x, const void* norm_weight, float eps,
-                              const void* weight, int B, int cols, int out_rows, int blocks_per_sm,
-                              int stages, void* out, const Launch& launch) {
-    if (B == 0) return;
-    const bool launched =
-        dtype == 0 ? launch_stream_typed<float>(x, norm_weight, eps, weight, B, cols, out_rows, blocks_per_sm,
-                                                stages, out, launch)
-                   : launch_stream_typed<__nv_bfloat16>(x, norm_weight, eps, weight, B, cols, out_rows,
-                                                        blocks_per_sm, stages, out, launch);
-    if (!launched)
-        launch_norm_dense_rows(dtype, x, norm_weight, eps, weight, B, cols, out_rows, 1, out, launch);
 }
 
 void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
