@@ -8,7 +8,7 @@
 // in step order, against the sum of the same kernels timed alone, and each kernel's cost inside the
 // layer (the layer less the layer without it). No LibTorch: it runs wherever the
 // decode kernels build.
-//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4]
+//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4,h4]
 //                        [--no-gemv] [--no-attention] [--no-layer]
 // (--len and --shapes pick the attention rows, with --len the other kernels are left out; shapes: one
 // lane a token in blocks of 2 or 8 warps, two or four lanes a token, four with the early loads.)
@@ -492,7 +492,7 @@ int main(int argc, char** argv) {
             for (size_t at = 0, comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1) {
                 shapes.push_back(list.substr(at, comma - at));
                 const std::string& sh = shapes.back();
-                ok = ok && (sh == "w2" || sh == "w8" || sh == "l2" || sh == "l4" || sh == "e4");
+                ok = ok && (sh == "w2" || sh == "w8" || sh == "l2" || sh == "l4" || sh == "e4" || sh == "h4");
             }
         } else {
             ok = false;
@@ -501,7 +501,7 @@ int main(int argc, char** argv) {
             std::fprintf(
                 stderr,
                 "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
-                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4] [--no-gemv] "
+                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4,h4] [--no-gemv] "
                 "[--no-attention] [--no-layer]\n",
                 argv[i]);
             return 2;
@@ -594,10 +594,12 @@ int main(int argc, char** argv) {
                 const bool one_lane = sh[0] == 'w';
                 mc::AttentionShape shape =
                     mc::attention_shape(B, kHkv, one_lane ? sh[1] - '0' : 2, one_lane ? 1 : sh[1] - '0');
-                shape.early_loads = sh[0] == 'e';
+                shape.early_loads = sh[0] == 'e' || sh[0] == 'h';
+                if (sh[0] == 'h') shape.few_rows_heads = 1;
                 const std::string name = "attention " + sh + " (" + std::to_string(shape.warps) + " warps, " +
                                          std::to_string(shape.lanes) + " lanes" +
-                                         (shape.early_loads ? ", early loads" : "") + ")";
+                                         (shape.early_loads ? ", early loads" : "") +
+                                         (sh[0] == 'h' ? ", one head a block" : "") + ")";
                 row(name, B, len, [&](const mc::Launch& l) {
                     mc::launch_paged_attention(1, q, kp, vp, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq,
                                                kHkv, kD, partial, done, attn_out, l, shape);

@@ -162,6 +162,10 @@ struct Generator::Impl {
     // it waits for the q/k store (AttentionShape::early_loads). Measured on an H200 (Qwen3-30B-A3B
     // shape, 8 layers, bench rollout): step 0.709 -> 0.684 ms at batch 1, 5.48 -> 5.35 at 256.
     bool attention_early = env::get_int("MOERL_GENERATOR_ATTENTION_EARLY", 1) != 0;
+    // Query heads an attention block serves with few rows (AttentionShape::few_rows_heads): 2 or 1.
+    int attention_heads = static_cast<int>(env::get_int("MOERL_GENERATOR_ATTENTION_HEADS", 2));
+    // Logits an argmax thread reads (cuda::launch_argmax): 32 or 8.
+    int argmax_per_thread = static_cast<int>(env::get_int("MOERL_GENERATOR_ARGMAX_PER_THREAD", 32));
     // Up to this batch bucket attention normalises and rotates q and the new key itself, from the q/k/v
     // projection, and stores the new key and value (cuda::QkvInput): one kernel fewer per layer; 0 =
     // never. Measured on an H200 (Qwen3-30B-A3B shape, 8 layers, bench rollout): the same step at
@@ -239,6 +243,7 @@ struct Generator::Impl {
         const int max_active = static_cast<int>(std::min<int64_t>(E, int64_t{B} * K));
         cuda::AttentionShape attention = cuda::attention_shape(B, Hkv, attention_warps, attention_lanes);
         attention.early_loads = attention_early;
+        attention.few_rows_heads = attention_heads;
         const bool experts_grouped_mm = B >= grouped_min_batch && use_grouped_mm;
         const bool tensor_cores = cuda::moe_tensor_cores_supported(dtype, H, I);
         const bool gate_up_mma = tensor_cores && gate_up_mma_min_batch > 0 && B >= gate_up_mma_min_batch;
@@ -369,7 +374,7 @@ struct Generator::Impl {
         auto* keys = reinterpret_cast<unsigned long long*>(argmax_keys.data_ptr<int64_t>());
         cuda::launch_argmax(dtype, logits.data_ptr(), B, static_cast<int>(V), keys,
                             argmax_done.data_ptr<int>(), greedy.data_ptr<int64_t>(),
-                            device_inputs ? position.data_ptr<int>() : nullptr, launch);
+                            device_inputs ? position.data_ptr<int>() : nullptr, launch, argmax_per_thread);
         mark("argmax");
         const cudaError_t err = cudaGetLastError();
         MOERL_CHECK(err == cudaSuccess, "decode step kernels failed to launch: ", cudaGetErrorString(err));

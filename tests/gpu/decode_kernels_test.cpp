@@ -112,8 +112,9 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     const bool one_lane = shape_name[0] == 'w';
     mc::AttentionShape shape =
         mc::attention_shape(B, Hkv, one_lane ? shape_name[1] - '0' : 2, one_lane ? 1 : shape_name[1] - '0');
-    shape.early_loads = shape_name[0] == 'e';  // "e4": four lanes, early loads
-    for (int call = 0; call < 2; ++call)       // the second call finds the split counters back at zero
+    shape.early_loads = shape_name[0] == 'e' || shape_name[0] == 'h';  // "e4": four lanes, early loads
+    if (shape_name[0] == 'h') shape.few_rows_heads = 1;                // "h4": and one head a block
+    for (int call = 0; call < 2; ++call)  // the second call finds the split counters back at zero
         mc::launch_paged_attention(0, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B,
                                    Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false}, shape);
     CK(cudaGetLastError());
@@ -157,21 +158,20 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     RecordProperty("worst_abs_error", std::to_string(worst));
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
-                         ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"},
-                                           AttentionCase{1, "l2"}, AttentionCase{1, "l4"},
-                                           AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
-                                           AttentionCase{5, "l4"}, AttentionCase{20, "w2"},
-                                           AttentionCase{20, "l2"}, AttentionCase{20, "l4"}),
-                         [](const auto& info) {
-                             return "b" + std::to_string(info.param.B) + "_" + info.param.shape;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DecodeAttention,
+    ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"}, AttentionCase{1, "l2"},
+                      AttentionCase{1, "l4"}, AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
+                      AttentionCase{5, "l4"}, AttentionCase{20, "w2"}, AttentionCase{20, "l2"},
+                      AttentionCase{20, "l4"}, AttentionCase{1, "h4"}, AttentionCase{5, "h4"}),
+    [](const auto& info) { return "b" + std::to_string(info.param.B) + "_" + info.param.shape; });
 
 // The q/k step folded into attention (QkvInput) against the two kernels it replaces: the same
 // output and the same keys and values in the pools, bit for bit, in fp32 and bf16, one row and 20
-// rows with a padding row, the new token anywhere in its chunk.
+// rows with a padding row, the new token anywhere in its chunk; two query heads a block with few rows,
+// and one.
 template <typename T>
-void fused_qk_matches_two_kernels(int dtype, int B) {
+void fused_qk_matches_two_kernels(int dtype, int B, int few_rows_heads) {
     constexpr int Hq = 8, Hkv = 2, D = 128, bs = 16, max_len = 300;
     const int heads = Hq + 2 * Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
     std::mt19937 rng(77 + B + 1000 * dtype);
@@ -200,6 +200,7 @@ void fused_qk_matches_two_kernels(int dtype, int B) {
         done(std::vector<int>(static_cast<size_t>(B) * Hq));
     mc::AttentionShape shape = mc::attention_shape(B, Hkv, 8, 0);
     shape.early_loads = true;
+    shape.few_rows_heads = few_rows_heads;
     const mc::Launch eager{nullptr, false};
     mc::launch_qk_norm_rope_store(dtype, d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f, d_pos.p, d_slot.p, d_table.p,
                                   max_blocks, bs, B, Hq, Hkv, D, d_q.p, k_two.p, v_two.p, eager);
@@ -221,10 +222,11 @@ void fused_qk_matches_two_kernels(int dtype, int B) {
 
 TEST(DecodeAttentionFusedQk, MatchesTwoKernels) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
-    for (int B : {1, 20}) {
-        fused_qk_matches_two_kernels<float>(0, B);
-        fused_qk_matches_two_kernels<__nv_bfloat16>(1, B);
-    }
+    for (int B : {1, 20})
+        for (int heads : {2, 1}) {
+            fused_qk_matches_two_kernels<float>(0, B, heads);
+            fused_qk_matches_two_kernels<__nv_bfloat16>(1, B, heads);
+        }
 }
 
 class DecodeRoute : public ::testing::TestWithParam<int> {};
@@ -581,7 +583,7 @@ namespace {
 // one block and rows of a real vocabulary; twice in a row (the kernel leaves its scratch zero), the
 // first call advancing the positions of the rows that are not padding.
 template <typename T>
-void argmax_matches_cpu(int dtype, int V) {
+void argmax_matches_cpu(int dtype, int V, int per_thread) {
     constexpr int B = 3;
     std::mt19937 rng(V + dtype);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -609,9 +611,10 @@ void argmax_matches_cpu(int dtype, int V) {
     for (int call = 0; call < 2; ++call) {
         Dev<int64_t> out{std::vector<int64_t>(B, -1)};
         mc::launch_argmax(dtype, d_logits.p, B, V, keys.p, blocks_done.p, out.p,
-                          call == 0 ? position.p : nullptr, {nullptr, call == 1});
+                          call == 0 ? position.p : nullptr, {nullptr, call == 1}, per_thread);
         CK(cudaGetLastError());
-        EXPECT_EQ(out.read(), want) << "dtype " << dtype << " V " << V << " call " << call;
+        EXPECT_EQ(out.read(), want) << "dtype " << dtype << " V " << V << " call " << call << ", "
+                                    << per_thread << " a thread";
         EXPECT_EQ(keys.read(), std::vector<unsigned long long>(B, 0)) << "keys not left zero";
         EXPECT_EQ(blocks_done.read(), std::vector<int>(B, 0)) << "block counters not left zero";
     }
@@ -622,8 +625,9 @@ void argmax_matches_cpu(int dtype, int V) {
 
 TEST(DecodeArgmax, MatchesCpu) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
-    for (int V : {1000, 151936}) {
-        argmax_matches_cpu<float>(0, V);
-        argmax_matches_cpu<__nv_bfloat16>(1, V);
-    }
+    for (int V : {1000, 151936})
+        for (int per_thread : {32, 8}) {
+            argmax_matches_cpu<float>(0, V, per_thread);
+            argmax_matches_cpu<__nv_bfloat16>(1, V, per_thread);
+        }
 }

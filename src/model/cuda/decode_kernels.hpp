@@ -98,6 +98,9 @@ struct AttentionShape {
     int warps = 2;
     int lanes = 1;
     bool early_loads = false;
+    // Query heads a block serves when the rows are too few for a block per key-value head: 2, or 1
+    // (twice the blocks, each with half the arithmetic).
+    int few_rows_heads = 2;
 };
 
 // The shape for B rows: lanes 0 = the default (four lanes a token in blocks of 8 warps); lanes 2 or
@@ -211,8 +214,9 @@ void launch_moe_down_combine(int dtype, const void* act, const void* down, const
 // keys and blocks_done: B each, zero before the first call; each call leaves them zero. With
 // advance_position (optional, [B]), rows whose position is >= 0 move on by one token once their argmax
 // is known: a decode step that ends this way leaves the next step's positions for the same rows on
-// the device (every earlier kernel of the step has finished reading them by then).
+// the device (every earlier kernel of the step has finished reading them by then). per_thread: logits
+// a thread reads, 32 or 8 (four times the blocks, all of a thread's loads in flight at once).
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
-                   int64_t* out, int* advance_position, const Launch& launch);
+                   int64_t* out, int* advance_position, const Launch& launch, int per_thread = 32);
 
 }  // namespace moerl::model::cuda

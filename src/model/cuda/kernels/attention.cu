@@ -328,9 +328,9 @@ void launch_dims(const AttnLaunch& l) {
 // Anything else runs as (2, 1). These are the shapes launch_shape instantiates.
 AttentionShape built_shape(AttentionShape s, int heads, int D) {
     if ((s.lanes == 2 || s.lanes == 4) && heads <= 8 && D <= 128)
-        return {2 * s.lanes, s.lanes, s.early_loads};
-    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1, s.early_loads};
-    return {2, 1, s.early_loads};
+        return {2 * s.lanes, s.lanes, s.early_loads, s.few_rows_heads};
+    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1, s.early_loads, s.few_rows_heads};
+    return {2, 1, s.early_loads, s.few_rows_heads};
 }
 
 template <typename T, int G>
@@ -345,10 +345,12 @@ void launch_shape(const AttnLaunch& l, AttentionShape run) {
     launch_dims<T, G, 2, 1>(l);
 }
 
-// Query heads per block: all of a key-value head's when rows alone give enough blocks, else two.
-int heads_per_block(int B, int Hq, int Hkv) {
+// Query heads per block: all of a key-value head's when rows alone give enough blocks, else two (or
+// one: AttentionShape::few_rows_heads).
+int heads_per_block(int B, int Hq, int Hkv, int few_rows_heads) {
     const int group = Hq / Hkv;
-    return B * Hkv >= kAttentionRowsForFullGroups ? group : std::min(group, 2);
+    if (B * Hkv >= kAttentionRowsForFullGroups) return group;
+    return std::min(group, few_rows_heads == 1 ? 1 : 2);
 }
 
 template <typename T>
@@ -403,7 +405,7 @@ void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool
     // give that many). 8 warps of one lane a token take 256 tokens a pass: sequences up to that
     // length need no merge across blocks.
     const int max_seq_len = max_blocks * block_size;
-    const int heads = heads_per_block(B, Hq, Hkv);
+    const int heads = heads_per_block(B, Hq, Hkv, shape.few_rows_heads);
     const AttentionShape run = built_shape(shape, heads, D);
     const int blocks_without_split = B * (Hq / heads);
     int chunk = std::max(kAttentionMinChunk, run.warps * 32 / run.lanes);

@@ -10,8 +10,6 @@ namespace moerl::model::cuda {
 namespace {
 
 constexpr int kArgmaxThreads = 256;
-constexpr int kArgmaxPerThread = 32;
-constexpr int kArgmaxPerBlock = kArgmaxThreads * kArgmaxPerThread;
 
 __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     const unsigned u = __float_as_uint(v);
@@ -19,7 +17,7 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(i));
 }
 
-template <typename T>
+template <typename T, int kArgmaxPerThread>
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const T* logits, int V, unsigned long long* best_key, int* blocks_done, int64_t* out,
                   int* advance_position) {
@@ -28,7 +26,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     __shared__ unsigned long long warp_best[kArgmaxThreads / 32];
     const int b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const T* row = logits + static_cast<size_t>(b) * V;  // logits [B, V]
-    const int first = blockIdx.x * kArgmaxPerBlock;
+    const int first = blockIdx.x * kArgmaxThreads * kArgmaxPerThread;
     unsigned long long best = 0;
 #pragma unroll 8
     for (int j = 0; j < kArgmaxPerThread; ++j) {
@@ -50,18 +48,28 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     if (advance_position != nullptr && advance_position[b] >= 0) advance_position[b] += 1;
 }
 
+template <int kPerThread>
+void launch_argmax_typed(int dtype, const void* logits, int B, int V, unsigned long long* keys,
+                         int* blocks_done, int64_t* out, int* advance_position, const Launch& launch) {
+    constexpr int kPerBlock = kArgmaxThreads * kPerThread;
+    const dim3 grid((V + kPerBlock - 1) / kPerBlock, B);
+    if (dtype == 0)
+        launch_kernel(argmax_kernel<float, kPerThread>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const float*>(logits), V, keys, blocks_done, out, advance_position);
+    else
+        launch_kernel(argmax_kernel<__nv_bfloat16, kPerThread>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const __nv_bfloat16*>(logits), V, keys, blocks_done, out, advance_position);
+}
+
 }  // namespace
 
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
-                   int64_t* out, int* advance_position, const Launch& launch) {
+                   int64_t* out, int* advance_position, const Launch& launch, int per_thread) {
     if (B == 0) return;
-    const dim3 grid((V + kArgmaxPerBlock - 1) / kArgmaxPerBlock, B);
-    if (dtype == 0)
-        launch_kernel(argmax_kernel<float>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const float*>(logits), V, keys, blocks_done, out, advance_position);
+    if (per_thread == 8)
+        launch_argmax_typed<8>(dtype, logits, B, V, keys, blocks_done, out, advance_position, launch);
     else
-        launch_kernel(argmax_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const __nv_bfloat16*>(logits), V, keys, blocks_done, out, advance_position);
+        launch_argmax_typed<32>(dtype, logits, B, V, keys, blocks_done, out, advance_position, launch);
 }
 
 }  // namespace moerl::model::cuda
