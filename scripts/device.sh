@@ -139,13 +139,14 @@ if [ -x "$MOERL" ]; then
         --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
     fi
     if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): the one-row LM head through the GEMV kernel; every step's
+      # Variants of the decode kernels (graphs on): two query heads an attention block with few rows; argmax
+      # threads of 32 logits; the one-row LM head through cuBLAS; every step's
       # tokens, positions and slots uploaded; the router logits ranked by the router, not the one-row expert
       # kernels, token tiles by plain loads, the one-row down experts by expert instead of by output
       # column, gate/up weight loads not issued early, weights not preloaded into shared memory, the
       # one-row MoE kernels unfused, then the q/k step unfused too, tensor-core gate/up from batch 2,
       # and the earlier defaults (CUDA-core experts, grouped GEMMs from 64). MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;LM_HEAD_GEMV=0;DEVICE_INPUTS=0;ROUTE_IN_EXPERTS=0;TILE_ASYNC=0;DOWN_COLUMNS=0;EXPERT_EARLY=0;GEMV_PRELOAD=0;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK_MAX_BATCH=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
+      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;ATTENTION_HEADS=2;ARGMAX_PER_THREAD=32;LM_HEAD_GEMV=0;DEVICE_INPUTS=0;ROUTE_IN_EXPERTS=0;TILE_ASYNC=0;DOWN_COLUMNS=0;EXPERT_EARLY=0;GEMV_PRELOAD=0;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK_MAX_BATCH=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
       IFS=';' read -ra VARIANTS <<<"$LIST"
       for v in "${VARIANTS[@]}"; do
         env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \

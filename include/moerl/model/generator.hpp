@@ -20,7 +20,7 @@
 // bucket whose gate/up or down expert products use the tensor cores, bf16, below the grouped GEMMs
 // [32 / 2; 0: never]), _ATTENTION_LANES (lanes per token in the attention kernel: 1, 2 or 4 [0: 4]),
 // _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _ATTENTION_HEADS (query heads a block
-// with few rows: 2 or 1 [2]), _ARGMAX_PER_THREAD (32 or 8 [32]), _ATTENTION_EARLY (the attention kernel's
+// with few rows: 2 or 1 [1]), _ARGMAX_PER_THREAD (32 or 8 [8]), _ATTENTION_EARLY (the attention kernel's
 // cache reads begun before it waits for the previous kernel [1]), _PDL (programmatic dependent launch
 // of the decode kernels; 0 = plain stream order [1]), _DEVICE_INPUTS (fed-back tokens read in place,
 // positions moved on by the step itself; 0 = every step uploads its tokens, positions and slots [1]),

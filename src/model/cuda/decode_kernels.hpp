@@ -215,8 +215,8 @@ void launch_moe_down_combine(int dtype, const void* act, const void* down, const
 // advance_position (optional, [B]), rows whose position is >= 0 move on by one token once their argmax
 // is known: a decode step that ends this way leaves the next step's positions for the same rows on
 // the device (every earlier kernel of the step has finished reading them by then). per_thread: logits
-// a thread reads, 32 or 8 (four times the blocks, all of a thread's loads in flight at once).
+// a thread reads, 8 or 32 (8: four times the blocks of 32, all of a thread's loads in flight at once).
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
-                   int64_t* out, int* advance_position, const Launch& launch, int per_thread = 32);
+                   int64_t* out, int* advance_position, const Launch& launch, int per_thread = 8);
 
 }  // namespace moerl::model::cuda

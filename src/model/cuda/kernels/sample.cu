@@ -66,10 +66,10 @@ void launch_argmax_typed(int dtype, const void* logits, int B, int V, unsigned l
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
                    int64_t* out, int* advance_position, const Launch& launch, int per_thread) {
     if (B == 0) return;
-    if (per_thread == 8)
-        launch_argmax_typed<8>(dtype, logits, B, V, keys, blocks_done, out, advance_position, launch);
-    else
+    if (per_thread == 32)
         launch_argmax_typed<32>(dtype, logits, B, V, keys, blocks_done, out, advance_position, launch);
+    else
+        launch_argmax_typed<8>(dtype, logits, B, V, keys, blocks_done, out, advance_position, launch);
 }
 
 }  // namespace moerl::model::cuda
