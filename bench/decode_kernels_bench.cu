@@ -11,7 +11,8 @@
 //   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4,h4]
 //                        [--no-gemv] [--no-attention] [--no-layer]
 // (--len and --shapes pick the attention rows, with --len the other kernels are left out; shapes: one
-// lane a token in blocks of 2 or 8 warps, two or four lanes a token, four with the early loads.)
+// lane a token in blocks of 2 or 8 warps, two or four lanes a token, four with the early loads, and
+// those with one query head a block, as the generator runs one row.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -332,6 +333,7 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     for (mc::MoeRouting& r : routes) r = pool.routing(B);
     mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
     shape.early_loads = true;  // as the generator runs it
+    shape.few_rows_heads = 1;
     // kinds: bit i launches kernel i of the layer (all: the layer)
     auto layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
