@@ -406,11 +406,14 @@ struct Generator::Impl {
 #endif
     }
 
+    // Where a step reads its tokens: `greedy` (the last step's choice, fed back) or `tokens`.
+    const int64_t* token_source(bool fed_back) { return (fed_back ? greedy : tokens).data_ptr<int64_t>(); }
+
     // Replays the graph of bucket B with the tokens of `greedy` (fed_back) or `tokens`, capturing it
     // first (after one eager warm-up on the capture stream, which also creates the cuBLAS state the
     // capture needs).
     void replay(int B, bool fed_back) {
-        const int64_t* token_ids = (fed_back ? greedy : tokens).data_ptr<int64_t>();
+        const int64_t* token_ids = token_source(fed_back);
         auto it = graphs.find({B, fed_back});
         if (it == graphs.end()) {
             at::cuda::CUDAStream caller = at::cuda::getCurrentCUDAStream();
@@ -721,7 +724,7 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     if (g.opt.cuda_graphs)
         g.replay(B, fed_back);
     else {
-        g.run_step(B, (fed_back ? g.greedy : g.tokens).data_ptr<int64_t>());
+        g.run_step(B, g.token_source(fed_back));
         g.collect_profile();
     }
     if (g.device_inputs)  // the argmax kernel moved the rows on
