@@ -156,7 +156,7 @@ void write_random_file(const fs::path& path, size_t bytes) {
 void bench_store(const std::vector<size_t>& sizes_mib, int repeats, const fs::path& tmp) {
     std::vector<Backend> stores{{"file", "file://" + (tmp / "store").string()}};
     if (auto endpoint = moerl::env::get("MOERL_TEST_S3_ENDPOINT")) {
-        ::setenv("MOERL_S3_ENDPOINT", endpoint->c_str(), 0);
+        ::setenv("AWS_ENDPOINT_URL_S3", endpoint->c_str(), 0);
         const std::string bucket = moerl::env::get_string("MOERL_TEST_S3_BUCKET", "moerl-test");
         stores.push_back({"s3rver", "s3://" + bucket + "/" + unique_name("bench")});
     }

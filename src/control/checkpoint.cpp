@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "digest.hpp"
 #include "moerl/control/control.hpp"
 #include "moerl/core/error.hpp"
 
@@ -71,25 +72,13 @@ void verify(const std::string& path, const std::string& what,
 std::string sha256_file(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     MOERL_CHECK(in, "sha256: cannot open ", path);
-    std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-    MOERL_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1,
-                "sha256: OpenSSL init failed");
+    Digest digest(EVP_sha256());
     std::vector<char> buf(1 << 20);
     while (in) {
         in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-        if (in.gcount() > 0)
-            MOERL_CHECK(EVP_DigestUpdate(ctx.get(), buf.data(), in.gcount()) == 1, "sha256 failed");
+        if (in.gcount() > 0) digest.update(buf.data(), static_cast<size_t>(in.gcount()));
     }
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int len = 0;
-    MOERL_CHECK(EVP_DigestFinal_ex(ctx.get(), md, &len) == 1, "sha256: OpenSSL final failed");
-    static const char* hex = "0123456789abcdef";
-    std::string out;
-    for (unsigned i = 0; i < len; ++i) {
-        out += hex[md[i] >> 4];
-        out += hex[md[i] & 15];
-    }
-    return out;
+    return digest.hex();
 }
 
 Manifest publish_checkpoint(CheckpointStore& store, const std::string& local_dir, const std::string& name,

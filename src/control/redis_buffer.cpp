@@ -40,7 +40,7 @@ class RedisExperienceBuffer final : public ExperienceBuffer {
     RedisExperienceBuffer(const std::string& url, const std::string& run_id)
         : stream_(redis::run_key(run_id, "experience")),
           seen_(redis::run_key(run_id, "experience:seen")),
-          client_(url, redis::Options::from_env(), [this](redis::Client& c) {
+          client_(url, redis::Options::from_url(url), [this](redis::Client& c) {
               try {
                   c.command({"XGROUP", "CREATE", stream_, kGroup, "0", "MKSTREAM"});
               } catch (const moerl::Error& e) {

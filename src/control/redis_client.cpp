@@ -1,12 +1,16 @@
 #include "redis_client.hpp"
 
-#include <openssl/sha.h>
+#include <openssl/evp.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
+#include <fstream>
 #include <thread>
 
+#include "digest.hpp"
 #include "moerl/core/env.hpp"
+#include "uri_settings.hpp"
 
 namespace moerl::control::redis {
 
@@ -27,17 +31,7 @@ timeval to_timeval(std::chrono::milliseconds ms) {
     return tv;
 }
 
-std::string sha1_hex(const std::string& text) {
-    unsigned char digest[SHA_DIGEST_LENGTH];
-    SHA1(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
-    static const char* kHex = "0123456789abcdef";
-    std::string out;
-    for (unsigned char c : digest) {
-        out += kHex[c >> 4];
-        out += kHex[c & 15];
-    }
-    return out;
-}
+std::string sha1_hex(const std::string& text) { return hex_digest(EVP_sha1(), text.data(), text.size()); }
 
 // Errors after which the connection is unusable and a fresh one may succeed.
 bool is_connection_error(int err) {
@@ -48,11 +42,12 @@ bool is_connection_error(int err) {
 
 Address parse_url(const std::string& url) {
     Address a;
+    const std::string base = without_query(url);  // the query holds Options
     std::string rest;
-    if (url.rfind("redis://", 0) == 0) {
-        rest = url.substr(8);
-    } else if (url.rfind("rediss://", 0) == 0) {
-        rest = url.substr(9);
+    if (base.rfind("redis://", 0) == 0) {
+        rest = base.substr(8);
+    } else if (base.rfind("rediss://", 0) == 0) {
+        rest = base.substr(9);
         a.tls = true;
     } else {
         MOERL_FAIL("redis URL '", url, "': expected redis://[:password@]host:port[/db] or rediss://...");
@@ -61,11 +56,14 @@ Address parse_url(const std::string& url) {
     if (at != std::string::npos) {
         std::string userinfo = rest.substr(0, at);
         rest = rest.substr(at + 1);
-        // "user:password" (ACL) is not supported; ":password" and "password" are.
+        // "user:password" (Redis 6 ACL), ":password" and "password".
         auto colon = userinfo.find(':');
-        a.password = colon == std::string::npos ? userinfo : userinfo.substr(colon + 1);
-        MOERL_CHECK(colon == std::string::npos || colon == 0, "redis URL '", url,
-                    "': a user name is not supported; expected redis://:password@host:port");
+        if (colon == std::string::npos) {
+            a.password = userinfo;
+        } else {
+            a.user = userinfo.substr(0, colon);
+            a.password = userinfo.substr(colon + 1);
+        }
     }
     auto slash = rest.find('/');
     if (slash != std::string::npos) {
@@ -88,14 +86,27 @@ Address parse_url(const std::string& url) {
     return a;
 }
 
-Options Options::from_env() {
+Options Options::from_url(const std::string& url) {
     Options o;
-    o.retry_budget = std::chrono::milliseconds(env::get_int("MOERL_REDIS_RETRY_MS", o.retry_budget.count()));
-    o.backoff = std::chrono::milliseconds(env::get_int("MOERL_REDIS_BACKOFF_MS", o.backoff.count()));
-    o.io_timeout = std::chrono::milliseconds(env::get_int("MOERL_REDIS_TIMEOUT_MS", o.io_timeout.count()));
-    MOERL_CHECK(
-        o.backoff.count() > 0 && o.io_timeout.count() > 0 && o.retry_budget.count() >= 0,
-        "MOERL_REDIS_BACKOFF_MS and MOERL_REDIS_TIMEOUT_MS must be > 0 and MOERL_REDIS_RETRY_MS >= 0");
+    for (const auto& [name, text] : query_settings(url, "redis URL")) {
+        if (name == "password_file") {
+            o.password_file = text;
+            continue;
+        }
+        const std::chrono::milliseconds value(parse_int(text, name.c_str(), url));
+        if (name == "retry_ms") {
+            o.retry_budget = value;
+        } else if (name == "backoff_ms") {
+            o.backoff = value;
+        } else if (name == "timeout_ms") {
+            o.io_timeout = value;
+        } else {
+            MOERL_FAIL("redis URL '", url, "': unknown setting '", name,
+                       "'; expected retry_ms, backoff_ms, timeout_ms or password_file");
+        }
+    }
+    MOERL_CHECK(o.backoff.count() > 0 && o.io_timeout.count() > 0 && o.retry_budget.count() >= 0,
+                "redis URL '", url, "': backoff_ms and timeout_ms must be > 0 and retry_ms >= 0");
     return o;
 }
 
@@ -132,10 +143,36 @@ std::string run_key(const std::string& run_id, const std::string& name) {
     return "moerl:{" + run_id + "}:" + name;
 }
 
+namespace {
+
+std::string masked(const std::string& url, const Address& a) {
+    if (a.password.empty()) return url;
+    const auto at = url.rfind('@', url.find('?'));
+    const auto scheme = url.find("://") + 3;
+    return url.substr(0, scheme) + (a.user.empty() ? "" : a.user) + ":***" + url.substr(at);
+}
+
+std::string password_for(const Address& a, const Options& o, const std::string& url) {
+    if (!a.password.empty()) return a.password;
+    if (!o.password_file.empty()) {
+        std::ifstream in(o.password_file);
+        MOERL_CHECK(in, "redis URL '", url, "': cannot read password_file ", o.password_file);
+        std::string password;
+        std::getline(in, password);
+        MOERL_CHECK(!password.empty(), "redis URL '", url, "': password_file ", o.password_file, " is empty");
+        return password;
+    }
+    return env::get_string("REDISCLI_AUTH", "");
+}
+
+}  // namespace
+
 Client::Client(const std::string& url, Options options, std::function<void(Client&)> on_connect)
-    : url_(url), address_(parse_url(url)), options_(options), on_connect_(std::move(on_connect)) {
+    : address_(parse_url(url)), options_(options), on_connect_(std::move(on_connect)) {
+    url_ = masked(url, address_);
+    password_ = password_for(address_, options_, url_);
     // hiredis 1.x ships TLS as a separate library (hiredis_ssl); the 0.14 one this is built against has none.
-    MOERL_CHECK(!address_.tls, "redis URL '", url,
+    MOERL_CHECK(!address_.tls, "redis URL '", url_,
                 "': TLS (rediss://) needs hiredis >= 1.0 with hiredis_ssl, which this build does not have;"
                 " expected redis://");
     std::lock_guard lock(mutex_);
@@ -172,9 +209,11 @@ void Client::connect_locked() {
         } else {
             redisSetTimeout(context_, to_timeval(options_.io_timeout));
             try {
-                if (!address_.password.empty()) {
+                if (!password_.empty()) {
                     Reply r(static_cast<redisReply*>(
-                        redisCommand(context_, "AUTH %s", address_.password.c_str())));
+                        address_.user.empty() ? redisCommand(context_, "AUTH %s", password_.c_str())
+                                              : redisCommand(context_, "AUTH %s %s", address_.user.c_str(),
+                                                             password_.c_str())));
                     if (r == nullptr) throw std::runtime_error(context_->errstr);
                     MOERL_REDIS_CHECK(r.get(), "AUTH");
                 }
@@ -184,6 +223,9 @@ void Client::connect_locked() {
                     MOERL_REDIS_CHECK(r.get(), "SELECT " + std::to_string(address_.db));
                 }
                 ++generation_;
+                if (attempts > 1)
+                    std::fprintf(stderr, "moerl: redis %s reachable again after %d connection attempts\n",
+                                 url_.c_str(), attempts);
                 if (on_connect_ && !in_on_connect_) {
                     in_on_connect_ = true;
                     try {
@@ -203,10 +245,14 @@ void Client::connect_locked() {
             }
         }
         disconnect_locked();
+        if (attempts == 1)
+            std::fprintf(stderr, "moerl: redis %s unreachable (%s); retrying for up to %lld ms (retry_ms)\n",
+                         url_.c_str(), last_error.c_str(),
+                         static_cast<long long>(options_.retry_budget.count()));
         auto now = Clock::now();
         MOERL_CHECK(now < deadline, "redis server ", address_.host, ":", address_.port, " (", url_,
                     ") is unreachable: ", last_error, " after ", attempts, " connection attempts in ",
-                    options_.retry_budget.count(), " ms (MOERL_REDIS_RETRY_MS); expected a running Redis 7");
+                    options_.retry_budget.count(), " ms (retry_ms); expected a running Redis 7");
         std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
         backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
     }

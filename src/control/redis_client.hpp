@@ -21,25 +21,32 @@
 
 namespace moerl::control::redis {
 
-// Where and how to connect; parsed from redis://[:password@]host:port[/db].
+// Where to connect; parsed from redis://[[user]:password@]host:port[/db][?settings] (see Options).
 struct Address {
     std::string host = "127.0.0.1";
     int port = 6379;
-    std::string password;  // empty: no AUTH
+    std::string user;      // Redis 6 ACL user; empty: AUTH with the password alone
+    std::string password;  // empty: the Options' password_file, else REDISCLI_AUTH, else no AUTH
     int db = 0;
     bool tls = false;  // rediss://
 };
 Address parse_url(const std::string& url);
 
+// How to connect: the URL's query, e.g. redis://host:6379/0?retry_ms=60000.
 struct Options {
-    // Total time spent reconnecting before a command fails (MOERL_REDIS_RETRY_MS, default 30000).
+    // retry_ms: total time spent reconnecting before a command fails (default 30000, >= 0). Raise it
+    // where Redis may be away longer, e.g. a pod rescheduled onto another node.
     std::chrono::milliseconds retry_budget{30000};
-    // First backoff between reconnect attempts, doubled up to 2 s (MOERL_REDIS_BACKOFF_MS, default 50).
+    // backoff_ms: first backoff between reconnect attempts, doubled up to 2 s (default 50, > 0).
     std::chrono::milliseconds backoff{50};
-    // Connect and per-command socket timeout (MOERL_REDIS_TIMEOUT_MS, default 5000); a blocking
-    // command's own wait is added to it.
+    // timeout_ms: connect and per-command socket timeout (default 5000, > 0); a blocking command's
+    // own wait is added to it.
     std::chrono::milliseconds io_timeout{5000};
-    static Options from_env();
+    // password_file: a file holding the password (a mounted Kubernetes Secret), so it stays out of
+    // the command line; used when the URL has none. Otherwise REDISCLI_AUTH, as redis-cli reads it.
+    std::string password_file;
+    // Reads the settings above from the URL's query; an unknown name is an error.
+    static Options from_url(const std::string& url);
 };
 
 struct ReplyDeleter {
@@ -81,8 +88,9 @@ class Client {
     void connect_locked();  // throws after the retry budget
     void disconnect_locked();
 
-    std::string url_;
+    std::string url_;  // with the password masked, for messages
     Address address_;
+    std::string password_;
     Options options_;
     std::function<void(Client&)> on_connect_;
     mutable std::recursive_mutex mutex_;  // guards context_, generation_, in_on_connect_

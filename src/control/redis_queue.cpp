@@ -103,7 +103,7 @@ class RedisTaskQueue final : public TaskQueue {
           open_(redis::run_key(run_id, "tasks:open")),
           done_(redis::run_key(run_id, "tasks:done")),
           lease_timeout_(lease_timeout),
-          client_(url, redis::Options::from_env(),
+          client_(url, redis::Options::from_url(url),
                   [this](redis::Client& c) { create_group(c, stream_, kGroup); }) {
         MOERL_CHECK(lease_timeout.count() > 0, "task queue lease timeout is ", lease_timeout.count(),
                     " ms; expected > 0");

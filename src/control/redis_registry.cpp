@@ -23,7 +23,7 @@ class RedisRegistry final : public Registry {
     RedisRegistry(const std::string& url, const std::string& run_id)
         : latest_(redis::run_key(run_id, "registry")),
           versions_(redis::run_key(run_id, "registry:versions")),
-          client_(url, redis::Options::from_env()) {}
+          client_(url, redis::Options::from_url(url)) {}
 
     void publish(int64_t version, const std::string& checkpoint_uri) override {
         // Lua numbers are doubles: integers are exact up to 2^53.

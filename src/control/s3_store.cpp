@@ -19,6 +19,7 @@
 #include "backends.hpp"
 #include "moerl/core/env.hpp"
 #include "s3_text.hpp"
+#include "uri_settings.hpp"
 
 // Throws moerl::Error naming the curl call when it did not return CURLE_OK.
 #define MOERL_CURL_CHECK(call)                                                                           \
@@ -451,29 +452,46 @@ class S3Store final : public CheckpointStore {
     CURL* curl_ = nullptr;  // GUARDED_BY(mutex_)
 };
 
-uint64_t megabytes(const char* name, uint64_t fallback_bytes) {
-    long mb = env::get_int(name, static_cast<long>(fallback_bytes >> 20));
-    MOERL_CHECK(mb >= 1, name, "=", mb, " MiB; expected at least 1");
-    return static_cast<uint64_t>(mb) << 20;
+long setting_value(const std::string& uri, const std::string& name, const std::string& text) {
+    try {
+        size_t used = 0;
+        const long v = std::stol(text, &used);
+        if (used == text.size()) return v;
+    } catch (const std::logic_error&) {
+    }
+    MOERL_FAIL("S3 store URI '", uri, "': ", name, "='", text, "' is not an integer");
 }
 
 }  // namespace
 
 Options Options::from_env() {
     Options o;
-    std::string region = env::get_string("AWS_REGION", env::get_string("AWS_DEFAULT_REGION", o.region));
-    o.region = region;
+    o.region = env::get_string("AWS_REGION", env::get_string("AWS_DEFAULT_REGION", o.region));
     o.endpoint =
-        env::get_string("MOERL_S3_ENDPOINT",
+        env::get_string("AWS_ENDPOINT_URL_S3",
                         env::get_string("AWS_ENDPOINT_URL", "https://s3." + o.region + ".amazonaws.com"));
     o.access_key_id = env::get_string("AWS_ACCESS_KEY_ID", "");
     o.secret_access_key = env::get_string("AWS_SECRET_ACCESS_KEY", "");
     o.session_token = env::get_string("AWS_SESSION_TOKEN", "");
-    o.multipart_threshold = megabytes("MOERL_S3_MULTIPART_MB", o.multipart_threshold);
-    o.part_size = megabytes("MOERL_S3_PART_MB", o.part_size);
-    o.max_attempts = static_cast<int>(env::get_int("MOERL_S3_ATTEMPTS", o.max_attempts));
-    o.backoff = std::chrono::milliseconds(env::get_int("MOERL_S3_BACKOFF_MS", o.backoff.count()));
     return o;
+}
+
+std::string Options::read_uri_settings(const std::string& uri) {
+    for (const auto& [name, text] : query_settings(uri, "S3 store URI")) {
+        const long v = setting_value(uri, name, text);
+        if (name == "multipart_mb" || name == "part_mb") {
+            MOERL_CHECK(v >= 1, "S3 store URI '", uri, "': ", name, "=", v, "; expected at least 1 (MiB)");
+            (name == "part_mb" ? part_size : multipart_threshold) = static_cast<uint64_t>(v) << 20;
+        } else if (name == "attempts") {
+            max_attempts = static_cast<int>(v);
+        } else if (name == "backoff_ms") {
+            backoff = std::chrono::milliseconds(v);
+        } else {
+            MOERL_FAIL("S3 store URI '", uri, "': unknown setting '", name,
+                       "'; expected multipart_mb, part_mb, attempts or backoff_ms");
+        }
+    }
+    return without_query(uri);
 }
 
 void Options::validate() const {
@@ -482,9 +500,10 @@ void Options::validate() const {
     MOERL_CHECK(endpoint.rfind("http://", 0) == 0 || endpoint.rfind("https://", 0) == 0, "S3 endpoint '",
                 endpoint, "': expected http://host[:port] or https://host[:port]");
     MOERL_CHECK(!region.empty(), "S3 region is empty; expected e.g. us-east-1 (AWS_REGION)");
-    MOERL_CHECK(max_attempts >= 1, "S3 max_attempts = ", max_attempts, "; expected >= 1 (MOERL_S3_ATTEMPTS)");
+    MOERL_CHECK(max_attempts >= 1, "S3 max_attempts = ", max_attempts,
+                "; expected >= 1 (the store URI's attempts)");
     MOERL_CHECK(backoff.count() >= 0, "S3 backoff = ", backoff.count(),
-                " ms; expected >= 0 (MOERL_S3_BACKOFF_MS)");
+                " ms; expected >= 0 (the store URI's backoff_ms)");
     MOERL_CHECK(multipart_threshold >= 1, "S3 multipart threshold is 0; expected >= 1 byte");
     MOERL_CHECK(list_page_size >= 1 && list_page_size <= 1000, "S3 list page size = ", list_page_size,
                 "; expected 1..1000");
@@ -499,7 +518,9 @@ std::unique_ptr<CheckpointStore> make_store(const std::string& uri, const Option
 namespace moerl::control {
 
 std::unique_ptr<CheckpointStore> make_s3_checkpoint_store(const std::string& uri) {
-    return s3::make_store(uri, s3::Options::from_env());
+    s3::Options options = s3::Options::from_env();
+    const std::string address = options.read_uri_settings(uri);
+    return s3::make_store(address, options);
 }
 
 }  // namespace moerl::control

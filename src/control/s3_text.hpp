@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "digest.hpp"
 #include "moerl/core/error.hpp"
 
 namespace moerl::control::s3 {
@@ -48,18 +49,7 @@ inline std::string canonical_query(std::vector<std::pair<std::string, std::strin
     return out;
 }
 
-inline std::string sha256_hex(const void* data, size_t size) {
-    unsigned char digest[EVP_MAX_MD_SIZE];
-    unsigned int length = 0;
-    MOERL_CHECK(EVP_Digest(data, size, digest, &length, EVP_sha256(), nullptr) == 1, "OpenSSL sha256 failed");
-    static const char* kHex = "0123456789abcdef";
-    std::string out;
-    for (unsigned int i = 0; i < length; ++i) {
-        out += kHex[digest[i] >> 4];
-        out += kHex[digest[i] & 15];
-    }
-    return out;
-}
+inline std::string sha256_hex(const void* data, size_t size) { return hex_digest(EVP_sha256(), data, size); }
 
 inline std::string xml_unescape(std::string_view text) {
     std::string out;

@@ -26,7 +26,6 @@ for tool in redis-server redis-cli python3; do
     command -v $tool >/dev/null || { echo "chaos: $tool not found" >&2; exit 1; }
 done
 export OPENBLAS_NUM_THREADS=1
-export MOERL_REDIS_RETRY_MS=60000
 
 tmp=$(mktemp -d /tmp/moerl-chaos.XXXXXX)
 mkdir -p "$tmp/redis" "$tmp/logs"
@@ -37,7 +36,7 @@ grace_s=5
 limit_s=${MOERL_CHAOS_LIMIT_S:-200}
 start_time=$SECONDS
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-url=redis://127.0.0.1:$port/0
+url="redis://127.0.0.1:$port/0?retry_ms=60000"  # workers outlive the Redis restart
 rcli() { redis-cli -h 127.0.0.1 -p "$port" "$@"; }
 
 declare -A rollout  # pid -> log

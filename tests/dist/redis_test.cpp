@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -328,6 +329,26 @@ TEST(RedisClient, ParsesUrls) {
     EXPECT_TRUE(redis::parse_url("rediss://h:1").tls);
     EXPECT_THROW(redis::parse_url("redis://h:notaport"), moerl::Error);
     EXPECT_THROW(redis::parse_url("http://h:1"), moerl::Error);
+    auto d = redis::parse_url("redis://default:pw@h:7");
+    EXPECT_EQ(d.user, "default");
+    EXPECT_EQ(d.password, "pw");
+    auto c = redis::parse_url("redis://:pw@h:7/4?retry_ms=60000&timeout_ms=900");
+    EXPECT_EQ(c.port, 7);
+    EXPECT_EQ(c.db, 4);
+    const auto o = redis::Options::from_url("redis://:pw@h:7/4?retry_ms=60000&timeout_ms=900");
+    EXPECT_EQ(o.retry_budget, 60000ms);
+    EXPECT_EQ(o.io_timeout, 900ms);
+    EXPECT_EQ(o.backoff, redis::Options{}.backoff);
+    EXPECT_EQ(redis::Options::from_url("redis://h").retry_budget, redis::Options{}.retry_budget);
+    for (const char* bad : {"redis://h?retry=5", "redis://h?retry_ms=", "redis://h?retry_ms=x",
+                            "redis://h?timeout_ms=0", "redis://h?backoff_ms"}) {
+        try {
+            redis::Options::from_url(bad);
+            ADD_FAILURE() << bad << " must be refused";
+        } catch (const moerl::Error& e) {
+            EXPECT_NE(e.message().find(bad), std::string::npos) << e.message();
+        }
+    }
     try {
         make_registry("rediss://127.0.0.1:1", "x");
         ADD_FAILURE() << "rediss:// without TLS support must fail";
@@ -347,14 +368,22 @@ TEST(RedisClient, ReconnectsAfterARestartAndFailsClearlyWhenTheServerStaysAway) 
         "--appendonly", "no",     "--requirepass",      "secret", "--dir",     dir.path().string()};
     dist_test::ServerProcess server;
     server.start(argv, port, dir / "redis.log");
-    ::setenv("MOERL_REDIS_RETRY_MS", "3000", 1);
-    const std::string url = "redis://:secret@127.0.0.1:" + std::to_string(port) + "/2";
+    const std::string url = "redis://:secret@127.0.0.1:" + std::to_string(port) + "/2?retry_ms=3000";
     auto q = make_task_queue(url, "restart", 5000ms);
     auto r = make_registry(url, "restart");
-    ::unsetenv("MOERL_REDIS_RETRY_MS");
     q->put(task("t1"));
     r->publish(3, "u3");
     EXPECT_THROW(make_registry("redis://:wrong@127.0.0.1:" + std::to_string(port), "x"), moerl::Error);
+    // The password also as the ACL default user, from a file, or from REDISCLI_AUTH (out of `ps`).
+    const std::string host = "127.0.0.1:" + std::to_string(port);
+    EXPECT_FALSE(make_registry("redis://default:secret@" + host + "/2", "acl")->latest());
+    std::ofstream(dir / "password") << "secret\n";
+    EXPECT_FALSE(
+        make_registry("redis://" + host + "/2?password_file=" + (dir / "password"), "file")->latest());
+    ::setenv("REDISCLI_AUTH", "secret", 1);
+    EXPECT_FALSE(make_registry("redis://" + host + "/2", "env")->latest());
+    ::unsetenv("REDISCLI_AUTH");
+    EXPECT_THROW(make_registry("redis://" + host + "/2?password_file=/nonexistent/pw", "x"), moerl::Error);
 
     server.stop();  // the server goes away and comes back without its data
     server.start(argv, port, dir / "redis.log");

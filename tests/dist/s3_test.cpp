@@ -47,6 +47,26 @@ s3::Options test_options(const std::string& at) {
 
 std::string run_uri() { return "s3://" + bucket() + "/" + unique_name("run"); }
 
+TEST(S3Options, SettingsFromTheUriQuery) {
+    s3::Options o;
+    EXPECT_EQ(o.read_uri_settings("s3://b/p"), "s3://b/p");
+    EXPECT_EQ(o.read_uri_settings("s3://b/p?part_mb=16&attempts=2&backoff_ms=10&multipart_mb=32"),
+              "s3://b/p");
+    EXPECT_EQ(o.part_size, 16ull << 20);
+    EXPECT_EQ(o.multipart_threshold, 32ull << 20);
+    EXPECT_EQ(o.max_attempts, 2);
+    EXPECT_EQ(o.backoff, 10ms);
+    for (const char* bad :
+         {"s3://b/p?parts=3", "s3://b/p?part_mb=0", "s3://b/p?attempts=two", "s3://b/p?backoff_ms"}) {
+        try {
+            s3::Options().read_uri_settings(bad);
+            ADD_FAILURE() << bad << " must be refused";
+        } catch (const moerl::Error& e) {
+            EXPECT_NE(e.message().find(bad), std::string::npos) << e.message();
+        }
+    }
+}
+
 TEST(S3Store, RoundTripListAndRemove) {
     REQUIRE_S3();
     TempDir dir("s3");
