@@ -146,4 +146,23 @@ Manifest fetch_checkpoint(CheckpointStore& store, const std::string& name, const
     return m;
 }
 
+std::optional<Manifest> verify_checkpoint_dir(const std::string& dir) {
+    const fs::path manifest_path = fs::path(dir) / kManifest;
+    if (!fs::exists(manifest_path)) return std::nullopt;
+    const Manifest m = manifest_from_json(read_text(manifest_path.string()), manifest_path.string());
+    MOERL_CHECK(!m.files.empty(), manifest_path.string(), " lists no files");
+    for (const auto& [rel, expect] : m.files) {
+        const fs::path path = fs::path(dir) / rel;
+        MOERL_CHECK(fs::is_regular_file(path), "checkpoint ", dir, ": ", rel,
+                    " is listed in manifest.json but missing");
+        verify(path.string(), "checkpoint " + dir + " file " + rel, expect);
+    }
+    for (const auto& entry : fs::directory_iterator(dir)) {
+        const std::string name = entry.path().filename().string();
+        MOERL_CHECK(entry.path().extension() != ".safetensors" || m.files.count(name) != 0, "checkpoint ",
+                    dir, ": ", name, " is not listed in manifest.json (left from another checkpoint?)");
+    }
+    return m;
+}
+
 }  // namespace moerl::control

@@ -101,3 +101,42 @@ TEST(Checkpoint, MissingManifestIsNotACheckpoint) {
     auto store = make_checkpoint_store((t.path / "store").string());
     EXPECT_THROW(fetch_checkpoint(*store, "v9", (t.path / "got").string()), moerl::Error);
 }
+
+TEST(Checkpoint, VerifyDirChecksEveryFileAgainstTheManifest) {
+    TempDir t;
+    const fs::path src = t.path / "src", dir = t.path / "dir";
+    write(src / "config.json", "{}");
+    write(src / "model.safetensors", std::string(4096, 'w'));
+    auto store = make_checkpoint_store("file://" + (t.path / "store").string());
+    publish_checkpoint(*store, src.string(), "ckpt-3", 3, 30);
+    EXPECT_FALSE(verify_checkpoint_dir(src.string()).has_value());  // no manifest: nothing to check
+    fetch_checkpoint(*store, "ckpt-3", dir.string());
+    auto m = verify_checkpoint_dir(dir.string());
+    ASSERT_TRUE(m.has_value());
+    EXPECT_EQ(m->version, 3);
+    EXPECT_EQ(m->files.size(), 2u);
+
+    auto expect_refused = [&](const char* needle) {
+        try {
+            verify_checkpoint_dir(dir.string());
+            ADD_FAILURE() << "a damaged checkpoint must be refused (" << needle << ")";
+        } catch (const moerl::Error& e) {
+            EXPECT_NE(e.message().find(needle), std::string::npos) << e.message();
+        }
+    };
+    std::string bytes = read(dir / "model.safetensors");
+    bytes[1000] ^= 1;  // one flipped bit, same size
+    write(dir / "model.safetensors", bytes);
+    expect_refused("model.safetensors");
+    fetch_checkpoint(*store, "ckpt-3", dir.string());
+    write(dir / "model-00002-of-00002.safetensors", "stale");
+    expect_refused("model-00002-of-00002.safetensors");
+    fs::remove(dir / "model-00002-of-00002.safetensors");
+    std::string manifest = read(dir / "manifest.json");
+    const auto at = manifest.find("\"sha256\": \"") + 11;
+    manifest.replace(at, 64, std::string(64, '0'));
+    write(dir / "manifest.json", manifest);
+    expect_refused("sha256");
+    fs::remove(dir / "config.json");
+    expect_refused("missing");
+}

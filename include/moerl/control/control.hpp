@@ -109,6 +109,12 @@ Manifest publish_checkpoint(CheckpointStore& store, const std::string& local_dir
 Manifest fetch_checkpoint(CheckpointStore& store, const std::string& name, const std::string& local_dir,
                           const std::string& cache_dir = "");
 
+// Checks a checkpoint directory on local disk against its manifest.json: every listed file present
+// with its size and sha256, no safetensors file beside them that it does not list. Returns the
+// manifest, or nullopt when the directory has none (e.g. a checkpoint written by another tool);
+// throws naming the first file that does not match.
+std::optional<Manifest> verify_checkpoint_dir(const std::string& dir);
+
 std::string sha256_file(const std::string& path);
 
 // Backends by address: "embedded" (in-process, shared by everything in this process under the
