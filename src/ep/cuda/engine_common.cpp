@@ -25,7 +25,8 @@ int select_device(const Config& c, const char* engine) {
     const cudaError_t err = cudaGetDeviceCount(&count);
     MOERL_CHECK(err == cudaSuccess && count > 0, "the ", engine, " EP engine needs a CUDA device, but ",
                 err == cudaSuccess ? std::string("none is visible") : std::string(cudaGetErrorString(err)));
-    long dev = env::get_int("MOERL_EP_DEVICE", -1);
+    long dev = c.device;
+    if (dev < 0) dev = env::get_int("MOERL_EP_DEVICE", -1);
     if (dev < 0) dev = env::get_int("LOCAL_RANK", c.rank);
     const int device = static_cast<int>(dev % count);
     MOERL_CUDA_CHECK(cudaSetDevice(device));
@@ -148,6 +149,87 @@ LowLatencyState::LowLatencyState(const Config& c) {
         *fields[i] = reinterpret_cast<int*>(base);
         base += align256(sizes[i] * sizeof(int));
     }
+}
+
+void LowLatencyKernels::dispatch_send(const void* x, const int64_t* topk_idx, int num_tokens,
+                                      cudaStream_t stream) const {
+    LLLayoutArgs a{};
+    a.rt = rt_;
+    a.topk_idx = topk_idx;
+    a.num_tokens = num_tokens;
+    a.topk32 = state_.topk32;
+    a.pos_in_expert = state_.pos_in_expert;
+    a.expert_count = state_.expert_count;
+    a.expert_offset = state_.expert_offset;
+    a.send_rows = state_.send_rows;
+    a.error = sig_.error;
+    a.error_mirror = sig_.error_mirror;
+    launch_ll_layout(a, stream);
+    LLSendArgs s{};
+    s.rt = rt_;
+    s.row = row_;
+    s.x = x;
+    s.num_tokens = num_tokens;
+    s.topk32 = state_.topk32;
+    s.pos_in_expert = state_.pos_in_expert;
+    s.expert_count = state_.expert_count;
+    s.expert_offset = state_.expert_offset;
+    s.dst = slots_.dispatch_dst;
+    s.header_bytes = slots_.header_bytes;
+    s.sig = sig_;
+    launch_ll_send(s, blocks_, stream);
+}
+
+void LowLatencyKernels::dispatch_recv(const LowLatencyOutput& out, cudaStream_t stream) const {
+    LLRecvArgs r{};
+    r.rt = rt_;
+    r.row = row_;
+    r.src = slots_.dispatch_src;
+    r.src_stride = slots_.dispatch_stride;
+    r.header_bytes = slots_.header_bytes;
+    r.rows_per_expert = rows_per_expert_;
+    r.recv_x = out.recv_x.data;
+    r.recv_x_scales = out.recv_x_scales.data;
+    r.out_recv_count = out.recv_count;
+    r.recv_count = state_.recv_count;
+    r.recv_range = state_.recv_range;
+    r.slot_base = state_.slot_base;
+    r.recv_src_token = state_.recv_src_token;
+    r.send_blocks = blocks_;
+    r.sig = sig_;
+    launch_ll_recv(r, blocks_, stream);
+}
+
+void LowLatencyKernels::combine_send(const void* y, cudaStream_t stream) const {
+    LLCombineSendArgs s{};
+    s.rt = rt_;
+    s.y = y;
+    s.rows_per_expert = rows_per_expert_;
+    s.recv_count = state_.recv_count;
+    s.recv_range = state_.recv_range;
+    s.slot_base = state_.slot_base;
+    s.dst = slots_.combine_dst;
+    s.row_stride = slots_.combine_row_bytes;
+    s.sig = sig_;
+    launch_ll_combine_send(s, blocks_, stream);
+}
+
+void LowLatencyKernels::combine_recv(const float* topk_weights, int num_tokens, void* out,
+                                     cudaStream_t stream) const {
+    LLCombineRecvArgs r{};
+    r.rt = rt_;
+    r.src = slots_.combine_src;
+    r.src_stride = slots_.combine_stride;
+    r.row_stride = slots_.combine_row_bytes;
+    r.topk32 = state_.topk32;
+    r.topk_weights = topk_weights;
+    r.pos_in_expert = state_.pos_in_expert;
+    r.expert_offset = state_.expert_offset;
+    r.num_tokens = num_tokens;
+    r.out = out;
+    r.send_blocks = blocks_;
+    r.sig = sig_;
+    launch_ll_combine_recv(r, blocks_, stream);
 }
 
 void copy_low_latency_handle(const Config& c, const LowLatencyState& s, const int64_t* topk_idx,
