@@ -250,19 +250,11 @@ Handle CudaEngine::dispatch(View<const void> x, View<const int64_t> topk_idx, Vi
     // send kernel needs no signals (nothing crosses a slot).
     const bool solo = W == 1 && self_direct;
 
-    DispatchSendArgs s{};
-    s.rt = rt_;
-    s.row = row_;
-    s.x = x.data;
-    s.topk_idx = topk_idx.data;
-    s.topk_weights = topk_weights.data;
-    s.send_pos = st.send_pos;
-    s.num_tokens = T;
-    s.dst = dst_dispatch_;
-    s.sig = solo ? unsignalled_ : sig_;
+    DispatchSendArgs s = dispatch_send_args(rt_, row_, x.data, topk_idx.data, topk_weights.data, T, st,
+                                            dst_dispatch_, solo ? unsignalled_ : sig_);
     s.rank = c_.rank;
     s.recv_src_offset = st.recv_src_offset;
-    if (self_direct) {
+    if (self_direct) {  // DispatchSendArgs: self rows straight into the outputs
         s.self_recv_x = out.recv_x.data;
         s.self_recv_x_scales = out.recv_x_scales.data;
         s.self_recv_topk_idx = out.recv_topk_idx.data;
@@ -272,21 +264,9 @@ Handle CudaEngine::dispatch(View<const void> x, View<const int64_t> topk_idx, Vi
     }
     launch_dispatch_send(s, blocks_, stream);
     if (!solo) {
-        DispatchRecvArgs r{};
-        r.rt = rt_;
-        r.row = row_;
-        r.rank = c_.rank;
-        r.src = region_.get<uint8_t>() + sym_.recv_base[kChDispatch];
-        r.src_stride = sym_.slot_bytes[kChDispatch];
-        r.recv_src_offset = st.recv_src_offset;
-        r.recv_x = out.recv_x.data;
-        r.recv_x_scales = out.recv_x_scales.data;
-        r.recv_topk_idx = out.recv_topk_idx.data;
-        r.recv_topk_weights = out.recv_topk_weights.data;
-        r.recv_src_token = st.recv_src_token;
-        r.max_rows = max_rows;
-        r.send_blocks = blocks_;
-        r.sig = sig_;
+        DispatchRecvArgs r =
+            dispatch_recv_args(rt_, row_, c_.rank, region_.get<uint8_t>() + sym_.recv_base[kChDispatch],
+                               sym_.slot_bytes[kChDispatch], st, out, max_rows, blocks_, sig_);
         r.skip_self = self_direct;
         launch_dispatch_recv(r, blocks_, stream);
     }

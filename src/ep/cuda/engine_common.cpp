@@ -151,84 +151,112 @@ LowLatencyState::LowLatencyState(const Config& c) {
     }
 }
 
+DispatchSendArgs dispatch_send_args(const Routing& rt, const RowLayout& row, const void* x,
+                                    const int64_t* topk_idx, const float* topk_weights, int num_tokens,
+                                    const NormalState& st, uint8_t* const* dst, const Signals& sig) {
+    return DispatchSendArgs{.rt = rt,
+                            .row = row,
+                            .x = x,
+                            .topk_idx = topk_idx,
+                            .topk_weights = topk_weights,
+                            .send_pos = st.send_pos,
+                            .num_tokens = num_tokens,
+                            .dst = dst,
+                            .sig = sig};
+}
+
+DispatchRecvArgs dispatch_recv_args(const Routing& rt, const RowLayout& row, int rank, const uint8_t* src,
+                                    size_t src_stride, const NormalState& st, const DispatchOutput& out,
+                                    int max_rows, int send_blocks, const Signals& sig) {
+    return DispatchRecvArgs{.rt = rt,
+                            .row = row,
+                            .rank = rank,
+                            .src = src,
+                            .src_stride = src_stride,
+                            .recv_src_offset = st.recv_src_offset,
+                            .recv_x = out.recv_x.data,
+                            .recv_x_scales = out.recv_x_scales.data,
+                            .recv_topk_idx = out.recv_topk_idx.data,
+                            .recv_topk_weights = out.recv_topk_weights.data,
+                            .recv_src_token = st.recv_src_token,
+                            .max_rows = max_rows,
+                            .send_blocks = send_blocks,
+                            .sig = sig};
+}
+
 void LowLatencyKernels::dispatch_send(const void* x, const int64_t* topk_idx, int num_tokens,
                                       cudaStream_t stream) const {
-    LLLayoutArgs a{};
-    a.rt = rt_;
-    a.topk_idx = topk_idx;
-    a.num_tokens = num_tokens;
-    a.topk32 = state_.topk32;
-    a.pos_in_expert = state_.pos_in_expert;
-    a.expert_count = state_.expert_count;
-    a.expert_offset = state_.expert_offset;
-    a.send_rows = state_.send_rows;
-    a.error = sig_.error;
-    a.error_mirror = sig_.error_mirror;
+    const LLLayoutArgs a{.rt = rt_,
+                         .topk_idx = topk_idx,
+                         .num_tokens = num_tokens,
+                         .topk32 = state_.topk32,
+                         .pos_in_expert = state_.pos_in_expert,
+                         .expert_count = state_.expert_count,
+                         .expert_offset = state_.expert_offset,
+                         .send_rows = state_.send_rows,
+                         .error = sig_.error,
+                         .error_mirror = sig_.error_mirror};
     launch_ll_layout(a, stream);
-    LLSendArgs s{};
-    s.rt = rt_;
-    s.row = row_;
-    s.x = x;
-    s.num_tokens = num_tokens;
-    s.topk32 = state_.topk32;
-    s.pos_in_expert = state_.pos_in_expert;
-    s.expert_count = state_.expert_count;
-    s.expert_offset = state_.expert_offset;
-    s.dst = slots_.dispatch_dst;
-    s.header_bytes = slots_.header_bytes;
-    s.sig = sig_;
+    const LLSendArgs s{.rt = rt_,
+                       .row = row_,
+                       .x = x,
+                       .num_tokens = num_tokens,
+                       .topk32 = state_.topk32,
+                       .pos_in_expert = state_.pos_in_expert,
+                       .expert_count = state_.expert_count,
+                       .expert_offset = state_.expert_offset,
+                       .dst = slots_.dispatch_dst,
+                       .header_bytes = slots_.header_bytes,
+                       .sig = sig_};
     launch_ll_send(s, blocks_, stream);
 }
 
 void LowLatencyKernels::dispatch_recv(const LowLatencyOutput& out, cudaStream_t stream) const {
-    LLRecvArgs r{};
-    r.rt = rt_;
-    r.row = row_;
-    r.src = slots_.dispatch_src;
-    r.src_stride = slots_.dispatch_stride;
-    r.header_bytes = slots_.header_bytes;
-    r.rows_per_expert = rows_per_expert_;
-    r.recv_x = out.recv_x.data;
-    r.recv_x_scales = out.recv_x_scales.data;
-    r.out_recv_count = out.recv_count;
-    r.recv_count = state_.recv_count;
-    r.recv_range = state_.recv_range;
-    r.slot_base = state_.slot_base;
-    r.recv_src_token = state_.recv_src_token;
-    r.send_blocks = blocks_;
-    r.sig = sig_;
+    const LLRecvArgs r{.rt = rt_,
+                       .row = row_,
+                       .src = slots_.dispatch_src,
+                       .src_stride = slots_.dispatch_stride,
+                       .header_bytes = slots_.header_bytes,
+                       .rows_per_expert = rows_per_expert_,
+                       .recv_x = out.recv_x.data,
+                       .recv_x_scales = out.recv_x_scales.data,
+                       .out_recv_count = out.recv_count,
+                       .recv_count = state_.recv_count,
+                       .recv_range = state_.recv_range,
+                       .slot_base = state_.slot_base,
+                       .recv_src_token = state_.recv_src_token,
+                       .send_blocks = blocks_,
+                       .sig = sig_};
     launch_ll_recv(r, blocks_, stream);
 }
 
 void LowLatencyKernels::combine_send(const void* y, cudaStream_t stream) const {
-    LLCombineSendArgs s{};
-    s.rt = rt_;
-    s.y = y;
-    s.rows_per_expert = rows_per_expert_;
-    s.recv_count = state_.recv_count;
-    s.recv_range = state_.recv_range;
-    s.slot_base = state_.slot_base;
-    s.dst = slots_.combine_dst;
-    s.row_stride = slots_.combine_row_bytes;
-    s.sig = sig_;
+    const LLCombineSendArgs s{.rt = rt_,
+                              .y = y,
+                              .rows_per_expert = rows_per_expert_,
+                              .recv_count = state_.recv_count,
+                              .recv_range = state_.recv_range,
+                              .slot_base = state_.slot_base,
+                              .dst = slots_.combine_dst,
+                              .row_stride = slots_.combine_row_bytes,
+                              .sig = sig_};
     launch_ll_combine_send(s, blocks_, stream);
 }
 
 void LowLatencyKernels::combine_recv(const float* topk_weights, int num_tokens, void* out,
                                      cudaStream_t stream) const {
-    LLCombineRecvArgs r{};
-    r.rt = rt_;
-    r.src = slots_.combine_src;
-    r.src_stride = slots_.combine_stride;
-    r.row_stride = slots_.combine_row_bytes;
-    r.topk32 = state_.topk32;
-    r.topk_weights = topk_weights;
-    r.pos_in_expert = state_.pos_in_expert;
-    r.expert_offset = state_.expert_offset;
-    r.num_tokens = num_tokens;
-    r.out = out;
-    r.send_blocks = blocks_;
-    r.sig = sig_;
+    const LLCombineRecvArgs r{.rt = rt_,
+                              .src = slots_.combine_src,
+                              .src_stride = slots_.combine_stride,
+                              .row_stride = slots_.combine_row_bytes,
+                              .topk32 = state_.topk32,
+                              .topk_weights = topk_weights,
+                              .pos_in_expert = state_.pos_in_expert,
+                              .expert_offset = state_.expert_offset,
+                              .num_tokens = num_tokens,
+                              .out = out,
+                              .send_blocks = blocks_,
+                              .sig = sig_};
     launch_ll_combine_recv(r, blocks_, stream);
 }
 

@@ -162,6 +162,16 @@ class NormalStateCache : public std::enable_shared_from_this<NormalStateCache> {
     bool closed_ = false;                             // GUARDED_BY(mu_)
 };
 
+// The arguments of the normal dispatch kernels as both engines fill them: rows of x sent by the layout
+// in st to dst[r] (send), rows from src + s * src_stride into out (receive, at most max_rows). The
+// cuda engine adds its self-row and skip fields.
+DispatchSendArgs dispatch_send_args(const Routing& rt, const RowLayout& row, const void* x,
+                                    const int64_t* topk_idx, const float* topk_weights, int num_tokens,
+                                    const NormalState& st, uint8_t* const* dst, const Signals& sig);
+DispatchRecvArgs dispatch_recv_args(const Routing& rt, const RowLayout& row, int rank, const uint8_t* src,
+                                    size_t src_stride, const NormalState& st, const DispatchOutput& out,
+                                    int max_rows, int send_blocks, const Signals& sig);
+
 // Looks up the NormalState of a handle made by `owner`; throws when it is not one.
 NormalState& normal_state(const Handle& h, const void* owner, const char* what);
 

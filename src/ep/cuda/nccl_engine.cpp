@@ -189,16 +189,8 @@ class NcclEngine final : public Engine {
         }
         NormalState& st = normal_state(h, this, "dispatch");
         const int R = h.num_recv_tokens();
-        DispatchSendArgs s{};
-        s.rt = rt_;
-        s.row = row_;
-        s.x = x.data;
-        s.topk_idx = topk_idx.data;
-        s.topk_weights = topk_weights.data;
-        s.send_pos = st.send_pos;
-        s.num_tokens = T;
-        s.dst = tables_.get<uint8_t*>();
-        s.sig = sig_;
+        const DispatchSendArgs s = dispatch_send_args(rt_, row_, x.data, topk_idx.data, topk_weights.data, T,
+                                                      st, tables_.get<uint8_t*>(), sig_);
         launch_dispatch_send(s, blocks_, stream);
         exchange(
             [&](int r) {
@@ -208,21 +200,9 @@ class NcclEngine final : public Engine {
                                 static_cast<size_t>(h.num_recv_per_src[r]) * row_.row_bytes};
             },
             stream);
-        DispatchRecvArgs r{};
-        r.rt = rt_;
-        r.row = row_;
-        r.rank = c_.rank;
-        r.src = recv_.get<uint8_t>();
-        r.src_stride = dispatch_slot_;
-        r.recv_src_offset = st.recv_src_offset;
-        r.recv_x = out.recv_x.data;
-        r.recv_x_scales = out.recv_x_scales.data;
-        r.recv_topk_idx = out.recv_topk_idx.data;
-        r.recv_topk_weights = out.recv_topk_weights.data;
-        r.recv_src_token = st.recv_src_token;
-        r.max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
-        r.send_blocks = blocks_;
-        r.sig = sig_;
+        const int max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
+        const DispatchRecvArgs r = dispatch_recv_args(rt_, row_, c_.rank, recv_.get<uint8_t>(),
+                                                      dispatch_slot_, st, out, max_rows, blocks_, sig_);
         launch_dispatch_recv(r, blocks_, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         if (reuse == nullptr) {
@@ -254,15 +234,14 @@ class NcclEngine final : public Engine {
                                 h.num_send_per_rank[r] * row};
             },
             stream);
-        CombineRecvArgs a{};
-        a.rt = rt_;
-        a.src = recv_.get<uint8_t>();
-        a.src_stride = combine_slot_;
-        a.row_stride = row;
-        a.send_pos = st.send_pos;
-        a.num_tokens = h.num_tokens;
-        a.out = out.data;
-        a.sig = sig_;
+        const CombineRecvArgs a{.rt = rt_,
+                                .src = recv_.get<uint8_t>(),
+                                .src_stride = combine_slot_,
+                                .row_stride = row,
+                                .send_pos = st.send_pos,
+                                .num_tokens = h.num_tokens,
+                                .out = out.data,
+                                .sig = sig_};
         launch_combine_recv(a, blocks_, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         sync_error(stream, "combine/data");

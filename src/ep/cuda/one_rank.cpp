@@ -17,34 +17,33 @@ Handle CudaEngine::dispatch_solo(View<const void> x, View<const int64_t> topk_id
                                  cudaStream_t stream) {
     const int T = static_cast<int>(x.rows);
     const std::shared_ptr<NormalState> fresh = states_->take(stream);
-    SoloDispatchArgs a{};
-    a.rt = rt_;
-    a.row = row_;
-    a.x = x.data;
-    a.topk_idx = topk_idx.data;
-    a.topk_weights = topk_weights.data;
-    a.num_tokens = T;
-    a.tiles = solo_tiles(T, blocks_);  // at most blocks_: one tile_state word each
     // The kernel writes send_pos [T] and recv_src_token [R <= T] into the mapped copies.
     MOERL_CHECK(static_cast<size_t>(T) <= mapped_.solo_tokens, "dispatch: ", T,
                 " tokens, but the one-rank buffers hold ", mapped_.solo_tokens);
+    auto* host_send_pos = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[1]);
+    auto* host_recv_src_token = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[2]);
+    SoloDispatchArgs a{.rt = rt_,
+                       .row = row_,
+                       .x = x.data,
+                       .topk_idx = topk_idx.data,
+                       .topk_weights = topk_weights.data,
+                       .num_tokens = T,
+                       .tiles = solo_tiles(T, blocks_),  // at most blocks_: one tile_state word each
+                       .send_pos = fresh->send_pos,
+                       .recv_src_offset = fresh->recv_src_offset,
+                       .recv_src_token = fresh->recv_src_token,
+                       .host_send_pos = c_.async ? nullptr : host_send_pos,
+                       .host_recv_src_token = c_.async ? nullptr : host_recv_src_token,
+                       .summary = device_summaries_,
+                       .counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + mapped_.solo_offset[0]),
+                       .recv_x = out.recv_x.data,
+                       .recv_x_scales = out.recv_x_scales.data,
+                       .recv_topk_idx = out.recv_topk_idx.data,
+                       .recv_topk_weights = out.recv_topk_weights.data,
+                       .max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens())),
+                       .error = sig_.error,
+                       .error_mirror = sig_.error_mirror};
     a.seq = layout_->next(a.scratch, stream);
-    a.send_pos = fresh->send_pos;
-    a.recv_src_offset = fresh->recv_src_offset;
-    a.recv_src_token = fresh->recv_src_token;
-    if (!c_.async) {
-        a.host_send_pos = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[1]);
-        a.host_recv_src_token = reinterpret_cast<int*>(device_solo_ + mapped_.solo_offset[2]);
-    }
-    a.summary = device_summaries_;
-    a.counts_ready = reinterpret_cast<unsigned int*>(device_solo_ + mapped_.solo_offset[0]);
-    a.recv_x = out.recv_x.data;
-    a.recv_x_scales = out.recv_x_scales.data;
-    a.recv_topk_idx = out.recv_topk_idx.data;
-    a.recv_topk_weights = out.recv_topk_weights.data;
-    a.max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
-    a.error = sig_.error;
-    a.error_mirror = sig_.error_mirror;
     launch_solo_dispatch(a, stream);
     if (c_.async) {
         wait_solo_counts(a.seq, stream);
