@@ -61,8 +61,9 @@ struct Config {
 
     // fabric transport: the libfabric provider ("tcp", "shm", "efa", "verbs", ...). Default "tcp".
     std::string fabric_provider = "tcp";
-    // fabric transport: the domain (NIC) to open, by libfabric's name ("rdmap0s6-rdm"). Default empty:
-    // the provider's first. Set it on a machine with several NICs to pin each rank to its own.
+    // fabric transport: the domain (NIC) to open, by libfabric's name ("rdmap0s6-rdm"), passed to
+    // fi_getinfo as a hint (some providers, tcp among them, ignore it). Default empty: the provider's
+    // first. Set it on a machine with several NICs to pin each rank to its own.
     std::string fabric_domain;
     // fabric transport: the largest single RMA write, bytes, >= 8 (a signal's write); a longer message
     // is split into chunks of this size, none above the provider's max_msg_size. Default 8 MiB. Leave it;

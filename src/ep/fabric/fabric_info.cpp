@@ -45,8 +45,9 @@ Info select_info(const std::string& provider, const std::string& domain) {
     const int rc =
         fi_getinfo(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), nullptr, nullptr, 0, hints.get(), &list);
     Info owned(list);
-    MOERL_CHECK(rc == 0 || rc == -FI_ENODATA, "libfabric: fi_getinfo for provider '", provider,
-                "' failed: ", fi_strerror(-rc), " (", rc, ")");
+    MOERL_CHECK(rc == 0 || rc == -FI_ENODATA, "libfabric: fi_getinfo for provider '", provider, "'",
+                domain.empty() ? "" : " in domain '" + domain + "'", " failed: ", fi_strerror(-rc), " (", rc,
+                ")");
     std::string rejected;
     for (fi_info* info = list; info != nullptr; info = info->next) {
         if (!provider_matches(info->fabric_attr->prov_name, provider)) {
