@@ -46,6 +46,7 @@ struct BenchOpts {
     bool baseline = true;
     bool low_latency = true;
     int num_sms = 0;                            // 0: the Config default
+    bool async = false;                         // Config.async (the cuda engine)
     std::vector<std::string> dispatch{"bf16"};  // bf16 (as dtype) and/or fp8 (e4m3 dispatch)
 };
 
@@ -84,6 +85,7 @@ Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase&
     c.low_latency = o.low_latency && bc.tokens <= 128;
     c.timeout_s = 120;
     if (o.num_sms > 0) c.num_sms = o.num_sms;
+    c.async = o.async;
     c.job_id = "bench";
     c.set_transport(transport);
     ep::Buffer buffer(c, &store);
@@ -462,6 +464,9 @@ void register_bench_ep(CLI::App& bench) {
                   "skip the baseline (Gloo all-to-all, or device copy for cuda)");
     cmd->add_option("--sms", o->num_sms, "SMs for the cuda kernels (Config.num_sms; 0 = default)")
         ->check(CLI::Range(0, 1024));
+    cmd->add_flag("--async", o->async,
+                  "cuda: calls skip their end-of-call synchronisation (Config.async); the benchmark "
+                  "synchronises around every call itself");
     cmd->add_option("--dispatch", o->dispatch,
                     "dispatch formats: bf16 (the dtype) and/or fp8 (e4m3 + scales)")
         ->delimiter(',');

@@ -32,6 +32,10 @@ void Config::validate() const {
     }
     MOERL_CHECK(timeout_s > 0, "Config.timeout_s = ", timeout_s, ", expected > 0");
     MOERL_CHECK(num_sms >= 1 && num_sms <= 1024, "Config.num_sms = ", num_sms, ", expected 1..1024");
+    MOERL_CHECK(device >= -1 && device <= 1023, "Config.device = ", device,
+                ", expected -1 (MOERL_EP_DEVICE, LOCAL_RANK or the rank) or 0..1023");
+    MOERL_CHECK(fabric_chunk_bytes >= 8, "Config.fabric_chunk_bytes = ", fabric_chunk_bytes,
+                ", expected >= 8");
     MOERL_CHECK(!transport.empty(), "Config.transport is empty");
     MOERL_CHECK(!job_id.empty(), "Config.job_id is empty");
 }

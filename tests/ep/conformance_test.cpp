@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "mismatches.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/transport.hpp"
@@ -14,22 +15,6 @@
 
 namespace moerl::test {
 namespace {
-
-// Counts wrong elements and keeps the first few descriptions; throws when any were wrong.
-class Mismatches {
-  public:
-    explicit Mismatches(std::string what) : what_(std::move(what)) {}
-    void expect(bool ok, const std::string& where) {
-        if (ok) return;
-        if (count_++ < 5) first_ += "\n  " + where;
-    }
-    void done() const { MOERL_CHECK(count_ == 0, what_, ": ", count_, " wrong elements", first_); }
-
-  private:
-    std::string what_;
-    long count_ = 0;
-    std::string first_;
-};
 
 struct Case {
     std::string transport;  // "host", "fabric/tcp", "fabric/shm"

@@ -49,6 +49,12 @@ TEST(Config, RejectsEachBadField) {
     c.fp8_dispatch = true;
     EXPECT_NE(error_of([&] { c.validate(); }).find("fp8_dispatch needs dtype bf16"), std::string::npos);
     c = small_config(2, 0);
+    c.device = -2;
+    EXPECT_NE(error_of([&] { c.validate(); }).find("Config.device = -2"), std::string::npos);
+    c = small_config(2, 0);
+    c.fabric_chunk_bytes = 4;
+    EXPECT_NE(error_of([&] { c.validate(); }).find("Config.fabric_chunk_bytes = 4"), std::string::npos);
+    c = small_config(2, 0);
     EXPECT_NO_THROW(c.validate());
     EXPECT_GT(c.normal_bytes_hint(), 0u);
     EXPECT_GT(c.low_latency_bytes_hint(), 0u);

@@ -29,7 +29,7 @@ namespace {
 using namespace std::chrono_literals;
 
 constexpr auto kTestLimit = std::chrono::seconds(20);
-constexpr size_t kSmallChunk = 4096;  // MOERL_FABRIC_CHUNK_BYTES in tests that need many chunks
+constexpr size_t kSmallChunk = 4096;  // fabric_chunk_bytes in tests that need many chunks
 
 // Byte i of the message src sends to dst in round `round`: a hash, so that a chunk landing at the
 // wrong offset (even a multiple of 256 away) is caught.
@@ -78,7 +78,7 @@ void expect_ranks_succeed(int num_ranks, const std::function<void(int)>& fn) {
 }
 
 TransportOptions options_for(const std::string& provider, int rank, int world_size, size_t region_bytes,
-                             Store* store, double timeout_s = 10.0) {
+                             Store* store, double timeout_s = 10.0, size_t chunk_bytes = size_t{8} << 20) {
     TransportOptions o;
     o.rank = rank;
     o.world_size = world_size;
@@ -86,6 +86,7 @@ TransportOptions options_for(const std::string& provider, int rank, int world_si
     o.job_id = "fabric-test";
     o.fabric_provider = provider;
     o.timeout_s = timeout_s;
+    o.fabric_chunk_bytes = chunk_bytes;
     o.store = store;
     return o;
 }
@@ -129,11 +130,10 @@ TEST_P(FabricTransportTest, ExchangesPatternedMessages) {
     const std::string prov = provider();
     const std::string dir = store_dir_;
     expect_ranks_succeed(world_size, [&](int rank) {
-        setenv("MOERL_FABRIC_CHUNK_BYTES", std::to_string(kSmallChunk).c_str(), 1);
         auto store = make_file_store(dir);
         const SlotLayout layout{64 * 1024, world_size};
-        auto t =
-            make_fabric_transport(options_for(prov, rank, world_size, layout.region_bytes(), store.get()));
+        auto t = make_fabric_transport(
+            options_for(prov, rank, world_size, layout.region_bytes(), store.get(), 10.0, kSmallChunk));
         MOERL_CHECK(t->name() == "fabric/" + prov, "name() = ", t->name());
         MOERL_CHECK(t->rank() == rank && t->world_size() == world_size, "rank/world mismatch");
         MOERL_CHECK(t->region_bytes() == layout.region_bytes(), "region_bytes() = ", t->region_bytes());
@@ -215,7 +215,6 @@ TEST_P(FabricTransportTest, SplitsWritesBiggerThanTheDefaultChunk) {
     const std::string prov = provider();
     const std::string dir = store_dir_;
     expect_ranks_succeed(world_size, [&](int rank) {
-        unsetenv("MOERL_FABRIC_CHUNK_BYTES");
         auto store = make_file_store(dir);
         const size_t bytes = (size_t{8} << 20) + 4096 + 3;
         // A ring: one 8 MiB message per rank keeps the test quick with any world size.
@@ -249,15 +248,14 @@ TEST_P(FabricTransportTest, BurstBeyondTheSignalWindow) {
     const std::string prov = provider();
     const std::string dir = store_dir_;
     expect_ranks_succeed(world_size, [&](int rank) {
-        setenv("MOERL_FABRIC_CHUNK_BYTES", std::to_string(kSmallChunk).c_str(), 1);
         auto store = make_file_store(dir);
         constexpr int kNumMessages = 5 * static_cast<int>(fabric::kSeqWindow) + 3;
         const auto message_bytes = [](int m) -> size_t { return m % 7 == 0 ? 3 * kSmallChunk - 5 : 64 + m; };
         size_t total = 0;
         for (int m = 0; m < kNumMessages; ++m) total += message_bytes(m);
         const SlotLayout layout{total, world_size};
-        auto t =
-            make_fabric_transport(options_for(prov, rank, world_size, layout.region_bytes(), store.get()));
+        auto t = make_fabric_transport(
+            options_for(prov, rank, world_size, layout.region_bytes(), store.get(), 10.0, kSmallChunk));
         std::byte* region = t->region();
         std::memset(region, kPoison, layout.send_offset(0));
         for (int dst = 0; dst < world_size; ++dst)

@@ -5,11 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 
 #include "cuda/stream.hpp"
+#include "mismatches.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "ranks.hpp"
@@ -36,21 +36,6 @@ int device_count() {
     }
     return count;
 }
-
-class Mismatches {
-  public:
-    explicit Mismatches(std::string what) : what_(std::move(what)) {}
-    void expect(bool ok, const std::string& where) {
-        if (ok) return;
-        if (count_++ < 5) first_ += "\n  " + where;
-    }
-    void done() const { MOERL_CHECK(count_ == 0, what_, ": ", count_, " wrong elements", first_); }
-
-  private:
-    std::string what_;
-    long count_ = 0;
-    std::string first_;
-};
 
 // The counts of a dispatch handle against the host reference's (the host vectors are checked apart:
 // asynchronous mode leaves them empty).
@@ -89,6 +74,48 @@ struct Dev {
     void poison(int v) { CK(cudaMemset(p, v, bytes)); }
 };
 
+// A new non-blocking stream (the tests make it current for the engines with a StreamGuard).
+cudaStream_t new_stream() {
+    cudaStream_t stream = nullptr;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return stream;
+}
+
+// The calls record() queues on `stream`, captured in a CUDA graph (this thread only) and instantiated.
+class Graph {
+  public:
+    template <typename F>
+    Graph(cudaStream_t stream, F&& record) : stream_(stream) {
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        record();
+        CK(cudaStreamEndCapture(stream, &graph_));
+        CK(cudaGraphInstantiate(&exec_, graph_, 0));
+    }
+    Graph(const Graph&) = delete;
+    Graph& operator=(const Graph&) = delete;
+    ~Graph() {
+        if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+        if (graph_ != nullptr) cudaGraphDestroy(graph_);
+    }
+    // Runs the graph once and waits for it.
+    void replay() const {
+        CK(cudaGraphLaunch(exec_, stream_));
+        CK(cudaStreamSynchronize(stream_));
+    }
+    // Frees the graph now, checking that it can be.
+    void destroy() {
+        CK(cudaGraphExecDestroy(exec_));
+        exec_ = nullptr;
+        CK(cudaGraphDestroy(graph_));
+        graph_ = nullptr;
+    }
+
+  private:
+    cudaStream_t stream_;
+    cudaGraph_t graph_ = nullptr;
+    cudaGraphExec_t exec_ = nullptr;
+};
+
 struct Case {
     std::string transport;
     int world;
@@ -125,7 +152,7 @@ void clear_experts(RankInput& in, int top_k, int every) {
         for (int k = 0; k < top_k; ++k) in.topk_idx[static_cast<size_t>(t) * top_k + k] = -1;
 }
 
-ep::Config make_config(const Case& tc, int rank, const std::string& transport) {
+ep::Config make_config(const Case& tc, int rank, const std::string& transport, bool async = false) {
     ep::Config c;
     c.world_size = tc.world;
     c.rank = rank;
@@ -139,6 +166,7 @@ ep::Config make_config(const Case& tc, int rank, const std::string& transport) {
     c.num_sms = tc.num_sms;
     c.job_id = "gpu";
     c.transport = transport;
+    c.async = async;
     return c;
 }
 
@@ -184,8 +212,7 @@ void compare_floats(Mismatches& m, const ep::Config& c, const std::string& what,
 // One rank: for several rounds of fresh data, every call on the host reference and on the device
 // engine, outputs poisoned first, results compared.
 void conformance(const Case& tc, int rank, uint64_t seed, const std::string& dir) {
-    // The handles' host copies (send_pos, recv_src_token) are compared: the engine must make them.
-    unsetenv("MOERL_EP_CUDA_ASYNC");
+    // The handles' host copies (send_pos, recv_src_token) are compared: Config.async stays off.
     auto store = ep::make_file_store(dir);
     const ep::Config hc = make_config(tc, rank, "host");
     const ep::Config dc = make_config(tc, rank, tc.transport);
@@ -382,48 +409,6 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Engines, DeviceConformance, testing::ValuesIn(cases()), case_name);
 
-// One rank: every setting of the dispatch kernel's MOERL_EP_SOLO_* knobs gives the host reference's
-// results, for tiles of one 512-token group and more, tiles of a few tokens, rows that are not 16-byte
-// multiples and fp8. The last setting is out of range everywhere (the defaults apply).
-TEST(OneRank, DispatchKnobsMatchHostReference) {
-    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-    using ep::DType;
-    const std::vector<Case> one_rank = {
-        {"cuda", 1, DType::kBFloat16, 16, 8, false, 512, 1500, 2, 3},
-        {"cuda", 1, DType::kFloat32, 8, 4, false, 72, 300, 64, 3},
-        {"cuda", 1, DType::kBFloat16, 8, 2, false, 70},
-        {"cuda", 1, DType::kBFloat16, 16, 8, true, 256},
-    };
-    // BLOCKS, PREFETCH, WARPS_PER_ROW, UNROLL, CACHE, TRACE (phase times; results unchanged)
-    constexpr int kKnobs = 6;
-    const std::vector<std::array<const char*, kKnobs>> settings = {
-        {"1", "0", "16", "4", "0", "1"},   {"600", "1000", "3", "16", "3", "0"},
-        {"264", "16", "1", "8", "1", "1"}, {"5", "2", "7", "8", "2", "0"},
-        {"0", "0", "0", "16", "0", "0"},   {"-1", "-5", "17", "5", "9", "5"},
-    };
-    const char* names[kKnobs] = {"MOERL_EP_SOLO_BLOCKS",        "MOERL_EP_SOLO_PREFETCH",
-                                 "MOERL_EP_SOLO_WARPS_PER_ROW", "MOERL_EP_SOLO_UNROLL",
-                                 "MOERL_EP_SOLO_CACHE",         "MOERL_EP_SOLO_TRACE"};
-    const uint64_t seed = std::random_device{}();
-    for (const auto& knobs : settings) {
-        std::string label;
-        for (int i = 0; i < kKnobs; ++i) label += std::string(i ? " " : "") + names[i] + "=" + knobs[i];
-        for (const Case& tc : one_rank) {
-            const std::string dir = unique_dir("gpuknobs");
-            auto results = run_ranks(
-                1,
-                [&](int) {
-                    for (int i = 0; i < kKnobs; ++i) setenv(names[i], knobs[i], 1);
-                    conformance(tc, 0, seed, dir);
-                },
-                std::chrono::seconds(240));
-            EXPECT_EQ(results[0].exit_code, 0) << label << ", " << testing::PrintToString(tc) << " (seed "
-                                               << seed << "): " << results[0].message;
-            std::filesystem::remove_all(dir);
-        }
-    }
-}
-
 // Rank 0's input of exactly num_tokens tokens (num_tokens < 0: as drawn): the draw from `seed`, then
 // draws from seed + 100, seed + 200, ... appended until there are enough, cut to num_tokens.
 RankInput input_of_size(const ep::Config& c, uint64_t seed, int num_tokens) {
@@ -443,7 +428,7 @@ RankInput input_of_size(const ep::Config& c, uint64_t seed, int num_tokens) {
     return in;
 }
 
-// One rank with MOERL_EP_CUDA_ASYNC=1: dispatch returns once the kernel has published the counts, maybe
+// One rank with Config.async: dispatch returns once the kernel has published the counts, maybe
 // before the rows are copied. Counts, rows, a reused handle and combine match the host reference for
 // no tokens, tokens without experts only, tiles of more than one 512-token group, one token, and recv_x
 // at an address that is not 16-byte aligned (the general path).
@@ -453,11 +438,10 @@ TEST(OneRank, AsyncDispatchMatchesHostReference) {
     const uint64_t seed = std::random_device{}();
     const std::string dir = unique_dir("gpuasync");
     auto results = run_ranks(1, [&](int) {
-        setenv("MOERL_EP_CUDA_ASYNC", "1", 1);
         auto store = ep::make_file_store(dir);
         const ep::Config c = make_config(tc, 0, "host");
         ep::Buffer host(c, store.get());
-        ep::Buffer dev(make_config(tc, 0, "cuda"), store.get());
+        ep::Buffer dev(make_config(tc, 0, "cuda", true), store.get());
         const int K = c.top_k, H = c.hidden, maxT = c.max_tokens_per_rank;
         const size_t row = H * c.element_bytes();
         for (int round = 0; round < 6; ++round) {
@@ -528,29 +512,23 @@ TEST(OneRank, AsyncDispatchMatchesHostReference) {
     std::filesystem::remove_all(dir);
 }
 
-// One rank, tiles of three tokens on 1000 blocks (more than are resident at once), with and without
-// waiting for the counts of earlier tiles (without, blocks count them again): every token routed, one
-// unrouted token first, last or in the middle (every later row moves), and none routed. Each pattern in the
-// default and in the asynchronous mode; the handles of all patterns stay alive until the end, when each
-// combine must still match (a later dispatch must not take the device state of a live handle).
+// One rank, 3000 tokens on as many tiles as the device has SMs (num_sms 1024 is capped there): every
+// token routed, one unrouted token first, last or in the middle (every later row moves), and none
+// routed. Each pattern in the default and in the asynchronous mode; the handles of all patterns stay
+// alive until the end, when each combine must still match (a later dispatch must not take the device
+// state of a live handle).
 TEST(OneRank, ManyTilesAllOrSomeTokensRouted) {
     if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-    const Case tc{"cuda", 1, ep::DType::kBFloat16, 16, 4, false, 64, 3000, 8};
+    const Case tc{"cuda", 1, ep::DType::kBFloat16, 16, 4, false, 64, 3000, 1024};
     const uint64_t seed = std::random_device{}();
-    // MOERL_EP_CUDA_ASYNC, MOERL_EP_SOLO_LOOKBACK_NS (0: a block counts every tile not yet published)
-    const std::vector<std::array<const char*, 2>> settings = {
-        {"0", "20000"}, {"1", "20000"}, {"0", "0"}, {"1", "0"}};
-    for (const auto& setting : settings) {
-        const char *async = setting[0], *lookback = setting[1];
+    for (const bool async : {false, true}) {
+        const std::string mode = async ? "async" : "synchronous";
         const std::string dir = unique_dir("gpumany");
         auto results = run_ranks(1, [&](int) {
-            setenv("MOERL_EP_SOLO_BLOCKS", "1000", 1);
-            setenv("MOERL_EP_CUDA_ASYNC", async, 1);
-            setenv("MOERL_EP_SOLO_LOOKBACK_NS", lookback, 1);
             auto store = ep::make_file_store(dir);
             const ep::Config c = make_config(tc, 0, "host");
             ep::Buffer host(c, store.get());
-            ep::Buffer dev(make_config(tc, 0, "cuda"), store.get());
+            ep::Buffer dev(make_config(tc, 0, "cuda", async), store.get());
             const int K = c.top_k, H = c.hidden, T = c.max_tokens_per_rank;
             const size_t row = H * c.element_bytes();
             const RankInput in = input_of_size(c, seed, T);
@@ -562,8 +540,7 @@ TEST(OneRank, ManyTilesAllOrSomeTokensRouted) {
             std::vector<Done> done;
             std::vector<std::unique_ptr<Dev>> inputs;
             for (int p = 0; p < 5; ++p) {
-                const std::string tag =
-                    " (pattern " + std::to_string(p) + ", async " + async + ", lookback " + lookback + ")";
+                const std::string tag = " (pattern " + std::to_string(p) + ", " + mode + ")";
                 RankInput pin = in;
                 for (int t = 0; t < T; ++t) {
                     int64_t* ids = pin.topk_idx.data() + static_cast<size_t>(t) * K;
@@ -593,7 +570,7 @@ TEST(OneRank, ManyTilesAllOrSomeTokensRouted) {
                 m.expect(dh.num_recv_tokens() == R, "rows: " + std::to_string(dh.num_recv_tokens()));
                 m.expect(dh.num_recv_tokens_per_expert == hh.num_recv_tokens_per_expert,
                          "num_recv_tokens_per_expert");
-                if (async[0] == '0') {
+                if (!async) {
                     m.expect(dh.send_pos == hh.send_pos, "send_pos");
                     m.expect(dh.recv_src_token == hh.recv_src_token, "recv_src_token");
                 }
@@ -616,8 +593,7 @@ TEST(OneRank, ManyTilesAllOrSomeTokensRouted) {
                 host.combine({done[p].recv.data(), R, H}, done[p].host, {h_comb.data(), T, H});
                 Dev d_y(done[p].recv), d_comb(h_comb.size(), 0xEE);
                 dev.combine({d_y.p, R, H}, done[p].dev, {d_comb.p, T, H});
-                Mismatches m("combine (pattern " + std::to_string(p) + ", async " + async + ", lookback " +
-                             lookback + ")");
+                Mismatches m("combine (pattern " + std::to_string(p) + ", " + mode + ")");
                 compare_floats(m, c, "combine", d_comb.read<uint8_t>(h_comb.size()).data(), h_comb.data(), T);
                 m.done();
             }
@@ -625,8 +601,7 @@ TEST(OneRank, ManyTilesAllOrSomeTokensRouted) {
             dev.destroy();
             host.destroy();
         });
-        EXPECT_EQ(results[0].exit_code, 0) << "async " << async << ", lookback " << lookback << ", seed "
-                                           << seed << ": " << results[0].message;
+        EXPECT_EQ(results[0].exit_code, 0) << mode << ", seed " << seed << ": " << results[0].message;
         std::filesystem::remove_all(dir);
     }
 }
@@ -644,8 +619,7 @@ TEST(CudaGraph, OneRankReusedHandleReplayMatchesEager) {
         ep::Buffer dev(c, store.get());
         const int K = c.top_k, H = c.hidden, maxT = c.max_tokens_per_rank;
         const size_t row = H * c.element_bytes();
-        cudaStream_t stream;
-        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const cudaStream_t stream = new_stream();
         ep::cuda::StreamGuard guard(stream);
         RankInput in = make_input(c, seed, 0);
         clear_experts(in, K, tc.empty_every);
@@ -663,26 +637,22 @@ TEST(CudaGraph, OneRankReusedHandleReplayMatchesEager) {
         const auto eager_recv = recv.read<uint8_t>(static_cast<size_t>(R) * row);
         const auto eager = out_eager.read<uint8_t>(T * row);
 
-        cudaGraph_t graph;
-        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
         std::string refused;
-        try {
-            dev.dispatch(xv, iv, wv, out);
-        } catch (const Error& e) {
-            refused = e.what();
-        }
-        dev.dispatch(xv, iv, wv, out, &h);
-        dev.combine({recv.p, R, H}, h, {out_graph.p, T, H});
-        CK(cudaStreamEndCapture(stream, &graph));
+        Graph graph(stream, [&] {
+            try {
+                dev.dispatch(xv, iv, wv, out);
+            } catch (const Error& e) {
+                refused = e.what();
+            }
+            dev.dispatch(xv, iv, wv, out, &h);
+            dev.combine({recv.p, R, H}, h, {out_graph.p, T, H});
+        });
         MOERL_CHECK(refused.find("cannot be captured") != std::string::npos,
                     "a dispatch without a handle during capture: expected a refusal, got '", refused, "'");
-        cudaGraphExec_t exec;
-        CK(cudaGraphInstantiate(&exec, graph, 0));
         for (int replay = 0; replay < 3; ++replay) {
             recv.poison(0x5A);
             out_graph.poison(0x77);
-            CK(cudaGraphLaunch(exec, stream));
-            CK(cudaStreamSynchronize(stream));
+            graph.replay();
             MOERL_CHECK(recv.read<uint8_t>(static_cast<size_t>(R) * row) == eager_recv, "replay ", replay,
                         ": the captured dispatch differs from the eager one");
             MOERL_CHECK(out_graph.read<uint8_t>(T * row) == eager, "replay ", replay,
@@ -690,8 +660,7 @@ TEST(CudaGraph, OneRankReusedHandleReplayMatchesEager) {
         }
         // Eager dispatches still work after the replays.
         MOERL_CHECK(dev.dispatch(xv, iv, wv, out).num_recv_tokens() == R, "eager dispatch after the replays");
-        CK(cudaGraphExecDestroy(exec));
-        CK(cudaGraphDestroy(graph));
+        graph.destroy();
         dev.destroy();
     });
     EXPECT_EQ(results[0].exit_code, 0) << "seed " << seed << ": " << results[0].message;
@@ -711,8 +680,7 @@ TEST(CudaGraph, LowLatencyReplayMatchesEager) {
         const int K = c.top_k, H = c.hidden, L = c.num_local_experts();
         const int ll_rows = L * c.low_latency_rows_per_expert();
         const size_t row = H * c.element_bytes();
-        cudaStream_t stream;
-        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const cudaStream_t stream = new_stream();
         ep::cuda::StreamGuard guard(stream);
         const RankInput in = make_input(c, seed, rank);
         const int T = in.num_tokens;
@@ -730,18 +698,14 @@ TEST(CudaGraph, LowLatencyReplayMatchesEager) {
         const auto eager = out_eager.read<uint8_t>(T * row);
         const auto eager_recv = recv.read<uint8_t>(static_cast<size_t>(ll_rows) * row);
 
-        cudaGraph_t graph;
-        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        ep::LowLatencyHandle gh = dev.low_latency_dispatch(xv, iv, lo);
-        dev.low_latency_combine({recv.p, ll_rows, H}, iv, wv, gh, {out_graph.p, T, H});
-        CK(cudaStreamEndCapture(stream, &graph));
-        cudaGraphExec_t exec;
-        CK(cudaGraphInstantiate(&exec, graph, 0));
+        Graph graph(stream, [&] {
+            ep::LowLatencyHandle gh = dev.low_latency_dispatch(xv, iv, lo);
+            dev.low_latency_combine({recv.p, ll_rows, H}, iv, wv, gh, {out_graph.p, T, H});
+        });
         for (int replay = 0; replay < 3; ++replay) {
             recv.poison(0x5A);
             out_graph.poison(0x77);
-            CK(cudaGraphLaunch(exec, stream));
-            CK(cudaStreamSynchronize(stream));
+            graph.replay();
             MOERL_CHECK(out_graph.read<uint8_t>(T * row) == eager, "replay ", replay,
                         ": the captured combine differs from the eager one");
             const auto got_recv = recv.read<uint8_t>(static_cast<size_t>(ll_rows) * row);
@@ -754,8 +718,7 @@ TEST(CudaGraph, LowLatencyReplayMatchesEager) {
         }
         // Eager calls still work after the replays (epochs stayed in step).
         dev.low_latency_dispatch(xv, iv, lo);
-        CK(cudaGraphExecDestroy(exec));
-        CK(cudaGraphDestroy(graph));
+        graph.destroy();
         dev.destroy();
     });
     for (int r = 0; r < 2; ++r)
@@ -862,9 +825,9 @@ TEST(Nccl, RefusesTwoRanksOnOneGpu) {
     if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
     const std::string dir = unique_dir("ncclone");
     auto results = run_ranks(2, [&](int rank) {
-        setenv("MOERL_EP_DEVICE", "0", 1);  // both ranks on GPU 0, however many there are
         auto store = ep::make_file_store(dir);
-        const ep::Config c = make_config({"nccl", 2, ep::DType::kFloat32, 8, 2}, rank, "nccl");
+        ep::Config c = make_config({"nccl", 2, ep::DType::kFloat32, 8, 2}, rank, "nccl");
+        c.device = 0;  // both ranks on GPU 0, however many there are
         try {
             ep::Buffer dev(c, store.get());
         } catch (const Error& e) {

@@ -61,6 +61,8 @@ struct TransportOptions {
     size_t region_bytes = 0;
     std::string job_id = "moerl";
     std::string fabric_provider = "tcp";
+    std::string fabric_domain;                    // Config::fabric_domain
+    size_t fabric_chunk_bytes = size_t{8} << 20;  // Config::fabric_chunk_bytes
     double timeout_s = 60.0;
     Store* store = nullptr;  // bootstrap; required when world_size > 1
 };

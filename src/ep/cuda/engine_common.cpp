@@ -25,7 +25,8 @@ int select_device(const Config& c, const char* engine) {
     const cudaError_t err = cudaGetDeviceCount(&count);
     MOERL_CHECK(err == cudaSuccess && count > 0, "the ", engine, " EP engine needs a CUDA device, but ",
                 err == cudaSuccess ? std::string("none is visible") : std::string(cudaGetErrorString(err)));
-    long dev = env::get_int("MOERL_EP_DEVICE", -1);
+    long dev = c.device;
+    if (dev < 0) dev = env::get_int("MOERL_EP_DEVICE", -1);
     if (dev < 0) dev = env::get_int("LOCAL_RANK", c.rank);
     const int device = static_cast<int>(dev % count);
     MOERL_CUDA_CHECK(cudaSetDevice(device));
@@ -148,6 +149,115 @@ LowLatencyState::LowLatencyState(const Config& c) {
         *fields[i] = reinterpret_cast<int*>(base);
         base += align256(sizes[i] * sizeof(int));
     }
+}
+
+DispatchSendArgs dispatch_send_args(const Routing& rt, const RowLayout& row, const void* x,
+                                    const int64_t* topk_idx, const float* topk_weights, int num_tokens,
+                                    const NormalState& st, uint8_t* const* dst, const Signals& sig) {
+    return DispatchSendArgs{.rt = rt,
+                            .row = row,
+                            .x = x,
+                            .topk_idx = topk_idx,
+                            .topk_weights = topk_weights,
+                            .send_pos = st.send_pos,
+                            .num_tokens = num_tokens,
+                            .dst = dst,
+                            .sig = sig};
+}
+
+DispatchRecvArgs dispatch_recv_args(const Routing& rt, const RowLayout& row, int rank, const uint8_t* src,
+                                    size_t src_stride, const NormalState& st, const DispatchOutput& out,
+                                    int max_rows, int send_blocks, const Signals& sig) {
+    return DispatchRecvArgs{.rt = rt,
+                            .row = row,
+                            .rank = rank,
+                            .src = src,
+                            .src_stride = src_stride,
+                            .recv_src_offset = st.recv_src_offset,
+                            .recv_x = out.recv_x.data,
+                            .recv_x_scales = out.recv_x_scales.data,
+                            .recv_topk_idx = out.recv_topk_idx.data,
+                            .recv_topk_weights = out.recv_topk_weights.data,
+                            .recv_src_token = st.recv_src_token,
+                            .max_rows = max_rows,
+                            .send_blocks = send_blocks,
+                            .sig = sig};
+}
+
+void LowLatencyKernels::dispatch_send(const void* x, const int64_t* topk_idx, int num_tokens,
+                                      cudaStream_t stream) const {
+    const LLLayoutArgs a{.rt = rt_,
+                         .topk_idx = topk_idx,
+                         .num_tokens = num_tokens,
+                         .topk32 = state_.topk32,
+                         .pos_in_expert = state_.pos_in_expert,
+                         .expert_count = state_.expert_count,
+                         .expert_offset = state_.expert_offset,
+                         .send_rows = state_.send_rows,
+                         .error = sig_.error,
+                         .error_mirror = sig_.error_mirror};
+    launch_ll_layout(a, stream);
+    const LLSendArgs s{.rt = rt_,
+                       .row = row_,
+                       .x = x,
+                       .num_tokens = num_tokens,
+                       .topk32 = state_.topk32,
+                       .pos_in_expert = state_.pos_in_expert,
+                       .expert_count = state_.expert_count,
+                       .expert_offset = state_.expert_offset,
+                       .dst = slots_.dispatch_dst,
+                       .header_bytes = slots_.header_bytes,
+                       .sig = sig_};
+    launch_ll_send(s, blocks_, stream);
+}
+
+void LowLatencyKernels::dispatch_recv(const LowLatencyOutput& out, cudaStream_t stream) const {
+    const LLRecvArgs r{.rt = rt_,
+                       .row = row_,
+                       .src = slots_.dispatch_src,
+                       .src_stride = slots_.dispatch_stride,
+                       .header_bytes = slots_.header_bytes,
+                       .rows_per_expert = rows_per_expert_,
+                       .recv_x = out.recv_x.data,
+                       .recv_x_scales = out.recv_x_scales.data,
+                       .out_recv_count = out.recv_count,
+                       .recv_count = state_.recv_count,
+                       .recv_range = state_.recv_range,
+                       .slot_base = state_.slot_base,
+                       .recv_src_token = state_.recv_src_token,
+                       .send_blocks = blocks_,
+                       .sig = sig_};
+    launch_ll_recv(r, blocks_, stream);
+}
+
+void LowLatencyKernels::combine_send(const void* y, cudaStream_t stream) const {
+    const LLCombineSendArgs s{.rt = rt_,
+                              .y = y,
+                              .rows_per_expert = rows_per_expert_,
+                              .recv_count = state_.recv_count,
+                              .recv_range = state_.recv_range,
+                              .slot_base = state_.slot_base,
+                              .dst = slots_.combine_dst,
+                              .row_stride = slots_.combine_row_bytes,
+                              .sig = sig_};
+    launch_ll_combine_send(s, blocks_, stream);
+}
+
+void LowLatencyKernels::combine_recv(const float* topk_weights, int num_tokens, void* out,
+                                     cudaStream_t stream) const {
+    const LLCombineRecvArgs r{.rt = rt_,
+                              .src = slots_.combine_src,
+                              .src_stride = slots_.combine_stride,
+                              .row_stride = slots_.combine_row_bytes,
+                              .topk32 = state_.topk32,
+                              .topk_weights = topk_weights,
+                              .pos_in_expert = state_.pos_in_expert,
+                              .expert_offset = state_.expert_offset,
+                              .num_tokens = num_tokens,
+                              .out = out,
+                              .send_blocks = blocks_,
+                              .sig = sig_};
+    launch_ll_combine_recv(r, blocks_, stream);
 }
 
 void copy_low_latency_handle(const Config& c, const LowLatencyState& s, const int64_t* topk_idx,

@@ -115,7 +115,8 @@ struct HostMappedSizes {
 // Limits of the device kernels; throws naming the field.
 void check_device_limits(const Config& c, const char* engine);
 
-// The device this rank uses: MOERL_EP_DEVICE, else LOCAL_RANK, else the rank, modulo the device count.
+// The device this rank uses: Config.device, else MOERL_EP_DEVICE, else LOCAL_RANK, else the rank, modulo
+// the device count.
 int select_device(const Config& c, const char* engine);
 
 // Device state of a normal-mode Handle (owned by the handle; freed stream-ordered).
@@ -161,6 +162,16 @@ class NormalStateCache : public std::enable_shared_from_this<NormalStateCache> {
     bool closed_ = false;                             // GUARDED_BY(mu_)
 };
 
+// The arguments of the normal dispatch kernels as both engines fill them: rows of x sent by the layout
+// in st to dst[r] (send), rows from src + s * src_stride into out (receive, at most max_rows). The
+// cuda engine adds its self-row and skip fields.
+DispatchSendArgs dispatch_send_args(const Routing& rt, const RowLayout& row, const void* x,
+                                    const int64_t* topk_idx, const float* topk_weights, int num_tokens,
+                                    const NormalState& st, uint8_t* const* dst, const Signals& sig);
+DispatchRecvArgs dispatch_recv_args(const Routing& rt, const RowLayout& row, int rank, const uint8_t* src,
+                                    size_t src_stride, const NormalState& st, const DispatchOutput& out,
+                                    int max_rows, int send_blocks, const Signals& sig);
+
 // Looks up the NormalState of a handle made by `owner`; throws when it is not one.
 NormalState& normal_state(const Handle& h, const void* owner, const char* what);
 
@@ -201,6 +212,51 @@ struct LowLatencyState {
     int* slot_base = nullptr;       // [L, W]
     int* recv_src_token = nullptr;  // [L, W*maxT]
     explicit LowLatencyState(const Config& c);
+};
+
+// Where an engine's low-latency rows go and come from (device pointers; the cuda engine's peers' slots,
+// the nccl engine's packing buffers).
+struct LowLatencySlots {
+    uint8_t* const* dispatch_dst = nullptr;  // [W] device array: this rank's dispatch slot at rank r
+    const uint8_t* dispatch_src = nullptr;  // dispatch rows from rank s at dispatch_src + s * dispatch_stride
+    size_t dispatch_stride = 0;
+    size_t header_bytes = 0;                // a dispatch slot starts with int32 counts [L], padded to this
+    uint8_t* const* combine_dst = nullptr;  // [W] device array: this rank's combine slot at rank s
+    const uint8_t* combine_src = nullptr;   // combined rows from rank s at combine_src + s * combine_stride
+    size_t combine_stride = 0;
+    size_t combine_row_bytes = 0;  // bytes between rows in a combine slot
+};
+
+// The four kernels of a low-latency dispatch and combine over a LowLatencyState and an engine's slots,
+// with their arguments filled in one place for both engines.
+class LowLatencyKernels {
+  public:
+    LowLatencyKernels(const Config& c, const LowLatencyState& state, const LowLatencySlots& slots,
+                      const Signals& sig, int blocks)
+        : rt_(make_routing(c)),
+          row_(make_row_layout(c)),
+          rows_per_expert_(c.low_latency_rows_per_expert()),
+          state_(state),
+          slots_(slots),
+          sig_(sig),
+          blocks_(blocks) {}
+    // The layout kernel, then the send kernel (rows into the dispatch slots).
+    void dispatch_send(const void* x, const int64_t* topk_idx, int num_tokens, cudaStream_t stream) const;
+    // The receive kernel: rows from the dispatch slots into out, expert-major.
+    void dispatch_recv(const LowLatencyOutput& out, cudaStream_t stream) const;
+    // Rows of y [L * rows_per_expert, H] back into the combine slots of their sources.
+    void combine_send(const void* y, cudaStream_t stream) const;
+    // out[t] = the top-k weighted sum of token t's rows from the combine slots.
+    void combine_recv(const float* topk_weights, int num_tokens, void* out, cudaStream_t stream) const;
+
+  private:
+    Routing rt_;
+    RowLayout row_;
+    int rows_per_expert_;
+    const LowLatencyState& state_;
+    LowLatencySlots slots_;
+    Signals sig_;
+    int blocks_;
 };
 
 // Fills the host vectors of a handle from the device state (one synchronisation by the caller).

@@ -109,6 +109,16 @@ class NcclEngine final : public Engine {
         sig_.error = error_.get<DeviceError>();
         sig_.rank = c_.rank;
         sig_.world = W;
+        LowLatencySlots slots;
+        slots.dispatch_dst = tables_.get<uint8_t*>() + W;
+        slots.dispatch_src = recv_.get<uint8_t>();
+        slots.dispatch_stride = ll_slot_;
+        slots.header_bytes = ll_header_;
+        slots.combine_dst = tables_.get<uint8_t*>() + 2 * W;
+        slots.combine_src = recv_.get<uint8_t>();
+        slots.combine_stride = llc_slot_;
+        slots.combine_row_bytes = static_cast<size_t>(c_.hidden) * c_.element_bytes();
+        ll_kernels_ = std::make_unique<LowLatencyKernels>(c_, *ll_, slots, sig_, blocks_);
     }
 
     ~NcclEngine() override {
@@ -179,42 +189,20 @@ class NcclEngine final : public Engine {
         }
         NormalState& st = normal_state(h, this, "dispatch");
         const int R = h.num_recv_tokens();
-        DispatchSendArgs s{};
-        s.rt = rt_;
-        s.row = row_;
-        s.x = x.data;
-        s.topk_idx = topk_idx.data;
-        s.topk_weights = topk_weights.data;
-        s.send_pos = st.send_pos;
-        s.num_tokens = T;
-        s.dst = tables_.get<uint8_t*>();
-        s.sig = sig_;
+        const DispatchSendArgs s = dispatch_send_args(rt_, row_, x.data, topk_idx.data, topk_weights.data, T,
+                                                      st, tables_.get<uint8_t*>(), sig_);
         launch_dispatch_send(s, blocks_, stream);
-        MOERL_NCCL_CHECK(ncclGroupStart());
-        for (int r = 0; r < W; ++r) {
-            MOERL_NCCL_CHECK(ncclSend(send_.get<uint8_t>() + r * dispatch_slot_,
-                                      static_cast<size_t>(h.num_send_per_rank[r]) * row_.row_bytes, ncclUint8,
-                                      r, comm_, stream));
-            MOERL_NCCL_CHECK(ncclRecv(recv_.get<uint8_t>() + r * dispatch_slot_,
-                                      static_cast<size_t>(h.num_recv_per_src[r]) * row_.row_bytes, ncclUint8,
-                                      r, comm_, stream));
-        }
-        MOERL_NCCL_CHECK(ncclGroupEnd());
-        DispatchRecvArgs r{};
-        r.rt = rt_;
-        r.row = row_;
-        r.rank = c_.rank;
-        r.src = recv_.get<uint8_t>();
-        r.src_stride = dispatch_slot_;
-        r.recv_src_offset = st.recv_src_offset;
-        r.recv_x = out.recv_x.data;
-        r.recv_x_scales = out.recv_x_scales.data;
-        r.recv_topk_idx = out.recv_topk_idx.data;
-        r.recv_topk_weights = out.recv_topk_weights.data;
-        r.recv_src_token = st.recv_src_token;
-        r.max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
-        r.send_blocks = blocks_;
-        r.sig = sig_;
+        exchange(
+            [&](int r) {
+                return Messages{send_.get<uint8_t>() + r * dispatch_slot_,
+                                static_cast<size_t>(h.num_send_per_rank[r]) * row_.row_bytes,
+                                recv_.get<uint8_t>() + r * dispatch_slot_,
+                                static_cast<size_t>(h.num_recv_per_src[r]) * row_.row_bytes};
+            },
+            stream);
+        const int max_rows = static_cast<int>(std::min<int64_t>(out.recv_x.rows, c_.max_recv_tokens()));
+        const DispatchRecvArgs r = dispatch_recv_args(rt_, row_, c_.rank, recv_.get<uint8_t>(),
+                                                      dispatch_slot_, st, out, max_rows, blocks_, sig_);
         launch_dispatch_recv(r, blocks_, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         if (reuse == nullptr) {
@@ -233,30 +221,27 @@ class NcclEngine final : public Engine {
     void combine(View<const void> y, const Handle& h, View<void> out) override {
         const cudaStream_t stream = begin("combine");
         NormalState& st = normal_state(h, this, "combine");
-        const int W = c_.world_size;
         const size_t row = static_cast<size_t>(c_.hidden) * c_.element_bytes();
         MOERL_CHECK(y.rows >= h.num_recv_tokens(), "combine: y has ", y.rows,
                     " rows, but the handle received ", h.num_recv_tokens());
         MOERL_CHECK(out.rows >= h.num_tokens, "combine: out has ", out.rows,
                     " rows, but the handle dispatched ", h.num_tokens, " tokens");
         // y rows are already grouped by source: send each group back as it is.
-        MOERL_NCCL_CHECK(ncclGroupStart());
-        for (int r = 0; r < W; ++r) {
-            MOERL_NCCL_CHECK(ncclSend(static_cast<const uint8_t*>(y.data) + h.recv_src_offset[r] * row,
-                                      h.num_recv_per_src[r] * row, ncclUint8, r, comm_, stream));
-            MOERL_NCCL_CHECK(ncclRecv(recv_.get<uint8_t>() + r * combine_slot_, h.num_send_per_rank[r] * row,
-                                      ncclUint8, r, comm_, stream));
-        }
-        MOERL_NCCL_CHECK(ncclGroupEnd());
-        CombineRecvArgs a{};
-        a.rt = rt_;
-        a.src = recv_.get<uint8_t>();
-        a.src_stride = combine_slot_;
-        a.row_stride = row;
-        a.send_pos = st.send_pos;
-        a.num_tokens = h.num_tokens;
-        a.out = out.data;
-        a.sig = sig_;
+        exchange(
+            [&](int r) {
+                return Messages{static_cast<const uint8_t*>(y.data) + h.recv_src_offset[r] * row,
+                                h.num_recv_per_src[r] * row, recv_.get<uint8_t>() + r * combine_slot_,
+                                h.num_send_per_rank[r] * row};
+            },
+            stream);
+        const CombineRecvArgs a{.rt = rt_,
+                                .src = recv_.get<uint8_t>(),
+                                .src_stride = combine_slot_,
+                                .row_stride = row,
+                                .send_pos = st.send_pos,
+                                .num_tokens = h.num_tokens,
+                                .out = out.data,
+                                .sig = sig_};
         launch_combine_recv(a, blocks_, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         sync_error(stream, "combine/data");
@@ -267,30 +252,7 @@ class NcclEngine final : public Engine {
         const cudaStream_t stream = begin("low_latency_dispatch");
         const int W = c_.world_size, L = c_.num_local_experts();
         const int T = static_cast<int>(x.rows);
-        LLLayoutArgs a{};
-        a.rt = rt_;
-        a.topk_idx = topk_idx.data;
-        a.num_tokens = T;
-        a.topk32 = ll_->topk32;
-        a.pos_in_expert = ll_->pos_in_expert;
-        a.expert_count = ll_->expert_count;
-        a.expert_offset = ll_->expert_offset;
-        a.send_rows = ll_->send_rows;
-        a.error = sig_.error;
-        launch_ll_layout(a, stream);
-        LLSendArgs s{};
-        s.rt = rt_;
-        s.row = row_;
-        s.x = x.data;
-        s.num_tokens = T;
-        s.topk32 = ll_->topk32;
-        s.pos_in_expert = ll_->pos_in_expert;
-        s.expert_count = ll_->expert_count;
-        s.expert_offset = ll_->expert_offset;
-        s.dst = tables_.get<uint8_t*>() + W;
-        s.header_bytes = ll_header_;
-        s.sig = sig_;
-        launch_ll_send(s, blocks_, stream);
+        ll_kernels_->dispatch_send(x.data, topk_idx.data, T, stream);
         // Counts first (the receiver must size its receives), then exactly the rows.
         int* send_summary = summaries_.get<int>();
         int* recv_summary = send_summary + static_cast<size_t>(W) * (1 + L);
@@ -305,31 +267,13 @@ class NcclEngine final : public Engine {
         const int* got = sent + static_cast<size_t>(W) * (1 + L);
         ll_send_rows_.assign(sent, sent + W);
         ll_recv_rows_.assign(got, got + W);
-        MOERL_NCCL_CHECK(ncclGroupStart());
-        for (int r = 0; r < W; ++r) {
-            MOERL_NCCL_CHECK(ncclSend(send_.get<uint8_t>() + r * ll_slot_,
-                                      ll_header_ + sent[r] * row_.row_bytes, ncclUint8, r, comm_, stream));
-            MOERL_NCCL_CHECK(ncclRecv(recv_.get<uint8_t>() + r * ll_slot_,
-                                      ll_header_ + got[r] * row_.row_bytes, ncclUint8, r, comm_, stream));
-        }
-        MOERL_NCCL_CHECK(ncclGroupEnd());
-        LLRecvArgs r{};
-        r.rt = rt_;
-        r.row = row_;
-        r.src = recv_.get<uint8_t>();
-        r.src_stride = ll_slot_;
-        r.header_bytes = ll_header_;
-        r.rows_per_expert = c_.low_latency_rows_per_expert();
-        r.recv_x = out.recv_x.data;
-        r.recv_x_scales = out.recv_x_scales.data;
-        r.out_recv_count = out.recv_count;
-        r.recv_count = ll_->recv_count;
-        r.recv_range = ll_->recv_range;
-        r.slot_base = ll_->slot_base;
-        r.recv_src_token = ll_->recv_src_token;
-        r.send_blocks = blocks_;
-        r.sig = sig_;
-        launch_ll_recv(r, blocks_, stream);
+        exchange(
+            [&](int r) {
+                return Messages{send_.get<uint8_t>() + r * ll_slot_, ll_header_ + sent[r] * row_.row_bytes,
+                                recv_.get<uint8_t>() + r * ll_slot_, ll_header_ + got[r] * row_.row_bytes};
+            },
+            stream);
+        ll_kernels_->dispatch_recv(out, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         LowLatencyHandle h;
         h.num_tokens = T;
@@ -346,40 +290,15 @@ class NcclEngine final : public Engine {
         const cudaStream_t stream = begin("low_latency_combine");
         MOERL_CHECK(h.device_state.get() == ll_.get(),
                     "low_latency_combine: the handle is not from a low_latency_dispatch of this buffer");
-        const int W = c_.world_size;
         const size_t row = static_cast<size_t>(c_.hidden) * c_.element_bytes();
-        LLCombineSendArgs s{};
-        s.rt = rt_;
-        s.y = y.data;
-        s.rows_per_expert = c_.low_latency_rows_per_expert();
-        s.recv_count = ll_->recv_count;
-        s.recv_range = ll_->recv_range;
-        s.slot_base = ll_->slot_base;
-        s.dst = tables_.get<uint8_t*>() + 2 * W;
-        s.row_stride = row;
-        s.sig = sig_;
-        launch_ll_combine_send(s, blocks_, stream);
-        MOERL_NCCL_CHECK(ncclGroupStart());
-        for (int r = 0; r < W; ++r) {
-            MOERL_NCCL_CHECK(ncclSend(send_.get<uint8_t>() + r * llc_slot_, ll_recv_rows_[r] * row, ncclUint8,
-                                      r, comm_, stream));
-            MOERL_NCCL_CHECK(ncclRecv(recv_.get<uint8_t>() + r * llc_slot_, ll_send_rows_[r] * row, ncclUint8,
-                                      r, comm_, stream));
-        }
-        MOERL_NCCL_CHECK(ncclGroupEnd());
-        LLCombineRecvArgs a{};
-        a.rt = rt_;
-        a.src = recv_.get<uint8_t>();
-        a.src_stride = llc_slot_;
-        a.row_stride = row;
-        a.topk32 = ll_->topk32;
-        a.topk_weights = topk_weights.data;
-        a.pos_in_expert = ll_->pos_in_expert;
-        a.expert_offset = ll_->expert_offset;
-        a.num_tokens = h.num_tokens;
-        a.out = out.data;
-        a.sig = sig_;
-        launch_ll_combine_recv(a, blocks_, stream);
+        ll_kernels_->combine_send(y.data, stream);
+        exchange(
+            [&](int r) {
+                return Messages{send_.get<uint8_t>() + r * llc_slot_, ll_recv_rows_[r] * row,
+                                recv_.get<uint8_t>() + r * llc_slot_, ll_send_rows_[r] * row};
+            },
+            stream);
+        ll_kernels_->combine_recv(topk_weights.data, h.num_tokens, out.data, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         sync_error(stream, "low_latency_combine/data");
     }
@@ -395,14 +314,30 @@ class NcclEngine final : public Engine {
         return current_stream();
     }
 
-    // Grouped exchange of n ints per peer: send[r*n..] to r, recv[s*n..] from s.
-    void exchange(const int* send, int* recv, int n, cudaStream_t stream) {
+    // What one grouped exchange sends to a rank and receives from it.
+    struct Messages {
+        const void* send;
+        size_t send_bytes;
+        void* recv;
+        size_t recv_bytes;
+    };
+
+    // One grouped ncclSend/ncclRecv with every rank; messages(r) gives rank r's Messages.
+    template <typename F>
+    void exchange(F&& messages, cudaStream_t stream) {
         MOERL_NCCL_CHECK(ncclGroupStart());
         for (int r = 0; r < c_.world_size; ++r) {
-            MOERL_NCCL_CHECK(ncclSend(send + r * n, n, ncclInt32, r, comm_, stream));
-            MOERL_NCCL_CHECK(ncclRecv(recv + r * n, n, ncclInt32, r, comm_, stream));
+            const Messages m = messages(r);
+            MOERL_NCCL_CHECK(ncclSend(m.send, m.send_bytes, ncclUint8, r, comm_, stream));
+            MOERL_NCCL_CHECK(ncclRecv(m.recv, m.recv_bytes, ncclUint8, r, comm_, stream));
         }
         MOERL_NCCL_CHECK(ncclGroupEnd());
+    }
+
+    // Grouped exchange of n ints per peer: send[r*n..] to r, recv[s*n..] from s.
+    void exchange(const int* send, int* recv, int n, cudaStream_t stream) {
+        const size_t bytes = n * sizeof(int);
+        exchange([&](int r) { return Messages{send + r * n, bytes, recv + r * n, bytes}; }, stream);
     }
 
     // Waits for the stream with the configured timeout (a dead peer leaves NCCL kernels spinning), then
@@ -451,6 +386,7 @@ class NcclEngine final : public Engine {
     PinnedMemory host_summaries_;
     PinnedMemory host_error_;
     std::unique_ptr<LowLatencyState> ll_;
+    std::unique_ptr<LowLatencyKernels> ll_kernels_;  // over ll_ and the packing buffers
     std::unique_ptr<LayoutState> layout_;
     std::vector<int> ll_send_rows_, ll_recv_rows_;  // rows of the last low-latency dispatch per rank
     Signals sig_;                                   // signalling off; error word only

@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "fabric/fabric_transport.hpp"
-#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 
 namespace moerl::ep {
@@ -26,7 +25,7 @@ bool provider_matches(const char* prov_name, const std::string& wanted) {
 
 }  // namespace
 
-Info select_info(const std::string& provider) {
+Info select_info(const std::string& provider, const std::string& domain) {
     MOERL_CHECK(!provider.empty(),
                 "fabric transport: fabric_provider is empty (expected e.g. tcp, shm, efa, verbs)");
     Info hints(fi_allocinfo());
@@ -40,14 +39,15 @@ Info select_info(const std::string& provider) {
     // All calls into the domain are serialised by the transport's mutex.
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->fabric_attr->prov_name = strdup(provider.c_str());  // fi_freeinfo frees it
-    if (auto domain = env::get("MOERL_FABRIC_DOMAIN")) hints->domain_attr->name = strdup(domain->c_str());
+    if (!domain.empty()) hints->domain_attr->name = strdup(domain.c_str());
 
     fi_info* list = nullptr;
     const int rc =
         fi_getinfo(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), nullptr, nullptr, 0, hints.get(), &list);
     Info owned(list);
-    MOERL_CHECK(rc == 0 || rc == -FI_ENODATA, "libfabric: fi_getinfo for provider '", provider,
-                "' failed: ", fi_strerror(-rc), " (", rc, ")");
+    MOERL_CHECK(rc == 0 || rc == -FI_ENODATA, "libfabric: fi_getinfo for provider '", provider, "'",
+                domain.empty() ? "" : " in domain '" + domain + "'", " failed: ", fi_strerror(-rc), " (", rc,
+                ")");
     std::string rejected;
     for (fi_info* info = list; info != nullptr; info = info->next) {
         if (!provider_matches(info->fabric_attr->prov_name, provider)) {
@@ -63,17 +63,18 @@ Info select_info(const std::string& provider) {
         MOERL_CHECK(chosen != nullptr, "libfabric: fi_dupinfo failed");
         return chosen;
     }
-    MOERL_FAIL(
-        "libfabric provider '", provider, "' offers no FI_EP_RDM endpoint with RMA writes and remote CQ data",
-        rejected.empty() ? std::string(" (fi_getinfo found nothing; try `fi_info -p ") + provider + "`)"
-                         : " (rejected:" + rejected + ")");
+    MOERL_FAIL("libfabric provider '", provider, "'", domain.empty() ? "" : " in domain '" + domain + "'",
+               " offers no FI_EP_RDM endpoint with RMA writes and remote CQ data",
+               rejected.empty()
+                   ? std::string(" (fi_getinfo found nothing; try `fi_info -p ") + provider + "`)"
+                   : " (rejected:" + rejected + ")");
 }
 
 }  // namespace fabric
 
 bool fabric_provider_available(const std::string& provider, std::string* why) {
     try {
-        fabric::select_info(provider);
+        fabric::select_info(provider, "");
         return true;
     } catch (const Error& e) {
         if (why != nullptr) *why = e.message();

@@ -33,7 +33,6 @@
 #include "fabric/fi_check.hpp"
 #include "fabric/record.hpp"
 #include "fabric/signal_code.hpp"
-#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 
 namespace moerl::ep {
@@ -43,9 +42,6 @@ namespace {
 using fabric::Fid;
 using fabric::Info;
 
-// Large writes are split so that one message never exceeds the provider's limit, and so that a
-// huge write does not monopolise the endpoint.
-constexpr size_t kDefaultChunkBytes = size_t{8} << 20;
 constexpr size_t kScratchBytes = 4096;
 constexpr size_t kScratchSrcOffset = 0;
 constexpr size_t kScratchDstOffset = 64;
@@ -154,16 +150,13 @@ class FabricTransport final : public Transport {
         peers_.resize(world_size_);
 
         try {
-            info_ = fabric::select_info(provider_);
+            info_ = fabric::select_info(provider_, options.fabric_domain);
             mr_mode_ = static_cast<uint64_t>(info_->domain_attr->mr_mode);
             rx_cq_data_ = (info_->mode & FI_RX_CQ_DATA) != 0;
-            chunk_bytes_ = std::min<size_t>(kDefaultChunkBytes, info_->ep_attr->max_msg_size);
-            // Tests shrink the chunk to exercise multi-chunk messages with small buffers.
-            const long chunk_override = env::get_int("MOERL_FABRIC_CHUNK_BYTES", 0);
-            MOERL_CHECK(chunk_override >= 0, "MOERL_FABRIC_CHUNK_BYTES = ", chunk_override,
-                        ", expected a positive byte count");
-            if (chunk_override > 0)
-                chunk_bytes_ = std::min<size_t>(chunk_override, info_->ep_attr->max_msg_size);
+            MOERL_CHECK(options.fabric_chunk_bytes >= kSignalBytes, name(),
+                        ": fabric_chunk_bytes = ", options.fabric_chunk_bytes,
+                        ", expected >= ", kSignalBytes);
+            chunk_bytes_ = std::min<size_t>(options.fabric_chunk_bytes, info_->ep_attr->max_msg_size);
             MOERL_CHECK(chunk_bytes_ >= kSignalBytes, name(),
                         ": provider max_msg_size = ", info_->ep_attr->max_msg_size, " is too small");
             open_endpoint();
@@ -704,7 +697,9 @@ class FabricTransport final : public Transport {
     Info info_;
     uint64_t mr_mode_ = 0;
     bool rx_cq_data_ = false;
-    size_t chunk_bytes_ = kDefaultChunkBytes;
+    // Largest single write (options.fabric_chunk_bytes, at most the provider's max_msg_size): larger
+    // ones are split so that one message never exceeds the provider's limit or monopolises the endpoint.
+    size_t chunk_bytes_ = 0;
     Fid<fid_fabric> fabric_;
     Fid<fid_domain> domain_;
     Fid<fid_cq> cq_;

@@ -15,9 +15,9 @@ constexpr uint64_t kMrModes =
     FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_RAW;
 
 // The first fi_info of `provider` (matched by prefix: "tcp" accepts "tcp;ofi_rxm") with an FI_EP_RDM
-// endpoint, RMA writes and at least 4 bytes of remote CQ data; the environment variable
-// MOERL_FABRIC_DOMAIN picks a domain (NIC) by name. Throws moerl::Error explaining why none fits.
-Info select_info(const std::string& provider);
+// endpoint, RMA writes and at least 4 bytes of remote CQ data, in `domain` (a NIC, by name) unless it is
+// empty. Throws moerl::Error explaining why none fits.
+Info select_info(const std::string& provider, const std::string& domain);
 
 }  // namespace fabric
 

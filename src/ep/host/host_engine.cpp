@@ -99,6 +99,8 @@ class HostEngine final : public Engine {
         o.region_bytes = region_.total;
         o.job_id = c_.job_id;
         o.fabric_provider = c_.fabric_provider;
+        o.fabric_domain = c_.fabric_domain;
+        o.fabric_chunk_bytes = c_.fabric_chunk_bytes;
         o.timeout_s = c_.timeout_s;
         o.store = store;
         t_ = make_transport(c_.transport, o);

@@ -76,14 +76,7 @@ __global__ void __launch_bounds__(kDataThreads) combine_recv_kernel(CombineRecvA
             return reinterpret_cast<const uint8_t*>(r < 32 ? a_r : b_r);
         };
         uint8_t* out = static_cast<uint8_t*>(a.out) + static_cast<size_t>(t) * y_row_bytes;
-        if constexpr (kVec) {
-            if (num_src <= 1)  // one row: more loads in flight, nothing to sum across
-                warp_sum_rows_vec<kDType, 8>(out, num_src, row_of, n, part, parts, lane);
-            else
-                warp_sum_rows_vec<kDType, 4>(out, num_src, row_of, n, part, parts, lane);
-        } else {
-            warp_sum_rows_scalar<kDType>(out, num_src, row_of, H, part, parts, lane);
-        }
+        warp_sum_rows<kDType, kVec>(out, num_src, row_of, H, part, parts, lane);
     }
     block_finish_recv(a.sig, kChCombine, epoch);
 }
@@ -95,21 +88,14 @@ void launch_combine_send(const CombineSendArgs& a, int blocks, cudaStream_t stre
 }
 
 void launch_combine_recv(const CombineRecvArgs& a, int blocks, cudaStream_t stream) {
-    const size_t row_bytes = static_cast<size_t>(a.rt.hidden) * (a.rt.dtype == 0 ? 4 : 2);
+    const size_t row_bytes = row_bytes_of(a.rt);
     const bool vec = ((row_bytes | a.row_stride | a.src_stride | reinterpret_cast<uintptr_t>(a.src) |
                        reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.self_y)) &
                       15) == 0;
-    if (a.rt.dtype == 0) {
-        if (vec)
-            combine_recv_kernel<0, true><<<blocks, kDataThreads, 0, stream>>>(a);
-        else
-            combine_recv_kernel<0, false><<<blocks, kDataThreads, 0, stream>>>(a);
-    } else {
-        if (vec)
-            combine_recv_kernel<1, true><<<blocks, kDataThreads, 0, stream>>>(a);
-        else
-            combine_recv_kernel<1, false><<<blocks, kDataThreads, 0, stream>>>(a);
-    }
+    with_dtype_and_vec(a.rt.dtype, vec, [&](auto dtype, auto vec_tag) {
+        combine_recv_kernel<decltype(dtype)::value, decltype(vec_tag)::value>
+            <<<blocks, kDataThreads, 0, stream>>>(a);
+    });
 }
 
 }  // namespace moerl::ep::cuda

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <type_traits>
+
 #include "kernels.hpp"
 
 namespace moerl::ep::cuda {
@@ -12,6 +14,28 @@ namespace moerl::ep::cuda {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kFp8MaxDev = 448.0f;
 constexpr int kFp8Cols = 128;
+
+// Bytes of one row of x or y (hidden elements of the routing's dtype).
+__host__ __device__ __forceinline__ size_t row_bytes_of(const Routing& rt) {
+    return static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
+}
+
+// Calls launch(dtype, vec) with std::integral_constant / std::bool_constant tags for a runtime dtype
+// (0 fp32, 1 bf16) and vec, so that a launcher instantiates kernel<kDType, kVec> through one switch.
+template <typename Launch>
+void with_dtype_and_vec(int dtype, bool vec, Launch&& launch) {
+    if (dtype == 0) {
+        if (vec)
+            launch(std::integral_constant<int, 0>{}, std::true_type{});
+        else
+            launch(std::integral_constant<int, 0>{}, std::false_type{});
+    } else {
+        if (vec)
+            launch(std::integral_constant<int, 1>{}, std::true_type{});
+        else
+            launch(std::integral_constant<int, 1>{}, std::false_type{});
+    }
+}
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {
     unsigned long long t;
@@ -202,6 +226,26 @@ __device__ __forceinline__ void for_each_routed_expert(const int64_t* topk_idx, 
 
 constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane in the row copies
 
+// v[u] = s[i0 + 32 u + lane] for the 16-byte units below `end` (zeros past it): kUnroll loads in flight.
+template <int kUnroll>
+__device__ __forceinline__ void load_units(int4 (&v)[kUnroll], const int4* s, int i0, int end, int lane) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * 32 + lane;
+        v[u] = i < end ? s[i] : make_int4(0, 0, 0, 0);
+    }
+}
+
+// d[i0 + 32 u + lane] = v[u] for the 16-byte units below `end` (the stores of load_units' loads).
+template <int kUnroll>
+__device__ __forceinline__ void store_units(int4* d, const int4 (&v)[kUnroll], int i0, int end, int lane) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * 32 + lane;
+        if (i < end) d[i] = v[u];
+    }
+}
+
 // Copies `bytes` with the widest access the alignment allows; the warp's lanes stride the row, each
 // with kCopyUnroll loads in flight. Plain (coherent) loads: the source may be a slot a peer wrote
 // during this kernel. No shuffles, so lanes of a warp may call it divergently.
@@ -214,16 +258,8 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
         const int n = bytes / 16;
         for (int i0 = 0; i0 < n; i0 += 32 * kCopyUnroll) {
             int4 v[kCopyUnroll];
-#pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u) {
-                const int i = i0 + u * 32 + lane;
-                v[u] = i < n ? s[i] : make_int4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u) {
-                const int i = i0 + u * 32 + lane;
-                if (i < n) d[i] = v[u];
-            }
+            load_units(v, s, i0, n, lane);
+            store_units(d, v, i0, n, lane);
         }
     } else if ((align & 3) == 0) {
         auto* d = static_cast<int*>(dst);
@@ -257,20 +293,12 @@ __device__ __forceinline__ void warp_copy_fanout(uint8_t* dst, const void* src, 
     const int n = bytes / 16;
     for (int i0 = 0; i0 < n; i0 += 32 * kCopyUnroll) {
         int4 v[kCopyUnroll];
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-            const int i = i0 + u * 32 + lane;
-            v[u] = i < n ? s[i] : make_int4(0, 0, 0, 0);
-        }
+        load_units(v, s, i0, n, lane);
         for (unsigned m = dests; m != 0; m &= m - 1) {
             const int j = __ffs(m) - 1;
             auto* d =
                 reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(dst), j));
-#pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u) {
-                const int i = i0 + u * 32 + lane;
-                if (i < n) d[i] = v[u];
-            }
+            store_units(d, v, i0, n, lane);
         }
     }
 }
@@ -474,11 +502,7 @@ __device__ __forceinline__ void warp_sum_rows_vec(uint8_t* out, int num_rows, co
             float w;
             const auto* row = reinterpret_cast<const int4*>(row_of(r, w));
             int4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int c = c0 + u * 32 + lane;
-                v[u] = c < n ? row[c] : make_int4(0, 0, 0, 0);
-            }
+            load_units(v, row, c0, n, lane);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) V::add(acc[u], v[u], w);
         }
@@ -503,6 +527,22 @@ __device__ __forceinline__ void warp_sum_rows_scalar(uint8_t* out, int num_rows,
             if (c < H) acc += w * load_elem(row, c, kDType);
         }
         if (c < H) store_elem(out, c, acc, kDType);
+    }
+}
+
+// out = the weighted sum of num_rows rows (row_of), columns of part `part` of `parts`: 16-byte accesses
+// with kVec, element by element otherwise. One row (nothing to sum across) takes more loads in flight.
+template <int kDType, bool kVec, typename RowOf>
+__device__ __forceinline__ void warp_sum_rows(uint8_t* out, int num_rows, const RowOf& row_of, int H,
+                                              int part, int parts, int lane) {
+    if constexpr (kVec) {
+        const int n = H / Vec16<kDType>::kElems;
+        if (num_rows <= 1)
+            warp_sum_rows_vec<kDType, 8>(out, num_rows, row_of, n, part, parts, lane);
+        else
+            warp_sum_rows_vec<kDType, 4>(out, num_rows, row_of, n, part, parts, lane);
+    } else {
+        warp_sum_rows_scalar<kDType>(out, num_rows, row_of, H, part, parts, lane);
     }
 }
 

@@ -10,7 +10,7 @@ __global__ void __launch_bounds__(kDataThreads) dispatch_send_kernel(DispatchSen
     const Routing rt = a.rt;
     const RowLayout rl = a.row;
     const int W = rt.world, K = rt.top_k, L = rt.num_local_experts, lane = threadIdx.x & 31;
-    const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
+    const size_t x_row_bytes = row_bytes_of(rt);
     const int num_scales = rt.hidden / kFp8Cols;
     const int self = a.self_recv_x != nullptr ? a.rank : -1;
     const int self_first = self >= 0 ? a.recv_src_offset[self] : 0;

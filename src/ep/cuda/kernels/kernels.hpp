@@ -178,16 +178,6 @@ struct CombineRecvArgs {
 };
 void launch_combine_recv(const CombineRecvArgs& a, int blocks, cudaStream_t stream);
 
-// Knobs of the one-rank dispatch kernel (MOERL_EP_SOLO_*, read once by the engine). Every value in range
-// gives the same result; they change only how the rows are copied.
-struct SoloTuning {
-    int prefetch_rows = 16;  // rows at the start of each tile asked into L2 while the block counts (0: none)
-    int warps_per_row = 0;  // 1..16 warps share a row; 0: one, or more while a tile has fewer rows than warps
-    int unroll = 16;        // 16-byte loads in flight per lane: 4, 8 or 16
-    int cache = 0;          // bit 0: loads of x evict first (ld.global.cs); bit 1: stores evict first
-    int lookback_ns = 20000;  // wait for an earlier tile's count, then count that tile in this block
-};
-
 // Normal dispatch of one rank in one kernel (a permute): counts, rows and the copy, no layout kernel
 // and no signals. A grid of `tiles` blocks; tile j holds tokens [j * T / tiles, (j+1) * T / tiles)
 // (sizes differ by at most one, so every block has work). Token t gets row = number of earlier tokens that
@@ -219,13 +209,7 @@ struct SoloDispatchArgs {
     int max_rows;                // rows of the outputs; rows past it are not stored
     DeviceError* error;
     DeviceError* error_mirror;  // host-mapped copy of *error, or null
-    SoloTuning tuning;
-    // Phase times for finding where a call's time goes (MOERL_EP_SOLO_TRACE), or null: per tile
-    // kSoloTracePhases global-timer readings (ns) by its block's first thread — start, the tile's
-    // count published, its row offset known, the block's arrival counted, the last row written.
-    unsigned long long* trace;
 };
-constexpr int kSoloTracePhases = 5;
 void launch_solo_dispatch(const SoloDispatchArgs& a, cudaStream_t stream);
 
 // Normal combine of one rank: out[t] = y[send_pos[t]], or zeros where send_pos[t] = -1. A grid of

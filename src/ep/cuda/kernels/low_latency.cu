@@ -11,7 +11,7 @@ __global__ void __launch_bounds__(kDataThreads) ll_send_kernel(LLSendArgs a) {
     const Routing rt = a.rt;
     const RowLayout rl = a.row;
     const int W = rt.world, L = rt.num_local_experts, K = rt.top_k, lane = threadIdx.x & 31;
-    const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
+    const size_t x_row_bytes = row_bytes_of(rt);
     const unsigned long long epoch = current_epoch(a.sig, kChLLDispatch);
     if (!block_wait_slots_free(a.sig, kChLLDispatch, epoch)) return;
     if (blockIdx.x == 0)  // slot header: int32 counts[L] of the experts of rank r
@@ -180,14 +180,7 @@ __global__ void __launch_bounds__(kDataThreads) ll_combine_recv_kernel(LLCombine
             return reinterpret_cast<const uint8_t*>(__shfl_sync(kFullMask, row_r, r));
         };
         uint8_t* out = static_cast<uint8_t*>(a.out) + static_cast<size_t>(t) * H * elem;
-        if constexpr (kVec) {
-            if (n <= 1)
-                warp_sum_rows_vec<kDType, 8>(out, n, row_of, n_cols, part, parts, lane);
-            else
-                warp_sum_rows_vec<kDType, 4>(out, n, row_of, n_cols, part, parts, lane);
-        } else {
-            warp_sum_rows_scalar<kDType>(out, n, row_of, H, part, parts, lane);
-        }
+        warp_sum_rows<kDType, kVec>(out, n, row_of, H, part, parts, lane);
     }
     block_finish_recv(a.sig, kChLLCombine, epoch);
 }
@@ -209,21 +202,14 @@ void launch_ll_combine_send(const LLCombineSendArgs& a, int blocks, cudaStream_t
 }
 
 void launch_ll_combine_recv(const LLCombineRecvArgs& a, int blocks, cudaStream_t stream) {
-    const size_t row_bytes = static_cast<size_t>(a.rt.hidden) * (a.rt.dtype == 0 ? 4 : 2);
+    const size_t row_bytes = row_bytes_of(a.rt);
     const bool vec = ((row_bytes | a.row_stride | a.src_stride | reinterpret_cast<uintptr_t>(a.src) |
                        reinterpret_cast<uintptr_t>(a.out)) &
                       15) == 0;
-    if (a.rt.dtype == 0) {
-        if (vec)
-            ll_combine_recv_kernel<0, true><<<blocks, kDataThreads, 0, stream>>>(a);
-        else
-            ll_combine_recv_kernel<0, false><<<blocks, kDataThreads, 0, stream>>>(a);
-    } else {
-        if (vec)
-            ll_combine_recv_kernel<1, true><<<blocks, kDataThreads, 0, stream>>>(a);
-        else
-            ll_combine_recv_kernel<1, false><<<blocks, kDataThreads, 0, stream>>>(a);
-    }
+    with_dtype_and_vec(a.rt.dtype, vec, [&](auto dtype, auto vec_tag) {
+        ll_combine_recv_kernel<decltype(dtype)::value, decltype(vec_tag)::value>
+            <<<blocks, kDataThreads, 0, stream>>>(a);
+    });
 }
 
 }  // namespace moerl::ep::cuda

@@ -5,9 +5,9 @@
 // Then the block copies its rows, while its first warp adds the block to the call's arrivals; the last
 // block to arrive writes the summaries, which the host reads from mapped memory: no layout kernel, no
 // copy on the stream, no gap between two kernels. While a block counts and sums, the first rows of its
-// tile are already on their way into L2. How the rows are copied (warps per row, loads in flight, cache
-// hints, prefetch) follows SoloTuning (kernels.hpp). Combine is the inverse gather: each block loads
-// the send_pos of its tokens at once, so that no warp waits on it before its row loads.
+// tile are already on their way into L2. The constants below are the winners of the sweeps in
+// bench/RESULTS.md ("EP on one H200"). Combine is the inverse gather: each block loads the send_pos of
+// its tokens at once, so that no warp waits on it before its row loads.
 #include <cstdio>
 
 #include "common.cuh"
@@ -18,6 +18,10 @@ namespace {
 
 constexpr int kSoloWarps = kDataThreads / 32;
 constexpr int kLookBackWords = 4;  // tile_state words per lane in flight
+constexpr int kSoloUnroll = 16;    // 16-byte loads in flight per lane in the row copy
+constexpr int kPrefetchRows = 16;  // rows at the start of each tile asked into L2 while the block counts
+// How long a block waits for an earlier tile's count before it counts that tile itself.
+constexpr unsigned long long kLookBackPatienceNs = 20000;
 
 // A tile_state word: the call's seq in the high half (stale words never match), the tile's count below.
 __device__ __forceinline__ unsigned long long tile_word(unsigned seq, int count) {
@@ -53,12 +57,11 @@ __device__ __forceinline__ int warp_count_tile(const SoloDispatchArgs& a, int ti
 }
 
 // Tokens with a valid expert in the tiles before `tile`, by one warp (all lanes get the sum). A count
-// still unpublished tuning.lookback_ns after the first look is counted by the warp itself.
+// still unpublished kLookBackPatienceNs after the first look is counted by the warp itself.
 __device__ __forceinline__ int warp_rows_before(const SoloDispatchArgs& a, int tile, int lane) {
     const unsigned long long* tile_state = a.scratch.tile_state;
     const unsigned seq = a.seq;
-    const unsigned long long start = global_timer_ns(),
-                             patience = static_cast<unsigned long long>(a.tuning.lookback_ns);
+    const unsigned long long start = global_timer_ns();
     int sum = 0;
     for (int base = 0; base < tile; base += 32 * kLookBackWords) {
         unsigned long long v[kLookBackWords];
@@ -70,7 +73,8 @@ __device__ __forceinline__ int warp_rows_before(const SoloDispatchArgs& a, int t
 #pragma unroll
         for (int u = 0; u < kLookBackWords; ++u) {
             const unsigned long long* word = tile_state + base + u * 32 + lane;
-            while ((v[u] >> 32) != seq && global_timer_ns() - start < patience) v[u] = load_volatile(word);
+            while ((v[u] >> 32) != seq && global_timer_ns() - start < kLookBackPatienceNs)
+                v[u] = load_volatile(word);
             for (unsigned late = __ballot_sync(kFullMask, (v[u] >> 32) != seq); late != 0; late &= late - 1) {
                 const int src = __ffs(late) - 1;
                 const int count = warp_count_tile(a, base + u * 32 + src, lane);
@@ -89,10 +93,8 @@ __device__ __forceinline__ void block_prefetch_l2(const uint8_t* p, size_t bytes
 }
 
 // Part `part` of `parts` of a row copy: a contiguous range of 16-byte units (bounds on 128-byte steps),
-// kUnroll loads in flight per lane. kCache bit 0: loads evict first; bit 1: stores evict first. The
-// source is the caller's x, which nothing writes during the kernel. Rows that are not 16-byte multiples
-// take 4- or 1-byte accesses, split the same way.
-template <int kUnroll, int kCache>
+// kSoloUnroll loads in flight per lane. The source is the caller's x, which nothing writes during the
+// kernel. Rows that are not 16-byte multiples take 4- or 1-byte accesses, split the same way.
 __device__ __forceinline__ void warp_copy_part(uint8_t* dst, const uint8_t* src, int bytes, int part,
                                                int parts, int lane) {
     const uintptr_t align =
@@ -116,32 +118,16 @@ __device__ __forceinline__ void warp_copy_part(uint8_t* dst, const uint8_t* src,
         part == parts - 1 ? n : static_cast<int>(static_cast<long long>(n) * (part + 1) / parts) & ~7;
     auto* d = reinterpret_cast<int4*>(dst);
     const auto* s = reinterpret_cast<const int4*>(src);
-    for (int i0 = lo; i0 < hi; i0 += 32 * kUnroll) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int i = i0 + u * 32 + lane;
-            if constexpr ((kCache & 1) != 0)
-                v[u] = i < hi ? __ldcs(s + i) : make_int4(0, 0, 0, 0);
-            else
-                v[u] = i < hi ? s[i] : make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int i = i0 + u * 32 + lane;
-            if (i >= hi) continue;
-            if constexpr ((kCache & 2) != 0)
-                __stcs(d + i, v[u]);
-            else
-                d[i] = v[u];
-        }
+    for (int i0 = lo; i0 < hi; i0 += 32 * kSoloUnroll) {
+        int4 v[kSoloUnroll];
+        load_units(v, s, i0, hi, lane);
+        store_units(d, v, i0, hi, lane);
     }
 }
 
 // Part `part` of `parts` of token t into output row i: data (or e4m3 + scales), and with part 0 the
 // token's ids and weights (one rank owns every expert, so local ids are the global ones). Ids and
 // weights are loaded first, so that they travel with the row's first loads.
-template <int kUnroll, int kCache>
 __device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t, int i, int part, int parts,
                                                int lane) {
     const Routing& rt = a.rt;
@@ -150,7 +136,7 @@ __device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t,
     const size_t entry = static_cast<size_t>(t) * K + lane;
     const long long e = meta ? a.topk_idx[entry] : -1;
     const float w = meta && a.topk_weights != nullptr ? a.topk_weights[entry] : 0.0f;
-    const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
+    const size_t x_row_bytes = row_bytes_of(rt);
     const auto* src = static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t) * x_row_bytes;
     auto* dst = static_cast<uint8_t*>(a.recv_x) + static_cast<size_t>(i) * a.row.data_bytes;
     if (rt.fp8) {
@@ -159,7 +145,7 @@ __device__ __forceinline__ void warp_write_row(const SoloDispatchArgs& a, int t,
             dst, a.recv_x_scales != nullptr ? a.recv_x_scales + static_cast<size_t>(i) * num_scales : nullptr,
             reinterpret_cast<const __nv_bfloat16*>(src), rt.hidden, lane, part, parts);
     } else {
-        warp_copy_part<kUnroll, kCache>(dst, src, static_cast<int>(x_row_bytes), part, parts, lane);
+        warp_copy_part(dst, src, static_cast<int>(x_row_bytes), part, parts, lane);
     }
     if (meta) {
         const bool valid = e >= 0 && e < rt.num_experts;
@@ -212,29 +198,25 @@ __device__ __forceinline__ void warp_arrive(const SoloDispatchArgs& a, int lane)
     if (lane == 0) *reinterpret_cast<volatile unsigned*>(a.counts_ready) = a.seq;
 }
 
-template <int kUnroll, int kCache>
 __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatchArgs a) {
     const Routing rt = a.rt;
     const int K = rt.top_k, E = rt.num_experts;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const LayoutScratch& g = a.scratch;
-    const size_t x_row_bytes = static_cast<size_t>(rt.hidden) * (rt.dtype == 0 ? 4 : 2);
+    const size_t x_row_bytes = row_bytes_of(rt);
     __shared__ int expert_count[kMaxExperts];
     __shared__ int rows[kDataThreads];  // output row of each token of the current group, or -1
     __shared__ int warp_count[kSoloWarps];
     __shared__ int tile_count, tile_base;
     const int tile = static_cast<int>(blockIdx.x);
-    unsigned long long* trace =
-        a.trace != nullptr ? a.trace + static_cast<size_t>(tile) * kSoloTracePhases : nullptr;
-    if (trace != nullptr && tid == 0) trace[0] = global_timer_ns();
     const int t0 = tile_begin(tile, a.num_tokens, a.tiles), t1 = tile_begin(tile + 1, a.num_tokens, a.tiles);
     // The first ids of the thread's first token are on their way before anything else.
     long long first_ids[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
     if (t0 + tid < t1) load_ids(first_ids, a.topk_idx, t0 + tid, 0, K);
-    // x [T, H]: the tile's first rows are contiguous. (Asked for after the count is published instead,
-    // they delay the look-back more than the count: 56.5 against 53.8 us, 4096 tokens on an H200.)
+    // x [T, H]: the tile's first rows are contiguous. Asked for now, not after the count is published
+    // (that delays the look-back: bench/RESULTS.md).
     block_prefetch_l2(static_cast<const uint8_t*>(a.x) + static_cast<size_t>(t0) * x_row_bytes,
-                      static_cast<size_t>(min(t1 - t0, a.tuning.prefetch_rows)) * x_row_bytes);
+                      static_cast<size_t>(min(t1 - t0, kPrefetchRows)) * x_row_bytes);
     if (tid == 0) tile_count = 0;
     for (int i = tid; i < E; i += kDataThreads) expert_count[i] = 0;
     __syncthreads();
@@ -264,7 +246,6 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
     if (tid == 0) {
         *reinterpret_cast<volatile unsigned long long*>(g.tile_state + tile) = tile_word(a.seq, tile_count);
         if (tile_count != 0) atomicAdd(&g.rank_total[0], tile_count);
-        if (trace != nullptr) trace[1] = global_timer_ns();
     }
     for (int i = tid; i < E; i += kDataThreads)
         if (expert_count[i] != 0) atomicAdd(&g.expert_total[i], expert_count[i]);
@@ -273,7 +254,6 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         if (lane == 0) tile_base = before;
     }
     __syncthreads();
-    if (trace != nullptr && tid == 0) trace[2] = global_timer_ns();
 
     // Rows, in groups of one token per thread: the block's offset plus the valid tokens before it in the
     // tile; then the warps copy the group's rows, `parts` warps per row (parts of one row on neighbouring
@@ -307,29 +287,19 @@ __global__ void __launch_bounds__(kDataThreads) solo_dispatch_kernel(SoloDispatc
         }
         rows[tid] = row;
         __syncthreads();
-        if (g0 == t0 && warp == 0) {
-            warp_arrive(a, lane);
-            if (trace != nullptr && lane == 0) trace[3] = global_timer_ns();
-        }
+        if (g0 == t0 && warp == 0) warp_arrive(a, lane);
         const int n = min(kDataThreads, t1 - g0);
-        const int parts = a.tuning.warps_per_row > 0 ? a.tuning.warps_per_row : max(1, kSoloWarps / n);
+        const int parts = max(1, kSoloWarps / n);  // more warps a row while a group has fewer rows than warps
         for (int item = warp; item < n * parts; item += kSoloWarps) {
             const int j = item / parts, part = item - j * parts;
             const int i = rows[j];
             if (i < 0 || i >= a.max_rows) continue;  // the host reports the short output
-            warp_write_row<kUnroll, kCache>(a, g0 + j, i, part, parts, lane);
+            warp_write_row(a, g0 + j, i, part, parts, lane);
         }
         base += group_rows;
         __syncthreads();  // rows and warp_count are rewritten by the next group
     }
-    if (t0 == t1 && warp == 0) {  // an empty tile (no tokens at all)
-        warp_arrive(a, lane);
-        if (trace != nullptr && lane == 0) trace[3] = global_timer_ns();
-    }
-    if (trace != nullptr) {
-        __syncthreads();
-        if (tid == 0) trace[4] = global_timer_ns();
-    }
+    if (t0 == t1 && warp == 0) warp_arrive(a, lane);  // an empty tile (no tokens at all)
 }
 
 // out[t] = y[send_pos[t]] through the same fp32 sum as combine_recv_kernel (zeros for a token that was
@@ -361,67 +331,27 @@ __global__ void __launch_bounds__(kDataThreads) solo_combine_kernel(SoloCombineA
                 return src;
             };
             uint8_t* out = static_cast<uint8_t*>(a.out) + static_cast<size_t>(g0 + j) * row_bytes;
-            const int num_rows = p >= 0 ? 1 : 0;
-            if constexpr (kVec)
-                warp_sum_rows_vec<kDType, kUnroll>(out, num_rows, row_of, n, part, parts, lane);
-            else
-                warp_sum_rows_scalar<kDType>(out, num_rows, row_of, H, part, parts, lane);
+            warp_sum_rows<kDType, kVec>(out, p >= 0 ? 1 : 0, row_of, H, part, parts, lane);
         }
         __syncthreads();  // pos is rewritten by the next group
-    }
-}
-
-template <int kUnroll>
-void launch_solo_dispatch_unrolled(const SoloDispatchArgs& a, cudaStream_t stream) {
-    const int tiles = a.tiles;
-    switch (a.tuning.cache) {
-        case 1:
-            solo_dispatch_kernel<kUnroll, 1><<<tiles, kDataThreads, 0, stream>>>(a);
-            break;
-        case 2:
-            solo_dispatch_kernel<kUnroll, 2><<<tiles, kDataThreads, 0, stream>>>(a);
-            break;
-        case 3:
-            solo_dispatch_kernel<kUnroll, 3><<<tiles, kDataThreads, 0, stream>>>(a);
-            break;
-        default:
-            solo_dispatch_kernel<kUnroll, 0><<<tiles, kDataThreads, 0, stream>>>(a);
-            break;
     }
 }
 
 }  // namespace
 
 void launch_solo_dispatch(const SoloDispatchArgs& a, cudaStream_t stream) {
-    switch (a.tuning.unroll) {
-        case 4:
-            launch_solo_dispatch_unrolled<4>(a, stream);
-            break;
-        case 8:
-            launch_solo_dispatch_unrolled<8>(a, stream);
-            break;
-        default:
-            launch_solo_dispatch_unrolled<16>(a, stream);
-            break;
-    }
+    solo_dispatch_kernel<<<a.tiles, kDataThreads, 0, stream>>>(a);
 }
 
 void launch_solo_combine(const SoloCombineArgs& a, cudaStream_t stream) {
     const int tiles = a.tiles;
-    const size_t row_bytes = static_cast<size_t>(a.rt.hidden) * (a.rt.dtype == 0 ? 4 : 2);
+    const size_t row_bytes = row_bytes_of(a.rt);
     const bool vec =
         ((row_bytes | reinterpret_cast<uintptr_t>(a.y) | reinterpret_cast<uintptr_t>(a.out)) & 15) == 0;
-    if (a.rt.dtype == 0) {
-        if (vec)
-            solo_combine_kernel<0, true><<<tiles, kDataThreads, 0, stream>>>(a);
-        else
-            solo_combine_kernel<0, false><<<tiles, kDataThreads, 0, stream>>>(a);
-    } else {
-        if (vec)
-            solo_combine_kernel<1, true><<<tiles, kDataThreads, 0, stream>>>(a);
-        else
-            solo_combine_kernel<1, false><<<tiles, kDataThreads, 0, stream>>>(a);
-    }
+    with_dtype_and_vec(a.rt.dtype, vec, [&](auto dtype, auto vec_tag) {
+        solo_combine_kernel<decltype(dtype)::value, decltype(vec_tag)::value>
+            <<<tiles, kDataThreads, 0, stream>>>(a);
+    });
 }
 
 }  // namespace moerl::ep::cuda
