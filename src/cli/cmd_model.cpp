@@ -2,16 +2,20 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include "bench_util.hpp"
 #include "commands.hpp"
+#include "moerl/control/control.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/model/config.hpp"
 #include "moerl/model/model.hpp"
@@ -34,14 +38,35 @@ std::string dtype_name(at::ScalarType t) {
     return t == at::kFloat ? "float32" : (t == at::kBFloat16 ? "bfloat16" : "float16");
 }
 
+// Writes a random checkpoint into a staging directory beside `out`, then renames it into place, so
+// `out` never holds a mix of old and new files (an old shard or index next to a new model).
 void model_init(const std::string& config_path, const std::string& out, uint64_t seed, int shard_mb,
-                const std::string& dtype) {
+                const std::string& dtype, bool force) {
+    namespace fs = std::filesystem;
     model::ModelConfig config = model::ModelConfig::load(config_path);
     const std::string stored = dtype_name(dtype_of(dtype.empty() ? config.torch_dtype : dtype));
     MOERL_CHECK(shard_mb >= 0, "--shard-mb ", shard_mb, " must be >= 0");
+    const fs::path target = fs::absolute(out).lexically_normal();
+    const bool occupied = fs::exists(target) && !(fs::is_directory(target) && fs::is_empty(target));
+    MOERL_CHECK(!occupied || force, "model init: --out ", target.string(),
+                " already exists and is not empty; pass --force to replace it");
+    MOERL_CHECK(!fs::exists(target) || fs::is_directory(target), "model init: --out ", target.string(),
+                " is a file, not a directory");
+    fs::create_directories(target.parent_path());
+    const fs::path staging =
+        target.parent_path() / ("." + target.filename().string() + ".init-" + std::to_string(::getpid()));
+    fs::remove_all(staging);
     model::MoeModel m(config, {at::kCPU, dtype_of(stored)});
     m.init_random(seed);
-    m.save_pretrained(out, static_cast<uint64_t>(shard_mb) << 20, stored);
+    try {
+        m.save_pretrained(staging.string(), static_cast<uint64_t>(shard_mb) << 20, stored);
+        fs::remove_all(target);
+        fs::rename(staging, target);
+    } catch (...) {
+        std::error_code ec;
+        fs::remove_all(staging, ec);
+        throw;
+    }
     std::printf("wrote %s: %s parameters (%s active per token), %s, %s\n", out.c_str(),
                 human_count(static_cast<double>(config.num_parameters())).c_str(),
                 human_count(static_cast<double>(config.num_active_parameters())).c_str(), stored.c_str(),
@@ -49,9 +74,18 @@ void model_init(const std::string& config_path, const std::string& out, uint64_t
 }
 
 void ckpt_inspect(const std::string& dir) {
+    // The manifest first: a damaged or mixed checkpoint fails before anything is read from it.
+    const std::optional<control::Manifest> manifest = control::verify_checkpoint_dir(dir);
     model::ModelConfig c = model::ModelConfig::load(dir);
     model::CheckpointReader reader(dir);
     std::printf("checkpoint %s\n", dir.c_str());
+    if (manifest) {
+        std::printf("  manifest      version %lld, step %lld: %zu files, sizes and sha256 verified\n",
+                    static_cast<long long>(manifest->version), static_cast<long long>(manifest->step),
+                    manifest->files.size());
+    } else {
+        std::printf("  manifest      none (not published by moerl): file contents are not verified\n");
+    }
     std::printf("  architecture  Qwen3-MoE: %d layers (%d MoE), hidden %d, vocab %d\n", c.num_hidden_layers,
                 c.num_moe_layers(), c.hidden_size, c.vocab_size);
     std::printf("  attention     %d query heads, %d key/value heads, head_dim %d, rope_theta %g\n",
@@ -223,6 +257,7 @@ void register_model_commands(CLI::App& app, CLI::App& bench) {
         std::string config, out, dtype;
         uint64_t seed = 0;
         int shard_mb = 0;
+        bool force = false;
     };
     auto init = std::make_shared<InitArgs>();
     CLI::App* init_cmd = model_cmd->add_subcommand("init", "Write a randomly initialised checkpoint");
@@ -230,10 +265,12 @@ void register_model_commands(CLI::App& app, CLI::App& bench) {
     init_cmd->add_option("--out", init->out, "Output directory")->required();
     init_cmd->add_option("--seed", init->seed, "Random seed");
     init_cmd->add_option("--shard-mb", init->shard_mb, "Largest shard in MiB (0: one model.safetensors)");
+    init_cmd->add_flag("--force", init->force, "Replace a non-empty --out directory");
     init_cmd->add_option("--dtype", init->dtype,
                          "Stored dtype: bfloat16, float16, float32 (default: torch_dtype)");
-    init_cmd->callback(
-        [init] { model_init(init->config, init->out, init->seed, init->shard_mb, init->dtype); });
+    init_cmd->callback([init] {
+        model_init(init->config, init->out, init->seed, init->shard_mb, init->dtype, init->force);
+    });
 
     CLI::App* ckpt = subcommand(app, "ckpt", "Checkpoint tools");
     auto dir = std::make_shared<std::string>();
