@@ -1,0 +1,86 @@
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include "regex.hpp"
+
+#include <pcre2.h>
+
+#include "moerl/core/error.hpp"
+
+namespace moerl::text::detail {
+
+namespace {
+
+constexpr uint32_t kMatchLimit = 10'000'000;   // backtracking steps per search
+constexpr uint32_t kHeapLimitKib = 64 * 1024;  // backtracking memory per search
+
+std::string error_text(int code) {
+    PCRE2_UCHAR buf[256];
+    pcre2_get_error_message(code, buf, sizeof buf);
+    return reinterpret_cast<const char*>(buf);
+}
+
+}  // namespace
+
+Regex::Regex(const std::string& pattern, bool dotall, const std::string& what) : what_(what) {
+    int err = 0;
+    PCRE2_SIZE offset = 0;
+    uint32_t flags = PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | (dotall ? PCRE2_DOTALL : 0);
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), flags,
+                                     &err, &offset, nullptr);
+    MOERL_CHECK(code != nullptr, what, ": the pattern '", pattern, "' does not compile at offset ", offset,
+                ": ", error_text(err));
+    code_ = code;
+    uint32_t count = 0;
+    pcre2_pattern_info(code, PCRE2_INFO_CAPTURECOUNT, &count);
+    num_groups_ = static_cast<int>(count);
+}
+
+Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
+
+Regex::Result Regex::search(std::string_view subject, size_t start, Match& out) const {
+    auto* code = static_cast<pcre2_code*>(code_);
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
+    pcre2_match_context* ctx = pcre2_match_context_create(nullptr);
+    pcre2_set_match_limit(ctx, kMatchLimit);
+    pcre2_set_heap_limit(ctx, kHeapLimitKib);
+    const int rc =
+        pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), start, 0, md, ctx);
+    Result result = Result::kMatch;
+    if (rc == PCRE2_ERROR_NOMATCH) {
+        result = Result::kNoMatch;
+    } else if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT) {
+        result = Result::kLimit;
+    } else if (rc < 0) {
+        pcre2_match_context_free(ctx);
+        pcre2_match_data_free(md);
+        MOERL_FAIL(what_, ": matching failed: ", error_text(rc));
+    } else {
+        const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+        out.groups.assign(static_cast<size_t>(num_groups_) + 1, std::nullopt);
+        for (int g = 0; g <= num_groups_ && g < rc; ++g) {
+            if (ov[2 * g] == PCRE2_UNSET) continue;
+            out.groups[static_cast<size_t>(g)] = subject.substr(ov[2 * g], ov[2 * g + 1] - ov[2 * g]);
+        }
+    }
+    pcre2_match_context_free(ctx);
+    pcre2_match_data_free(md);
+    return result;
+}
+
+Regex::Result Regex::search_last(std::string_view subject, Match& out) const {
+    Match m;
+    bool found = false;
+    size_t start = 0;
+    while (start <= subject.size()) {
+        Result r = search(subject, start, m);
+        if (r == Result::kLimit) return r;
+        if (r == Result::kNoMatch) break;
+        found = true;
+        const std::string_view whole = *m.groups[0];
+        const size_t end = static_cast<size_t>(whole.data() - subject.data()) + whole.size();
+        out = m;
+        start = whole.empty() ? end + 1 : end;
+    }
+    return found ? Result::kMatch : Result::kNoMatch;
+}
+
+}  // namespace moerl::text::detail
