@@ -24,12 +24,15 @@ std::string numbered_lines(int n) {
 // The error message of opening `text` as a dataset, or "" when it opens.
 std::string open_error(const ScratchDir& dir, const std::string& text, JsonlFormat format = {}) {
     const std::string path = dir.write("bad.jsonl", text);
-    try {
-        JsonlFile f(path, format);
-    } catch (const Error& e) {
-        return e.message();
-    }
-    return "";
+    return testing::error_of([&] { JsonlFile f(path, format); });
+}
+
+// Options for a file of `n` numbered examples.
+DatasetOptions numbered(const ScratchDir& dir, int n, uint64_t seed = 0) {
+    DatasetOptions o;
+    o.path = dir.write("d.jsonl", numbered_lines(n));
+    o.seed = seed;
+    return o;
 }
 
 TEST(Jsonl, ReadsPromptAnswerMessagesAndMetadata) {
@@ -109,12 +112,8 @@ TEST(Jsonl, EmptyAndMissingFiles) {
     ScratchDir dir;
     EXPECT_NE(open_error(dir, "").find("holds no examples (the file is empty)"), std::string::npos);
     EXPECT_NE(open_error(dir, "\n  \n\r\n").find("only blank lines"), std::string::npos);
-    try {
-        JsonlFile f(dir.path("missing.jsonl"));
-        FAIL() << "opened a missing file";
-    } catch (const Error& e) {
-        EXPECT_NE(e.message().find("missing.jsonl': No such file"), std::string::npos) << e.message();
-    }
+    const std::string m = testing::error_of([&] { JsonlFile f(dir.path("missing.jsonl")); });
+    EXPECT_NE(m.find("missing.jsonl': No such file"), std::string::npos) << m;
 }
 
 TEST(Jsonl, WithoutValidationErrorsComeAtReadWithTheLine) {
@@ -162,9 +161,7 @@ std::vector<std::string> read_prompts(const Dataset& d, DataPosition pos, int co
 
 TEST(Dataset, ShuffleIsDeterministicBySeedAndEachEpochIsAPermutation) {
     ScratchDir dir;
-    DatasetOptions o;
-    o.path = dir.write("d.jsonl", numbered_lines(50));
-    o.seed = 7;
+    DatasetOptions o = numbered(dir, 50, 7);
     const auto a = read_prompts(Dataset(o), {}, 100);
     const auto b = read_prompts(Dataset(o), {}, 100);
     EXPECT_EQ(a, b);
@@ -184,8 +181,7 @@ TEST(Dataset, ShuffleIsDeterministicBySeedAndEachEpochIsAPermutation) {
 
 TEST(Dataset, EpochsEndTheStreamAndAdvanceMatchesNext) {
     ScratchDir dir;
-    DatasetOptions o;
-    o.path = dir.write("d.jsonl", numbered_lines(7));
+    DatasetOptions o = numbered(dir, 7);
     o.epochs = 2;
     Dataset d(o);
     EXPECT_EQ(read_prompts(d, {}, 100).size(), 14u);
@@ -199,10 +195,8 @@ TEST(Dataset, EpochsEndTheStreamAndAdvanceMatchesNext) {
 
 TEST(Dataset, HeldOutEvalSplitIsDisjointAndFixed) {
     ScratchDir dir;
-    DatasetOptions o;
-    o.path = dir.write("d.jsonl", numbered_lines(100));
+    DatasetOptions o = numbered(dir, 100, 3);
     o.eval_fraction = 0.1;
-    o.seed = 3;
     Dataset d(o);
     ASSERT_EQ(d.train_size(), 90u);
     ASSERT_EQ(d.eval_size(), 10u);
@@ -238,9 +232,7 @@ TEST(Dataset, SeparateEvalFileInFileOrder) {
 
 TEST(Dataset, ResumedFromAStoredPositionContinuesExactly) {
     ScratchDir dir;
-    DatasetOptions o;
-    o.path = dir.write("d.jsonl", numbered_lines(23));
-    o.seed = 11;
+    DatasetOptions o = numbered(dir, 23, 11);
     const auto whole = read_prompts(Dataset(o), {}, 60);
     std::string saved;
     {
@@ -259,12 +251,8 @@ TEST(Dataset, ResumedFromAStoredPositionContinuesExactly) {
     EXPECT_THROW(Dataset(o).restore(nlohmann::json::parse(saved)), Error);
     o.seed = 11;
     o.path = dir.write("other.jsonl", numbered_lines(24));
-    try {
-        Dataset(o).restore(nlohmann::json::parse(saved));
-        FAIL() << "restored a position into another dataset";
-    } catch (const Error& e) {
-        EXPECT_NE(e.message().find("made with 23 training examples"), std::string::npos) << e.message();
-    }
+    const std::string m = testing::error_of([&] { Dataset(o).restore(nlohmann::json::parse(saved)); });
+    EXPECT_NE(m.find("made with 23 training examples"), std::string::npos) << m;
     EXPECT_THROW(Dataset(o).restore(nlohmann::json{{"epoch", 1}}), Error);
 }
 

@@ -8,7 +8,30 @@
 #include <fstream>
 #include <string>
 
+#include "moerl/core/error.hpp"
+#include "moerl/text/dataset.hpp"
+
 namespace moerl::text::testing {
+
+// An example with only a prompt and `answer`, as verifier tests need.
+inline Example with_answer(const std::string& answer) {
+    Example ex;
+    ex.where = "test:1";
+    ex.answer = answer;
+    ex.fields = {{"prompt", "q"}, {"answer", answer}};
+    return ex;
+}
+
+// The message of the moerl::Error that `f` throws, or "" when it throws none.
+template <typename F>
+std::string error_of(F&& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.message();
+    }
+    return "";
+}
 
 class ScratchDir {
   public:

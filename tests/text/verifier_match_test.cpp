@@ -1,19 +1,14 @@
 // Exact match, format (PCRE2) and weighted mixes of verifiers.
 #include <gtest/gtest.h>
 
+#include "data_util.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/text/verifier.hpp"
 
 namespace moerl::text {
 namespace {
 
-Example with_answer(const std::string& answer) {
-    Example ex;
-    ex.where = "test:1";
-    ex.answer = answer;
-    ex.fields = {{"prompt", "q"}, {"answer", answer}};
-    return ex;
-}
+using testing::with_answer;
 
 double exact(const std::string& response, const std::string& answer, ExactOptions o = {}) {
     VerifierSpec spec{.kind = "exact"};

@@ -3,19 +3,14 @@
 
 #include <gtest/gtest.h>
 
+#include "data_util.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/text/verifier.hpp"
 
 namespace moerl::text {
 namespace {
 
-Example with_answer(const std::string& answer) {
-    Example ex;
-    ex.where = "test:1";
-    ex.answer = answer;
-    ex.fields = {{"prompt", "q"}, {"answer", answer}};
-    return ex;
-}
+using testing::with_answer;
 
 struct Case {
     const char* response;

@@ -10,11 +10,11 @@ namespace moerl::text {
 
 namespace {
 
-uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
+// MurmurHash3's 64-bit finalizer: every input bit reaches every output bit.
+uint64_t mix(uint64_t x) {
+    x = (x ^ (x >> 33)) * 0xFF51AFD7ED558CCDULL;
+    x = (x ^ (x >> 33)) * 0xC4CEB9FE1A85EC53ULL;
+    return x ^ (x >> 33);
 }
 
 constexpr uint64_t kSplitSalt = 0x73706C6974ULL;  // keys the held-out choice apart from epoch orders
@@ -33,7 +33,7 @@ uint64_t permute(uint64_t index, uint64_t n, uint64_t key) {
     do {
         uint64_t left = x >> half, right = x & mask;
         for (int r = 0; r < kFeistelRounds; ++r) {
-            const uint64_t f = splitmix64(key ^ splitmix64(right + (static_cast<uint64_t>(r) << 56))) & mask;
+            const uint64_t f = mix(key ^ mix(right + (static_cast<uint64_t>(r + 1) << 56))) & mask;
             const uint64_t next = left ^ f;
             left = right;
             right = next;
@@ -82,10 +82,9 @@ uint64_t Dataset::train_line(const DataPosition& pos) const {
                 " is past data.epochs = ", options_.epochs);
     // Slots [0, num_train_) of the split permutation are training lines, the rest are held out.
     const uint64_t slot =
-        options_.shuffle ? permute(pos.index, num_train_, splitmix64(options_.seed) ^ splitmix64(~pos.epoch))
-                         : pos.index;
+        options_.shuffle ? permute(pos.index, num_train_, mix(options_.seed) ^ mix(~pos.epoch)) : pos.index;
     if (num_held_out_ == 0) return slot;
-    return permute(slot, train_file_->size(), splitmix64(options_.seed ^ kSplitSalt));
+    return permute(slot, train_file_->size(), mix(options_.seed ^ kSplitSalt));
 }
 
 Example Dataset::train(const DataPosition& pos) const { return train_file_->read(train_line(pos)); }
@@ -105,8 +104,7 @@ DataPosition Dataset::advance(const DataPosition& pos, uint64_t count) const {
 Example Dataset::eval(uint64_t i) const {
     MOERL_CHECK(i < eval_size(), "data: eval example ", i, " of ", eval_size());
     if (eval_file_) return eval_file_->read(i);
-    return train_file_->read(
-        permute(num_train_ + i, train_file_->size(), splitmix64(options_.seed ^ kSplitSalt)));
+    return train_file_->read(permute(num_train_ + i, train_file_->size(), mix(options_.seed ^ kSplitSalt)));
 }
 
 uint64_t Dataset::index_bytes() const {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 
 #include "moerl/core/error.hpp"
 #include "moerl/text/dataset.hpp"
@@ -24,6 +25,17 @@ std::string parse_message(const std::exception& e) {
     std::string s = e.what();
     auto pos = s.find("] ");
     return pos == std::string::npos ? s : s.substr(pos + 2);
+}
+
+// A field that is a string, or a number (an integer when `integer_only`) written as text.
+std::optional<std::string> text_field(const nlohmann::json& j, const std::string& name, bool integer_only,
+                                      const std::string& where) {
+    const auto v = j.find(name);
+    if (v == j.end()) return std::nullopt;
+    MOERL_CHECK(v->is_string() || (integer_only ? v->is_number_integer() : v->is_number()), where, ": \"",
+                name, "\" must be a string or ", integer_only ? "an integer" : "a number", ", got ",
+                type_name(*v));
+    return v->is_string() ? v->get<std::string>() : v->dump();
 }
 
 }  // namespace
@@ -67,22 +79,10 @@ Example parse_example(const std::string& line, const JsonlFormat& f, const std::
         }
         ex.messages = *messages;
     }
-    const auto answer = j.find(f.answer_field);
-    if (answer != j.end()) {
-        MOERL_CHECK(answer->is_string() || answer->is_number(), where, ": \"", f.answer_field,
-                    "\" must be a string or a number, got ", type_name(*answer));
-        ex.answer = answer->is_string() ? answer->get<std::string>() : answer->dump();
-    } else {
-        MOERL_CHECK(!f.require_answer, where, ": no \"", f.answer_field, "\" field");
-    }
-    const auto id = j.find(f.id_field);
-    if (id != j.end()) {
-        MOERL_CHECK(id->is_string() || id->is_number_integer(), where, ": \"", f.id_field,
-                    "\" must be a string or an integer, got ", type_name(*id));
-        ex.id = id->is_string() ? id->get<std::string>() : id->dump();
-    } else {
-        ex.id = where;
-    }
+    auto answer = text_field(j, f.answer_field, false, where);
+    MOERL_CHECK(answer || !f.require_answer, where, ": no \"", f.answer_field, "\" field");
+    ex.answer = answer.value_or("");
+    ex.id = text_field(j, f.id_field, true, where).value_or(where);
     return ex;
 }
 
