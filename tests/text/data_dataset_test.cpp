@@ -228,6 +228,11 @@ TEST(Dataset, SeparateEvalFileInFileOrder) {
     EXPECT_EQ(d.eval(1).where, o.eval_path + ":2");
     o.eval_fraction = 0.5;
     EXPECT_THROW(Dataset{o}, Error);  // both given
+    o.eval_fraction = 0;
+    o.eval_path.clear();
+    o.eval_every = 10;
+    EXPECT_NE(testing::error_of([&] { Dataset{o}; }).find("data.eval_every = 10 but there is no eval split"),
+              std::string::npos);
 }
 
 TEST(Dataset, ResumedFromAStoredPositionContinuesExactly) {

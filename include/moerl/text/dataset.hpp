@@ -80,13 +80,16 @@ struct DatasetOptions {
     std::string path;            // data.path: the training JSONL file (required)
     std::string eval_path;       // data.eval_path: a separate eval file; empty = hold out eval_fraction
     double eval_fraction = 0.0;  // data.eval_fraction in [0, 1): share of `path` held out for eval
-                                 // (chosen by seed); ignored when eval_path is set
+                                 // (chosen by seed); not with eval_path
     uint64_t eval_limit = 0;     // data.eval_limit: evaluate at most this many examples; 0 = all
+    uint64_t eval_every = 0;     // data.eval_every: training steps between greedy evals of the eval split
+                                 // (read by the training loop); 0 = never
     uint64_t seed = 0;           // data.seed: the shuffle and the held-out choice
     bool shuffle = true;         // data.shuffle: false keeps one fixed order every epoch (file order
                                  // unless eval_fraction holds lines out)
     uint64_t epochs = 0;         // data.epochs: passes over the training split; 0 = no limit
-    bool validate = true;        // data.validate: parse every line at open (about 1 s a 100 MB)
+    bool validate = true;        // data.validate: parse every line at open; false only indexes (much
+                                 // faster on a huge file) and a bad line fails when it is read
     JsonlFormat format;          // data.prompt_field, .messages_field, .answer_field, .id_field,
                                  // .require_answer
 

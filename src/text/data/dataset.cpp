@@ -49,6 +49,8 @@ void DatasetOptions::validate_options() const {
                 "data.eval_fraction: expected a number in [0, 1), got ", eval_fraction);
     MOERL_CHECK(eval_path.empty() || eval_fraction == 0,
                 "data.eval_fraction and data.eval_path: give one of them, not both");
+    MOERL_CHECK(eval_every == 0 || !eval_path.empty() || eval_fraction > 0, "data.eval_every = ", eval_every,
+                " but there is no eval split: set data.eval_path or data.eval_fraction");
     MOERL_CHECK(
         !format.prompt_field.empty() && !format.messages_field.empty() && !format.answer_field.empty(),
         "data: the prompt, messages and answer field names must not be empty");
