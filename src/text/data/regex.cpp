@@ -36,42 +36,56 @@ Regex::Regex(const std::string& pattern, bool dotall, const std::string& what) :
 
 Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
 
-Regex::Result Regex::search(std::string_view subject, size_t start, Match& out) const {
-    auto* code = static_cast<pcre2_code*>(code_);
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
-    pcre2_match_context* ctx = pcre2_match_context_create(nullptr);
-    pcre2_set_match_limit(ctx, kMatchLimit);
-    pcre2_set_heap_limit(ctx, kHeapLimitKib);
-    const int rc =
-        pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), start, 0, md, ctx);
-    Result result = Result::kMatch;
-    if (rc == PCRE2_ERROR_NOMATCH) {
-        result = Result::kNoMatch;
-    } else if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT) {
-        result = Result::kLimit;
-    } else if (rc < 0) {
+namespace {
+
+// Match data and limits for the searches of one call (pcre2 objects are not shared across threads).
+struct Scratch {
+    pcre2_match_data* md;
+    pcre2_match_context* ctx;
+    explicit Scratch(const pcre2_code* code)
+        : md(pcre2_match_data_create_from_pattern(code, nullptr)), ctx(pcre2_match_context_create(nullptr)) {
+        pcre2_set_match_limit(ctx, kMatchLimit);
+        pcre2_set_heap_limit(ctx, kHeapLimitKib);
+    }
+    ~Scratch() {
         pcre2_match_context_free(ctx);
         pcre2_match_data_free(md);
-        MOERL_FAIL(what_, ": matching failed: ", error_text(rc));
-    } else {
-        const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-        out.groups.assign(static_cast<size_t>(num_groups_) + 1, std::nullopt);
-        for (int g = 0; g <= num_groups_ && g < rc; ++g) {
-            if (ov[2 * g] == PCRE2_UNSET) continue;
-            out.groups[static_cast<size_t>(g)] = subject.substr(ov[2 * g], ov[2 * g + 1] - ov[2 * g]);
-        }
     }
-    pcre2_match_context_free(ctx);
-    pcre2_match_data_free(md);
-    return result;
+};
+
+Regex::Result search_once(const pcre2_code* code, int num_groups, const std::string& what, Scratch& scratch,
+                          std::string_view subject, size_t start, Regex::Match& out) {
+    const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), start, 0,
+                               scratch.md, scratch.ctx);
+    if (rc == PCRE2_ERROR_NOMATCH) return Regex::Result::kNoMatch;
+    if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT)
+        return Regex::Result::kLimit;
+    MOERL_CHECK(rc >= 0, what, ": matching failed: ", error_text(rc));
+    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(scratch.md);
+    out.groups.assign(static_cast<size_t>(num_groups) + 1, std::nullopt);
+    for (int g = 0; g <= num_groups && g < rc; ++g) {
+        if (ov[2 * g] == PCRE2_UNSET) continue;
+        out.groups[static_cast<size_t>(g)] = subject.substr(ov[2 * g], ov[2 * g + 1] - ov[2 * g]);
+    }
+    return Regex::Result::kMatch;
+}
+
+}  // namespace
+
+Regex::Result Regex::search(std::string_view subject, size_t start, Match& out) const {
+    const auto* code = static_cast<const pcre2_code*>(code_);
+    Scratch scratch(code);
+    return search_once(code, num_groups_, what_, scratch, subject, start, out);
 }
 
 Regex::Result Regex::search_last(std::string_view subject, Match& out) const {
+    const auto* code = static_cast<const pcre2_code*>(code_);
+    Scratch scratch(code);
     Match m;
     bool found = false;
     size_t start = 0;
     while (start <= subject.size()) {
-        Result r = search(subject, start, m);
+        const Result r = search_once(code, num_groups_, what_, scratch, subject, start, m);
         if (r == Result::kLimit) return r;
         if (r == Result::kNoMatch) break;
         found = true;
