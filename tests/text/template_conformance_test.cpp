@@ -39,6 +39,9 @@ std::string first_difference(const std::string& expected, const std::string& act
 }
 
 TEST(TemplateConformance, MatchesHuggingFaceJinja) {
+#ifdef MOERL_TEMPLATE_NO_REFERENCE
+    GTEST_SKIP() << "node was not found at configure time, so there is no reference rendering";
+#endif
     std::ifstream in(MOERL_TEMPLATE_EXPECTED);
     ASSERT_TRUE(in) << "missing " << MOERL_TEMPLATE_EXPECTED << ": run the text_template_reference test first";
     ordered_json all = ordered_json::parse(in);

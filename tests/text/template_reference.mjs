@@ -282,6 +282,88 @@ for (const [name, template] of FOCUSED) {
   cases.push({ name: `construct/${name}`, template, context: ctx, ...render(template, ctx) });
 }
 
-writeFileSync(out, JSON.stringify({ cases }, null, 1));
+// --- random templates (seeded): expressions over every operator, filter, method and test, and
+// nested blocks with whitespace control between text of spaces and newlines ---------------------
+let seed = 20251201;
+const random = () => {
+  seed = (seed * 1103515245 + 12345) % 2147483648;
+  return seed / 2147483648;
+};
+const pick = (a) => a[Math.floor(random() * a.length)];
+
+const ATOMS = ["n", "f", "s", "t", "no", "nul", "list", "words", "obj", "users", "bmp", "text", "msg", "empty_list",
+  "undefined_name", "0", "1", "-1", "2", "3.5", "0.0", "-2.5", "'a'", "''", "' x '", "'A b'", "'1'", "'<think>'",
+  "[1, 2]", "[]", "{'k': 1}", "true", "false", "none", "(1, 2)", "'é'"];
+const BINARY = ["+", "-", "*", "/", "//", "%", "**", "~", "==", "!=", "<", ">", "<=", ">=", "in", "not in", "and", "or"];
+const FILTERS = ["length", "upper", "lower", "trim", "tojson", "string", "first", "last", "list", "reverse", "sort",
+  "join", "unique", "items", "int", "float", "abs", "title", "capitalize", "indent", "safe", "bool", "dictsort",
+  "tojson(indent=2)", "join(', ')", "default('d')", "default('d', true)", "replace('a', 'b')", "int(5)",
+  "sort(reverse=true)", "map(attribute='name')", "selectattr('admin')", "indent(2, true)"];
+const METHODS = ["strip()", "lstrip()", "rstrip()", "upper()", "lower()", "split()", "split(',')", "startswith('a')",
+  "endswith('b')", "replace('a', 'x')", "title()", "items()", "keys()", "values()", "get('a')", "get('zz', 1)",
+  "length", "0", "name", "role"];
+const TESTS = ["defined", "undefined", "none", "string", "number", "integer", "mapping", "sequence", "iterable", "true",
+  "false", "odd", "even", "lower", "upper", "boolean", "callable"];
+
+function randomExpression(depth) {
+  if (depth <= 0) return pick(ATOMS);
+  const e = () => randomExpression(depth - 1);
+  switch (Math.floor(random() * 9)) {
+    case 0:
+    case 1: return `${e()} ${pick(BINARY)} ${e()}`;
+    case 2: return `(${e()}) | ${pick(FILTERS)}`;
+    case 3: return `(${e()}).${pick(METHODS)}`;
+    case 4: return `${e()} is ${random() < 0.3 ? "not " : ""}${pick(TESTS)}`;
+    case 5: return `not ${e()}`;
+    case 6: return `${e()} if ${e()} else ${e()}`;
+    case 7: return `(${e()})[${pick(["0", "-1", "1:", ":2", "::-1", "'a'", "'name'"])}]`;
+    default: return `[${e()}, ${e()}]`;
+  }
+}
+
+const TEXTS = ["", " ", "  ", "\n", "\n\n", " \n ", "\t", "x", "a b", "\n  ", "  \n", "\u00a0", "}", "-", "\r\n", "é"];
+const dash = () => (random() < 0.4 ? "-" : "");
+const tag = (body) => `{%${dash()} ${body} ${dash()}%}`;
+function randomBlock(depth) {
+  let out = "";
+  for (let i = 0, k = 1 + Math.floor(random() * 4); i < k; i++) {
+    out += pick(TEXTS);
+    const r = random();
+    const inner = () => randomBlock(depth - 1);
+    if (depth <= 0 || r < 0.35) {
+      out += `{{${dash()} ${pick(["n", "s", "x", "loop.index", "ns.v", "'lit'", "list | length", "s | trim", "n + 1", "'-' ~ n", "m('q')"])} ${dash()}}}`;
+    } else if (r < 0.5) {
+      out += tag(`if ${pick(["t", "no", "n > 3", "x is defined", "ns.v", "loop.first", "not t"])}`) + inner() +
+        (random() < 0.5 ? tag("else") + inner() : "") + tag("endif");
+    } else if (r < 0.65) {
+      out += tag(`for x in ${pick(["list", "words", "[]", "range(2)"])}`) + inner() +
+        (random() < 0.3 ? tag("else") + inner() : "") + tag("endfor");
+    } else if (r < 0.75) {
+      out += tag(`set ns.v = ${pick(["n", "s", "loop.index", "ns.v + 1", "'w'"])}`);
+    } else if (r < 0.85) {
+      out += `{#${dash()} c ${pick(TEXTS)} ${dash()}#}`;
+    } else if (r < 0.9) {
+      out += tag("generation") + inner() + tag("endgeneration");
+    } else {
+      out += tag(`set y = ${pick(["n", "s", "'v'"])}`) + "{{ y }}";
+    }
+    out += pick(TEXTS);
+  }
+  return out;
+}
+
+const randomContext = { ...ctx, bmp: "Ünïcödé ß 数学" };  // no astral characters: indexing differs there
+for (let i = 0; i < 1500; i++) {
+  const template = random() < 0.8 ? `{{ ${randomExpression(1 + Math.floor(random() * 3))} }}`
+    : `{% for x in ${randomExpression(1)} %}{{ loop.index }}:{{ x }}{% if loop.last %}.{% endif %}{% else %}E{% endfor %}`;
+  cases.push({ name: `random/expression/${i}`, template, context: randomContext, ...render(template, randomContext) });
+}
+for (let i = 0; i < 1000; i++) {
+  const template = "{% set ns = namespace(v=0) %}{% macro m(a) %}[{{ a }}]{% endmacro %}" + pick(TEXTS) +
+    randomBlock(3) + pick(["", "\n", "\n\n"]);
+  cases.push({ name: `random/block/${i}`, template, context: ctx, ...render(template, ctx) });
+}
+
+writeFileSync(out, JSON.stringify({ cases }));
 const errors = cases.filter((c) => "error" in c).length;
 console.log(`wrote ${cases.length} cases (${errors} rejected by the reference) to ${out}`);

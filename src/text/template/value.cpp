@@ -205,7 +205,7 @@ bool strict_equal(const Value& a, const Value& b) {
     JsType ta = js_type(a), tb = js_type(b);
     if (ta != tb) return false;
     switch (ta) {
-        case JsType::Nullish: return a.kind == b.kind;
+        case JsType::Nullish: return true;  // the reference's none holds undefined, not null
         case JsType::Boolean: return a.boolean == b.boolean;
         case JsType::Number: return a.number == b.number;
         case JsType::String: return a.str() == b.str();
@@ -270,8 +270,8 @@ std::string float_display(double x) {
 
 std::string to_display(const Value& v) {
     switch (v.kind) {
-        case Kind::Undefined: return "undefined";
-        case Kind::Null: return "null";
+        case Kind::Undefined:
+        case Kind::Null: return "undefined";  // the reference's none holds undefined, not null
         case Kind::Boolean: return v.boolean ? "true" : "false";
         case Kind::Integer: return js_number(v.number);
         case Kind::Float: return float_display(v.number);

@@ -80,7 +80,8 @@ bool strict_equal(const Value& a, const Value& b);
 
 // JavaScript's Number.prototype.toString.
 std::string js_number(double x);
-// What a value prints as in output ({{ x }}, the `string` filter on floats).
+// What a value prints as in output ({{ x }}, the `string` filter on floats); none and undefined
+// print nothing at the top level, and "undefined" inside a list joined by `~`.
 std::string to_display(const Value& v);
 // JavaScript's String(value.value): what `~` and `+` concatenate and `join` joins.
 std::string to_js_string(const Value& v);
