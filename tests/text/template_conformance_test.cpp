@@ -1,27 +1,30 @@
 // Every case template_reference.mjs rendered with @huggingface/jinja, rendered again here and
 // compared byte for byte: the real Qwen3, DeepSeek-V3 and Llama 3 templates over conversations
 // (through ChatTemplate, as an RL run formats prompts) and focused cases of each construct.
+#include <gtest/gtest.h>
+
 #include <fstream>
 #include <map>
 #include <sstream>
-
-#include <gtest/gtest.h>
 
 #include "moerl/text/chat_template.hpp"
 
 namespace {
 
-using nlohmann::ordered_json;
 using moerl::text::ChatTemplate;
 using moerl::text::ChatTemplateOptions;
+using nlohmann::ordered_json;
 
 std::string escaped(const std::string& s, std::size_t from, std::size_t n) {
     std::string out;
     for (std::size_t i = from; i < s.size() && i < from + n; ++i) {
         char c = s[i];
-        if (c == '\n') out += "\\n";
-        else if (c == '\t') out += "\\t";
-        else out += c;
+        if (c == '\n')
+            out += "\\n";
+        else if (c == '\t')
+            out += "\\t";
+        else
+            out += c;
     }
     return out;
 }
@@ -33,8 +36,9 @@ std::string first_difference(const std::string& expected, const std::string& act
     while (i < expected.size() && i < actual.size() && expected[i] == actual[i]) ++i;
     std::size_t from = i > 40 ? i - 40 : 0;
     std::ostringstream os;
-    os << "first difference at byte " << i << " (expected " << expected.size() << " bytes, got " << actual.size()
-       << ")\n  expected: ..." << escaped(expected, from, 100) << "\n  actual:   ..." << escaped(actual, from, 100);
+    os << "first difference at byte " << i << " (expected " << expected.size() << " bytes, got "
+       << actual.size() << ")\n  expected: ..." << escaped(expected, from, 100) << "\n  actual:   ..."
+       << escaped(actual, from, 100);
     return os.str();
 }
 
@@ -43,7 +47,8 @@ TEST(TemplateConformance, MatchesHuggingFaceJinja) {
     GTEST_SKIP() << "node was not found at configure time, so there is no reference rendering";
 #endif
     std::ifstream in(MOERL_TEMPLATE_EXPECTED);
-    ASSERT_TRUE(in) << "missing " << MOERL_TEMPLATE_EXPECTED << ": run the text_template_reference test first";
+    ASSERT_TRUE(in) << "missing " << MOERL_TEMPLATE_EXPECTED
+                    << ": run the text_template_reference test first";
     ordered_json all = ordered_json::parse(in);
     const auto& cases = all.at("cases");
     ASSERT_GT(cases.size(), 400u);
@@ -75,7 +80,8 @@ TEST(TemplateConformance, MatchesHuggingFaceJinja) {
             if (error.empty()) {
                 ++mismatches;
                 ADD_FAILURE() << name << ": the reference fails (" << c.at("error").get<std::string>()
-                              << ") but this rendered:\n" << actual;
+                              << ") but this rendered:\n"
+                              << actual;
             }
             continue;
         }
@@ -90,8 +96,8 @@ TEST(TemplateConformance, MatchesHuggingFaceJinja) {
             ADD_FAILURE() << name << ": " << diff;
         }
     }
-    std::cout << cases.size() << " cases (" << model_cases << " conversations through real templates, " << rejected
-              << " rejected by both), " << mismatches << " mismatches\n";
+    std::cout << cases.size() << " cases (" << model_cases << " conversations through real templates, "
+              << rejected << " rejected by both), " << mismatches << " mismatches\n";
     EXPECT_EQ(mismatches, 0);
 }
 

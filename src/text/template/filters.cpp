@@ -78,7 +78,8 @@ Value kw(const Object& kwargs, const char* name, Value fallback) {
     const Value* v = kwargs.find(name);
     return v ? *v : fallback;
 }
-Value pos_or_kw(const std::vector<Value>& args, std::size_t i, const Object& kwargs, const char* name, Value fallback) {
+Value pos_or_kw(const std::vector<Value>& args, std::size_t i, const Object& kwargs, const char* name,
+                Value fallback) {
     return i < args.size() ? args[i] : kw(kwargs, name, std::move(fallback));
 }
 
@@ -86,7 +87,8 @@ Value sorted(const Array& items, bool reverse, bool case_sensitive, const Value&
     Array out = items;
     auto key = [&](const Value& v) {
         if (attribute.kind == Kind::Null) return v;
-        return attribute_path(v, attribute.kind == Kind::Integer ? js_number(attribute.number) : attribute.str());
+        return attribute_path(
+            v, attribute.kind == Kind::Integer ? js_number(attribute.number) : attribute.str());
     };
     std::stable_sort(out.begin(), out.end(), [&](const Value& a, const Value& b) {
         int r = compare_values(key(a), key(b), case_sensitive);
@@ -124,7 +126,8 @@ Value Interpreter::apply_filter(const Value& operand, const Node& filter, const 
     }
     if (operand.kind == Kind::String) {
         const std::string& s = operand.str();
-        if (name == "length" || name == "upper" || name == "lower" || name == "title" || name == "capitalize") {
+        if (name == "length" || name == "upper" || name == "lower" || name == "title" ||
+            name == "capitalize") {
             Value m = string_member(operand, name);
             if (m.kind == Kind::Function) {
                 std::vector<Value> none;
@@ -146,8 +149,9 @@ Value Interpreter::apply_filter(const Value& operand, const Node& filter, const 
         fail("Unknown StringValue filter: " + name);
     }
     if (operand.is_number()) {
-        if (name == "abs") return operand.kind == Kind::Integer ? Value::integer(std::fabs(operand.number))
-                                                                : Value::floating(std::fabs(operand.number));
+        if (name == "abs")
+            return operand.kind == Kind::Integer ? Value::integer(std::fabs(operand.number))
+                                                 : Value::floating(std::fabs(operand.number));
         if (name == "int") return Value::integer(std::floor(operand.number));
         if (name == "float") return Value::floating(operand.number);
         if (name == "string") return Value::string(to_display(operand));
@@ -179,7 +183,8 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
         auto [args, kwargs] = eval_arguments(call.items, env);
         JsonOptions o;
         Value indent = kw(kwargs, "indent", Value::null());
-        if (indent.kind != Kind::Integer && indent.kind != Kind::Null) fail("If set, indent must be a number");
+        if (indent.kind != Kind::Integer && indent.kind != Kind::Null)
+            fail("If set, indent must be a number");
         if (indent.kind == Kind::Integer) o.indent = static_cast<int>(indent.number);
         if (o.indent < 0) fail("indent must not be negative");
         Value ascii = kw(kwargs, "ensure_ascii", Value::of_bool(false));
@@ -223,7 +228,8 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
     if (name == "int" || name == "float") {
         bool is_int = name == "int";
         auto [args, kwargs] = eval_arguments(call.items, env);
-        Value fallback = pos_or_kw(args, 0, kwargs, "default", is_int ? Value::integer(0) : Value::floating(0));
+        Value fallback =
+            pos_or_kw(args, 0, kwargs, "default", is_int ? Value::integer(0) : Value::floating(0));
         if (operand.kind == Kind::String) {
             double v = is_int ? parse_int(operand.str()) : parse_float(operand.str());
             if (std::isnan(v)) return fallback;
@@ -231,7 +237,8 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
         }
         if (operand.is_number()) return operand;
         if (operand.kind == Kind::Boolean)
-            return is_int ? Value::integer(operand.boolean ? 1 : 0) : Value::floating(operand.boolean ? 1 : 0);
+            return is_int ? Value::integer(operand.boolean ? 1 : 0)
+                          : Value::floating(operand.boolean ? 1 : 0);
         fail("Cannot apply filter \"" + name + "\" to type: " + kind_name(operand.kind));
     }
     if (name == "default") {
@@ -251,7 +258,8 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
             Value cs = pos_or_kw(args, 1, kwargs, "case_sensitive", Value::of_bool(false));
             if (cs.kind != Kind::Boolean) fail("case_sensitive must be a boolean");
             Value attribute = pos_or_kw(args, 2, kwargs, "attribute", Value::null());
-            if (attribute.kind != Kind::String && attribute.kind != Kind::Integer && attribute.kind != Kind::Null)
+            if (attribute.kind != Kind::String && attribute.kind != Kind::Integer &&
+                attribute.kind != Kind::Null)
                 fail("attribute must be a string, integer, or null");
             return sorted(items, reverse.boolean, cs.boolean, attribute);
         }

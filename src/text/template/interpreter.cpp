@@ -14,9 +14,9 @@ struct ContinueSignal {};
 
 [[noreturn]] void fail(std::string message) { throw EvalError{std::move(message)}; }
 
-
 // Python's slice over a sequence of n items: the indices it picks.
-std::vector<std::size_t> slice_indices(std::size_t n, const Value& start_v, const Value& stop_v, const Value& step_v) {
+std::vector<std::size_t> slice_indices(std::size_t n, const Value& start_v, const Value& stop_v,
+                                       const Value& step_v) {
     double len = static_cast<double>(n);
     double step = step_v.kind == Kind::Undefined ? 1 : step_v.number;
     std::vector<std::size_t> out;
@@ -65,6 +65,29 @@ bool body_uses(const std::vector<NodePtr>& body, const char* name) {
     return false;
 }
 
+// Checks that `value` unpacks into the names of a tuple target (`for a, b in ...`, `set a, b = ...`).
+void check_unpack(const Node& target, const Value& value, const char* where) {
+    if (!value.is_array() || (value.kind == Kind::Tuple && *where == 0))  // a for loop takes lists only
+        fail(std::string("Cannot unpack non-iterable type") + where + ": " + kind_name(value.kind));
+    std::size_t have = value.items().size(), want = target.items.size();
+    if (have != want) fail(std::string("Too ") + (want > have ? "few" : "many") + " items to unpack" + where);
+}
+
+// Binds a loop or set target: a name, or names unpacking a list of as many items.
+void bind_target(const Node& target, const Value& value, Env& env, const char* where) {
+    if (target.kind == NodeKind::Identifier) {
+        env.set(target.text, value);
+        return;
+    }
+    check_unpack(target, value, where);
+    for (std::size_t j = 0; j < target.items.size(); ++j) {
+        if (target.items[j]->kind != NodeKind::Identifier)
+            fail(std::string("Cannot unpack to a non-name") + where + ": " +
+                 node_name(target.items[j]->kind));
+        env.set(target.items[j]->text, value.items()[j]);
+    }
+}
+
 }  // namespace
 
 Value Env::lookup(const std::string& name) const {
@@ -94,22 +117,29 @@ void Interpreter::exec_block(const std::vector<NodePtr>& body, const EnvPtr& env
 void Interpreter::exec(const Node& n, const EnvPtr& env, std::string& out) {
     try {
         switch (n.kind) {
-            case NodeKind::Text: out += n.text; return;
+            case NodeKind::Text:
+                out += n.text;
+                return;
             case NodeKind::Comment:
+                return;
             case NodeKind::Macro:
-                if (n.kind == NodeKind::Macro) {
-                    env->set(n.text, make_macro("'" + n.text + "'", n.items, n.body));
-                }
+                env->set(n.text, make_macro("'" + n.text + "'", n.items, n.body));
                 return;
             case NodeKind::If: {
                 bool test = truthy(eval(*n.a, env));
                 exec_block(test ? n.body : n.alternate, env, out);
                 return;
             }
-            case NodeKind::For: exec_for(n, env, out); return;
-            case NodeKind::Set: exec_set(n, env); return;
-            case NodeKind::Break: throw BreakSignal{};
-            case NodeKind::Continue: throw ContinueSignal{};
+            case NodeKind::For:
+                exec_for(n, env, out);
+                return;
+            case NodeKind::Set:
+                exec_set(n, env);
+                return;
+            case NodeKind::Break:
+                throw BreakSignal{};
+            case NodeKind::Continue:
+                throw ContinueSignal{};
             default: {
                 Value v = eval(n, env);
                 if (v.kind != Kind::Null && v.kind != Kind::Undefined) out += to_display(v);
@@ -136,10 +166,14 @@ Value Interpreter::eval(const Node& n, const EnvPtr& env) {
 Value Interpreter::eval_inner(const Node& n, const EnvPtr& env) {
     switch (n.kind) {
         case NodeKind::Text:
-        case NodeKind::StringLit: return Value::string(n.text);
-        case NodeKind::IntegerLit: return Value::integer(n.number);
-        case NodeKind::FloatLit: return Value::floating(n.number);
-        case NodeKind::Comment: return Value::null();
+        case NodeKind::StringLit:
+            return Value::string(n.text);
+        case NodeKind::IntegerLit:
+            return Value::integer(n.number);
+        case NodeKind::FloatLit:
+            return Value::floating(n.number);
+        case NodeKind::Comment:
+            return Value::null();
         case NodeKind::ArrayLit:
         case NodeKind::TupleLit: {
             Array items;
@@ -150,14 +184,18 @@ Value Interpreter::eval_inner(const Node& n, const EnvPtr& env) {
             Object o;
             for (std::size_t i = 0; i + 1 < n.items.size(); i += 2) {
                 Value key = eval(*n.items[i], env);
-                if (key.kind != Kind::String) fail(std::string("Object keys must be strings: got ") + kind_name(key.kind));
+                if (key.kind != Kind::String)
+                    fail(std::string("Object keys must be strings: got ") + kind_name(key.kind));
                 o.set(key.str(), eval(*n.items[i + 1], env));
             }
             return Value::object(std::move(o));
         }
-        case NodeKind::Identifier: return env->lookup(n.text);
-        case NodeKind::Call: return eval_call(n, env);
-        case NodeKind::Member: return eval_member(n, env);
+        case NodeKind::Identifier:
+            return env->lookup(n.text);
+        case NodeKind::Call:
+            return eval_call(n, env);
+        case NodeKind::Member:
+            return eval_member(n, env);
         case NodeKind::Unary: {
             Value v = eval(*n.a, env);
             if (n.text == "not") return Value::of_bool(!truthy(v));
@@ -170,9 +208,12 @@ Value Interpreter::eval_inner(const Node& n, const EnvPtr& env) {
             if (v.kind == Kind::Boolean) return Value::integer(sign * (v.boolean ? 1 : 0));
             fail("unknown operator \"" + n.text + "\" for " + kind_name(v.kind));
         }
-        case NodeKind::Binary: return eval_binary(n, env);
-        case NodeKind::Filter: return apply_filter(eval(*n.a, env), *n.b, env);
-        case NodeKind::FilterBlock: return apply_filter(Value::string(render_block(n.body, env)), *n.a, env);
+        case NodeKind::Binary:
+            return eval_binary(n, env);
+        case NodeKind::Filter:
+            return apply_filter(eval(*n.a, env), *n.b, env);
+        case NodeKind::FilterBlock:
+            return apply_filter(Value::string(render_block(n.body, env)), *n.a, env);
         case NodeKind::Test: {
             Value v = eval(*n.a, env);
             bool found = false;
@@ -184,28 +225,20 @@ Value Interpreter::eval_inner(const Node& n, const EnvPtr& env) {
             if (!truthy(eval(*n.b, env))) return Value::undefined();
             return eval(*n.a, env);
         }
-        case NodeKind::Ternary: return truthy(eval(*n.a, env)) ? eval(*n.b, env) : eval(*n.c, env);
-        case NodeKind::If:
-        case NodeKind::For:
-        case NodeKind::Set:
-        case NodeKind::Macro:
-        case NodeKind::Break:
-        case NodeKind::Continue: {
-            std::string out;
-            exec(n, env, out);
-            return n.kind == NodeKind::Set || n.kind == NodeKind::Macro ? Value::null() : Value::string(out);
-        }
+        case NodeKind::Ternary:
+            return truthy(eval(*n.a, env)) ? eval(*n.b, env) : eval(*n.c, env);
         case NodeKind::CallBlock: {
             const Node& call = *n.a;
             std::vector<NodePtr> params = n.items;
             bool kw = body_uses(n.body, "kwargs"), va = body_uses(n.body, "varargs");
             EnvPtr defining = env;
             const Node* block = &n;
-            Value caller = Value::function([this, params, kw, va, defining, block](std::vector<Value>& args, const EnvPtr&) {
-                auto scope = std::make_shared<Env>(defining);
-                bind_macro_arguments("None", params, kw, va, args, scope);
-                return Value::string(render_block(block->body, scope));
-            });
+            Value caller = Value::function(
+                [this, params, kw, va, defining, block](std::vector<Value>& args, const EnvPtr&) {
+                    auto scope = std::make_shared<Env>(defining);
+                    bind_macro_arguments("None", params, kw, va, args, scope);
+                    return Value::string(render_block(block->body, scope));
+                });
             auto [args, kwargs] = eval_arguments(call.items, env);
             args.push_back(Value::object(std::move(kwargs), Kind::KeywordArgs));
             Value fn = eval(*call.a, env);
@@ -215,11 +248,8 @@ Value Interpreter::eval_inner(const Node& n, const EnvPtr& env) {
             scope->set("caller", caller);
             return fn.fn()(args, scope);
         }
-        case NodeKind::Slice:
-        case NodeKind::KeywordArg:
-        case NodeKind::Spread:
-        case NodeKind::KeywordSpread:
-        case NodeKind::Program: break;
+        default:  // statements run through exec(); slices and arguments are parts of other nodes
+            break;
     }
     fail(std::string("unsupported ") + node_name(n.kind) + " here");
 }
@@ -330,7 +360,8 @@ Value Interpreter::eval_member(const Node& n, const EnvPtr& env) {
             if (property.str() == "length") return Value::integer(static_cast<double>(object.items().size()));
             return Value::undefined();
         }
-        fail(std::string("Cannot access property with non-string/non-number: got ") + kind_name(property.kind));
+        fail(std::string("Cannot access property with non-string/non-number: got ") +
+             kind_name(property.kind));
     }
     if (property.kind != Kind::String)
         fail(std::string("Cannot access property with non-string: got ") + kind_name(property.kind));
@@ -343,7 +374,8 @@ Value Interpreter::eval_slice(const Value& object, const Node& slice, const EnvP
     Value stop = slice.b ? eval(*slice.b, env) : Value::undefined();
     Value step = slice.c ? eval(*slice.c, env) : Value::undefined();
     for (const Value* v : {&start, &stop, &step})
-        if (v->kind != Kind::Integer && v->kind != Kind::Undefined) fail("Slice bounds must be integers or empty");
+        if (v->kind != Kind::Integer && v->kind != Kind::Undefined)
+            fail("Slice bounds must be integers or empty");
     if (object.is_array()) {
         const Array& items = object.items();
         Array out;
@@ -356,7 +388,8 @@ Value Interpreter::eval_slice(const Value& object, const Node& slice, const EnvP
     return Value::string(std::move(out));
 }
 
-std::pair<std::vector<Value>, Object> Interpreter::eval_arguments(const std::vector<NodePtr>& args, const EnvPtr& env) {
+std::pair<std::vector<Value>, Object> Interpreter::eval_arguments(const std::vector<NodePtr>& args,
+                                                                  const EnvPtr& env) {
     std::vector<Value> positional;
     Object kwargs;
     auto add = [&](const std::string& key, Value v) {
@@ -377,7 +410,8 @@ std::pair<std::vector<Value>, Object> Interpreter::eval_arguments(const std::vec
             add(a->text, eval(*a->a, env));
         } else if (a->kind == NodeKind::KeywordSpread) {
             Value v = eval(*a->a, env);
-            if (!v.is_object()) fail(std::string("Argument after ** must be a mapping, not ") + kind_name(v.kind));
+            if (!v.is_object())
+                fail(std::string("Argument after ** must be a mapping, not ") + kind_name(v.kind));
             for (const auto& [k, x] : v.obj().entries) add(k, x);
         }
     }
@@ -410,35 +444,16 @@ void Interpreter::exec_for(const Node& n, const EnvPtr& env, std::string& out) {
     const Array& all = iterable.is_object() ? keys : iterable.items();
 
     const Node& target = *n.a;
-    auto bind = [&](const EnvPtr& s, const Value& current) {
-        if (target.kind == NodeKind::Identifier) {
-            s->set(target.text, current);
-            return;
-        }
-        if (current.kind != Kind::Array) fail(std::string("Cannot unpack non-iterable type: ") + kind_name(current.kind));
-        const Array& parts = current.items();
-        if (parts.size() != target.items.size())
-            fail(std::string("Too ") + (target.items.size() > parts.size() ? "few" : "many") + " items to unpack");
-        for (std::size_t j = 0; j < parts.size(); ++j) {
-            if (target.items[j]->kind != NodeKind::Identifier)
-                fail(std::string("Cannot unpack non-identifier type: ") + node_name(target.items[j]->kind));
-            s->set(target.items[j]->text, parts[j]);
-        }
-    };
 
     Array items;
     for (const auto& current : all) {
         if (test) {
             auto loop_scope = std::make_shared<Env>(scope);
-            bind(loop_scope, current);
+            bind_target(target, current, *loop_scope, "");
             if (!truthy(eval(*test, loop_scope))) continue;
         } else if (target.kind != NodeKind::Identifier) {
-            // the reference rejects a bad unpack before the first iteration
-            if (current.kind != Kind::Array)
-                fail(std::string("Cannot unpack non-iterable type: ") + kind_name(current.kind));
-            if (current.items().size() != target.items.size())
-                fail(std::string("Too ") + (target.items.size() > current.items().size() ? "few" : "many") +
-                     " items to unpack");
+            check_unpack(target, current,
+                         "");  // the reference rejects a bad unpack before the first iteration
         }
         items.push_back(current);
     }
@@ -458,7 +473,7 @@ void Interpreter::exec_for(const Node& n, const EnvPtr& env, std::string& out) {
         loop.entries.emplace_back("previtem", i > 0 ? items[i - 1] : Value::undefined());
         loop.entries.emplace_back("nextitem", i + 1 < count ? items[i + 1] : Value::undefined());
         scope->set("loop", Value::object(std::move(loop)));
-        bind(scope, items[i]);
+        bind_target(target, items[i], *scope, "");
         std::string body;
         try {
             exec_block(n.body, scope, body);
@@ -476,17 +491,8 @@ void Interpreter::exec_for(const Node& n, const EnvPtr& env, std::string& out) {
 void Interpreter::exec_set(const Node& n, const EnvPtr& env) {
     Value rhs = n.b ? eval(*n.b, env) : Value::string(render_block(n.body, env));
     const Node& target = *n.a;
-    if (target.kind == NodeKind::Identifier) {
-        env->set(target.text, std::move(rhs));
-    } else if (target.kind == NodeKind::TupleLit) {
-        if (!rhs.is_array()) fail(std::string("Cannot unpack non-iterable type in set: ") + kind_name(rhs.kind));
-        const Array& parts = rhs.items();
-        if (parts.size() != target.items.size())
-            fail(std::string("Too ") + (target.items.size() > parts.size() ? "few" : "many") + " items to unpack in set");
-        for (std::size_t j = 0; j < parts.size(); ++j) {
-            if (target.items[j]->kind != NodeKind::Identifier) fail("Cannot unpack to non-identifier in set");
-            env->set(target.items[j]->text, parts[j]);
-        }
+    if (target.kind == NodeKind::Identifier || target.kind == NodeKind::TupleLit) {
+        bind_target(target, rhs, *env, " in set");
     } else if (target.kind == NodeKind::Member) {
         Value object = eval(*target.a, env);
         if (object.kind != Kind::Namespace) fail("cannot assign attribute on non-namespace object");
@@ -535,7 +541,8 @@ void Interpreter::bind_macro_arguments(const std::string& display_name, const st
         for (std::size_t i = params.size(); i < args.size(); ++i) rest.push_back(args[i]);
         scope->set("varargs", Value::array(std::move(rest)));
     } else if (args.size() > params.size()) {
-        fail("macro " + display_name + " takes not more than " + std::to_string(params.size()) + " argument(s)");
+        fail("macro " + display_name + " takes not more than " + std::to_string(params.size()) +
+             " argument(s)");
     }
     for (const auto& [name, def] : pending) scope->set(name, eval(*def, scope));
 }
@@ -545,7 +552,15 @@ Value Interpreter::make_macro(const std::string& display_name, const std::vector
     bool kw = body_uses(body, "kwargs"), va = body_uses(body, "varargs");
     const std::vector<NodePtr>* body_ptr = &body;
     const std::vector<NodePtr>* params_ptr = &params;
-    return Value::function([this, display_name, params_ptr, body_ptr, kw, va](std::vector<Value>& args, const EnvPtr& caller_scope) {
+    return Value::function([this, display_name, params_ptr, body_ptr, kw, va](std::vector<Value>& args,
+                                                                              const EnvPtr& caller_scope) {
+        if (macro_depth_ >= kMaxMacroDepth)
+            fail("macro " + display_name + " nested deeper than " + std::to_string(kMaxMacroDepth) +
+                 " calls (endless recursion?)");
+        struct Depth {
+            int& d;
+            ~Depth() { --d; }
+        } depth{++macro_depth_};
         auto scope = std::make_shared<Env>(caller_scope);
         bind_macro_arguments(display_name, *params_ptr, kw, va, args, scope);
         return Value::string(render_block(*body_ptr, scope));

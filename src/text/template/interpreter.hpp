@@ -35,7 +35,8 @@ Value object_member(const Value& o, const std::string& name);
 bool is_test(const std::string& name);
 // A test by name, or false in `found` when there is none.
 bool run_test(const std::string& name, const Value& v, bool& found, const Value* other = nullptr);
-std::string js_replace(const std::string& s, const std::string& from, const std::string& to, double count, bool has_count);
+std::string js_replace(const std::string& s, const std::string& from, const std::string& to, double count,
+                       bool has_count);
 // sort/dictsort order; throws EvalError for values that do not compare.
 int compare_values(const Value& a, const Value& b, bool case_sensitive);
 // Nested attribute by dotted path ("a.b", "items.0"), as sort(attribute=) and map(attribute=) read it.
@@ -46,6 +47,10 @@ class Interpreter {
     std::string run(const Node& program, const EnvPtr& global);
 
   private:
+    // Recursive macros are allowed; this bounds them before the C++ stack runs out.
+    static constexpr int kMaxMacroDepth = 256;
+    int macro_depth_ = 0;
+
     void exec(const Node& n, const EnvPtr& env, std::string& out);
     void exec_block(const std::vector<NodePtr>& body, const EnvPtr& env, std::string& out);
     std::string render_block(const std::vector<NodePtr>& body, const EnvPtr& env) {
@@ -67,8 +72,9 @@ class Interpreter {
     // The macro's body and parameters belong to the program, which outlives the render.
     Value make_macro(const std::string& display_name, const std::vector<NodePtr>& params,
                      const std::vector<NodePtr>& body);
-    void bind_macro_arguments(const std::string& display_name, const std::vector<NodePtr>& params, bool use_kwargs,
-                              bool use_varargs, std::vector<Value> args, const EnvPtr& scope);
+    void bind_macro_arguments(const std::string& display_name, const std::vector<NodePtr>& params,
+                              bool use_kwargs, bool use_varargs, std::vector<Value> args,
+                              const EnvPtr& scope);
 };
 
 }  // namespace moerl::text::jinja::detail

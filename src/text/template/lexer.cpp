@@ -11,9 +11,31 @@ namespace moerl::text::jinja::detail {
 
 const char* tok_name(Tok t) {
     static const char* kNames[] = {
-        "text", "number", "string", "identifier", "'='", "'('", "')'", "'{%'", "'%}'", "'{{'", "'}}'",
-        "'['", "']'", "'{'", "'}'", "','", "'.'", "':'", "'|'", "additive operator",
-        "multiplicative operator", "'**'", "comparison operator", "unary operator", "comment",
+        "text",
+        "number",
+        "string",
+        "identifier",
+        "'='",
+        "'('",
+        "')'",
+        "'{%'",
+        "'%}'",
+        "'{{'",
+        "'}}'",
+        "'['",
+        "']'",
+        "'{'",
+        "'}'",
+        "','",
+        "'.'",
+        "':'",
+        "'|'",
+        "additive operator",
+        "multiplicative operator",
+        "'**'",
+        "comparison operator",
+        "unary operator",
+        "comment",
     };
     return kNames[static_cast<int>(t)];
 }
@@ -130,7 +152,8 @@ class Lexer {
         auto it = std::upper_bound(line_starts_.begin(), line_starts_.end(), offset);
         std::size_t start = *(it - 1);
         line = static_cast<int>(it - line_starts_.begin());
-        column = static_cast<int>(num_code_points(std::string_view(source_).substr(start, offset - start))) + 1;
+        column =
+            static_cast<int>(num_code_points(std::string_view(source_).substr(start, offset - start))) + 1;
     }
     [[noreturn]] void fail(const std::string& what, std::size_t at) const {
         int line, column;
@@ -176,14 +199,16 @@ std::string Lexer::consume_while(Pred pred, std::size_t token_start) {
             if (e == 'x' || e == 'u') {
                 std::size_t len = e == 'x' ? 2 : 4;
                 auto hex = src_.substr(pos_, len);
-                if (hex.size() != len || hex.find_first_not_of("0123456789abcdefABCDEF") != std::string_view::npos)
+                if (hex.size() != len ||
+                    hex.find_first_not_of("0123456789abcdefABCDEF") != std::string_view::npos)
                     fail("invalid hexadecimal escape \\" + std::string(1, e) + std::string(hex), pos_ - 2);
                 char32_t unit = static_cast<char32_t>(std::stoul(std::string(hex), nullptr, 16));
                 pos_ += len;
                 // a \uD83D\uDE00 pair makes one code point; a lone surrogate prints as U+FFFD
                 if (unit >= 0xD800 && unit < 0xDC00 && src_.substr(pos_, 2) == "\\u") {
                     auto low_hex = src_.substr(pos_ + 2, 4);
-                    if (low_hex.size() == 4 && low_hex.find_first_not_of("0123456789abcdefABCDEF") == std::string_view::npos) {
+                    if (low_hex.size() == 4 &&
+                        low_hex.find_first_not_of("0123456789abcdefABCDEF") == std::string_view::npos) {
                         char32_t low = static_cast<char32_t>(std::stoul(std::string(low_hex), nullptr, 16));
                         if (low >= 0xDC00 && low < 0xE000) {
                             append_utf8(out, 0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00));
@@ -196,16 +221,35 @@ std::string Lexer::consume_while(Pred pred, std::size_t token_start) {
                 continue;
             }
             switch (e) {
-                case 'n': out += '\n'; break;
-                case 't': out += '\t'; break;
-                case 'r': out += '\r'; break;
-                case 'b': out += '\b'; break;
-                case 'f': out += '\f'; break;
-                case 'v': out += '\v'; break;
-                case '\'': out += '\''; break;
-                case '"': out += '"'; break;
-                case '\\': out += '\\'; break;
-                default: fail(std::string("unknown escape \\") + e + " in a string literal", pos_ - 2);
+                case 'n':
+                    out += '\n';
+                    break;
+                case 't':
+                    out += '\t';
+                    break;
+                case 'r':
+                    out += '\r';
+                    break;
+                case 'b':
+                    out += '\b';
+                    break;
+                case 'f':
+                    out += '\f';
+                    break;
+                case 'v':
+                    out += '\v';
+                    break;
+                case '\'':
+                    out += '\'';
+                    break;
+                case '"':
+                    out += '"';
+                    break;
+                case '\\':
+                    out += '\\';
+                    break;
+                default:
+                    fail(std::string("unknown escape \\") + e + " in a string literal", pos_ - 2);
             }
             continue;
         }
@@ -228,14 +272,21 @@ std::vector<Token> Lexer::run() {
         Tok type;
     };
     static const Seq kTable[] = {
-        {"{%", Tok::OpenStatement}, {"%}", Tok::CloseStatement}, {"{{", Tok::OpenExpression},
-        {"}}", Tok::CloseExpression}, {"(", Tok::OpenParen}, {")", Tok::CloseParen},
-        {"{", Tok::OpenCurly}, {"}", Tok::CloseCurly}, {"[", Tok::OpenSquare}, {"]", Tok::CloseSquare},
-        {",", Tok::Comma}, {".", Tok::Dot}, {":", Tok::Colon}, {"|", Tok::Pipe},
-        {"<=", Tok::Comparison}, {">=", Tok::Comparison}, {"==", Tok::Comparison}, {"!=", Tok::Comparison},
-        {"<", Tok::Comparison}, {">", Tok::Comparison}, {"+", Tok::Additive}, {"-", Tok::Additive},
-        {"~", Tok::Additive}, {"**", Tok::Power}, {"*", Tok::Multiplicative}, {"//", Tok::Multiplicative},
-        {"/", Tok::Multiplicative}, {"%", Tok::Multiplicative}, {"=", Tok::Equals},
+        {"{%", Tok::OpenStatement},  {"%}", Tok::CloseStatement},
+        {"{{", Tok::OpenExpression}, {"}}", Tok::CloseExpression},
+        {"(", Tok::OpenParen},       {")", Tok::CloseParen},
+        {"{", Tok::OpenCurly},       {"}", Tok::CloseCurly},
+        {"[", Tok::OpenSquare},      {"]", Tok::CloseSquare},
+        {",", Tok::Comma},           {".", Tok::Dot},
+        {":", Tok::Colon},           {"|", Tok::Pipe},
+        {"<=", Tok::Comparison},     {">=", Tok::Comparison},
+        {"==", Tok::Comparison},     {"!=", Tok::Comparison},
+        {"<", Tok::Comparison},      {">", Tok::Comparison},
+        {"+", Tok::Additive},        {"-", Tok::Additive},
+        {"~", Tok::Additive},        {"**", Tok::Power},
+        {"*", Tok::Multiplicative},  {"//", Tok::Multiplicative},
+        {"/", Tok::Multiplicative},  {"%", Tok::Multiplicative},
+        {"=", Tok::Equals},
     };
     int curly_depth = 0;
     while (pos_ < src_.size()) {
@@ -342,7 +393,8 @@ std::vector<Token> Lexer::run() {
         }
         if (is_digit(c)) {
             std::string num = consume_while(is_digit, start);
-            if (last_type() != Tok::Dot && pos_ + 1 < src_.size() && src_[pos_] == '.' && is_digit(src_[pos_ + 1])) {
+            if (last_type() != Tok::Dot && pos_ + 1 < src_.size() && src_[pos_] == '.' &&
+                is_digit(src_[pos_ + 1])) {
                 ++pos_;
                 num += "." + consume_while(is_digit, start);
             }

@@ -8,9 +8,31 @@
 namespace moerl::text::jinja::detail {
 
 enum class Tok {
-    Text, Number, String, Identifier, Equals, OpenParen, CloseParen, OpenStatement, CloseStatement,
-    OpenExpression, CloseExpression, OpenSquare, CloseSquare, OpenCurly, CloseCurly, Comma, Dot,
-    Colon, Pipe, Additive, Multiplicative, Power, Comparison, Unary, Comment,
+    Text,
+    Number,
+    String,
+    Identifier,
+    Equals,
+    OpenParen,
+    CloseParen,
+    OpenStatement,
+    CloseStatement,
+    OpenExpression,
+    CloseExpression,
+    OpenSquare,
+    CloseSquare,
+    OpenCurly,
+    CloseCurly,
+    Comma,
+    Dot,
+    Colon,
+    Pipe,
+    Additive,
+    Multiplicative,
+    Power,
+    Comparison,
+    Unary,
+    Comment,
 };
 
 const char* tok_name(Tok t);

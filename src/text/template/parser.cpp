@@ -13,28 +13,42 @@ namespace moerl::text::jinja::detail {
 
 const char* node_name(NodeKind kind) {
     switch (kind) {
-        case NodeKind::Member: return "member access";
-        case NodeKind::Slice: return "slice";
-        case NodeKind::Call: return "call";
-        case NodeKind::Unary: return "unary operator";
-        case NodeKind::Binary: return "operator";
-        case NodeKind::Filter: return "filter";
-        case NodeKind::Test: return "test";
-        case NodeKind::If: return "{% if %}";
-        case NodeKind::For: return "{% for %}";
-        case NodeKind::Set: return "{% set %}";
-        case NodeKind::Macro: return "{% macro %}";
-        case NodeKind::CallBlock: return "{% call %}";
-        case NodeKind::FilterBlock: return "{% filter %}";
-        default: return "expression";
+        case NodeKind::Member:
+            return "member access";
+        case NodeKind::Slice:
+            return "slice";
+        case NodeKind::Call:
+            return "call";
+        case NodeKind::Unary:
+            return "unary operator";
+        case NodeKind::Binary:
+            return "operator";
+        case NodeKind::Filter:
+            return "filter";
+        case NodeKind::Test:
+            return "test";
+        case NodeKind::If:
+            return "{% if %}";
+        case NodeKind::For:
+            return "{% for %}";
+        case NodeKind::Set:
+            return "{% set %}";
+        case NodeKind::Macro:
+            return "{% macro %}";
+        case NodeKind::CallBlock:
+            return "{% call %}";
+        case NodeKind::FilterBlock:
+            return "{% filter %}";
+        default:
+            return "expression";
     }
 }
 
 namespace {
 
 // Tags that end a block; met where no open block takes them, they are an error.
-const std::set<std::string> kClosers = {"endif",    "endfor",  "endset",    "endmacro",
-                                        "endcall",  "endfilter", "elif",    "else"};
+const std::set<std::string> kClosers = {"endif",   "endfor",    "endset", "endmacro",
+                                        "endcall", "endfilter", "elif",   "else"};
 
 class Parser {
   public:
@@ -99,17 +113,19 @@ class Parser {
     }
 
     // Statements up to one of `ends` (not consumed); the end of the input there is an unclosed block.
-    std::vector<NodePtr> block_until(std::initializer_list<const char*> ends, const Token& opener, const char* what) {
+    std::vector<NodePtr> block_until(std::initializer_list<const char*> ends, const Token& opener,
+                                     const char* what) {
         std::vector<NodePtr> body;
         while (!is_statement(ends)) {
             if (i_ >= t_.size())
-                fail(std::string("unclosed ") + what + " opened at line " + std::to_string(opener.line) + ", column " +
-                         std::to_string(opener.column) + ": expected {% " + *ends.begin() + " %} before the end",
+                fail(std::string("unclosed ") + what + " opened at line " + std::to_string(opener.line) +
+                         ", column " + std::to_string(opener.column) + ": expected {% " + *ends.begin() +
+                         " %} before the end",
                      nullptr);
             if (is(Tok::OpenStatement) && is(Tok::Identifier, 1) && kClosers.count(peek(1)->value))
-                fail("found {% " + peek(1)->value + " %} where {% " + *ends.begin() + " %} was expected (to close the " +
-                         what + " opened at line " + std::to_string(opener.line) + ", column " +
-                         std::to_string(opener.column) + ")",
+                fail("found {% " + peek(1)->value + " %} where {% " + *ends.begin() +
+                         " %} was expected (to close the " + what + " opened at line " +
+                         std::to_string(opener.line) + ", column " + std::to_string(opener.column) + ")",
                      peek());
             body.push_back(any());
         }
@@ -134,21 +150,24 @@ class Parser {
                 n->text = tok.value;
                 return n;
             }
-            case Tok::OpenStatement: return statement();
+            case Tok::OpenStatement:
+                return statement();
             case Tok::OpenExpression: {
                 ++i_;
                 NodePtr e = expression();
                 expect(Tok::CloseExpression, "'}}'");
                 return e;
             }
-            default: fail("unexpected " + describe(tok) + " outside a tag", &tok);
+            default:
+                fail("unexpected " + describe(tok) + " outside a tag", &tok);
         }
     }
 
     NodePtr statement() {
         const Token& open = expect(Tok::OpenStatement, "'{%'");
         const Token& name_tok = next("a statement name");
-        if (name_tok.type != Tok::Identifier) fail("expected a statement name after '{%', found " + describe(name_tok), &name_tok);
+        if (name_tok.type != Tok::Identifier)
+            fail("expected a statement name after '{%', found " + describe(name_tok), &name_tok);
         const std::string& name = name_tok.value;
         if (name == "set") return set_statement(open);
         if (name == "if") {
@@ -165,7 +184,8 @@ class Parser {
             return make(name == "break" ? NodeKind::Break : NodeKind::Continue, open);
         }
         if (kClosers.count(name)) fail("'{% " + name + " %}' without a matching opening block", &open);
-        fail("unsupported statement '{% " + name + " %}' (supported: set, if, for, macro, call, filter, break, continue)",
+        fail("unsupported statement '{% " + name +
+                 " %}' (supported: set, if, for, macro, call, filter, break, continue)",
              &open);
     }
 
@@ -349,30 +369,18 @@ class Parser {
         }
         return left;
     }
-    NodePtr additive() {
-        NodePtr left = multiplicative();
-        while (is(Tok::Additive)) {
-            const Token& op = t_[i_++];
-            left = binary(op, op.value, left, multiplicative());
+    // One left-associative level: operands from `next`, joined by operators of token type `op`.
+    NodePtr left_assoc(Tok op, NodePtr (Parser::*next)()) {
+        NodePtr left = (this->*next)();
+        while (is(op)) {
+            const Token& tok = t_[i_++];
+            left = binary(tok, tok.value, left, (this->*next)());
         }
         return left;
     }
-    NodePtr multiplicative() {
-        NodePtr left = power();
-        while (is(Tok::Multiplicative)) {
-            const Token& op = t_[i_++];
-            left = binary(op, op.value, left, power());
-        }
-        return left;
-    }
-    NodePtr power() {
-        NodePtr left = test();
-        while (is(Tok::Power)) {
-            const Token& op = t_[i_++];
-            left = binary(op, "**", left, test());
-        }
-        return left;
-    }
+    NodePtr additive() { return left_assoc(Tok::Additive, &Parser::multiplicative); }
+    NodePtr multiplicative() { return left_assoc(Tok::Multiplicative, &Parser::power); }
+    NodePtr power() { return left_assoc(Tok::Power, &Parser::test); }
     NodePtr test() {
         NodePtr operand = filter();
         while (is_ident("is")) {
@@ -381,7 +389,8 @@ class Parser {
             if (negate) ++i_;
             NodePtr name = primary();
             if (name->kind != NodeKind::Identifier) fail("expected a test name after 'is'", &tok);
-            if (is(Tok::OpenParen)) fail("tests with arguments ('is " + name->text + "(...)') are not supported", &tok);
+            if (is(Tok::OpenParen))
+                fail("tests with arguments ('is " + name->text + "(...)') are not supported", &tok);
             auto n = make(NodeKind::Test, tok);
             n->a = operand;
             n->text = name->text;
@@ -406,7 +415,8 @@ class Parser {
     }
     NodePtr unary_sign() {
         const Token* tok = peek();
-        if (tok && (tok->type == Tok::Unary || tok->type == Tok::Additive) && (tok->value == "-" || tok->value == "+")) {
+        if (tok && (tok->type == Tok::Unary || tok->type == Tok::Additive) &&
+            (tok->value == "-" || tok->value == "+")) {
             ++i_;
             auto n = make(NodeKind::Unary, *tok);
             n->text = tok->value;
@@ -458,7 +468,8 @@ class Parser {
                 arg = expression();
                 if (is(Tok::Equals)) {
                     ++i_;
-                    if (arg->kind != NodeKind::Identifier) fail("expected a name before '=' in an argument list", tok);
+                    if (arg->kind != NodeKind::Identifier)
+                        fail("expected a name before '=' in an argument list", tok);
                     auto n = make(NodeKind::KeywordArg, *tok);
                     n->text = arg->text;
                     n->a = expression();
@@ -579,7 +590,8 @@ class Parser {
                 ++i_;
                 return n;
             }
-            default: fail("unexpected " + describe(tok) + ", expected an expression", &tok);
+            default:
+                fail("unexpected " + describe(tok) + ", expected an expression", &tok);
         }
     }
 

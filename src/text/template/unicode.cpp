@@ -1,11 +1,11 @@
 #include "template/unicode.hpp"
 
+#include <utf8proc.h>
+
 #include <algorithm>
 #include <cctype>
 #include <iterator>
 #include <vector>
-
-#include <utf8proc.h>
 
 namespace moerl::text::jinja::detail {
 
@@ -29,8 +29,20 @@ void append_utf8(std::string& out, char32_t cp) {
 
 bool is_js_space(char32_t cp) {
     switch (cp) {
-        case 0x09: case 0x0A: case 0x0B: case 0x0C: case 0x0D: case 0x20: case 0xA0: case 0x1680:
-        case 0x2028: case 0x2029: case 0x202F: case 0x205F: case 0x3000: case 0xFEFF:
+        case 0x09:
+        case 0x0A:
+        case 0x0B:
+        case 0x0C:
+        case 0x0D:
+        case 0x20:
+        case 0xA0:
+        case 0x1680:
+        case 0x2028:
+        case 0x2029:
+        case 0x202F:
+        case 0x205F:
+        case 0x3000:
+        case 0xFEFF:
             return true;
         default:
             return cp >= 0x2000 && cp <= 0x200A;
@@ -72,6 +84,7 @@ struct MultiUpper {
     char32_t from;
     char32_t to[3];
 };
+// clang-format off
 const MultiUpper kMultiUpper[] = {
     {0xDF, {0x53, 0x53}}, {0x149, {0x2BC, 0x4E}}, {0x1F0, {0x4A, 0x30C}}, {0x390, {0x399, 0x308, 0x301}},
     {0x3B0, {0x3A5, 0x308, 0x301}}, {0x587, {0x535, 0x552}}, {0x1E96, {0x48, 0x331}},
@@ -106,6 +119,7 @@ const MultiUpper kMultiUpper[] = {
     {0xFB04, {0x46, 0x46, 0x4C}}, {0xFB05, {0x53, 0x54}}, {0xFB06, {0x53, 0x54}}, {0xFB13, {0x544, 0x546}},
     {0xFB14, {0x544, 0x535}}, {0xFB15, {0x544, 0x53B}}, {0xFB16, {0x54E, 0x546}}, {0xFB17, {0x544, 0x53D}}
 };
+// clang-format on
 
 const MultiUpper* multi_upper(char32_t cp) {
     if (cp < 0xDF || cp > 0xFB17) return nullptr;
@@ -118,7 +132,9 @@ bool is_letter(char32_t cp) {
     auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
     return cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO;
 }
-bool is_mark(char32_t cp) { return utf8proc_category(static_cast<utf8proc_int32_t>(cp)) == UTF8PROC_CATEGORY_MN; }
+bool is_mark(char32_t cp) {
+    return utf8proc_category(static_cast<utf8proc_int32_t>(cp)) == UTF8PROC_CATEGORY_MN;
+}
 
 std::u32string decode(std::string_view s, std::vector<std::size_t>& starts) {
     std::u32string out;

@@ -88,18 +88,30 @@ const void* Value::identity() const {
 
 const char* kind_name(Kind kind) {
     switch (kind) {
-        case Kind::Undefined: return "UndefinedValue";
-        case Kind::Null: return "NullValue";
-        case Kind::Boolean: return "BooleanValue";
-        case Kind::Integer: return "IntegerValue";
-        case Kind::Float: return "FloatValue";
-        case Kind::String: return "StringValue";
-        case Kind::Array: return "ArrayValue";
-        case Kind::Tuple: return "TupleValue";
-        case Kind::Object: return "ObjectValue";
-        case Kind::KeywordArgs: return "KeywordArgumentsValue";
-        case Kind::Namespace: return "NamespaceValue";
-        case Kind::Function: return "FunctionValue";
+        case Kind::Undefined:
+            return "UndefinedValue";
+        case Kind::Null:
+            return "NullValue";
+        case Kind::Boolean:
+            return "BooleanValue";
+        case Kind::Integer:
+            return "IntegerValue";
+        case Kind::Float:
+            return "FloatValue";
+        case Kind::String:
+            return "StringValue";
+        case Kind::Array:
+            return "ArrayValue";
+        case Kind::Tuple:
+            return "TupleValue";
+        case Kind::Object:
+            return "ObjectValue";
+        case Kind::KeywordArgs:
+            return "KeywordArgumentsValue";
+        case Kind::Namespace:
+            return "NamespaceValue";
+        case Kind::Function:
+            return "FunctionValue";
     }
     return "?";
 }
@@ -107,17 +119,24 @@ const char* kind_name(Kind kind) {
 bool truthy(const Value& v) {
     switch (v.kind) {
         case Kind::Undefined:
-        case Kind::Null: return false;
-        case Kind::Boolean: return v.boolean;
+        case Kind::Null:
+            return false;
+        case Kind::Boolean:
+            return v.boolean;
         case Kind::Integer:
-        case Kind::Float: return v.number != 0 && !std::isnan(v.number);
-        case Kind::String: return !v.str().empty();
+        case Kind::Float:
+            return v.number != 0 && !std::isnan(v.number);
+        case Kind::String:
+            return !v.str().empty();
         case Kind::Array:
-        case Kind::Tuple: return !v.items().empty();
+        case Kind::Tuple:
+            return !v.items().empty();
         case Kind::Object:
-        case Kind::KeywordArgs: return !v.obj().entries.empty();
+        case Kind::KeywordArgs:
+            return !v.obj().entries.empty();
         case Kind::Namespace:  // a JavaScript Map is always truthy
-        case Kind::Function: return true;
+        case Kind::Function:
+            return true;
     }
     return false;
 }
@@ -128,11 +147,14 @@ namespace {
 double string_to_number(std::string_view s) {
     s = trim(s);
     if (s.empty()) return 0;
-    if (s.size() > 2 && s[0] == '0' && (s[1] | 0x20) != 'e' && std::string_view("xXoObB").find(s[1]) != std::string_view::npos) {
+    if (s.size() > 2 && s[0] == '0' && (s[1] | 0x20) != 'e' &&
+        std::string_view("xXoObB").find(s[1]) != std::string_view::npos) {
         int base = (s[1] | 0x20) == 'x' ? 16 : (s[1] | 0x20) == 'o' ? 8 : 2;
         double r = 0;
         for (char c : s.substr(2)) {
-            int d = c >= '0' && c <= '9' ? c - '0' : (c | 0x20) >= 'a' && (c | 0x20) <= 'f' ? (c | 0x20) - 'a' + 10 : 99;
+            int d = c >= '0' && c <= '9'                     ? c - '0'
+                    : (c | 0x20) >= 'a' && (c | 0x20) <= 'f' ? (c | 0x20) - 'a' + 10
+                                                             : 99;
             if (d >= base) return NAN;
             r = r * base + d;
         }
@@ -169,12 +191,17 @@ enum class JsType { Nullish, Boolean, Number, String, Object };
 JsType js_type(const Value& v) {
     switch (v.kind) {
         case Kind::Undefined:
-        case Kind::Null: return JsType::Nullish;
-        case Kind::Boolean: return JsType::Boolean;
+        case Kind::Null:
+            return JsType::Nullish;
+        case Kind::Boolean:
+            return JsType::Boolean;
         case Kind::Integer:
-        case Kind::Float: return JsType::Number;
-        case Kind::String: return JsType::String;
-        default: return JsType::Object;
+        case Kind::Float:
+            return JsType::Number;
+        case Kind::String:
+            return JsType::String;
+        default:
+            return JsType::Object;
     }
 }
 
@@ -183,21 +210,16 @@ JsType js_type(const Value& v) {
 bool loose_equal(const Value& a, const Value& b) {
     JsType ta = js_type(a), tb = js_type(b);
     if (ta == JsType::Nullish || tb == JsType::Nullish) return ta == tb;
-    if (ta == tb) {
-        switch (ta) {
-            case JsType::Boolean: return a.boolean == b.boolean;
-            case JsType::Number: return a.number == b.number;
-            case JsType::String: return a.str() == b.str();
-            default: return a.identity() == b.identity();
-        }
-    }
+    if (ta == tb) return strict_equal(a, b);
     if (ta == JsType::Boolean) return loose_equal(Value::integer(a.boolean ? 1 : 0), b);
     if (tb == JsType::Boolean) return loose_equal(a, Value::integer(b.boolean ? 1 : 0));
     if (ta == JsType::Number && tb == JsType::String) return a.number == string_to_number(b.str());
     if (ta == JsType::String && tb == JsType::Number) return string_to_number(a.str()) == b.number;
     // An object against a number or a string compares the object's primitive (its string).
-    if (ta == JsType::Object && a.kind != Kind::Function) return loose_equal(Value::string(to_js_string(a)), b);
-    if (tb == JsType::Object && b.kind != Kind::Function) return loose_equal(a, Value::string(to_js_string(b)));
+    if (ta == JsType::Object && a.kind != Kind::Function)
+        return loose_equal(Value::string(to_js_string(a)), b);
+    if (tb == JsType::Object && b.kind != Kind::Function)
+        return loose_equal(a, Value::string(to_js_string(b)));
     return false;
 }
 
@@ -205,11 +227,16 @@ bool strict_equal(const Value& a, const Value& b) {
     JsType ta = js_type(a), tb = js_type(b);
     if (ta != tb) return false;
     switch (ta) {
-        case JsType::Nullish: return true;  // the reference's none holds undefined, not null
-        case JsType::Boolean: return a.boolean == b.boolean;
-        case JsType::Number: return a.number == b.number;
-        case JsType::String: return a.str() == b.str();
-        default: return a.identity() == b.identity();
+        case JsType::Nullish:
+            return true;  // the reference's none holds undefined, not null
+        case JsType::Boolean:
+            return a.boolean == b.boolean;
+        case JsType::Number:
+            return a.number == b.number;
+        case JsType::String:
+            return a.str() == b.str();
+        default:
+            return a.identity() == b.identity();
     }
 }
 
@@ -271,20 +298,28 @@ std::string float_display(double x) {
 std::string to_display(const Value& v) {
     switch (v.kind) {
         case Kind::Undefined:
-        case Kind::Null: return "undefined";  // the reference's none holds undefined, not null
-        case Kind::Boolean: return v.boolean ? "true" : "false";
-        case Kind::Integer: return js_number(v.number);
-        case Kind::Float: return float_display(v.number);
-        case Kind::String: return v.str();
-        case Kind::Function: throw EvalError{"a function cannot be printed"};
-        default: return to_json(v, {}, false);
+        case Kind::Null:
+            return "undefined";  // the reference's none holds undefined, not null
+        case Kind::Boolean:
+            return v.boolean ? "true" : "false";
+        case Kind::Integer:
+            return js_number(v.number);
+        case Kind::Float:
+            return float_display(v.number);
+        case Kind::String:
+            return v.str();
+        case Kind::Function:
+            throw EvalError{"a function cannot be printed"};
+        default:
+            return to_json(v, {}, false);
     }
 }
 
 std::string to_js_string(const Value& v) {
     switch (v.kind) {
         case Kind::Integer:
-        case Kind::Float: return js_number(v.number);
+        case Kind::Float:
+            return js_number(v.number);
         case Kind::Array:
         case Kind::Tuple: {
             std::string out;
@@ -297,8 +332,10 @@ std::string to_js_string(const Value& v) {
         }
         case Kind::Object:
         case Kind::KeywordArgs:
-        case Kind::Namespace: return "[object Map]";
-        default: return to_display(v);
+        case Kind::Namespace:
+            return "[object Map]";
+        default:
+            return to_display(v);
     }
 }
 
@@ -314,13 +351,27 @@ void append_json_string(std::string& out, std::string_view s, bool ensure_ascii)
         if (c < 0x80) {
             ++i;
             switch (c) {
-                case '"': out += "\\\""; break;
-                case '\\': out += "\\\\"; break;
-                case '\b': out += "\\b"; break;
-                case '\f': out += "\\f"; break;
-                case '\n': out += "\\n"; break;
-                case '\r': out += "\\r"; break;
-                case '\t': out += "\\t"; break;
+                case '"':
+                    out += "\\\"";
+                    break;
+                case '\\':
+                    out += "\\\\";
+                    break;
+                case '\b':
+                    out += "\\b";
+                    break;
+                case '\f':
+                    out += "\\f";
+                    break;
+                case '\n':
+                    out += "\\n";
+                    break;
+                case '\r':
+                    out += "\\r";
+                    break;
+                case '\t':
+                    out += "\\t";
+                    break;
                 default:
                     if (c < 0x20 || (ensure_ascii && c == 0x7F))
                         escape_unit(c);
@@ -348,16 +399,28 @@ void json_into(std::string& out, const Value& v, const JsonOptions& o, int depth
     std::string item_sep = o.custom_separators ? o.item_separator : o.indent ? "," : ", ";
     std::string key_sep = o.custom_separators ? o.key_separator : ": ";
     switch (v.kind) {
-        case Kind::Null: out += "null"; return;
-        case Kind::Undefined: out += undefined_as_null ? "null" : "undefined"; return;
-        case Kind::Boolean: out += v.boolean ? "true" : "false"; return;
+        case Kind::Null:
+            out += "null";
+            return;
+        case Kind::Undefined:
+            out += undefined_as_null ? "null" : "undefined";
+            return;
+        case Kind::Boolean:
+            out += v.boolean ? "true" : "false";
+            return;
         case Kind::Integer:
-        case Kind::Float: out += std::isfinite(v.number) ? js_number(v.number) : "null"; return;
-        case Kind::String: append_json_string(out, v.str(), o.ensure_ascii); return;
+        case Kind::Float:
+            out += std::isfinite(v.number) ? js_number(v.number) : "null";
+            return;
+        case Kind::String:
+            append_json_string(out, v.str(), o.ensure_ascii);
+            return;
         case Kind::Array:
         case Kind::Object:
-        case Kind::Namespace: break;
-        default: throw EvalError{std::string("Cannot convert to JSON: ") + kind_name(v.kind)};
+        case Kind::Namespace:
+            break;
+        default:
+            throw EvalError{std::string("Cannot convert to JSON: ") + kind_name(v.kind)};
     }
     std::string indent_unit(static_cast<std::size_t>(std::max(o.indent, 0)), ' ');
     std::string base = "\n";
@@ -378,7 +441,8 @@ void json_into(std::string& out, const Value& v, const JsonOptions& o, int depth
     std::vector<const std::pair<std::string, Value>*> entries;
     for (const auto& e : v.obj().entries) entries.push_back(&e);
     if (o.sort_keys)
-        std::stable_sort(entries.begin(), entries.end(), [](auto* a, auto* b) { return a->first < b->first; });
+        std::stable_sort(entries.begin(), entries.end(),
+                         [](auto* a, auto* b) { return a->first < b->first; });
     out += '{';
     for (std::size_t i = 0; i < entries.size(); ++i) {
         if (i) out += item_sep;
@@ -410,16 +474,21 @@ Value from_json(const nlohmann::ordered_json& j) {
     using T = nlohmann::ordered_json::value_t;
     switch (j.type()) {
         case T::null:
-        case T::discarded: return Value::null();
-        case T::boolean: return Value::of_bool(j.get<bool>());
-        case T::number_integer: return Value::integer(static_cast<double>(j.get<std::int64_t>()));
-        case T::number_unsigned: return Value::integer(static_cast<double>(j.get<std::uint64_t>()));
+        case T::discarded:
+            return Value::null();
+        case T::boolean:
+            return Value::of_bool(j.get<bool>());
+        case T::number_integer:
+            return Value::integer(static_cast<double>(j.get<std::int64_t>()));
+        case T::number_unsigned:
+            return Value::integer(static_cast<double>(j.get<std::uint64_t>()));
         case T::number_float: {
             double x = j.get<double>();
             bool integral = std::isfinite(x) && std::trunc(x) == x;  // Number.isInteger
             return integral ? Value::integer(x) : Value::floating(x);
         }
-        case T::string: return Value::string(j.get<std::string>());
+        case T::string:
+            return Value::string(j.get<std::string>());
         case T::array: {
             Array items;
             items.reserve(j.size());
@@ -437,7 +506,8 @@ Value from_json(const nlohmann::ordered_json& j) {
                 if (!is_array_index(it.key())) o.entries.emplace_back(it.key(), from_json(it.value()));
             return Value::object(std::move(o));
         }
-        case T::binary: throw EvalError{"binary JSON values are not supported in a template context"};
+        case T::binary:
+            throw EvalError{"binary JSON values are not supported in a template context"};
     }
     return Value::null();
 }

@@ -5,13 +5,12 @@
 
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <variant>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace moerl::text::jinja::detail {
 
@@ -31,7 +30,20 @@ struct Object {
 // call had keyword arguments.
 using Function = std::function<Value(std::vector<Value>& args, const EnvPtr& scope)>;
 
-enum class Kind { Undefined, Null, Boolean, Integer, Float, String, Array, Tuple, Object, KeywordArgs, Namespace, Function };
+enum class Kind {
+    Undefined,
+    Null,
+    Boolean,
+    Integer,
+    Float,
+    String,
+    Array,
+    Tuple,
+    Object,
+    KeywordArgs,
+    Namespace,
+    Function
+};
 
 // Thrown by builtins; the interpreter adds the template position of the node being evaluated.
 struct EvalError {
