@@ -325,22 +325,17 @@ class Parser {
         return n;
     }
 
-    NodePtr logical_or() {
-        NodePtr left = logical_and();
-        while (is_ident("or")) {
+    // `a or b or c`, `a and b`: left-associative levels whose operator is a word.
+    NodePtr left_assoc_word(const char* word, NodePtr (Parser::*next)()) {
+        NodePtr left = (this->*next)();
+        while (is_ident(word)) {
             const Token& op = t_[i_++];
-            left = binary(op, "or", left, logical_and());
+            left = binary(op, word, left, (this->*next)());
         }
         return left;
     }
-    NodePtr logical_and() {
-        NodePtr left = logical_not();
-        while (is_ident("and")) {
-            const Token& op = t_[i_++];
-            left = binary(op, "and", left, logical_not());
-        }
-        return left;
-    }
+    NodePtr logical_or() { return left_assoc_word("or", &Parser::logical_and); }
+    NodePtr logical_and() { return left_assoc_word("and", &Parser::logical_not); }
     NodePtr logical_not() {
         if (is_ident("not")) {
             const Token& op = t_[i_++];

@@ -26,29 +26,20 @@ void Object::set(std::string key, Value value) {
     entries.emplace_back(std::move(key), std::move(value));
 }
 
-Value Value::null() {
+namespace {
+Value scalar(Kind kind, double number = 0, bool boolean = false) {
     Value v;
-    v.kind = Kind::Null;
+    v.kind = kind;
+    v.number = number;
+    v.boolean = boolean;
     return v;
 }
-Value Value::of_bool(bool b) {
-    Value v;
-    v.kind = Kind::Boolean;
-    v.boolean = b;
-    return v;
-}
-Value Value::integer(double n) {
-    Value v;
-    v.kind = Kind::Integer;
-    v.number = n;
-    return v;
-}
-Value Value::floating(double n) {
-    Value v;
-    v.kind = Kind::Float;
-    v.number = n;
-    return v;
-}
+}  // namespace
+
+Value Value::null() { return scalar(Kind::Null); }
+Value Value::of_bool(bool b) { return scalar(Kind::Boolean, 0, b); }
+Value Value::integer(double n) { return scalar(Kind::Integer, n); }
+Value Value::floating(double n) { return scalar(Kind::Float, n); }
 Value Value::string(std::string s) {
     Value v;
     v.kind = Kind::String;
