@@ -131,6 +131,13 @@ class Parser {
         }
         return body;
     }
+    // `%}`, the statements up to {% end_name %}, and that closing tag.
+    std::vector<NodePtr> block_to_end(const Token& opener, const char* end_name, const char* what) {
+        expect(Tok::CloseStatement, "'%}'");
+        std::vector<NodePtr> body = block_until({end_name}, opener, what);
+        close_block(end_name);
+        return body;
+    }
     void close_block(const char* end_name) {
         expect(Tok::OpenStatement, "'{%'");
         expect_ident(end_name);
@@ -247,9 +254,7 @@ class Parser {
         if (name->kind != NodeKind::Identifier) fail("expected a macro name", &open);
         n->text = name->text;
         n->items = arguments(true);
-        expect(Tok::CloseStatement, "'%}'");
-        n->body = block_until({"endmacro"}, open, "{% macro %}");
-        close_block("endmacro");
+        n->body = block_to_end(open, "endmacro", "{% macro %}");
         return n;
     }
 
@@ -262,9 +267,7 @@ class Parser {
         call->a = callee;
         call->items = arguments(false);
         n->a = call;
-        expect(Tok::CloseStatement, "'%}'");
-        n->body = block_until({"endcall"}, open, "{% call %}");
-        close_block("endcall");
+        n->body = block_to_end(open, "endcall", "{% call %}");
         return n;
     }
 
@@ -273,9 +276,7 @@ class Parser {
         NodePtr f = primary();
         if (f->kind == NodeKind::Identifier && is(Tok::OpenParen)) f = call(f);
         n->a = f;
-        expect(Tok::CloseStatement, "'%}'");
-        n->body = block_until({"endfilter"}, open, "{% filter %}");
-        close_block("endfilter");
+        n->body = block_to_end(open, "endfilter", "{% filter %}");
         return n;
     }
 
