@@ -6,13 +6,11 @@
 // another copy of the weights (or another routing) so that nothing is served from L2, with the
 // bandwidth of the weight bytes each launch reads. Last, one decode layer at batch 1 with its kernels
 // in step order, against the sum of the same kernels timed alone, and each kernel's cost inside the
-// layer (the layer less the layer without it). No LibTorch: it runs wherever the
-// decode kernels build.
-//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4,h4]
-//                        [--no-gemv] [--no-attention] [--no-layer]
-// (--len and --shapes pick the attention rows, with --len the other kernels are left out; shapes: one
-// lane a token in blocks of 2 or 8 warps, two or four lanes a token, four with the early loads, and
-// those with one query head a block, as the generator runs one row.)
+// layer (the layer less the layer without it), and the same layer as the generator runs one-row
+// steps. No LibTorch: it runs wherever the decode kernels build.
+//   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--no-gemv]
+//                        [--no-attention] [--no-layer]
+// (--len picks the attention rows and leaves the other kernels out.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -206,17 +204,9 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         auto* out = pool.bf16_filled(static_cast<size_t>(max_b) * d.out_rows);
         for (int B : batches) {
             if (B > 4) continue;  // larger batches go to cuBLAS
-            for (int rows : {1, 2, 4})
-                for (bool preload : {false, true}) {
-                    if (preload && rows > 1) continue;
-                    row(d.name, B, "rows " + std::to_string(rows) + (preload ? ", preload" : ""),
-                        elems * 2e-6, [&](int i, const mc::Launch& l) {
-                            mc::Launch lp = l;
-                            lp.preload = preload;
-                            mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows,
-                                                  rows, out, lp);
-                        });
-                }
+            row(d.name, B, "cuda cores", elems * 2e-6, [&](int i, const mc::Launch& l) {
+                mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows, out, l);
+            });
         }
     }
     // The LM head [151936, 2048] with the final norm inside, one row (622 MB, one copy: past L2 anyway),
@@ -228,13 +218,9 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         auto* x = pool.bf16_filled(kH);
         auto* norm_w = pool.bf16_filled(kH);
         auto* out = pool.bf16_filled(kVocab);
-        for (bool preload : {false, true})
-            row("lm head (norm inside)", 1, preload ? "rows 1, preload" : "rows 1", elems * 2e-6,
-                [&](int, const mc::Launch& l) {
-                    mc::Launch lp = l;
-                    lp.preload = preload;
-                    mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w, 1, kH, kVocab, 1, out, lp);
-                });
+        row("lm head (norm inside)", 1, "cuda cores", elems * 2e-6, [&](int, const mc::Launch& l) {
+            mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w, 1, kH, kVocab, out, l);
+        });
     }
     // Experts: gate/up [E, I, H] and down [E, H, I], one routing per launch out of 16 (random logits).
     auto* gate = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);
@@ -261,21 +247,16 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         auto* act = pool.bf16_filled(static_cast<size_t>(B) * kK * kI);
         auto* y = pool.zeros<float>(static_cast<size_t>(B) * kK * kH);
         const double gate_up_mb = active * 2.0 * kI * kH * 2e-6, down_mb = active * kH * kI * 2e-6;
-        for (int rows : {1, 2}) {
-            if (rows == 2 && B > 1) continue;  // measured slower than one row a warp from 16 tokens on
-            row("experts gate+up", B, "cuda cores, rows " + std::to_string(rows), gate_up_mb,
-                [&](int i, const mc::Launch& l) {
-                    mc::launch_moe_gate_up(1, h, gate, up, routes[i % kRoutings], B, kK, kH, kI, max_active,
-                                           rows, act, l);
-                });
-        }
+        row("experts gate+up", B, "cuda cores", gate_up_mb, [&](int i, const mc::Launch& l) {
+            mc::launch_moe_gate_up(1, h, gate, up, routes[i % kRoutings], B, kK, kH, kI, max_active, act, l);
+        });
         if (mc::moe_tensor_cores_supported(1, kH, kI))
             row("experts gate+up", B, "tensor cores", gate_up_mb, [&](int i, const mc::Launch& l) {
                 mc::launch_moe_gate_up_mma(h, gate, up, routes[i % kRoutings], B, kK, kE, kH, kI, max_active,
                                            act, l);
             });
-        row("experts down", B, "cuda cores, rows 2", down_mb, [&](int i, const mc::Launch& l) {
-            mc::launch_moe_down(1, act, down, routes[i % kRoutings], B, kK, kH, kI, max_active, 2, y, l);
+        row("experts down", B, "cuda cores", down_mb, [&](int i, const mc::Launch& l) {
+            mc::launch_moe_down(1, act, down, routes[i % kRoutings], B, kK, kH, kI, max_active, y, l);
         });
         if (mc::moe_tensor_cores_supported(1, kH, kI))
             row("experts down", B, "tensor cores", down_mb, [&](int i, const mc::Launch& l) {
@@ -290,7 +271,7 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
 // route, expert gate/up and down (CUDA cores, as the engine runs batch 1), combine + norm — each
 // launch a layer of its own among 8 (its own dense weights; experts as its router picks), as in a
 // step: us per layer, plain and overlapped, next to the same kernels timed one kind at a time and
-// to what each adds to the layer. Attention with the early loads, as the generator runs it.
+// to what each adds to the layer.
 void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     constexpr int B = 1, kLayers = 8, seq = 193, kQkvRows = (kHq + 2 * kHkv) * kD;
     const int max_blocks = (seq + kBlock - 1) / kBlock;
@@ -331,26 +312,23 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
     std::vector<mc::MoeRouting> routes(kLayers);  // each layer's, so experts timed alone vary too
     for (mc::MoeRouting& r : routes) r = pool.routing(B);
-    mc::AttentionShape shape = mc::attention_shape(B, kHkv, 8, 0);
-    shape.early_loads = true;  // as the generator runs it
-    shape.few_rows_heads = 1;
     // kinds: bit i launches kernel i of the layer (all: the layer)
     auto layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
-        if (kinds & 1u) mc::launch_dense_rows(1, h, w.qkv_w, B, kH, kQkvRows, 0, qkv, l);
+        if (kinds & 1u) mc::launch_dense_rows(1, h, w.qkv_w, B, kH, kQkvRows, qkv, l);
         if (kinds & 2u)
             mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
                                           kBlock, B, kHq, kHkv, kD, q, w.k_pool, w.v_pool, l);
         if (kinds & 4u)
             mc::launch_paged_attention(1, q, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks, kBlock,
-                                       B, kHq, kHkv, kD, partial, done, attn, l, shape);
-        if (kinds & 8u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, 0, o, l);
+                                       B, kHq, kHkv, kD, partial, done, attn, l);
+        if (kinds & 8u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, o, l);
         if (kinds & 16u) mc::launch_add_rmsnorm(1, x, o, norm_w, 1e-6f, d_pos, B, kH, h, l);
-        if (kinds & 32u) mc::launch_dense_rows(1, h, w.router_w, B, kH, kE, 0, logits, l);
+        if (kinds & 32u) mc::launch_dense_rows(1, h, w.router_w, B, kH, kE, logits, l);
         if (kinds & 64u) mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, l);
-        if (kinds & 128u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
-        if (kinds & 256u) mc::launch_moe_down(1, act, down, r, B, kK, kH, kI, kK, 0, y, l);
+        if (kinds & 128u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, act, l);
+        if (kinds & 256u) mc::launch_moe_down(1, act, down, r, B, kK, kH, kI, kK, y, l);
         if (kinds & 512u) mc::launch_moe_combine_rmsnorm(1, x, y, r, norm_w, 1e-6f, d_pos, B, kK, kH, h, l);
     };
     for (int i = 0; i < kLayers; ++i) layer(i, 1023u, {stream, false});  // every layer's routing
@@ -387,32 +365,22 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
     std::printf("| sum | %.2f | %.2f | | |\n| the layer | | | %.2f | %.2f |\n", sum.plain, sum.overlap,
                 whole.plain, whole.overlap);
 
-    // The same layer as the generator runs one-row steps (fused q/k, fused rows): 6 kernels.
+    // The same layer as the generator runs one-row steps (fused q/k, fused rows): 6 kernels, the
+    // router logits ranked in the expert kernels where those fit.
     int* fused_done = pool.zeros<int>(mc::fused_rows_done_counters(kH));
     const mc::QkvInput qkv_in{qkv, qn, kn, 1e-6f, 1e6f};
-    int rows = 2;  // weight rows a warp of the dense GEMVs (the down experts keep two, as the generator)
-    bool preload = false;      // Launch::preload
-    bool by_column = false;    // Launch::down_by_column (with early_expert_loads, as the generator)
-    bool async_tiles = false;  // Launch::async_tiles
-    bool routed = false;       // Launch::route_in_experts (the routed expert launchers)
-    auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& launch) {
-        mc::Launch l = launch;
-        l.preload = preload;
-        l.down_by_column = by_column;
-        l.early_expert_loads = by_column;
-        l.async_tiles = async_tiles;
-        l.route_in_experts = routed;
+    const bool routed = mc::moe_routed_one_row_supported(1, kK, kI);
+    auto fused_layer = [&](int i, unsigned kinds, const mc::Launch& l) {
         const Layer& w = layers[i % kLayers];
         const mc::MoeRouting& r = routes[i % kLayers];
-        if (kinds & 1u)
-            mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w.qkv_w, B, kH, kQkvRows, rows, qkv, l);
+        if (kinds & 1u) mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w.qkv_w, B, kH, kQkvRows, qkv, l);
         if (kinds & 2u)
             mc::launch_paged_attention(1, nullptr, w.k_pool, w.v_pool, d_pos, d_slot, d_table, max_blocks,
-                                       kBlock, B, kHq, kHkv, kD, partial, done, attn, l, shape, qkv_in);
-        if (kinds & 4u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, rows, o, l);
+                                       kBlock, B, kHq, kHkv, kD, partial, done, attn, l, qkv_in);
+        if (kinds & 4u) mc::launch_dense_rows(1, attn, w.o_w, B, kHq * kD, kH, o, l);
         if (kinds & 8u)
             mc::launch_add_norm_router_route(1, x, o, norm_w, 1e-6f, d_pos, w.router_w, B, kH, kE, kK, true,
-                                             rows, h, logits, r, fused_done, l);
+                                             !routed, h, logits, r, fused_done, l);
         if (routed) {
             if (kinds & 16u)
                 mc::launch_moe_gate_up_routed(1, h, gate, up, logits, d_pos, r, kE, kK, true, kH, kI, act, l);
@@ -421,9 +389,9 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
                                                    l);
             return;
         }
-        if (kinds & 16u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, 0, act, l);
+        if (kinds & 16u) mc::launch_moe_gate_up(1, h, gate, up, r, B, kK, kH, kI, kK, act, l);
         if (kinds & 32u)
-            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, 2, y, x, o, d_pos, fused_done, l);
+            mc::launch_moe_down_combine(1, act, down, r, B, kK, kH, kI, kK, y, x, o, d_pos, fused_done, l);
     };
     const char* fused_names[] = {"norm + qkv gemv", "q/k norm+rope+store + attention",
                                  "o gemv",          "add+norm + router gemv + route",
@@ -432,38 +400,18 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
         return plain_and_overlapped(stream, iters,
                                     [&](int i, const mc::Launch& l) { fused_layer(i, kinds, l); });
     };
-    struct Variant {
-        int rows;
-        bool preload, by_column, async_tiles, routed;
-    };
-    const Variant variants[] = {{2, false, false, false, false},
-                                {1, true, false, false, false},
-                                {1, true, true, false, false},
-                                {1, true, true, true, false},
-                                {1, true, true, true, true}};
-    for (const Variant& v : variants) {
-        rows = v.rows;
-        preload = v.preload;
-        by_column = v.by_column;
-        async_tiles = v.async_tiles;
-        routed = v.routed;
-        const Times fused = time_fused(63u);
-        std::printf(
-            "\nthe same layer in 6 kernels (what one-row steps run), %d weight row%s a warp in the dense "
-            "GEMVs%s%s%s%s\n\n"
-            "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
-            rows, rows == 1 ? "" : "s", preload ? ", weights preloaded into shared memory" : "",
-            by_column ? ", experts by top-k slot and by output column" : "",
-            async_tiles ? ", token tiles by cp.async" : "",
-            routed ? ", the logits ranked in the expert kernels" : "");
-        for (int k = 0; k < 6; ++k) {
-            const Times without = time_fused(63u & ~(1u << k));
-            std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,
-                        fused.overlap - without.overlap);
-            std::fflush(stdout);
-        }
-        std::printf("| the layer | %.2f | %.2f |\n", fused.plain, fused.overlap);
+    const Times fused = time_fused(63u);
+    std::printf(
+        "\nthe same layer in 6 kernels (what one-row steps run%s)\n\n"
+        "| kernel | in the layer: plain us | overlap us |\n|---|---|---|\n",
+        routed ? ", the logits ranked in the expert kernels" : "");
+    for (int k = 0; k < 6; ++k) {
+        const Times without = time_fused(63u & ~(1u << k));
+        std::printf("| %s | %.2f | %.2f |\n", fused_names[k], fused.plain - without.plain,
+                    fused.overlap - without.overlap);
+        std::fflush(stdout);
     }
+    std::printf("| the layer | %.2f | %.2f |\n", fused.plain, fused.overlap);
 }
 
 }  // namespace
@@ -471,7 +419,6 @@ void layer_table(cudaStream_t stream, int iters, Pool& pool) {
 int main(int argc, char** argv) {
     int iters = 20;
     std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096};
-    std::vector<std::string> shapes = {"w2", "w8", "l2", "l4", "e4"};
     bool attention_only = false, gemv = true, attention = true, layer = true;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
@@ -488,14 +435,6 @@ int main(int argc, char** argv) {
         } else if (ok && flag == "--len") {
             ok = parse_list(argv[++i], lens);
             attention_only = true;
-        } else if (ok && flag == "--shapes") {
-            shapes.clear();
-            const std::string list = argv[++i] + std::string(",");
-            for (size_t at = 0, comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1) {
-                shapes.push_back(list.substr(at, comma - at));
-                const std::string& sh = shapes.back();
-                ok = ok && (sh == "w2" || sh == "w8" || sh == "l2" || sh == "l4" || sh == "e4" || sh == "h4");
-            }
         } else {
             ok = false;
         }
@@ -503,8 +442,7 @@ int main(int argc, char** argv) {
             std::fprintf(
                 stderr,
                 "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
-                "[--batch 1,16,64] [--len 137,193,1024,4096] [--shapes w2,w8,l2,l4,e4,h4] [--no-gemv] "
-                "[--no-attention] [--no-layer]\n",
+                "[--batch 1,16,64] [--len 137,193,1024,4096] [--no-gemv] [--no-attention] [--no-layer]\n",
                 argv[i]);
             return 2;
         }
@@ -578,7 +516,7 @@ int main(int argc, char** argv) {
                 mc::launch_moe_combine_rmsnorm(1, x, y, r, norm_w, 1e-6f, d_pos, B, kK, kH, h, l);
             });
         }
-        // Attention at several sequence lengths and both block shapes.
+        // Attention at several sequence lengths.
         for (int len : attention ? lens : std::vector<int>{}) {
             const int mb = (len + kBlock - 1) / kBlock, nb = B * mb + 1;
             std::vector<int> pos_len(B, len - 1), tab(static_cast<size_t>(B) * mb);
@@ -592,21 +530,10 @@ int main(int argc, char** argv) {
             const int splits = mc::attention_partial_splits(mb * kBlock);
             auto* partial = pool.zeros<float>(static_cast<size_t>(B) * kHq * splits * (kD + 2));
             int* done = pool.zeros<int>(static_cast<size_t>(B) * kHq);
-            for (const std::string& sh : shapes) {
-                const bool one_lane = sh[0] == 'w';
-                mc::AttentionShape shape =
-                    mc::attention_shape(B, kHkv, one_lane ? sh[1] - '0' : 2, one_lane ? 1 : sh[1] - '0');
-                shape.early_loads = sh[0] == 'e' || sh[0] == 'h';
-                if (sh[0] == 'h') shape.few_rows_heads = 1;
-                const std::string name = "attention " + sh + " (" + std::to_string(shape.warps) + " warps, " +
-                                         std::to_string(shape.lanes) + " lanes" +
-                                         (shape.early_loads ? ", early loads" : "") +
-                                         (sh[0] == 'h' ? ", one head a block" : "") + ")";
-                row(name, B, len, [&](const mc::Launch& l) {
-                    mc::launch_paged_attention(1, q, kp, vp, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq,
-                                               kHkv, kD, partial, done, attn_out, l, shape);
-                });
-            }
+            row("attention", B, len, [&](const mc::Launch& l) {
+                mc::launch_paged_attention(1, q, kp, vp, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq, kHkv,
+                                           kD, partial, done, attn_out, l);
+            });
         }
     }
     if (gemv && !attention_only) gemv_table(stream, iters, batches, pool);

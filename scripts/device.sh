@@ -4,13 +4,13 @@
 #   OUT=/tmp/out scripts/device.sh            # everything (LibTorch found -> model/rl/cli built too)
 #   MOERL_DEVICE_TORCH=OFF scripts/device.sh  # only the EP library, the gpu tests and the decode kernels bench (fast)
 # Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
-# MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_VARIANTS
-# (decode kernel variants), MOERL_DEVICE_NCU (Nsight Compute on the decode kernels),
-# MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) and MOERL_DEVICE_NCU_EP (Nsight Compute on them) default
-# off; MOERL_DEVICE_KERNELS (decode kernels in graphs, bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
+# MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_NCU (Nsight
+# Compute on the decode kernels), MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) and MOERL_DEVICE_NCU_EP
+# (Nsight Compute on them) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
+# bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
-# MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_VARIANT_LIST,
-# MOERL_DEVICE_VARIANT_BATCH and MOERL_DEVICE_KBENCH_ARGS (e.g. "--no-attention") narrow those runs.
+# MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
+# "--no-attention") narrows the kernel bench.
 # MOERL_DEVICE_RL=ON builds the rl layer too and runs its rollout engine on the GPU against the CPU.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
@@ -74,8 +74,7 @@ if [ "${MOERL_DEVICE_RL:-OFF}" = ON ] && [ ! -x "$BUILD/src/cli/moerl" ]; then
 fi
 
 # --- tests --------------------------------------------------------------------------------------------
-# MOERL_DEVICE_CTEST_ENV="MOERL_GENERATOR_X=1 ..." runs the tests with those engine settings.
-[ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && (cd "$BUILD" && env ${MOERL_DEVICE_CTEST_ENV:-} timeout 280 ctest -L gpu -R "${MOERL_DEVICE_CTEST_REGEX:-.}" --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
+[ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && (cd "$BUILD" && timeout 280 ctest -L gpu -R "${MOERL_DEVICE_CTEST_REGEX:-.}" --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*|Not Run|Passed|Skipped" "$OUT/ctest.log" | tail -40
 step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
 
@@ -134,25 +133,9 @@ if [ -x "$MOERL" ]; then
     step bench_rollout "rc=$?"
     rm -rf "$HF_DIR"
     if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
-      # Time per kernel kind (eager steps), default expert kernels and one weight row per warp.
-      MOERL_GENERATOR_PROFILE=1 timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
-        --batch 1,16,64,256 --prompt 128 --new 16 --no-graphs >"$OUT/bench-profile.log" 2>&1
-    fi
-    if [ "${MOERL_DEVICE_VARIANTS:-0}" = 1 ]; then
-      # Variants of the decode kernels (graphs on): two query heads an attention block with few rows; argmax
-      # threads of 32 logits; the one-row LM head through cuBLAS; every step's
-      # tokens, positions and slots uploaded; the router logits ranked by the router, not the one-row expert
-      # kernels, token tiles by plain loads, the one-row down experts by expert instead of by output
-      # column, gate/up weight loads not issued early, weights not preloaded into shared memory, the
-      # one-row MoE kernels unfused, then the q/k step unfused too, tensor-core gate/up from batch 2,
-      # and the earlier defaults (CUDA-core experts, grouped GEMMs from 64). MOERL_DEVICE_VARIANT_LIST="DEFAULTS=1;PDL=1" picks some (';' between).
-      LIST=${MOERL_DEVICE_VARIANT_LIST:-"DEFAULTS=1;ATTENTION_HEADS=2;ARGMAX_PER_THREAD=32;LM_HEAD_GEMV=0;DEVICE_INPUTS=0;ROUTE_IN_EXPERTS=0;TILE_ASYNC=0;DOWN_COLUMNS=0;EXPERT_EARLY=0;GEMV_PRELOAD=0;FUSED_ROWS=0;FUSED_ROWS=0 FUSED_QK_MAX_BATCH=0;GATE_UP_MMA_MIN_BATCH=2;GATE_UP_MMA_MIN_BATCH=0 DOWN_MMA_MIN_BATCH=0 GROUPED_MIN_BATCH=64"}
-      IFS=';' read -ra VARIANTS <<<"$LIST"
-      for v in "${VARIANTS[@]}"; do
-        env $(for kv in $v; do echo "MOERL_GENERATOR_$kv"; done) timeout 60 "$MOERL" bench rollout --device cuda \
-          --layers ${MOERL_DEVICE_LAYERS:-8} --batch ${MOERL_DEVICE_VARIANT_BATCH:-1,16,64,256} --prompt 128 --new 32 2>&1 |
-          grep -E "^batch" | sed "s/^/[$v] /" >>"$OUT/bench-variants.log"
-      done
+      # Time per kernel kind (eager steps).
+      timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
+        --batch 1,16,64,256 --prompt 128 --new 16 --profile >"$OUT/bench-profile.log" 2>&1
     fi
     # The same engine without graphs: what launching every kernel costs.
     [ "${MOERL_DEVICE_EAGER:-1}" = 1 ] && timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
@@ -161,30 +144,27 @@ if [ -x "$MOERL" ]; then
   # The latency-bound decode kernels alone, in graphs (no LibTorch needed).
   KBENCH=$BUILD/bench/decode_kernels_bench
   if [ "${MOERL_DEVICE_KERNELS:-1}" = 1 ] && [ -x "$KBENCH" ]; then
-    timeout 180 "$KBENCH" ${MOERL_DEVICE_KBENCH_ARGS:---shapes l4,e4} >"$OUT/bench-kernels.log" 2>&1
+    timeout 180 "$KBENCH" ${MOERL_DEVICE_KBENCH_ARGS:-} >"$OUT/bench-kernels.log" 2>&1
     step bench_kernels "rc=$?"
     if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-      for shape in w8 l4; do  # where the attention warps stall, batch 1, 193 tokens
-        timeout 90 ncu --kernel-name regex:paged_attention --launch-count 1 --section SpeedOfLight \
-          --section WarpStateStats --section SourceCounters --section LaunchStats "$KBENCH" --batch 1 --len 193 \
-          --shapes $shape --iters 1 >"$OUT/ncu-kernels-attention-$shape.log" 2>&1
-      done
+      # Where the attention warps stall, batch 1, 193 tokens.
+      timeout 90 ncu --kernel-name regex:paged_attention --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats --section SourceCounters --section LaunchStats "$KBENCH" --batch 1 --len 193 \
+        --iters 1 >"$OUT/ncu-kernels-attention.log" 2>&1
     fi
   fi
   if [ "${MOERL_DEVICE_NCU:-0}" = 1 ] && [ "${MOERL_DEVICE_NCU_MODEL:-1}" = 1 ] && command -v ncu >/dev/null; then
     # Nsight Compute on the kernels of the timed decode steps at batch 1 (graph nodes, 2 layers):
     # collection starts at the bench's cudaProfilerStart, so initialisation and prefill are not seen.
-    MOERL_BENCH_PROFILE_RANGE=1 timeout 240 ncu --profile-from-start off --launch-count ${MOERL_DEVICE_NCU_COUNT:-40} \
+    timeout 240 ncu --profile-from-start off --launch-count ${MOERL_DEVICE_NCU_COUNT:-40} \
       --section SpeedOfLight --section LaunchStats --section Occupancy "$MOERL" bench rollout --device cuda \
-      --layers 2 --batch 1 --prompt 128 --new 8 >"$OUT/ncu.log" 2>&1
+      --layers 2 --batch 1 --prompt 128 --new 8 --profile-range >"$OUT/ncu.log" 2>&1
     step ncu "rc=$?"
-    # The attention kernel alone, both block shapes: where its warps stall and on which source lines.
-    for warps in 2 8; do
-      MOERL_GENERATOR_ATTENTION_WARPS=$warps MOERL_BENCH_PROFILE_RANGE=1 timeout 120 ncu --profile-from-start off \
-        --kernel-name regex:paged_attention --launch-count 2 --section SpeedOfLight --section WarpStateStats \
-        --section SourceCounters --section Occupancy "$MOERL" bench rollout --device cuda --layers 2 --batch 1 \
-        --prompt 128 --new 8 >"$OUT/ncu-attention-$warps.log" 2>&1
-    done
+    # The attention kernel alone: where its warps stall and on which source lines.
+    timeout 120 ncu --profile-from-start off --kernel-name regex:paged_attention --launch-count 2 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy "$MOERL" \
+      bench rollout --device cuda --layers 2 --batch 1 --prompt 128 --new 8 --profile-range \
+      >"$OUT/ncu-attention.log" 2>&1
     # One line a kernel: name, duration, memory and DRAM throughput (% of peak), achieved occupancy.
     awk '/Context [0-9]+, Stream/ {if (name) print name, d, m, r, o; n = $0; sub(/^ *void /, "", n);
            sub(/[<(].*/, "", n); name = n; d = m = r = o = "-"}
@@ -246,7 +226,6 @@ echo
 [ -f "$OUT/bench-rollout-eager.log" ] && grep -E "^batch|error" "$OUT/bench-rollout-eager.log"
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"
 [ -f "$OUT/bench-sms.log" ] && cat "$OUT/bench-sms.log"
-[ -f "$OUT/bench-variants.log" ] && cat "$OUT/bench-variants.log"
 [ -f "$OUT/bench-kernels.log" ] && grep -E "^\|" "$OUT/bench-kernels.log"
 [ -f "$OUT/bench-cuda.log" ] && grep -E "dispatch|combine" "$OUT/bench-cuda.log" | head -8
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"

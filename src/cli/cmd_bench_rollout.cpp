@@ -24,7 +24,6 @@
 #include "c10d_store.hpp"
 #include "commands.hpp"
 #include "launch.hpp"
-#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/model/config.hpp"
@@ -48,7 +47,9 @@ struct RolloutArgs {
     int new_tokens = 128;
     int sequences = 512;  // cpu
     bool no_graphs = false;
-    std::string hf_dir;  // write the checkpoint here and run the transformers reference
+    bool profile = false;        // per-kernel times of eager steps
+    bool profile_range = false;  // cudaProfilerStart/Stop around the first batch's timed steps
+    std::string hf_dir;          // write the checkpoint here and run the transformers reference
     std::string hf_script = "bench/hf_generate.py";
     uint64_t seed = 1;
     int ep_ranks = 0;  // > 0: expert parallelism over this many GPUs (one process each)
@@ -108,10 +109,10 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
     const double first_steps = seconds_since(t1);
     gen.reset_stats();
     const int timed = a.new_tokens - 3;
-    // MOERL_BENCH_PROFILE_RANGE=1: a profiler started with its collection off (ncu --profile-from-start
-    // off) sees only the timed decode steps of the first batch size.
+    // --profile-range: a profiler started with its collection off (ncu --profile-from-start off) sees
+    // only the timed decode steps of the first batch size.
     static bool range_done = false;
-    const bool range = !range_done && env::get_int("MOERL_BENCH_PROFILE_RANGE", 0) == 1;
+    const bool range = !range_done && a.profile_range;
 #if defined(MOERL_HAVE_CUDA)
     if (range) cudaProfilerStart();
 #endif
@@ -178,7 +179,8 @@ void bench_cuda(const RolloutArgs& a) {
                              .max_seq_len = a.prompt + a.new_tokens + 1,
                              .block_size = 16,
                              .num_blocks = 0,
-                             .cuda_graphs = !a.no_graphs});
+                             .cuda_graphs = !a.no_graphs && !a.profile,
+                             .profile = a.profile});
     std::printf(
         "moerl bench rollout: CUDA bf16, %s params (%s active per token), %d layers, hidden %d, %d experts "
         "top-%d, "
@@ -186,7 +188,9 @@ void bench_cuda(const RolloutArgs& a) {
         human_count(static_cast<double>(c.num_parameters())).c_str(),
         human_count(static_cast<double>(c.num_active_parameters())).c_str(), c.num_hidden_layers,
         c.hidden_size, c.num_experts, c.num_experts_per_tok, c.vocab_size, a.prompt, a.new_tokens,
-        a.no_graphs ? "eager launches" : "CUDA graphs");
+        a.profile     ? "eager launches, profiled"
+        : a.no_graphs ? "eager launches"
+                      : "CUDA graphs");
     std::printf(
         "device copy bandwidth (read + write): %.0f GB/s; decode bandwidth = bytes a step reads (non-expert "
         "weights "
@@ -388,6 +392,11 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--new", a->new_tokens, "cuda: generated tokens per sequence (>= 4)");
     b->add_option("--sequences", a->sequences, "cpu: sequences generated per row");
     b->add_flag("--no-graphs", a->no_graphs, "cuda: launch every decode step eagerly");
+    b->add_flag("--profile", a->profile,
+                "cuda: time per kernel kind of eager decode steps (implies --no-graphs; plain stream order)");
+    b->add_flag("--profile-range", a->profile_range,
+                "cuda: start and stop the CUDA profiler around the first batch's timed steps "
+                "(ncu --profile-from-start off)");
     b->add_option("--hf-dir", a->hf_dir,
                   "cuda: write the checkpoint here and run Hugging Face transformers' generate on it");
     b->add_option("--hf-script", a->hf_script, "cuda: the reference script");

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdio>
 
-#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 
 // Grouped GEMM (one kernel per projection for all experts, no host sync) from LibTorch 2.8 on.
@@ -23,13 +22,12 @@ namespace {
 #ifdef MOERL_HAVE_GROUPED_MM
 std::atomic<bool> grouped_mm_failed{false};
 
-// Inference on CUDA in bf16 with 16-byte aligned rows; MOERL_GROUPED_MM=0 turns it off.
+// Inference on CUDA in bf16 with 16-byte aligned rows.
 bool use_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& gate) {
-    static const bool enabled = env::get_int("MOERL_GROUPED_MM", 1) != 0;
     const bool needs_grad =
         c10::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || gate.requires_grad());
-    return enabled && !grouped_mm_failed.load() && !needs_grad && x.is_cuda() &&
-           x.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 && gate.size(1) % 8 == 0;
+    return !grouped_mm_failed.load() && !needs_grad && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+           x.size(1) % 8 == 0 && gate.size(1) % 8 == 0;
 }
 
 // Slots sorted by expert (slots without one last, past the final offset); all experts in one

@@ -1,10 +1,11 @@
 // The decode step's attention, routing and expert kernels (src/model/cuda, no LibTorch) against plain
-// CPU references: every attention block shape over a paged cache with rows of different lengths, few
-// rows (heads split over blocks) and many (a block per key-value head's group), a padding row (fp32);
-// the q/k step folded into attention against the two kernels it replaces; routing with exact ties, padding
-// rows and expert counts that need 1 and 16 probabilities a lane; the tensor-core expert kernels against the
-// CUDA-core ones (with and without preloaded weights) and a CPU reference (bf16); the dense GEMV (fp32);
-// the fused one-row MoE kernels against the kernels they replace.
+// CPU references: attention in both block shapes (head dims up to 128 and above) over a paged cache
+// with rows of different lengths, few rows (a query head a block) and many (a block per key-value
+// head's group), a padding row (fp32); the q/k step folded into attention against the two kernels it
+// replaces; routing with exact ties, padding rows and expert counts that need 1 and 16 probabilities a
+// lane; the tensor-core expert kernels against the CUDA-core ones and a CPU reference (bf16); the dense
+// GEMV with and without its weights in shared memory (fp32); the fused one-row MoE kernels against the
+// kernels they replace.
 #include "decode_kernels.hpp"
 
 #include <cuda_bf16.h>
@@ -18,6 +19,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -29,6 +31,13 @@ namespace mc = moerl::model::cuda;
 bool have_device() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// f(dtype, T{}) for each element type of the kernels: fp32 (0) and bf16 (1).
+template <typename F>
+void for_each_dtype(F&& f) {
+    f(0, float{});
+    f(1, __nv_bfloat16{});
 }
 
 // Device copy of a host vector, freed with the object.
@@ -63,29 +72,20 @@ struct RoutingBuffers {
           num{std::vector<int>(1, fill)},
           slots{std::vector<int>(static_cast<size_t>(B) * K, fill)},
           weights{std::vector<float>(static_cast<size_t>(B) * K, static_cast<float>(fill))} {}
-    mc::MoeRouting routing() const {
-        mc::MoeRouting r;
-        r.topk_idx = idx.p;
-        r.topk_weights = weights.p;
-        r.expert_offset = offset.p;
-        r.active_experts = active.p;
-        r.num_active = num.p;
-        r.expert_slots = slots.p;
-        return r;
-    }
+    mc::MoeRouting routing() const { return {idx.p, weights.p, offset.p, active.p, num.p, slots.p}; }
 };
 
 struct AttentionCase {
     int B;
-    std::string shape;  // w2, w8, l2, l4
+    int D;  // up to 128: four lanes a token in blocks of 8 warps; above: one lane in blocks of 2
 };
 
 class DecodeAttention : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(DecodeAttention, MatchesCpuReference) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
-    const auto [B, shape_name] = GetParam();
-    constexpr int Hq = 8, Hkv = 2, D = 64, bs = 16, max_len = 300;
+    const auto [B, D] = GetParam();
+    constexpr int Hq = 8, Hkv = 2, bs = 16, max_len = 300;
     const int group = Hq / Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
     std::mt19937 rng(1234 + B);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -109,14 +109,9 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
         d_partial(std::vector<float>(static_cast<size_t>(B) * Hq * splits * (D + 2)));
     Dev<int> d_pos(position), d_slot(slot), d_table(table),
         d_done(std::vector<int>(static_cast<size_t>(B) * Hq));
-    const bool one_lane = shape_name[0] == 'w';
-    mc::AttentionShape shape =
-        mc::attention_shape(B, Hkv, one_lane ? shape_name[1] - '0' : 2, one_lane ? 1 : shape_name[1] - '0');
-    shape.early_loads = shape_name[0] == 'e' || shape_name[0] == 'h';  // "e4": four lanes, early loads
-    if (shape_name[0] == 'h') shape.few_rows_heads = 1;                // "h4": and one head a block
     for (int call = 0; call < 2; ++call)  // the second call finds the split counters back at zero
         mc::launch_paged_attention(0, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B,
-                                   Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false}, shape);
+                                   Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false});
     CK(cudaGetLastError());
     const std::vector<float> out = d_out.read();
     EXPECT_EQ(d_done.read(), std::vector<int>(static_cast<size_t>(B) * Hq, 0)) << "split counters not reset";
@@ -158,20 +153,18 @@ TEST_P(DecodeAttention, MatchesCpuReference) {
     RecordProperty("worst_abs_error", std::to_string(worst));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, DecodeAttention,
-    ::testing::Values(AttentionCase{1, "w2"}, AttentionCase{1, "w8"}, AttentionCase{1, "l2"},
-                      AttentionCase{1, "l4"}, AttentionCase{1, "e4"}, AttentionCase{20, "e4"},
-                      AttentionCase{5, "l4"}, AttentionCase{20, "w2"}, AttentionCase{20, "l2"},
-                      AttentionCase{20, "l4"}, AttentionCase{1, "h4"}, AttentionCase{5, "h4"}),
-    [](const auto& info) { return "b" + std::to_string(info.param.B) + "_" + info.param.shape; });
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
+                         ::testing::Values(AttentionCase{1, 64}, AttentionCase{5, 64}, AttentionCase{20, 64},
+                                           AttentionCase{1, 256}, AttentionCase{20, 256}),
+                         [](const auto& info) {
+                             return "b" + std::to_string(info.param.B) + "_d" + std::to_string(info.param.D);
+                         });
 
 // The q/k step folded into attention (QkvInput) against the two kernels it replaces: the same
 // output and the same keys and values in the pools, bit for bit, in fp32 and bf16, one row and 20
-// rows with a padding row, the new token anywhere in its chunk; two query heads a block with few rows,
-// and one.
+// rows with a padding row, the new token anywhere in its chunk.
 template <typename T>
-void fused_qk_matches_two_kernels(int dtype, int B, int few_rows_heads) {
+void fused_qk_matches_two_kernels(int dtype, int B) {
     constexpr int Hq = 8, Hkv = 2, D = 128, bs = 16, max_len = 300;
     const int heads = Hq + 2 * Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
     std::mt19937 rng(77 + B + 1000 * dtype);
@@ -198,17 +191,14 @@ void fused_qk_matches_two_kernels(int dtype, int B, int few_rows_heads) {
     Dev<float> partial(std::vector<float>(static_cast<size_t>(B) * Hq * splits * (D + 2)));
     Dev<int> d_pos(position), d_slot(slot), d_table(table),
         done(std::vector<int>(static_cast<size_t>(B) * Hq));
-    mc::AttentionShape shape = mc::attention_shape(B, Hkv, 8, 0);
-    shape.early_loads = true;
-    shape.few_rows_heads = few_rows_heads;
     const mc::Launch eager{nullptr, false};
     mc::launch_qk_norm_rope_store(dtype, d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f, d_pos.p, d_slot.p, d_table.p,
                                   max_blocks, bs, B, Hq, Hkv, D, d_q.p, k_two.p, v_two.p, eager);
     mc::launch_paged_attention(dtype, d_q.p, k_two.p, v_two.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs,
-                               B, Hq, Hkv, D, partial.p, done.p, out_two.p, eager, shape);
+                               B, Hq, Hkv, D, partial.p, done.p, out_two.p, eager);
     const mc::QkvInput fused{d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f};
     mc::launch_paged_attention(dtype, nullptr, k_fused.p, v_fused.p, d_pos.p, d_slot.p, d_table.p, max_blocks,
-                               bs, B, Hq, Hkv, D, partial.p, done.p, out_fused.p, eager, shape, fused);
+                               bs, B, Hq, Hkv, D, partial.p, done.p, out_fused.p, eager, fused);
     CK(cudaGetLastError());
     auto same = [](const Dev<T>& a, const Dev<T>& b) {
         const std::vector<T> x = a.read(), y = b.read();
@@ -223,10 +213,7 @@ void fused_qk_matches_two_kernels(int dtype, int B, int few_rows_heads) {
 TEST(DecodeAttentionFusedQk, MatchesTwoKernels) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
     for (int B : {1, 20})
-        for (int heads : {2, 1}) {
-            fused_qk_matches_two_kernels<float>(0, B, heads);
-            fused_qk_matches_two_kernels<__nv_bfloat16>(1, B, heads);
-        }
+        for_each_dtype([&](int dtype, auto t) { fused_qk_matches_two_kernels<decltype(t)>(dtype, B); });
 }
 
 class DecodeRoute : public ::testing::TestWithParam<int> {};
@@ -337,34 +324,15 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     Dev<__nv_bfloat16> d_h(h), d_gate(gate), d_up(up), d_down(down);
     Dev<__nv_bfloat16> act_core{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)},
         act_mma{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
-    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_core.p, launch);
+    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, act_core.p, launch);
     mc::launch_moe_gate_up_mma(d_h.p, d_gate.p, d_up.p, r, B, K, E, H, I, max_active, act_mma.p, launch);
     Dev<float> y_core{std::vector<float>(static_cast<size_t>(S) * H)},
         y_mma{std::vector<float>(static_cast<size_t>(S) * H, -3.0f)};
-    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_core.p, launch);
+    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, y_core.p, launch);
     mc::launch_moe_down_mma(act_core.p, d_down.p, r, B, K, E, H, I, max_active, y_mma.p, launch);
-    Dev<float> y_preloaded{std::vector<float>(static_cast<size_t>(S) * H, -5.0f)};
-    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_preloaded.p,
-                        {nullptr, false, true});
-    Dev<__nv_bfloat16> act_early{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
-    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_early.p,
-                           {nullptr, false, false, true});
-    // Token tiles copied with cp.async.
-    const mc::Launch async_tiles{nullptr, false, false, false, false, true};
-    Dev<__nv_bfloat16> act_async{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)};
-    mc::launch_moe_gate_up(1, d_h.p, d_gate.p, d_up.p, r, B, K, H, I, max_active, 0, act_async.p,
-                           async_tiles);
-    Dev<float> y_async{std::vector<float>(static_cast<size_t>(S) * H, -7.0f)};
-    mc::launch_moe_down(1, act_core.p, d_down.p, r, B, K, H, I, max_active, 0, y_async.p, async_tiles);
     CK(cudaGetLastError());
     const auto ac = act_core.read(), am = act_mma.read();
     const auto yc = y_core.read(), ym = y_mma.read();
-    EXPECT_EQ(y_preloaded.read(), yc) << "down experts with their weights preloaded into shared memory";
-    EXPECT_EQ(std::memcmp(act_early.read().data(), ac.data(), ac.size() * sizeof(ac[0])), 0)
-        << "gate/up with its first weight chunks requested early";
-    EXPECT_EQ(std::memcmp(act_async.read().data(), ac.data(), ac.size() * sizeof(ac[0])), 0)
-        << "gate/up with its token tile copied by cp.async";
-    EXPECT_EQ(y_async.read(), yc) << "down experts with their token tile copied by cp.async";
 
     // Products of bf16 values summed in double, rounded as the kernels round them.
     auto close = [](float got, double want) {
@@ -403,41 +371,38 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Batches, DecodeExperts, ::testing::Values(1, 5, 24, 64));
 
-// The dense GEMV (fp32) against a CPU reference with one, two and four weight rows a warp and with
-// the weights preloaded into shared memory, columns that end inside a step of the unrolled loop and
-// output rows that do not fill the last block.
-class DecodeDense : public ::testing::TestWithParam<int> {};
+// The dense GEMV (fp32) against a CPU reference, its block's weights copied into shared memory (1032
+// columns) and read through L2 (5128: past the shared memory a block takes), columns that end inside
+// a step of the unrolled loop and output rows that do not fill the last block.
+class DecodeDense : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(DecodeDense, MatchesCpu) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
-    const int B = GetParam(), cols = 1032, out_rows = 45;
+    const auto [B, cols] = GetParam();
+    const int out_rows = 45;
     std::mt19937 rng(7 + B);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> in(static_cast<size_t>(B) * cols), w(static_cast<size_t>(out_rows) * cols);
     for (float& x : in) x = normal(rng);
     for (float& x : w) x = normal(rng);
     Dev<float> d_in(in), d_w(w);
-    for (int variant = 0; variant < 4; ++variant) {  // 1, 2, 4 weight rows a warp; 1 preloaded
-        const int rows = variant == 3 ? 1 : 1 << variant;
-        const bool preload = variant == 3;
-        Dev<float> d_out(std::vector<float>(static_cast<size_t>(B) * out_rows, 7.0f));
-        mc::launch_dense_rows(0, d_in.p, d_w.p, B, cols, out_rows, rows, d_out.p, {nullptr, false, preload});
-        CK(cudaGetLastError());
-        const std::vector<float> out = d_out.read();
-        for (int b = 0; b < B; ++b)
-            for (int o = 0; o < out_rows; ++o) {
-                double want = 0;
-                for (int c = 0; c < cols; ++c)
-                    want += static_cast<double>(in[static_cast<size_t>(b) * cols + c]) *
-                            w[static_cast<size_t>(o) * cols + c];
-                ASSERT_NEAR(out[static_cast<size_t>(b) * out_rows + o], want, 1e-3 + 1e-5 * std::fabs(want))
-                    << "row " << b << " output " << o << ", " << rows << " rows a warp"
-                    << (preload ? ", preloaded" : "");
-            }
-    }
+    Dev<float> d_out(std::vector<float>(static_cast<size_t>(B) * out_rows, 7.0f));
+    mc::launch_dense_rows(0, d_in.p, d_w.p, B, cols, out_rows, d_out.p, {nullptr, false});
+    CK(cudaGetLastError());
+    const std::vector<float> out = d_out.read();
+    for (int b = 0; b < B; ++b)
+        for (int o = 0; o < out_rows; ++o) {
+            double want = 0;
+            for (int c = 0; c < cols; ++c)
+                want += static_cast<double>(in[static_cast<size_t>(b) * cols + c]) *
+                        w[static_cast<size_t>(o) * cols + c];
+            ASSERT_NEAR(out[static_cast<size_t>(b) * out_rows + o], want, 1e-3 + 1e-5 * std::fabs(want))
+                << "row " << b << " output " << o << ", " << cols << " columns";
+        }
 }
 
-INSTANTIATE_TEST_SUITE_P(Batches, DecodeDense, ::testing::Values(1, 3));
+INSTANTIATE_TEST_SUITE_P(BatchesColumns, DecodeDense,
+                         ::testing::Combine(::testing::Values(1, 3), ::testing::Values(1032, 5128)));
 
 }  // namespace
 
@@ -446,15 +411,13 @@ namespace {
 // The fused batch-1 MoE layer (add + norm + router + routing in one kernel, the combine in the down
 // kernel's last blocks, the norm inside the next GEMV) against the kernels it replaces, bit for bit:
 // the router's input h, the routing, the expert outputs combined into the residual and the next
-// projection. Twice in a row (the counters return to zero), one row and three rows with a padding row,
-// one and two weight rows a warp, weights preloaded into shared memory or not.
-// experts: 0 = gate/up and down + combine by expert; 1 = gate/up by top-k slot, down + combine by
-// output column, token tiles by cp.async; 2 = the same ranking the router logits themselves (one row).
+// projection. Twice in a row (the counters return to zero), one row and three rows with a padding row.
+// routed (one row): the expert kernels rank the router logits themselves, the down experts combine by
+// output column; else gate/up and down + combine by expert, the router's last block routing.
 template <typename T>
-void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, int experts) {
-    const bool by_column = experts != 0, routed = experts == 2;
+void fused_rows_match_kernels(int dtype, int B, int E, bool routed) {
     constexpr int H = 512, K = 4, I = 128, kNext = 384;
-    std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * rows);
+    std::mt19937 rng(5 + B + 100 * dtype + E + 1000 * routed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     auto draw = [&](size_t n, float scale) {
         std::vector<T> v(n);
@@ -472,9 +435,10 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
         d_down(down), d_next(next_w);
     Dev<int> d_pos(position), done(std::vector<int>(mc::fused_rows_done_counters(H)));
     const int max_active = std::min(E, B * K);
-    const mc::Launch eager{nullptr, false},
-        fused_launch{nullptr, false, preload, by_column, by_column, by_column, routed};
-    if (by_column) EXPECT_TRUE(mc::down_combine_by_column(dtype, B, K, I)) << "column kernel not taken";
+    const mc::Launch eager{nullptr, false};
+    if (routed) {
+        EXPECT_TRUE(mc::moe_routed_one_row_supported(dtype, K, I)) << "routed experts refused";
+    }
     struct Side {
         Dev<T> x, h, logits, act, next_out, h2;
         Dev<float> y;
@@ -494,36 +458,35 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
     for (int call = 0; call < 2; ++call) {
         const mc::MoeRouting r2 = two.rb.routing();
         mc::launch_add_rmsnorm(dtype, two.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, B, H, two.h.p, eager);
-        mc::launch_dense_rows(dtype, two.h.p, d_router.p, B, H, E, 0, two.logits.p, eager);
+        mc::launch_dense_rows(dtype, two.h.p, d_router.p, B, H, E, two.logits.p, eager);
         mc::launch_route(dtype, two.logits.p, d_pos.p, B, E, K, true, r2, eager);
-        mc::launch_moe_gate_up(dtype, two.h.p, d_gate.p, d_up.p, r2, B, K, H, I, max_active, 0, two.act.p,
+        mc::launch_moe_gate_up(dtype, two.h.p, d_gate.p, d_up.p, r2, B, K, H, I, max_active, two.act.p,
                                eager);
-        mc::launch_moe_down(dtype, two.act.p, d_down.p, r2, B, K, H, I, max_active, 0, two.y.p, eager);
+        mc::launch_moe_down(dtype, two.act.p, d_down.p, r2, B, K, H, I, max_active, two.y.p, eager);
         mc::launch_moe_combine_rmsnorm(dtype, two.x.p, two.y.p, r2, d_next_norm.p, 1e-6f, d_pos.p, B, K, H,
                                        two.h2.p, eager);
-        mc::launch_dense_rows(dtype, two.h2.p, d_next.p, B, H, kNext, 0, two.next_out.p, eager);
+        mc::launch_dense_rows(dtype, two.h2.p, d_next.p, B, H, kNext, two.next_out.p, eager);
 
         const mc::MoeRouting r1 = one.rb.routing();
         mc::launch_add_norm_router_route(dtype, one.x.p, d_o.p, d_post.p, 1e-6f, d_pos.p, d_router.p, B, H, E,
-                                         K, true, rows, one.h.p, one.logits.p, r1, done.p, fused_launch);
+                                         K, true, !routed, one.h.p, one.logits.p, r1, done.p, eager);
         if (routed) {
             mc::launch_moe_gate_up_routed(dtype, one.h.p, d_gate.p, d_up.p, one.logits.p, d_pos.p, r1, E, K,
-                                          true, H, I, one.act.p, fused_launch);
+                                          true, H, I, one.act.p, eager);
             mc::launch_moe_down_combine_routed(dtype, one.act.p, d_down.p, one.logits.p, d_pos.p, E, K, true,
-                                               H, I, one.x.p, d_o.p, fused_launch);
+                                               H, I, one.x.p, d_o.p, eager);
         } else {
-            mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, 0, one.act.p,
-                                   fused_launch);
-            mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, rows, one.y.p,
-                                        one.x.p, d_o.p, d_pos.p, done.p, fused_launch);
+            mc::launch_moe_gate_up(dtype, one.h.p, d_gate.p, d_up.p, r1, B, K, H, I, max_active, one.act.p,
+                                   eager);
+            mc::launch_moe_down_combine(dtype, one.act.p, d_down.p, r1, B, K, H, I, max_active, one.y.p,
+                                        one.x.p, d_o.p, d_pos.p, done.p, eager);
         }
-        mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext, rows,
-                                   one.next_out.p, fused_launch);
+        mc::launch_norm_dense_rows(dtype, one.x.p, d_next_norm.p, 1e-6f, d_next.p, B, H, kNext,
+                                   one.next_out.p, eager);
         CK(cudaGetLastError());
         const std::string at = "dtype " + std::to_string(dtype) + " B " + std::to_string(B) + " E " +
-                               std::to_string(E) + " rows " + std::to_string(rows) +
-                               (preload ? " preloaded" : "") + " experts " + std::to_string(experts) +
-                               " call " + std::to_string(call) + ": ";
+                               std::to_string(E) + (routed ? " routed" : "") + " call " +
+                               std::to_string(call) + ": ";
         auto same = [](const auto& a, const auto& b, size_t n) {
             const auto u = a.read(), v = b.read();
             return std::memcmp(u.data(), v.data(), n * sizeof(u[0])) == 0;
@@ -540,22 +503,25 @@ void fused_rows_match_kernels(int dtype, int B, int E, int rows, bool preload, i
         EXPECT_TRUE(same(two.rb.num, one.rb.num, 1)) << at << "active experts";
         EXPECT_TRUE(same(two.x, one.x, size_t{B} * H)) << at << "residual after the layer";
         const std::vector<T> a2 = two.act.read(), a1 = one.act.read();
-        for (int b = 0; b < B; ++b)
-            if (position[b] >= 0)
-                EXPECT_EQ(std::memcmp(a2.data() + static_cast<size_t>(b) * K * I,
-                                      a1.data() + static_cast<size_t>(b) * K * I, size_t{K} * I * sizeof(T)),
-                          0)
-                    << at << "gate/up output, row " << b;
+        for (int b = 0; b < B; ++b) {
+            if (position[b] < 0) continue;
+            EXPECT_EQ(std::memcmp(a2.data() + static_cast<size_t>(b) * K * I,
+                                  a1.data() + static_cast<size_t>(b) * K * I, size_t{K} * I * sizeof(T)),
+                      0)
+                << at << "gate/up output, row " << b;
+        }
         const std::vector<T> n2 = two.next_out.read(), n1 = one.next_out.read();
-        for (int b = 0; b < B; ++b)
-            if (position[b] >= 0)
-                EXPECT_EQ(std::memcmp(n2.data() + b * kNext, n1.data() + b * kNext, kNext * sizeof(T)), 0)
-                    << at << "next projection, row " << b;
+        for (int b = 0; b < B; ++b) {
+            if (position[b] < 0) continue;
+            EXPECT_EQ(std::memcmp(n2.data() + b * kNext, n1.data() + b * kNext, kNext * sizeof(T)), 0)
+                << at << "next projection, row " << b;
+        }
         EXPECT_EQ(done.read(), std::vector<int>(done.n, 0)) << at << "counters not returned to zero";
     }
-    if (B > 1)
+    if (B > 1) {
         EXPECT_EQ(std::memcmp(one.x.read().data() + H, x0.data() + H, H * sizeof(T)), 0)
             << "padding row written";
+    }
 }
 
 }  // namespace
@@ -564,16 +530,10 @@ TEST(DecodeFusedRows, MatchKernelsTheyReplace) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
     for (int B : {1, 3})
         for (int E : {64, 200})
-            for (int rows : {1, 2}) {
-                fused_rows_match_kernels<float>(0, B, E, rows, rows == 1 && E == 64, 0);
-                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, 0);
-                // The down experts and combine by output column (one kernel, no counters).
-                fused_rows_match_kernels<float>(0, B, E, rows, rows == 2, 1);
-                fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 1, 1);
-                if (B == 1) {  // the router logits ranked inside the expert kernels
-                    fused_rows_match_kernels<float>(0, B, E, rows, rows == 1, 2);
-                    fused_rows_match_kernels<__nv_bfloat16>(1, B, E, rows, rows == 2, 2);
-                }
+            for (bool routed : {false, true}) {
+                if (routed && B != 1) continue;  // one row only
+                for_each_dtype(
+                    [&](int dtype, auto t) { fused_rows_match_kernels<decltype(t)>(dtype, B, E, routed); });
             }
 }
 
@@ -583,7 +543,7 @@ namespace {
 // one block and rows of a real vocabulary; twice in a row (the kernel leaves its scratch zero), the
 // first call advancing the positions of the rows that are not padding.
 template <typename T>
-void argmax_matches_cpu(int dtype, int V, int per_thread) {
+void argmax_matches_cpu(int dtype, int V) {
     constexpr int B = 3;
     std::mt19937 rng(V + dtype);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -611,10 +571,9 @@ void argmax_matches_cpu(int dtype, int V, int per_thread) {
     for (int call = 0; call < 2; ++call) {
         Dev<int64_t> out{std::vector<int64_t>(B, -1)};
         mc::launch_argmax(dtype, d_logits.p, B, V, keys.p, blocks_done.p, out.p,
-                          call == 0 ? position.p : nullptr, {nullptr, call == 1}, per_thread);
+                          call == 0 ? position.p : nullptr, {nullptr, call == 1});
         CK(cudaGetLastError());
-        EXPECT_EQ(out.read(), want) << "dtype " << dtype << " V " << V << " call " << call << ", "
-                                    << per_thread << " a thread";
+        EXPECT_EQ(out.read(), want) << "dtype " << dtype << " V " << V << " call " << call;
         EXPECT_EQ(keys.read(), std::vector<unsigned long long>(B, 0)) << "keys not left zero";
         EXPECT_EQ(blocks_done.read(), std::vector<int>(B, 0)) << "block counters not left zero";
     }
@@ -626,8 +585,5 @@ void argmax_matches_cpu(int dtype, int V, int per_thread) {
 TEST(DecodeArgmax, MatchesCpu) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
     for (int V : {1000, 151936})
-        for (int per_thread : {32, 8}) {
-            argmax_matches_cpu<float>(0, V, per_thread);
-            argmax_matches_cpu<__nv_bfloat16>(1, V, per_thread);
-        }
+        for_each_dtype([&](int dtype, auto t) { argmax_matches_cpu<decltype(t)>(dtype, V); });
 }

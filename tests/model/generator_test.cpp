@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
-#include <cstdlib>
 #include <map>
 #include <string>
 #include <tuple>
@@ -157,40 +156,26 @@ TEST(Generator, ContinuousBatchingGreedyEqualsCpu) {
     }
 }
 
-// Sets an environment variable for the lifetime of the object (the generator reads its tuning
-// switches when it is made).
-struct ScopedEnv {
-    std::string name;
-    ScopedEnv(std::string n, const std::string& value) : name(std::move(n)) {
-        setenv(name.c_str(), value.c_str(), 1);
-    }
-    ~ScopedEnv() { unsetenv(name.c_str()); }
-};
-
-// Logits of a step against the CPU model's, same weights, fp32 on both; every attention block shape
-// (one lane a token in blocks of 2 or 8 warps, two or four lanes a token: "w2", "w8", "l2", "l4";
-// MOERL_GENERATOR_ATTENTION_WARPS / _LANES; "e4": four lanes with the early loads,
-// MOERL_GENERATOR_ATTENTION_EARLY), with a short prompt (one block per head group) and a long
-// one (the sequence split over blocks and merged); kernels launched in plain stream order and
-// overlapped (MOERL_GENERATOR_PDL).
-class GeneratorAttention : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
+// Logits of a step against the CPU model's, same weights, fp32 on both, with a short prompt (one
+// block per head group) and a long one (the sequence split over blocks and merged); graphs with the
+// kernels overlapped, and eager profiled steps (plain stream order).
+class GeneratorAttention : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
     SKIP_WITHOUT_ENGINE();
     ModelConfig c = engine_config();
     c.max_position_embeddings = 512;
     Twins t(c);
-    const auto [shape, prompt_len, overlap] = GetParam();
+    const auto [prompt_len, profile] = GetParam();
     std::vector<int64_t> prompt = random_prompt(prompt_len, c.vocab_size, 11);
     c10::NoGradGuard no_grad;
     KvCache cache = t.cpu.new_cache(1, prompt_len + 10);
     at::Tensor ref = t.cpu.prefill(cache, at::tensor(prompt, at::kLong).unsqueeze(0), at::Tensor()).logits;
-    const bool one_lane = shape[0] == 'w';
-    const ScopedEnv env_warps("MOERL_GENERATOR_ATTENTION_WARPS", one_lane ? shape.substr(1) : "2");
-    const ScopedEnv env_lanes("MOERL_GENERATOR_ATTENTION_LANES", one_lane ? "1" : shape.substr(1));
-    const ScopedEnv env_early("MOERL_GENERATOR_ATTENTION_EARLY", shape[0] == 'e' ? "1" : "0");
-    const ScopedEnv env_overlap("MOERL_GENERATOR_PDL", overlap ? "1" : "0");
-    Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = prompt_len + 22, .block_size = 8});
+    Generator gen(t.gpu, {.max_batch = 2,
+                          .max_seq_len = prompt_len + 22,
+                          .block_size = 8,
+                          .cuda_graphs = !profile,
+                          .profile = profile});
     const int s = gen.acquire();
     at::Tensor got = gen.prefill({s}, {prompt}).logits.cpu().to(at::kFloat);
     EXPECT_LT((got - ref).abs().max().item<float>(), 1e-4);
@@ -200,27 +185,21 @@ TEST_P(GeneratorAttention, DecodeLogitsMatchCpu) {
         got = gen.decode({s}, tok).logits.cpu().to(at::kFloat);
         EXPECT_LT((got - ref).abs().max().item<float>(), 1e-4) << "step " << step;
     }
+    EXPECT_EQ(gen.profile().empty(), !profile) << "per-kernel times only when profiled";
 }
 
-INSTANTIATE_TEST_SUITE_P(ShapePromptOverlap, GeneratorAttention,
-                         ::testing::Combine(::testing::Values("w2", "w8", "l2", "l4", "e4"),
-                                            ::testing::Values(10, 300), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(PromptProfile, GeneratorAttention,
+                         ::testing::Combine(::testing::Values(10, 300), ::testing::Bool()));
 
 // Many rows (B x key-value heads >= 32: a block serves all of a key-value head's query heads, here
-// four) of different lengths, every block shape, against the CPU model row by row (fp32 on both).
-class GeneratorAttentionRows : public ::testing::TestWithParam<std::string> {};
-
-TEST_P(GeneratorAttentionRows, ManyRowsDecodeLogitsMatchCpu) {
+// four) of different lengths against the CPU model row by row (fp32 on both).
+TEST(GeneratorAttentionRows, ManyRowsDecodeLogitsMatchCpu) {
     SKIP_WITHOUT_ENGINE();
     ModelConfig c = engine_config();
     c.num_attention_heads = 8;
     c.num_key_value_heads = 2;
     c.validate();
     Twins t(c);
-    const std::string shape = GetParam();
-    const bool one_lane = shape[0] == 'w';
-    const ScopedEnv env_warps("MOERL_GENERATOR_ATTENTION_WARPS", one_lane ? shape.substr(1) : "2");
-    const ScopedEnv env_lanes("MOERL_GENERATOR_ATTENTION_LANES", one_lane ? "1" : shape.substr(1));
     c10::NoGradGuard no_grad;
     constexpr int kRows = 16, kSteps = 3;
     std::vector<std::vector<int64_t>> prompts;
@@ -252,15 +231,13 @@ TEST_P(GeneratorAttentionRows, ManyRowsDecodeLogitsMatchCpu) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, GeneratorAttentionRows, ::testing::Values("w2", "l2", "l4"));
-
-// The captured graphs replay exactly what eager launches compute (bf16, a padded bucket of 3 of 4), with
-// the kernels in plain stream order and overlapped (programmatic edges in the graphs).
+// The captured graphs (overlapped kernels: programmatic edges) replay exactly what eager launches
+// compute (bf16, a padded bucket of 3 of 4), the eager kernels overlapped or, profiled, in plain
+// stream order.
 class GeneratorGraphs : public ::testing::TestWithParam<bool> {};
 
 TEST_P(GeneratorGraphs, ReplayEqualsEager) {
     SKIP_WITHOUT_ENGINE();
-    const ScopedEnv env_overlap("MOERL_GENERATOR_PDL", GetParam() ? "1" : "0");
     const ModelConfig c = engine_config();
     Twins t(c, at::kBFloat16);
     std::vector<std::vector<int64_t>> prompts = {random_prompt(5, c.vocab_size, 21),
@@ -269,6 +246,7 @@ TEST_P(GeneratorGraphs, ReplayEqualsEager) {
     GeneratorOptions o{.max_batch = 4, .max_seq_len = 48, .block_size = 8};
     Generator graphs(t.gpu, o);
     o.cuda_graphs = false;
+    o.profile = GetParam();
     Generator eager(t.gpu, o);
     std::vector<int> slots = {graphs.acquire(), graphs.acquire(), graphs.acquire()};
     for (int i = 0; i < 3; ++i) ASSERT_EQ(eager.acquire(), slots[i]);
@@ -284,7 +262,7 @@ TEST_P(GeneratorGraphs, ReplayEqualsEager) {
     EXPECT_GT(graphs.stats().expert_weight_reads, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Overlap, GeneratorGraphs, ::testing::Bool());
+INSTANTIATE_TEST_SUITE_P(EagerProfiled, GeneratorGraphs, ::testing::Bool());
 
 // A step's own greedy output fed back (read where it lies; the positions moved on by the step itself,
 // nothing copied to the device) continues exactly as the same tokens given from the host: with graphs
@@ -329,8 +307,8 @@ TEST_P(GeneratorFeedback, GreedyFedBackEqualsHostTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Graphs, GeneratorFeedback, ::testing::Bool());
 
-// One-row steps with the LM head through the GEMV kernel (MOERL_GENERATOR_LM_HEAD_GEMV: the final norm
-// inside it, no cuBLAS call) continue as the CPU model does and as the cuBLAS head does, fp32 on both.
+// One-row steps with the LM head through the GEMV kernel (the final norm inside it, no cuBLAS call)
+// continue as the CPU model does and as cuBLAS projections do (gemv_max_batch = 0), fp32 on both.
 TEST(Generator, LmHeadGemvMatchesCublasAndCpu) {
     SKIP_WITHOUT_ENGINE();
     const ModelConfig c = engine_config();
@@ -338,9 +316,9 @@ TEST(Generator, LmHeadGemvMatchesCublasAndCpu) {
     const std::vector<int64_t> prompt = random_prompt(6, c.vocab_size, 41);
     constexpr int kSteps = 10;
     const std::vector<int64_t> expected = greedy_reference(t.cpu, prompt, kSteps + 1);
-    auto run = [&](const char* gemv, std::vector<at::Tensor>& logits) {
-        const ScopedEnv env("MOERL_GENERATOR_LM_HEAD_GEMV", gemv);
-        Generator gen(t.gpu, {.max_batch = 1, .max_seq_len = 32, .block_size = 4});
+    auto run = [&](int gemv_max_batch, std::vector<at::Tensor>& logits) {
+        Generator gen(t.gpu,
+                      {.max_batch = 1, .max_seq_len = 32, .block_size = 4, .gemv_max_batch = gemv_max_batch});
         const int s = gen.acquire();
         at::Tensor next = gen.prefill({s}, {prompt}).greedy;
         std::vector<int64_t> tokens;
@@ -353,7 +331,7 @@ TEST(Generator, LmHeadGemvMatchesCublasAndCpu) {
         return tokens;
     };
     std::vector<at::Tensor> gemv_logits, blas_logits;
-    const std::vector<int64_t> gemv = run("1", gemv_logits), blas = run("0", blas_logits);
+    const std::vector<int64_t> gemv = run(1, gemv_logits), blas = run(0, blas_logits);
     EXPECT_EQ(gemv, std::vector<int64_t>(expected.begin() + 1, expected.end()));
     EXPECT_EQ(gemv, blas);
     for (int i = 0; i < kSteps; ++i)

@@ -13,19 +13,8 @@
 //   for (...) r = gen.decode(slots, r.greedy);
 //   gen.release(slots[0]);
 //
-// Tuning switches, read when a generator is made (defaults in brackets): MOERL_GENERATOR_GATE_UP_ROWS /
-// _DOWN_ROWS (expert weight rows per warp [kernel default]), _GEMV_MAX_BATCH (largest bucket whose
-// dense projections use the GEMV kernel instead of cuBLAS [1]), _GROUPED_MIN_BATCH (smallest bucket
-// whose experts run as grouped GEMMs [128]), _GATE_UP_MMA_MIN_BATCH / _DOWN_MMA_MIN_BATCH (smallest
-// bucket whose gate/up or down expert products use the tensor cores, bf16, below the grouped GEMMs
-// [32 / 2; 0: never]), _ATTENTION_LANES (lanes per token in the attention kernel: 1, 2 or 4 [0: 4]),
-// _ATTENTION_WARPS (with one lane: 2, or 8 for few rows [8]), _ATTENTION_HEADS (query heads a block
-// with few rows: 2 or 1 [1]), _ARGMAX_PER_THREAD (32 or 8 [8]), _ATTENTION_EARLY (the attention kernel's
-// cache reads begun before it waits for the previous kernel [1]), _PDL (programmatic dependent launch
-// of the decode kernels; 0 = plain stream order [1]), _DEVICE_INPUTS (fed-back tokens read in place,
-// positions moved on by the step itself; 0 = every step uploads its tokens, positions and slots [1]),
-// _LM_HEAD_GEMV (one-row steps' LM head through the GEMV kernel, the final norm inside [1]), _PROFILE
-// (below).
+// The decode path changes with the batch bucket (GeneratorOptions below); bench/RESULTS.md has the
+// measurements behind each threshold.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,11 +30,39 @@
 namespace moerl::model {
 
 struct GeneratorOptions {
-    int max_batch = 64;       // slots (sequences in flight); graphs are captured for 1, 2, 4, ... up to it
-    int max_seq_len = 1024;   // prompt + generated tokens of one sequence
-    int block_size = 16;      // tokens per KV-cache block
-    int64_t num_blocks = 0;   // blocks in the pool; 0 = enough for every slot at max_seq_len
-    bool cuda_graphs = true;  // false: every step launches its kernels eagerly (same results)
+    // Slots (sequences in flight). Graphs are captured for buckets of 1, 2, 4, ... up to it; a step of
+    // n rows runs the smallest bucket >= n, padded. Default 64; 1..1024.
+    int max_batch = 64;
+    // Prompt + generated tokens of one sequence. Default 1024.
+    int max_seq_len = 1024;
+    // Tokens per KV-cache block. Default 16; smaller wastes less of a sequence's last block.
+    int block_size = 16;
+    // Blocks in the pool; 0 (default) = enough for every slot at max_seq_len. Set it lower to fit
+    // long max_seq_len in less memory when most sequences end early.
+    int64_t num_blocks = 0;
+    // Decode steps replayed from CUDA graphs. Default true; false launches every kernel eagerly (the
+    // same results, slower): for debugging and for `profile`.
+    bool cuda_graphs = true;
+    // Per-kernel times of eager steps (needs cuda_graphs = false), read with Generator::profile().
+    // The kernels then run in plain stream order, not overlapped. Default false.
+    bool profile = false;
+
+    // Where the decode path changes with the batch bucket B. The defaults are the measured best on
+    // an H200 at the Qwen3-30B-A3B shape (bench/RESULTS.md); change them only after measuring with
+    // `moerl bench rollout` on the target GPU and model.
+    //
+    // Up to this B the dense projections (q/k/v, o, router, LM head) use the GEMV kernel instead of
+    // cuBLAS, and at B = 1 the MoE layer's small kernels fold into the GEMVs. Default 1; 0 = never.
+    int gemv_max_batch = 1;
+    // Up to this B attention normalises and rotates q and the new key itself and stores the new key
+    // and value (one kernel fewer a layer). Default 16; 0 = never.
+    int fused_qk_max_batch = 16;
+    // From these B on (bf16, below grouped_min_batch), the down and the gate/up expert products run on
+    // the tensor cores instead of the CUDA cores. Defaults 2 and 32; 0 = never.
+    int down_mma_min_batch = 2;
+    int gate_up_mma_min_batch = 32;
+    // From this B on (bf16, LibTorch >= 2.8), the experts run as grouped GEMMs. Default 128.
+    int grouped_min_batch = 128;
 };
 
 struct GenerationStep {
@@ -94,8 +111,8 @@ class Generator {
 
     GeneratorStats stats() const;  // synchronises with the device
     void reset_stats();
-    // With MOERL_GENERATOR_PROFILE=1 and eager steps (cuda_graphs = false): milliseconds per kernel
-    // kind summed over the decode steps since reset_stats().
+    // With GeneratorOptions::profile: milliseconds per kernel kind summed over the decode steps since
+    // reset_stats(); empty otherwise.
     std::vector<std::pair<std::string, double>> profile() const;
     // Bytes one decode step reads besides the routed experts and the KV cache (dense weights and
     // the output projection), and the bytes of one expert (gate + up + down).
@@ -106,6 +123,7 @@ class Generator {
 
   private:
     struct Impl;
+    class DecodeStep;  // the kernel sequence of a step (src/model/decode_step.hpp)
     std::unique_ptr<Impl> impl_;
 };
 

@@ -24,37 +24,13 @@ constexpr int kMoeTokenTile = 8;  // tokens of one expert multiplied per pass ov
 
 // Where the kernels of a step go: the stream, and whether they overlap (programmatic dependent
 // launch, Hopper): each kernel may then start while the previous one on the stream drains, does what
-// needs nothing from it (the dense GEMV prefetches its weights into L2), and waits for it before
-// touching anything the previous kernels read or write. Off: plain stream order.
+// needs nothing from it (the dense GEMVs and the down experts copy their weights into shared memory,
+// attention asks L2 for the cached keys and values), and waits for it before touching anything the
+// previous kernels read or write. Off: plain stream order (per-kernel timing with events).
 struct Launch {
     cudaStream_t stream = nullptr;
     bool overlap = false;
-    // The dense GEMVs (launch_dense_rows and the fused ones built on it) copy their weight rows into
-    // shared memory (cp.async) before they wait, instead of asking L2 for them: with overlap, a GEMV
-    // after a latency-bound kernel (the o projection after attention) reads its weights while that
-    // kernel runs. So do the CUDA-core down experts (launch_moe_down, launch_moe_down_combine), whose
-    // routing is complete by then (written two kernels back). Blocks needing more than
-    // kMaxPreloadBytes of weights read them as before.
-    bool preload = false;
-    // The CUDA-core gate/up experts (launch_moe_gate_up) request the first chunks of their weight rows
-    // as soon as they know their expert, before gathering their tokens (two dependent round trips); with
-    // one row, each block takes one top-k slot and reads its expert from the top-k directly.
-    bool early_expert_loads = false;
-    // launch_moe_down_combine by output column where it fits (down_combine_by_column): each block takes
-    // a few output columns of every routed slot's expert, its weights copied into shared memory before
-    // it waits, and adds them into the residual itself (no fp32 y, no last-block combine).
-    bool down_by_column = false;
-    // The CUDA-core expert kernels and the dense GEMVs copy their token tile (the activations they
-    // multiply) into shared memory with cp.async, all of it in flight at once, instead of plain loads
-    // and stores (a round trip per 16 bytes a thread).
-    bool async_tiles = false;
-    // One-row steps rank the router logits inside the expert kernels (launch_moe_gate_up_routed,
-    // launch_moe_down_combine_routed): launch_add_norm_router_route then stops after the logits, without
-    // its last block's routing and the counter round trip before it.
-    bool route_in_experts = false;
 };
-constexpr int kMaxPreloadBytes = 160 * 1024;
-constexpr int kMaxColumnsSmem = 200 * 1024;
 
 struct MoeRouting {
     int* topk_idx = nullptr;        // [B, K] global expert, -1 for padding rows
@@ -89,25 +65,6 @@ bool attention_group_supported(int group);
 constexpr int kAttentionMinChunk = 64;
 int attention_partial_splits(int max_seq_len);
 
-// Block shape of the attention kernel: warps per block and lanes per token (1, 2 or 4; a token's
-// lanes share its key row). early_loads: each block reads position, slot and block table and asks L2
-// for the cached keys and values of the tokens before position[b] before it waits for the previous
-// kernel (Launch::overlap) — only where none of those is written by the kernels just before (the
-// generator's decode step: the host writes them before the step, earlier steps the cache).
-struct AttentionShape {
-    int warps = 2;
-    int lanes = 1;
-    bool early_loads = false;
-    // Query heads a block serves when the rows are too few for a block per key-value head: 2, or 1
-    // (twice the blocks, each with half the arithmetic).
-    int few_rows_heads = 2;
-};
-
-// The shape for B rows: lanes 0 = the default (four lanes a token in blocks of 8 warps); lanes 2 or
-// 4 = that many (4 or 8 warps, 64-token passes); lanes 1 = one, with `warps` 8 (256-token passes, few
-// rows only) or 2.
-AttentionShape attention_shape(int B, int Hkv, int warps, int lanes);
-
 // The q/k step folded into the attention kernel: q, the new key and the new value come straight from
 // the fused projection qkv [B, (Hq + 2 Hkv) D], q and k normalised and rotated as
 // launch_qk_norm_rope_store does, and the blocks whose chunk holds row b's new token store its key
@@ -123,12 +80,15 @@ struct QkvInput {
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
 // partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
 // * (D + 2) elements (split-sequence partial results); split_done: B * Hq ints, zero before the
-// first call (each call leaves them zero). Every shape gives the same result up to fp32 rounding.
-// With qkv.qkv set, q is ignored (may be nullptr) and the pools are written.
+// first call (each call leaves them zero). With qkv.qkv set, q is ignored (may be nullptr) and the
+// pools are written. Each block reads position, slot and block table and asks L2 for the cached keys
+// and values before position[b] before it waits for the previous kernel (Launch::overlap): none of
+// those may be written by the two kernels just before (in a decode step the host writes them before
+// the step, earlier steps the cache).
 void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool, const int* position,
                             const int* slot, const int* block_table, int max_blocks, int block_size, int B,
                             int Hq, int Hkv, int D, float* partial, int* split_done, void* out,
-                            const Launch& launch, AttentionShape shape = {}, const QkvInput& qkv = {});
+                            const Launch& launch, const QkvInput& qkv = {});
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.
@@ -136,15 +96,16 @@ void launch_route(int dtype, const void* router_logits, const int* position, int
                   bool norm_topk_prob, const MoeRouting& r, const Launch& launch);
 
 // act[s] = silu(h[s / K] gate_e^T) * (h[s / K] up_e^T) for every slot s routed to expert e.
-// gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)). rows_per_warp: 1, 2
-// or 4 weight rows per warp (0 = default).
+// gate/up [E, I, H]; act [B * K, I]. max_active: grid bound (min(E, B * K)). Each block requests
+// the first chunks of its weight rows as soon as it knows its expert, before it gathers the tokens;
+// with one row, block y takes top-k slot y and reads its expert from the top-k directly.
 void launch_moe_gate_up(int dtype, const void* h, const void* gate, const void* up, const MoeRouting& r,
-                        int B, int K, int H, int I, int max_active, int rows_per_warp, void* act,
-                        const Launch& launch);
+                        int B, int K, int H, int I, int max_active, void* act, const Launch& launch);
 
-// y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H].
+// y[s] = act[s] down_e^T (fp32) for every routed slot s; down [E, H, I]; y [B * K, H]. The weights
+// are copied into shared memory before the kernel waits (the routing is complete two kernels back).
 void launch_moe_down(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K, int H,
-                     int I, int max_active, int rows_per_warp, float* y, const Launch& launch);
+                     int I, int max_active, float* y, const Launch& launch);
 
 // The same two expert products on the tensor cores (bf16 only, H and I multiples of 32): each warp
 // takes 16 weight rows and up to 16 of an expert's tokens per pass (mma.sync, fp32 accumulation).
@@ -157,11 +118,11 @@ void launch_moe_down_mma(const void* act, const void* down, const MoeRouting& r,
                          int I, int max_active, float* y, const Launch& launch);
 
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
-// (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. The
-// weights are asked into L2 (or copied into shared memory: Launch::preload) before the kernel waits
-// for its predecessor (Launch::overlap).
+// (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. A block
+// copies its weight rows into shared memory (or asks L2 for them, past 160 KB a block) before it
+// waits for its predecessor (Launch::overlap); token tiles are copied with cp.async.
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
-                       int rows_per_warp, void* out, const Launch& launch);
+                       void* out, const Launch& launch);
 
 // x[b] += sum_k w[b, k] y[b * K + k]; h[b] = rms_norm(x[b]) * norm_weight. Padding rows skipped.
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
@@ -169,54 +130,56 @@ void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRou
                                 void* h, const Launch& launch);
 
 // The batch-1 GEMVs with the small kernels around them folded in (made for one-row steps, where a
-// layer is bound by its kernel boundaries; B rows work but take B passes over the weights), with 1 or
-// 2 weight rows a warp (rows_per_warp, else 2). `done` holds fused_rows_done_counters(H) ints, zero
-// before the first call; each call leaves them zero.
+// layer is bound by its kernel boundaries; B rows work but take B passes over the weights). `done`
+// holds fused_rows_done_counters(H) ints, zero before the first call; each call leaves them zero.
 int fused_rows_done_counters(int H);
 
 // out = (rms_norm(x) * norm_weight) weight^T: the dense GEMV normalising its input itself (every
 // block, from the residual x [B, cols], cols <= kMaxHidden) in place of a norm kernel before it.
 void launch_norm_dense_rows(int dtype, const void* x, const void* norm_weight, float eps, const void* weight,
-                            int B, int cols, int out_rows, int rows_per_warp, void* out,
-                            const Launch& launch);
+                            int B, int cols, int out_rows, void* out, const Launch& launch);
 
 // h = rms_norm(x + delta) * norm_weight (x itself is not written), logits = h router^T with router
-// [E, H] (H <= kMaxHidden, E <= kMaxExperts), then launch_route's routing of the logits: add + norm,
-// router GEMV and routing in one kernel.
+// [E, H] (H <= kMaxHidden, E <= kMaxExperts), then (with `route`) launch_route's routing of the
+// logits: add + norm, router GEMV and routing in one kernel. Without `route` the kernel stops after
+// the logits, which the one-row routed expert kernels below rank themselves.
 void launch_add_norm_router_route(int dtype, const void* x, const void* delta, const void* norm_weight,
                                   float eps, const int* position, const void* router, int B, int H, int E,
-                                  int K, bool norm_topk_prob, int rows_per_warp, void* h, void* logits,
+                                  int K, bool norm_topk_prob, bool route, void* h, void* logits,
                                   const MoeRouting& r, int* done, const Launch& launch);
 
 // launch_moe_down, then x[b] = round(round(x[b] + delta[b]) + round(sum_k w[b, k] y[b * K + k])) for
 // rows with position >= 0 (delta optional): the residual adds of add_rmsnorm and the combine without
 // the norm, which the next kernel does (launch_norm_dense_rows, or launch_add_rmsnorm with no delta).
-// With Launch::down_by_column where down_combine_by_column holds, the same x from one kernel by output
-// column, y not written.
-bool down_combine_by_column(int dtype, int B, int K, int I);
+// `done`: launch_add_norm_router_route's counters (chunk c of the output columns counts on done[1 + c]).
+void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
+                             int H, int I, int max_active, float* y, void* x, const void* delta,
+                             const int* position, int* done, const Launch& launch);
 
-// One row (B = 1) with Launch::route_in_experts, after launch_add_norm_router_route left the router
-// logits [1, E] unranked: gate/up whose block y ranks them (launch_route's top-k) and takes slot y's
-// expert, block (0, 0) writing the routing r for later readers; then the down experts + combine by
-// output column (down_combine_by_column(dtype, 1, K, I) must hold) whose blocks rank the logits
-// themselves before they wait. The same act and x as launch_moe_gate_up + launch_moe_down_combine.
+// Whether one row's experts can run as launch_moe_gate_up_routed + launch_moe_down_combine_routed
+// (the down weights of K experts' column slices fit shared memory).
+bool moe_routed_one_row_supported(int dtype, int K, int I);
+
+// One row (B = 1), after launch_add_norm_router_route left the router logits [1, E] unranked:
+// gate/up whose block y ranks them (launch_route's top-k) and takes slot y's expert, block (0, 0)
+// writing the routing r for later readers; then the down experts + combine by output column (one
+// kernel: each block takes a few output columns of every slot's expert, its weights copied into
+// shared memory before it waits, and adds them into the residual itself; no fp32 y, no last-block
+// combine) whose blocks rank the logits themselves before they wait. The same act and x as
+// launch_moe_gate_up + launch_moe_down_combine.
 void launch_moe_gate_up_routed(int dtype, const void* h, const void* gate, const void* up, const void* logits,
                                const int* position, const MoeRouting& r, int E, int K, bool norm_topk_prob,
                                int H, int I, void* act, const Launch& launch);
 void launch_moe_down_combine_routed(int dtype, const void* act, const void* down, const void* logits,
                                     const int* position, int E, int K, bool norm_topk_prob, int H, int I,
                                     void* x, const void* delta, const Launch& launch);
-void launch_moe_down_combine(int dtype, const void* act, const void* down, const MoeRouting& r, int B, int K,
-                             int H, int I, int max_active, int rows_per_warp, float* y, void* x,
-                             const void* delta, const int* position, int* done, const Launch& launch);
 
 // out[b] = argmax of logits[b, :V] (lowest index on ties; NaN ranks above every number), one kernel.
 // keys and blocks_done: B each, zero before the first call; each call leaves them zero. With
 // advance_position (optional, [B]), rows whose position is >= 0 move on by one token once their argmax
 // is known: a decode step that ends this way leaves the next step's positions for the same rows on
-// the device (every earlier kernel of the step has finished reading them by then). per_thread: logits
-// a thread reads, 8 or 32 (8: four times the blocks of 32, all of a thread's loads in flight at once).
+// the device (every earlier kernel of the step has finished reading them by then).
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
-                   int64_t* out, int* advance_position, const Launch& launch, int per_thread = 8);
+                   int64_t* out, int* advance_position, const Launch& launch);
 
 }  // namespace moerl::model::cuda

@@ -1,8 +1,8 @@
 // Decode attention over the paged KV cache, split over the sequence (flash-decoding): block
 // (head group, row, split) serves G query heads of one key-value head over one chunk of the cached
 // tokens. With many rows a group is all the query heads of a key-value head, so every key and value
-// is read once per step; with few rows the heads are split into groups of two, whose blocks read
-// the same keys (from L2) but each does a quarter of the arithmetic and the merging, which is what
+// is read once per step; with few rows a block serves one query head: the blocks of a key-value head
+// read the same keys (from L2) but each does a share of the arithmetic and the merging, which is what
 // bounds a step when the GPU holds only a few dozen warps.
 //
 // Each warp takes 32 / kLanes tokens at a time: the kLanes lanes of a token score it against the G
@@ -13,7 +13,6 @@
 // what bounds the kernel when a step has only a few rows and the GPU holds a few warps per SM.
 // The warps' states are merged in shared memory; with one split the block writes the output,
 // otherwise a partial (max, sum, unnormalised output) that the last block of the row merges.
-#include <algorithm>
 #include <cfloat>
 
 #include "common.cuh"
@@ -45,16 +44,16 @@ struct QkvTyped {
 
 // G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32);
 // kAttnWarps warps per block, each taking 32 / kLanes tokens of the block's chunk at a time. The
-// 4-lane shapes keep two blocks an SM (at most 128 registers): uncapped, the eight-head shape took
-// 143 with the q/k step inside, and steps of 16 and 64 rows 4-8% longer.
+// 4-lane shape keeps two blocks an SM (at most 128 registers; uncapped, the eight-head shape with the
+// q/k step inside spills past that and runs slower).
 template <typename T, int G, int kDimsPerLane, int kAttnWarps, int kLanes>
 __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
     paged_attention_kernel(const T* q, T* k_pool, T* v_pool, const int* position, const int* slot,
                            const int* block_table, int max_blocks, int block_size, int Hq, int Hkv, int D,
-                           int chunk, Partials part, bool early_loads, QkvTyped<T> fused, T* out) {
-    // AttentionShape::early_loads: the row's position and block table, and L2 requests for the keys
-    // and values of this block's chunk up to (not including) the token the previous kernel stores.
-    if (early_loads) {
+                           int chunk, Partials part, QkvTyped<T> fused, T* out) {
+    // Before the wait: the row's position and block table, and L2 requests for the keys and values
+    // of this block's chunk up to (not including) the token the previous kernel stores.
+    {
         const int b = blockIdx.y, pos = position[b];
         const int first = blockIdx.z * chunk, last = min(pos, first + chunk);
         const int kv_head = blockIdx.x * G / (Hq / Hkv);
@@ -292,7 +291,6 @@ struct AttnLaunch {
     Partials part;
     void* out;
     Launch launch;
-    bool early_loads;
     QkvInput fused;
 };
 
@@ -304,7 +302,7 @@ void launch_group(const AttnLaunch& l) {
     launch_kernel(kernel, dim3(l.Hq / G, l.B, l.splits), kWarps * 32, smem, l.launch,
                   static_cast<const T*>(l.q), static_cast<T*>(l.k_pool), static_cast<T*>(l.v_pool),
                   l.position, l.slot, l.block_table, l.max_blocks, l.block_size, l.Hq, l.Hkv, l.D, l.chunk,
-                  l.part, l.early_loads,
+                  l.part,
                   QkvTyped<T>{static_cast<const T*>(l.fused.qkv), static_cast<const T*>(l.fused.q_norm),
                               static_cast<const T*>(l.fused.k_norm), l.fused.eps, l.fused.rope_theta},
                   static_cast<T*>(l.out));
@@ -323,49 +321,36 @@ void launch_dims(const AttnLaunch& l) {
     }
 }
 
-// The block shape that runs for a requested one: (2, 1) everywhere; (8, 1) for one or two heads a
-// block (the few-rows case); the 64-token passes (4, 2) and (8, 4) up to 8 heads a block and 128 dims.
-// Anything else runs as (2, 1). These are the shapes launch_shape instantiates.
-AttentionShape built_shape(AttentionShape s, int heads, int D) {
-    if ((s.lanes == 2 || s.lanes == 4) && heads <= 8 && D <= 128)
-        return {2 * s.lanes, s.lanes, s.early_loads, s.few_rows_heads};
-    if (s.lanes == 1 && s.warps == 8 && heads <= 2) return {8, 1, s.early_loads, s.few_rows_heads};
-    return {2, 1, s.early_loads, s.few_rows_heads};
-}
-
+// Four lanes a token in blocks of 8 warps (the measured best at 1-64 rows, bench/RESULTS.md) up to 8
+// heads a block and 128 dims; one lane a token in blocks of 2 warps otherwise. Both take 64 tokens
+// (kAttentionMinChunk) a pass of the block's warps.
 template <typename T, int G>
-void launch_shape(const AttnLaunch& l, AttentionShape run) {
+void launch_shape(const AttnLaunch& l) {
     if constexpr (G <= 8) {
-        if (run.lanes == 4) return launch_dims<T, G, 8, 4>(l);
-        if (run.lanes == 2) return launch_dims<T, G, 4, 2>(l);
-    }
-    if constexpr (G <= 2) {
-        if (run.warps == 8) return launch_dims<T, G, 8, 1>(l);
+        if (l.D <= 128) return launch_dims<T, G, 8, 4>(l);
     }
     launch_dims<T, G, 2, 1>(l);
 }
 
-// Query heads per block: all of a key-value head's when rows alone give enough blocks, else two (or
-// one: AttentionShape::few_rows_heads).
-int heads_per_block(int B, int Hq, int Hkv, int few_rows_heads) {
-    const int group = Hq / Hkv;
-    if (B * Hkv >= kAttentionRowsForFullGroups) return group;
-    return std::min(group, few_rows_heads == 1 ? 1 : 2);
+// Query heads per block: all of a key-value head's when rows alone give enough blocks, else one.
+int heads_per_block(int B, int Hq, int Hkv) {
+    if (B * Hkv >= kAttentionRowsForFullGroups) return Hq / Hkv;
+    return 1;
 }
 
 template <typename T>
-void launch_typed(const AttnLaunch& l, AttentionShape run) {
+void launch_typed(const AttnLaunch& l) {
     switch (l.heads) {
         case 1:
-            return launch_shape<T, 1>(l, run);
+            return launch_shape<T, 1>(l);
         case 2:
-            return launch_shape<T, 2>(l, run);
+            return launch_shape<T, 2>(l);
         case 4:
-            return launch_shape<T, 4>(l, run);
+            return launch_shape<T, 4>(l);
         case 8:
-            return launch_shape<T, 8>(l, run);
+            return launch_shape<T, 8>(l);
         case 16:
-            return launch_shape<T, 16>(l, run);
+            return launch_shape<T, 16>(l);
         default:
             return;  // refused by the generator before any launch
     }
@@ -381,64 +366,31 @@ int attention_partial_splits(int max_seq_len) {
     return (max_seq_len + kAttentionMinChunk - 1) / kAttentionMinChunk;
 }
 
-AttentionShape attention_shape(int B, int Hkv, int warps, int lanes) {
-    const bool few_rows = B * Hkv < kAttentionRowsForFullGroups;
-    AttentionShape shape;
-    if (lanes == 2 || lanes == 4) {
-        shape.lanes = lanes;
-        shape.warps = lanes == 4 ? 8 : 4;
-    } else if (lanes == 1) {
-        shape.warps = warps == 8 && few_rows ? 8 : 2;
-    } else {  // the measured best at 1-64 rows and 137-4096 tokens (bench/decode_kernels_bench.cu)
-        shape = AttentionShape{8, 4};
-    }
-    return shape;
-}
-
 void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool, const int* position,
                             const int* slot, const int* block_table, int max_blocks, int block_size, int B,
                             int Hq, int Hkv, int D, float* partial, int* split_done, void* out,
-                            const Launch& launch, AttentionShape shape, const QkvInput& qkv) {
+                            const Launch& launch, const QkvInput& qkv) {
     if (B == 0) return;
-    // Chunks of the sequence per block: one pass of the block's warps, at least kAttentionMinChunk
-    // tokens, longer while there would be more than 1024 blocks (one split, no merge, once rows alone
-    // give that many). 8 warps of one lane a token take 256 tokens a pass: sequences up to that
-    // length need no merge across blocks.
+    // Chunks of the sequence per block: one pass of the block's warps (kAttentionMinChunk tokens),
+    // longer while there would be more than 1024 blocks (one split, no merge, once rows alone give
+    // that many).
     const int max_seq_len = max_blocks * block_size;
-    const int heads = heads_per_block(B, Hq, Hkv, shape.few_rows_heads);
-    const AttentionShape run = built_shape(shape, heads, D);
+    const int heads = heads_per_block(B, Hq, Hkv);
     const int blocks_without_split = B * (Hq / heads);
-    int chunk = std::max(kAttentionMinChunk, run.warps * 32 / run.lanes);
+    int chunk = kAttentionMinChunk;
     while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
-    AttnLaunch l{q,
-                 k_pool,
-                 v_pool,
-                 position,
-                 slot,
-                 block_table,
-                 max_blocks,
-                 block_size,
-                 B,
-                 Hq,
-                 Hkv,
-                 D,
-                 chunk,
-                 (max_seq_len + chunk - 1) / chunk,
-                 heads,
-                 {},
-                 out,
-                 launch,
-                 run.early_loads,
-                 qkv};
+    AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
+                 block_size, B,      Hq,     Hkv,      D,    chunk,       (max_seq_len + chunk - 1) / chunk,
+                 heads,      {},     out,    launch,   qkv};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
     l.part.ml = partial;
     l.part.acc = partial + static_cast<size_t>(B) * Hq * l.part.splits * 2;  // after ml [B, Hq, splits, 2]
     if (dtype == 0)
-        launch_typed<float>(l, run);
+        launch_typed<float>(l);
     else
-        launch_typed<__nv_bfloat16>(l, run);
+        launch_typed<__nv_bfloat16>(l);
 }
 
 }  // namespace moerl::model::cuda

@@ -9,10 +9,15 @@
 #include <utility>
 
 #include "../decode_kernels.hpp"
+#include "moerl/core/cuda_check.hpp"
 
 namespace moerl::model::cuda {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+// Shared memory a block may fill with weights copied ahead (dense GEMV, down experts), and the most
+// the one-row down experts by output column take in all.
+constexpr int kMaxPreloadBytes = 160 * 1024;
+constexpr int kMaxColumnsSmem = 200 * 1024;
 
 // Programmatic dependent launch, device side. Every decode kernel calls griddep_wait() before its
 // first access to memory the previous kernels of the stream write or read, then
@@ -46,7 +51,7 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
         config.attrs = &attribute;
         config.numAttrs = 1;
     }
-    cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+    MOERL_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // Raises a kernel's dynamic shared memory limit once (before a graph capture, by the eager warm-up
@@ -58,7 +63,8 @@ inline void ensure_dynamic_smem(const void* kernel, size_t bytes) {
     std::lock_guard<std::mutex> lock(mu);
     size_t& g = granted[kernel];
     if (g >= bytes) return;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    MOERL_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
     g = bytes;
 }
 

@@ -10,6 +10,8 @@ namespace moerl::model::cuda {
 namespace {
 
 constexpr int kArgmaxThreads = 256;
+// Logits a thread reads: all of its loads in flight at once (bench/RESULTS.md).
+constexpr int kArgmaxPerThread = 8;
 
 __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     const unsigned u = __float_as_uint(v);
@@ -17,7 +19,7 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
     return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(i));
 }
 
-template <typename T, int kArgmaxPerThread>
+template <typename T>
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const T* logits, int V, unsigned long long* best_key, int* blocks_done, int64_t* out,
                   int* advance_position) {
@@ -48,28 +50,19 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     if (advance_position != nullptr && advance_position[b] >= 0) advance_position[b] += 1;
 }
 
-template <int kPerThread>
-void launch_argmax_typed(int dtype, const void* logits, int B, int V, unsigned long long* keys,
-                         int* blocks_done, int64_t* out, int* advance_position, const Launch& launch) {
-    constexpr int kPerBlock = kArgmaxThreads * kPerThread;
-    const dim3 grid((V + kPerBlock - 1) / kPerBlock, B);
-    if (dtype == 0)
-        launch_kernel(argmax_kernel<float, kPerThread>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const float*>(logits), V, keys, blocks_done, out, advance_position);
-    else
-        launch_kernel(argmax_kernel<__nv_bfloat16, kPerThread>, grid, kArgmaxThreads, 0, launch,
-                      static_cast<const __nv_bfloat16*>(logits), V, keys, blocks_done, out, advance_position);
-}
-
 }  // namespace
 
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
-                   int64_t* out, int* advance_position, const Launch& launch, int per_thread) {
+                   int64_t* out, int* advance_position, const Launch& launch) {
     if (B == 0) return;
-    if (per_thread == 32)
-        launch_argmax_typed<32>(dtype, logits, B, V, keys, blocks_done, out, advance_position, launch);
+    constexpr int kPerBlock = kArgmaxThreads * kArgmaxPerThread;
+    const dim3 grid((V + kPerBlock - 1) / kPerBlock, B);
+    if (dtype == 0)
+        launch_kernel(argmax_kernel<float>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const float*>(logits), V, keys, blocks_done, out, advance_position);
     else
-        launch_argmax_typed<8>(dtype, logits, B, V, keys, blocks_done, out, advance_position, launch);
+        launch_kernel(argmax_kernel<__nv_bfloat16>, grid, kArgmaxThreads, 0, launch,
+                      static_cast<const __nv_bfloat16*>(logits), V, keys, blocks_done, out, advance_position);
 }
 
 }  // namespace moerl::model::cuda

@@ -1,0 +1,279 @@
+#include "decode_step.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/version.h>
+
+#include <algorithm>
+
+#include "moerl/core/cuda_check.hpp"
+#include "moerl/core/error.hpp"
+#include "moerl/model/layers.hpp"
+
+// Grouped GEMM (one kernel per projection for all experts, no host sync) from LibTorch 2.8 on.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define MOERL_HAVE_GROUPED_MM 1
+#endif
+
+namespace moerl::model {
+
+Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOptions& opt, int max_blocks,
+                                  int64_t num_blocks)
+    : profiler(opt.profile),
+      m_(m),
+      opt_(opt),
+      dtype_(m.options.dtype == at::kFloat ? 0 : 1),
+      H_(m.config.hidden_size),
+      Hq_(m.config.num_attention_heads),
+      Hkv_(m.config.num_key_value_heads),
+      D_(m.config.head_dim),
+      E_(m.config.num_experts),
+      K_(m.config.num_experts_per_tok),
+      I_(m.config.moe_intermediate_size),
+      V_(m.config.vocab_size),
+      max_blocks_(max_blocks) {
+#ifdef MOERL_HAVE_GROUPED_MM
+    use_grouped_mm_ = dtype_ == 1;
+#else
+    use_grouped_mm_ = false;
+#endif
+    auto t = at::TensorOptions().device(m.options.device).dtype(m.options.dtype);
+    auto i32 = t.dtype(at::kInt);
+    for (size_t l = 0; l < m.layers.size(); ++l) {
+        k_pool.push_back(at::zeros({num_blocks, opt.block_size, Hkv_, D_}, t));
+        v_pool.push_back(at::zeros_like(k_pool.back()));
+    }
+    fuse_qkv();
+    const int64_t B = opt.max_batch;
+    tokens = at::zeros({B}, t.dtype(at::kLong));
+    position = at::full({B}, -1, i32);
+    slot = at::zeros({B}, i32);
+    table = at::zeros({B, max_blocks}, i32);
+    x_ = at::zeros({B, H_}, t);
+    h_ = at::zeros({B, H_}, t);
+    qkv_ = at::zeros({B, (Hq_ + 2 * Hkv_) * D_}, t);
+    q_ = at::zeros({B, Hq_ * D_}, t);
+    attn_ = at::zeros({B, Hq_ * D_}, t);
+    attn_partial_ = at::zeros(
+        {B * Hkv_ * cuda::attention_partial_splits(max_blocks * opt.block_size) * (Hq_ / Hkv_) * (D_ + 2)},
+        t.dtype(at::kFloat));
+    attn_split_done_ = at::zeros({B * Hq_}, i32);
+    o_ = at::zeros({B, H_}, t);
+    router_logits_ = at::zeros({B, std::max<int64_t>(E_, 1)}, t);
+    act_ = at::zeros({B * K_, I_}, t);
+    y_ = at::zeros({B * K_ + 1, H_}, t.dtype(at::kFloat));  // + a spare row for unrouted slots
+    logits = at::zeros({B, V_}, t);
+    greedy = at::zeros({B}, t.dtype(at::kLong));
+    argmax_keys_ = at::zeros({B}, t.dtype(at::kLong));
+    argmax_done_ = at::zeros({B}, i32);
+    fused_done_ = at::zeros({cuda::fused_rows_done_counters(static_cast<int>(H_))}, i32);
+    topk_idx_ = at::zeros({B * K_}, i32);
+    topk_weights_ = at::zeros({B * K_}, t.dtype(at::kFloat));
+    expert_offset_ = at::zeros({E_ + 1}, i32);
+    active_experts_ = at::zeros({std::max<int64_t>(E_, 1)}, i32);
+    num_active_ = at::zeros({1}, i32);
+    expert_slots_ = at::zeros({B * K_}, i32);
+    experts_read = at::zeros({1}, t.dtype(at::kLong));
+}
+
+void Generator::DecodeStep::fuse_qkv() {
+    for (size_t l = 0; l < m_.layers.size(); ++l) {
+        const LayerWeights& w = m_.layers[l];
+        at::Tensor fused = at::cat({w.q_proj.detach(), w.k_proj.detach(), w.v_proj.detach()}, 0);
+        if (qkv_weight_.size() <= l)
+            qkv_weight_.push_back(fused);
+        else
+            qkv_weight_[l].copy_(fused);
+    }
+}
+
+cuda::MoeRouting Generator::DecodeStep::routing() const {
+    return {topk_idx_.data_ptr<int>(),
+            topk_weights_.data_ptr<float>(),
+            expert_offset_.data_ptr<int>(),
+            active_experts_.data_ptr<int>(),
+            num_active_.data_ptr<int>(),
+            expert_slots_.data_ptr<int>(),
+            reinterpret_cast<unsigned long long*>(experts_read.data_ptr<int64_t>())};
+}
+
+void Generator::DecodeStep::linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B,
+                                   const cuda::Launch& launch) const {
+    if (B <= opt_.gemv_max_batch) {
+        cuda::launch_dense_rows(dtype_, in.data_ptr(), weight.data_ptr(), B, static_cast<int>(weight.size(1)),
+                                static_cast<int>(weight.size(0)), out.data_ptr(), launch);
+        return;
+    }
+    at::Tensor out_b = out.narrow(0, 0, B);
+    at::mm_out(out_b, in.narrow(0, 0, B), weight.t());
+}
+
+void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
+    const ModelConfig& c = m_.config;
+    const int H = static_cast<int>(H_), Hq = static_cast<int>(Hq_), Hkv = static_cast<int>(Hkv_),
+              D = static_cast<int>(D_), E = static_cast<int>(E_), K = static_cast<int>(K_),
+              I = static_cast<int>(I_), V = static_cast<int>(V_);
+    // Overlapped launches only without per-kernel profiling (its events sit between the kernels).
+    const cuda::Launch launch{at::cuda::getCurrentCUDAStream().stream(), !profiler.enabled()};
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    const int* pos = position.data_ptr<int>();
+    const int* slots = slot.data_ptr<int>();
+    const int* tbl = table.data_ptr<int>();
+    auto rows = [B](const at::Tensor& t) { return t.narrow(0, 0, B); };
+    mark("start", launch);
+    cuda::launch_embed_rmsnorm(dtype_, token_ids, m_.embed.data_ptr(), m_.layers[0].input_norm.data_ptr(),
+                               eps, B, V, H, x_.data_ptr(), h_.data_ptr(), launch);
+    mark("embed+norm", launch);
+    const cuda::MoeRouting r = routing();
+    const int max_active = std::min(E, B * K);
+    const bool experts_grouped_mm = B >= opt_.grouped_min_batch && use_grouped_mm_;
+    const bool tensor_cores = cuda::moe_tensor_cores_supported(dtype_, H, I);
+    const bool gate_up_mma =
+        tensor_cores && opt_.gate_up_mma_min_batch > 0 && B >= opt_.gate_up_mma_min_batch;
+    const bool down_mma = tensor_cores && opt_.down_mma_min_batch > 0 && B >= opt_.down_mma_min_batch;
+    // One-row steps of an MoE layer with the CUDA-core experts: add + norm, router and routing in one
+    // kernel, the combine in the down experts, the norm in the next q/k/v GEMV (or the LM head): 6
+    // kernels a layer with the fused q/k step. The expert kernels rank the router logits where they fit.
+    const bool fuse_moe =
+        B == 1 && B <= opt_.gemv_max_batch && !experts_grouped_mm && !gate_up_mma && !down_mma;
+    const bool route_in_experts = cuda::moe_routed_one_row_supported(dtype_, K, I);
+    int* done = fused_done_.data_ptr<int>();
+    // Set when x holds the residual but h not yet its norm: the next GEMV normalises x itself.
+    const at::Tensor* norm_pending = nullptr;
+    for (size_t l = 0; l < m_.layers.size(); ++l) {
+        const LayerWeights& w = m_.layers[l];
+        const at::Tensor& next_norm = l + 1 < m_.layers.size() ? m_.layers[l + 1].input_norm : m_.final_norm;
+        if (norm_pending != nullptr) {
+            cuda::launch_norm_dense_rows(dtype_, x_.data_ptr(), norm_pending->data_ptr(), eps,
+                                         qkv_weight_[l].data_ptr(), B, H,
+                                         static_cast<int>(qkv_weight_[l].size(0)), qkv_.data_ptr(), launch);
+            norm_pending = nullptr;
+        } else {
+            linear(h_, qkv_weight_[l], qkv_, B, launch);
+        }
+        mark("qkv mm", launch);
+        // Up to fused_qk_max_batch, attention normalises and rotates q and the new key itself.
+        cuda::QkvInput qkv_in;
+        if (B <= opt_.fused_qk_max_batch) {
+            qkv_in = {qkv_.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), eps,
+                      static_cast<float>(c.rope_theta)};
+        } else {
+            cuda::launch_qk_norm_rope_store(dtype_, qkv_.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
+                                            eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
+                                            max_blocks_, opt_.block_size, B, Hq, Hkv, D, q_.data_ptr(),
+                                            k_pool[l].data_ptr(), v_pool[l].data_ptr(), launch);
+            mark("qk norm+rope+store", launch);
+        }
+        cuda::launch_paged_attention(dtype_, q_.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
+                                     slots, tbl, max_blocks_, opt_.block_size, B, Hq, Hkv, D,
+                                     attn_partial_.data_ptr<float>(), attn_split_done_.data_ptr<int>(),
+                                     attn_.data_ptr(), launch, qkv_in);
+        mark("attention", launch);
+        linear(attn_, w.o_proj, o_, B, launch);
+        mark("o mm", launch);
+        if (w.moe_index >= 0 && fuse_moe) {
+            cuda::launch_add_norm_router_route(dtype_, x_.data_ptr(), o_.data_ptr(), w.post_norm.data_ptr(),
+                                               eps, pos, w.router.data_ptr(), B, H, E, K, c.norm_topk_prob,
+                                               !route_in_experts, h_.data_ptr(), router_logits_.data_ptr(), r,
+                                               done, launch);
+            mark("add+norm+router+route", launch);
+            if (route_in_experts) {
+                cuda::launch_moe_gate_up_routed(dtype_, h_.data_ptr(), w.experts_gate.data_ptr(),
+                                                w.experts_up.data_ptr(), router_logits_.data_ptr(), pos, r, E,
+                                                K, c.norm_topk_prob, H, I, act_.data_ptr(), launch);
+                mark("experts gate+up", launch);
+                cuda::launch_moe_down_combine_routed(dtype_, act_.data_ptr(), w.experts_down.data_ptr(),
+                                                     router_logits_.data_ptr(), pos, E, K, c.norm_topk_prob,
+                                                     H, I, x_.data_ptr(), o_.data_ptr(), launch);
+                mark("experts down+combine", launch);
+            } else {
+                cuda::launch_moe_gate_up(dtype_, h_.data_ptr(), w.experts_gate.data_ptr(),
+                                         w.experts_up.data_ptr(), r, B, K, H, I, max_active, act_.data_ptr(),
+                                         launch);
+                mark("experts gate+up", launch);
+                cuda::launch_moe_down_combine(dtype_, act_.data_ptr(), w.experts_down.data_ptr(), r, B, K, H,
+                                              I, max_active, y_.data_ptr<float>(), x_.data_ptr(),
+                                              o_.data_ptr(), pos, done, launch);
+                mark("experts down+combine", launch);
+            }
+            norm_pending = &next_norm;
+            continue;
+        }
+        cuda::launch_add_rmsnorm(dtype_, x_.data_ptr(), o_.data_ptr(), w.post_norm.data_ptr(), eps, pos, B, H,
+                                 h_.data_ptr(), launch);
+        mark("add+norm", launch);
+        if (w.moe_index >= 0) {
+            linear(h_, w.router, router_logits_, B, launch);
+            mark("router mm", launch);
+            cuda::launch_route(dtype_, router_logits_.data_ptr(), pos, B, E, K, c.norm_topk_prob, r, launch);
+            mark("route", launch);
+            if (experts_grouped_mm) {
+                experts_grouped(B, w);
+                mark("experts grouped gemm", launch);
+            } else {
+                if (gate_up_mma)
+                    cuda::launch_moe_gate_up_mma(h_.data_ptr(), w.experts_gate.data_ptr(),
+                                                 w.experts_up.data_ptr(), r, B, K, E, H, I, max_active,
+                                                 act_.data_ptr(), launch);
+                else
+                    cuda::launch_moe_gate_up(dtype_, h_.data_ptr(), w.experts_gate.data_ptr(),
+                                             w.experts_up.data_ptr(), r, B, K, H, I, max_active,
+                                             act_.data_ptr(), launch);
+                mark("experts gate+up", launch);
+                if (down_mma)
+                    cuda::launch_moe_down_mma(act_.data_ptr(), w.experts_down.data_ptr(), r, B, K, E, H, I,
+                                              max_active, y_.data_ptr<float>(), launch);
+                else
+                    cuda::launch_moe_down(dtype_, act_.data_ptr(), w.experts_down.data_ptr(), r, B, K, H, I,
+                                          max_active, y_.data_ptr<float>(), launch);
+                mark("experts down", launch);
+            }
+            cuda::launch_moe_combine_rmsnorm(dtype_, x_.data_ptr(), y_.data_ptr<float>(), r,
+                                             next_norm.data_ptr(), eps, pos, B, K, H, h_.data_ptr(), launch);
+            mark("combine+norm", launch);
+        } else {
+            at::Tensor mlp = swiglu(rows(h_), w.gate_proj, w.up_proj, w.down_proj).contiguous();
+            cuda::launch_add_rmsnorm(dtype_, x_.data_ptr(), mlp.data_ptr(), next_norm.data_ptr(), eps, pos, B,
+                                     H, h_.data_ptr(), launch);
+            mark("dense mlp", launch);
+        }
+    }
+    // The LM head: after fused MoE rows the GEMV normalises x itself (the final norm inside).
+    const at::Tensor& head = m_.output_weight();
+    if (norm_pending != nullptr)
+        cuda::launch_norm_dense_rows(dtype_, x_.data_ptr(), norm_pending->data_ptr(), eps, head.data_ptr(), B,
+                                     H, V, logits.data_ptr(), launch);
+    else
+        linear(h_, head, logits, B, launch);
+    mark("lm_head", launch);
+    // The argmax moves the rows' positions on by one: a step continuing them uploads nothing.
+    auto* keys = reinterpret_cast<unsigned long long*>(argmax_keys_.data_ptr<int64_t>());
+    cuda::launch_argmax(dtype_, logits.data_ptr(), B, V, keys, argmax_done_.data_ptr<int>(),
+                        greedy.data_ptr<int64_t>(), position.data_ptr<int>(), launch);
+    mark("argmax", launch);
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+// Tokens sorted by expert (the routing's slot lists), one grouped GEMM per projection on the tensor
+// cores, results scattered back to their slots. Capturable: every size is fixed by the bucket; slots
+// past the routed total go to y's spare last row.
+void Generator::DecodeStep::experts_grouped(int B, const LayerWeights& w) {
+#ifdef MOERL_HAVE_GROUPED_MM
+    const int64_t S = int64_t{B} * K_;
+    at::Tensor slots = expert_slots_.narrow(0, 0, S).to(at::kLong);
+    at::Tensor xs = h_.index_select(0, at::div(slots, K_, "floor"));
+    at::Tensor offs = expert_offset_.narrow(0, 1, E_);  // cumulative ends per expert
+    at::Tensor g = at::_grouped_mm(xs, w.experts_gate.transpose(-2, -1), offs);
+    at::Tensor u = at::_grouped_mm(xs, w.experts_up.transpose(-2, -1), offs);
+    at::Tensor o = at::_grouped_mm(at::silu(g) * u, w.experts_down.transpose(-2, -1), offs);
+    at::Tensor routed = at::arange(S, slots.options()) < expert_offset_.narrow(0, E_, 1).to(at::kLong);
+    at::Tensor dst = at::where(routed, slots, at::full({}, y_.size(0) - 1, slots.options()));
+    y_.index_copy_(0, dst, o.to(at::kFloat));
+#else
+    (void)B;
+    (void)w;
+    MOERL_FAIL("grouped expert GEMM needs LibTorch >= 2.8");
+#endif
+}
+
+}  // namespace moerl::model

@@ -1,0 +1,63 @@
+// Internal: the generator's decode step: its static buffers (max_batch rows, read and written in
+// place by the captured graphs), the paged KV pools, and the kernel sequence of one step.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/decode_kernels.hpp"
+#include "model_impl.hpp"
+#include "moerl/model/generator.hpp"
+#include "step_profiler.hpp"
+
+namespace moerl::model {
+
+// A member of Generator: it reads the model's weights in place (MoeModel::Impl).
+class Generator::DecodeStep {
+  public:
+    // Allocates the pools ([num_blocks, block_size, Hkv, D] per layer) and the buffers on the model's
+    // device (the caller's current device).
+    DecodeStep(const MoeModel::Impl& m, const GeneratorOptions& opt, int max_blocks, int64_t num_blocks);
+
+    // The kernels of one decode step over rows [0, B) of the buffers, on the current stream,
+    // embedding the tokens at token_ids ([B], `tokens` or `greedy`).
+    void run(int B, const int64_t* token_ids);
+
+    // Re-reads the fused q/k/v projection from the model's weights.
+    void fuse_qkv();
+
+    // Step inputs: tokens [max_batch] int64, position and slot [max_batch] int32 (position -1 = a
+    // padding row), block table [max_batch, max_blocks] int32.
+    at::Tensor tokens, position, slot, table;
+    // Step outputs: logits [max_batch, V] (model dtype), greedy [max_batch] int64; experts_read [1]:
+    // expert weight sets read since the last reset.
+    at::Tensor logits, greedy, experts_read;
+    // Per layer: paged keys and values [num_blocks, block_size, Hkv, D].
+    std::vector<at::Tensor> k_pool, v_pool;
+    StepProfiler profiler;
+
+  private:
+    // out[:B] = in[:B] weight^T: the GEMV kernel up to gemv_max_batch rows, cuBLAS otherwise.
+    void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B,
+                const cuda::Launch& launch) const;
+    // The experts of a large batch as grouped GEMMs (LibTorch >= 2.8), into y.
+    void experts_grouped(int B, const LayerWeights& w);
+    cuda::MoeRouting routing() const;
+    void mark(const char* name, const cuda::Launch& launch) { profiler.mark(name, launch.stream); }
+
+    const MoeModel::Impl& m_;
+    const GeneratorOptions opt_;
+    int dtype_;  // kernel element type: 0 fp32, 1 bf16
+    int64_t H_, Hq_, Hkv_, D_, E_, K_, I_, V_;
+    int max_blocks_;
+    bool use_grouped_mm_;
+    std::vector<at::Tensor> qkv_weight_;  // per layer: q, k and v projections stacked
+    // Intermediates of one step (max_batch rows).
+    at::Tensor x_, h_, qkv_, q_, attn_, attn_partial_, attn_split_done_, o_, router_logits_, act_, y_,
+        argmax_keys_, argmax_done_, fused_done_;
+    at::Tensor topk_idx_, topk_weights_, expert_offset_, active_experts_, num_active_, expert_slots_;
+};
+
+}  // namespace moerl::model

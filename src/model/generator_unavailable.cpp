@@ -1,0 +1,37 @@
+// The generation engine's entry points in a build without it (no LibTorch with CUDA, or no CUDA
+// toolkit at configure time): each reports what the build lacks.
+#include "moerl/core/error.hpp"
+#include "moerl/model/generator.hpp"
+
+namespace moerl::model {
+
+struct Generator::Impl {};
+
+namespace {
+[[noreturn]] void unavailable() {
+    MOERL_FAIL(
+        "Generator: this build has no CUDA generation engine (it needs LibTorch with CUDA and the CUDA "
+        "toolkit at configure time)");
+}
+}  // namespace
+
+Generator::Generator(const MoeModel&, const GeneratorOptions&) { unavailable(); }
+Generator::~Generator() = default;
+bool Generator::available() { return false; }
+int Generator::acquire() { unavailable(); }
+void Generator::release(int) { unavailable(); }
+int64_t Generator::length(int) const { unavailable(); }
+int64_t Generator::free_blocks() const { unavailable(); }
+GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std::vector<int64_t>>&) {
+    unavailable();
+}
+GenerationStep Generator::decode(const std::vector<int>&, const at::Tensor&) { unavailable(); }
+void Generator::refresh_weights() { unavailable(); }
+GeneratorStats Generator::stats() const { unavailable(); }
+std::vector<std::pair<std::string, double>> Generator::profile() const { unavailable(); }
+void Generator::reset_stats() { unavailable(); }
+int64_t Generator::dense_bytes_per_step() const { unavailable(); }
+int64_t Generator::expert_bytes() const { unavailable(); }
+int64_t Generator::kv_bytes_per_token() const { unavailable(); }
+
+}  // namespace moerl::model
