@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (DESIGN.md section 7): configure + build, `ctest -L gpu`, compute-sanitizer
+# Runs on the GPU machine (docs/architecture.md): configure + build, `ctest -L gpu`, compute-sanitizer
 # (memcheck, racecheck) on a 2-rank case, the EP benchmarks; logs under $OUT, a summary table last.
 #   OUT=/tmp/out scripts/device.sh            # everything (LibTorch found -> model/rl/cli built too)
 #   MOERL_DEVICE_TORCH=OFF scripts/device.sh  # only the EP library, the gpu tests and the decode kernels bench (fast)
 # Switches (1 = on): MOERL_DEVICE_TESTS, MOERL_DEVICE_EP, MOERL_DEVICE_ROLLOUT, MOERL_DEVICE_EAGER and
 # MOERL_DEVICE_SANITIZE default on; MOERL_DEVICE_PROFILE (per-kernel times), MOERL_DEVICE_NCU (Nsight
-# Compute on the decode kernels), MOERL_DEVICE_EP_SWEEP (one-rank EP knobs) and MOERL_DEVICE_NCU_EP
-# (Nsight Compute on them) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
+# Compute on the decode kernels), and MOERL_DEVICE_NCU_EP
+# (Nsight Compute on the one-rank EP kernels) default off; MOERL_DEVICE_KERNELS (decode kernels in graphs,
 # bench/decode_kernels_bench.cu) default on. With 2+ GPUs MOERL_DEVICE_MULTI (cuda against nccl, one
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
@@ -81,13 +81,11 @@ step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
 # --- benchmarks ---------------------------------------------------------------------------------------
 MOERL=$BUILD/src/cli/moerl
 if [ -x "$MOERL" ]; then
-  # The engine skips its end-of-call synchronisation; the benchmark synchronises around each call itself.
-  export MOERL_EP_CUDA_ASYNC=1
   if [ "${MOERL_DEVICE_EP:-1}" = 1 ]; then
-    timeout 60 "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 --iters 20 >"$OUT/bench-cuda.log" 2>&1
+    timeout 60 "$MOERL" bench ep --async --transport cuda --ranks 1 --sms 132 --tokens 4096 --iters 20 >"$OUT/bench-cuda.log" 2>&1
     rc=$?
     if [ "${MOERL_DEVICE_EP_SHARED:-1}" = 1 ]; then
-      timeout 60 "$MOERL" bench ep --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
+      timeout 60 "$MOERL" bench ep --async --transport cuda --ranks 2,4 --tokens 4096 --iters 20 >>"$OUT/bench-cuda.log" 2>&1
       rc=$((rc | $?))
     fi
     step bench_cuda "rc=$rc"
@@ -96,24 +94,20 @@ if [ -x "$MOERL" ]; then
     # The one-rank dispatch and combine kernels at 4096 tokens (the 128-token case runs first, 25
     # launches of each): duration and DRAM throughput against the device copy's.
     timeout 150 ncu --kernel-name regex:"solo_|copy|memcpy" --launch-skip 60 --launch-count 12 --section SpeedOfLight \
-      --section LaunchStats --section WarpStateStats "$MOERL" bench ep --transport cuda --ranks 1 --sms 132 --tokens 4096 \
+      --section LaunchStats --section WarpStateStats "$MOERL" bench ep --async --transport cuda --ranks 1 --sms 132 --tokens 4096 \
       --iters 20 >"$OUT/ncu-ep.log" 2>&1
     step ncu_ep "rc=$?"
-  fi
-  if [ "${MOERL_DEVICE_EP_SWEEP:-0}" = 1 ] && [ -x scripts/ep_solo_sweep.sh ]; then
-    timeout 120 scripts/ep_solo_sweep.sh "$MOERL" >"$OUT/ep-sweep.log" 2>&1
-    step ep_sweep "rc=$?"
   fi
   if [ "$NGPU" -ge 2 ] && [ "${MOERL_DEVICE_MULTI:-1}" = 1 ]; then
     # One rank per GPU: cuda against nccl on 2, 4, 8 GPUs (as many as there are), bf16 and fp8 dispatch,
     # with the GPU-to-GPU copy bandwidth of the same run; then rollout with the MoE layers over EP.
     WORLDS=2; [ "$NGPU" -ge 4 ] && WORLDS=2,4; [ "$NGPU" -ge 8 ] && WORLDS=2,4,8
-    [ "${MOERL_DEVICE_MULTI_EP:-1}" = 1 ] && timeout 240 "$MOERL" bench ep --transport cuda,nccl --ranks $WORLDS --tokens 4096 --dispatch bf16,fp8 \
+    [ "${MOERL_DEVICE_MULTI_EP:-1}" = 1 ] && timeout 240 "$MOERL" bench ep --async --transport cuda,nccl --ranks $WORLDS --tokens 4096 --dispatch bf16,fp8 \
       --iters 20 >"$OUT/bench-multi.log" 2>&1
     step bench_multi "rc=$?"
     # SMs given to the cuda kernels, one rank per GPU (MOERL_DEVICE_SMS="24 48 ...").
     for sms in ${MOERL_DEVICE_SMS:-}; do
-      timeout 60 "$MOERL" bench ep --transport cuda --ranks 2 --tokens 4096 --dispatch bf16,fp8 --sms "$sms" \
+      timeout 60 "$MOERL" bench ep --async --transport cuda --ranks 2 --tokens 4096 --dispatch bf16,fp8 --sms "$sms" \
         --iters 20 --no-baseline 2>&1 | grep -E "^\| cuda" | sed "s/^/[sms $sms] /" >>"$OUT/bench-sms.log"
     done
     [ "${MOERL_DEVICE_ROLLOUT_EP:-1}" = 1 ] && timeout 300 "$MOERL" bench rollout --device cuda --ep "$NGPU" --transport cuda,nccl --layers ${MOERL_DEVICE_LAYERS:-8} \
@@ -173,7 +167,6 @@ if [ -x "$MOERL" ]; then
          END {if (name) print name, d, m, r, o}' "$OUT/ncu.log" >"$OUT/ncu-summary.txt"
   fi
   for f in "$OUT"/bench-*.log; do tail -n 12 "$f"; done
-  unset MOERL_EP_CUDA_ASYNC  # the tests below compare the handles' host copies, which async mode skips
 else
   step bench "skipped ($MOERL not built)"
 fi
