@@ -210,8 +210,11 @@ TEST(TokenizerConformance, SequencesDigitsAndBehaviours) {
     j["pre_tokenizer"] = {
         {"type", "Sequence"},
         {"pretokenizers",
-         json::array({{{"type", "Digits"}, {"individual_digits", true}},
-                      {{"type", "Split"}, {"pattern", {{"Regex", "[.,;]"}}}, {"behavior", "MergedWithPrevious"}, {"invert", false}},
+         json::array({{{"type", "Sequence"},  // nested
+                       {"pretokenizers",
+                        json::array({{{"type", "Digits"}, {"individual_digits", true}},
+                                     {{"type", "Split"}, {"pattern", {{"Regex", "[.,;]"}}}, {"behavior", "MergedWithPrevious"},
+                                      {"invert", false}}})}},
                       {{"type", "Split"}, {"pattern", {{"String", "-"}}}, {"behavior", "MergedWithNext"}, {"invert", false}},
                       {{"type", "Split"}, {"pattern", {{"Regex", "\\p{Lu}+"}}}, {"behavior", "Contiguous"}, {"invert", false}},
                       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}},

@@ -210,7 +210,16 @@ class SequencePreTokenizer : public PreTokenizer {
   public:
     explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> steps) : steps_(std::move(steps)) {}
     void split(const std::vector<Piece>& in, std::vector<Piece>& out, Arena& arena) const override {
-        thread_local std::vector<Piece> a, b;
+        // Two buffers per nesting level of Sequences, kept per thread.
+        thread_local std::vector<std::unique_ptr<std::vector<Piece>[]>> levels;
+        thread_local size_t depth = 0;
+        if (levels.size() <= depth) levels.push_back(std::make_unique<std::vector<Piece>[]>(2));
+        std::vector<Piece>& a = levels[depth][0];
+        std::vector<Piece>& b = levels[depth][1];
+        struct Nest {
+            size_t& d;
+            ~Nest() { --d; }
+        } nest{++depth};
         if (steps_.empty()) {
             out.insert(out.end(), in.begin(), in.end());
             return;
