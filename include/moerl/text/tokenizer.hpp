@@ -56,8 +56,7 @@ class Tokenizer {
     void encode_into(std::string_view text, bool add_special_tokens, std::vector<int32_t>& ids) const;
     // Encodes every text on up to `num_threads` threads (0: the hardware's count).
     std::vector<std::vector<int32_t>> encode_batch(std::span<const std::string> texts,
-                                                   bool add_special_tokens = true,
-                                                   int num_threads = 0) const;
+                                                   bool add_special_tokens = true, int num_threads = 0) const;
     // Text of `ids`; ids out of range are skipped, as Hugging Face does.
     std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 

@@ -6,7 +6,8 @@
 
 namespace moerl::text::detail {
 
-void TokenMatcher::build(const std::vector<const AddedToken*>& tokens, const std::vector<std::string>& patterns) {
+void TokenMatcher::build(const std::vector<const AddedToken*>& tokens,
+                         const std::vector<std::string>& patterns) {
     tokens_ = tokens;
     nodes_.assign(1, Node{});
     for (size_t k = 0; k < tokens.size(); ++k) {

@@ -57,8 +57,10 @@ Bpe::Bpe(const JsonNode& model) {
     int32_t max_id = -1;
     vocab_.reserve(vocab.raw().size());
     for (auto it = vocab.raw().begin(); it != vocab.raw().end(); ++it) {
-        if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() > INT32_MAX)
-            JsonNode(it.value(), vocab.file(), vocab.path() + "['" + it.key() + "']").fail("is not a token id");
+        if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
+            it.value().get<int64_t>() > INT32_MAX)
+            JsonNode(it.value(), vocab.file(), vocab.path() + "['" + it.key() + "']")
+                .fail("is not a token id");
         auto id = static_cast<int32_t>(it.value().get<int64_t>());
         vocab_.emplace(it.key(), id);
         max_id = std::max(max_id, id);
@@ -91,7 +93,8 @@ Bpe::Bpe(const JsonNode& model) {
         if (m.is_string()) {
             const std::string& s = m.get_ref<const std::string&>();
             size_t sp = s.find(' ');
-            if (sp == std::string::npos) merges.at(r).fail("'" + s + "' is not two tokens separated by a space");
+            if (sp == std::string::npos)
+                merges.at(r).fail("'" + s + "' is not two tokens separated by a space");
             a = s.substr(0, sp);
             b = s.substr(sp + 1);
         } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {

@@ -50,7 +50,9 @@ std::string JsonNode::str_or(const char* key, const std::string& fallback) const
     return has(key) ? at(key).str() : fallback;
 }
 
-bool JsonNode::bool_or(const char* key, bool fallback) const { return has(key) ? at(key).boolean() : fallback; }
+bool JsonNode::bool_or(const char* key, bool fallback) const {
+    return has(key) ? at(key).boolean() : fallback;
+}
 
 // ---- Arena -----------------------------------------------------------------------------------
 char* Arena::alloc(size_t n) {
@@ -137,21 +139,9 @@ size_t find_invalid_utf8(std::string_view s) {
 }
 
 void append_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-        out.push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-        out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-        out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else if (cp < 0x10000) {
-        out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-        out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-        out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else {
-        out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-        out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-        out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-        out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    }
+    utf8proc_uint8_t buf[4];
+    auto n = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp), buf);
+    out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(n));
 }
 
 std::string utf8_lossy(std::string_view bytes) {

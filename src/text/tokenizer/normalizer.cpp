@@ -47,8 +47,10 @@ class UnicodeForm : public Normalizer {
         }
         if (stable) return in;
         int options = UTF8PROC_STABLE;
-        if (form_ == Form::kNFC || form_ == Form::kNFKC) options |= UTF8PROC_COMPOSE;
-        else options |= UTF8PROC_DECOMPOSE;
+        if (form_ == Form::kNFC || form_ == Form::kNFKC)
+            options |= UTF8PROC_COMPOSE;
+        else
+            options |= UTF8PROC_DECOMPOSE;
         if (form_ == Form::kNFKC || form_ == Form::kNFKD) options |= UTF8PROC_COMPAT;
         utf8proc_uint8_t* out = nullptr;
         auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(in.data()),
@@ -182,7 +184,8 @@ std::unique_ptr<Normalizer> make_normalizer(const JsonNode& node) {
     if (type == "Replace") return std::make_unique<Replace>(pattern_of(node), node.at("content").str(), node);
     if (type == "Prepend") return std::make_unique<Prepend>(node.at("prepend").str());
     if (type == "Lowercase") return std::make_unique<Lowercase>();
-    if (type == "Strip") return std::make_unique<Strip>(node.bool_or("strip_left", false), node.bool_or("strip_right", false));
+    if (type == "Strip")
+        return std::make_unique<Strip>(node.bool_or("strip_left", false), node.bool_or("strip_right", false));
     node.at("type").fail("'" + type + "' is not supported");
 }
 

@@ -72,8 +72,10 @@ class Splitter {
                 for (const Span& s : spans) {
                     bool merge = behavior_ == Behavior::kContiguous ? s.is_match == previous_match
                                                                     : s.is_match && !previous_match;
-                    if (merge && !merged_.empty()) merged_.back().end = s.end;
-                    else merged_.push_back(s);
+                    if (merge && !merged_.empty())
+                        merged_.back().end = s.end;
+                    else
+                        merged_.push_back(s);
                     previous_match = s.is_match;
                 }
                 for (const Span& s : merged_) push(s.begin, s.end);
@@ -84,8 +86,10 @@ class Splitter {
                 bool previous_match = false;
                 for (size_t k = spans.size(); k-- > 0;) {
                     const Span& s = spans[k];
-                    if (s.is_match && !previous_match && !merged_.empty()) merged_.back().begin = s.begin;
-                    else merged_.push_back(s);
+                    if (s.is_match && !previous_match && !merged_.empty())
+                        merged_.back().begin = s.begin;
+                    else
+                        merged_.push_back(s);
                     previous_match = s.is_match;
                 }
                 for (size_t k = merged_.size(); k-- > 0;) push(merged_[k].begin, merged_[k].end);
@@ -177,7 +181,8 @@ class ByteLevel : public PreTokenizer {
         std::vector<Piece>& target = map_chars_ ? split : out;
         if (map_chars_) split.clear();
         if (regex_) {
-            splitter_.run(*cur, target, [&](std::string_view s, auto&& on) { regex_->for_each_match(s, on); });
+            splitter_.run(*cur, target,
+                          [&](std::string_view s, auto&& on) { regex_->for_each_match(s, on); });
         } else {
             target.insert(target.end(), cur->begin(), cur->end());
         }
@@ -188,7 +193,8 @@ class ByteLevel : public PreTokenizer {
                 continue;
             }
             size_t n = 0;
-            for (uint32_t k = 0; k < p.size; ++k) n += byte_to_char_utf8(static_cast<uint8_t>(p.data[k])).size();
+            for (uint32_t k = 0; k < p.size; ++k)
+                n += byte_to_char_utf8(static_cast<uint8_t>(p.data[k])).size();
             char* d = arena.alloc(n);
             size_t at = 0;
             for (uint32_t k = 0; k < p.size; ++k) {
@@ -208,7 +214,8 @@ class ByteLevel : public PreTokenizer {
 
 class SequencePreTokenizer : public PreTokenizer {
   public:
-    explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> steps) : steps_(std::move(steps)) {}
+    explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> steps)
+        : steps_(std::move(steps)) {}
     void split(const std::vector<Piece>& in, std::vector<Piece>& out, Arena& arena) const override {
         // Two buffers per nesting level of Sequences, kept per thread.
         thread_local std::vector<std::unique_ptr<std::vector<Piece>[]>> levels;
@@ -250,16 +257,19 @@ std::unique_ptr<PreTokenizer> make_one(const JsonNode& node, bool is_last, bool&
     if (type == "Split") {
         JsonNode p = node.at("pattern");
         std::string pattern;
-        if (p.has("Regex")) pattern = p.at("Regex").str();
-        else if (p.has("String")) pattern = escape_regex(p.at("String").str());
-        else p.fail("has neither String nor Regex");
-        return std::make_unique<RegexSplit>(pattern, behavior_of(node.at("behavior")), node.bool_or("invert", false),
-                                            p);
+        if (p.has("Regex"))
+            pattern = p.at("Regex").str();
+        else if (p.has("String"))
+            pattern = escape_regex(p.at("String").str());
+        else
+            p.fail("has neither String nor Regex");
+        return std::make_unique<RegexSplit>(pattern, behavior_of(node.at("behavior")),
+                                            node.bool_or("invert", false), p);
     }
     if (type == "ByteLevel") {
         if (is_last) byte_level_last = true;
-        return std::make_unique<ByteLevel>(node.bool_or("add_prefix_space", true), node.bool_or("use_regex", true),
-                                           !is_last, node);
+        return std::make_unique<ByteLevel>(node.bool_or("add_prefix_space", true),
+                                           node.bool_or("use_regex", true), !is_last, node);
     }
     if (type == "Digits") {
         bool individual = node.bool_or("individual_digits", false);

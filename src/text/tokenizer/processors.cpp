@@ -19,7 +19,8 @@ void add_template(const JsonNode& node, PostProcessor& pp) {
         }
         if (!item.has("SpecialToken")) item.fail("is neither Sequence nor SpecialToken");
         std::string name = item.at("SpecialToken").at("id").str();
-        if (!specials.has(name.c_str())) item.at("SpecialToken").at("id").fail("'" + name + "' is not in special_tokens");
+        if (!specials.has(name.c_str()))
+            item.at("SpecialToken").at("id").fail("'" + name + "' is not in special_tokens");
         JsonNode ids = specials.at(name.c_str()).at("ids");
         auto& dst = seen_sequence ? pp.after : pp.before;
         for (size_t k = 0; k < ids.size(); ++k) dst.push_back(static_cast<int32_t>(ids.at(k).integer()));
@@ -114,7 +115,8 @@ class StripDecoder : public Decoder {
     void decode_chain(std::vector<std::string>& tokens) const override {
         for (std::string& t : tokens) {
             size_t b = 0;
-            for (size_t k = 0; k < start_ && t.compare(b, content_.size(), content_) == 0; ++k) b += content_.size();
+            for (size_t k = 0; k < start_ && t.compare(b, content_.size(), content_) == 0; ++k)
+                b += content_.size();
             size_t e = t.size();
             for (size_t k = 0; k < stop_ && e >= b + content_.size() &&
                                t.compare(e - content_.size(), content_.size(), content_) == 0;
@@ -138,7 +140,8 @@ class ByteFallbackDecoder : public Decoder {
         size_t pending_count = 0;
         auto flush = [&] {
             if (pending_count == 0) return;
-            if (find_invalid_utf8(pending) == std::string_view::npos) out.push_back(pending);
+            if (find_invalid_utf8(pending) == std::string_view::npos)
+                out.push_back(pending);
             else
                 for (size_t k = 0; k < pending_count; ++k) out.emplace_back("\xEF\xBF\xBD");
             pending.clear();

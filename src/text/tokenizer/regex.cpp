@@ -1,7 +1,6 @@
 // The pre-tokenizer regexes on PCRE2: UTF and Unicode properties (UCP), JIT-compiled.
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
-
 #include <utf8proc.h>
 
 #include <algorithm>
@@ -37,11 +36,12 @@ std::string pcre2_message(int code) {
 }
 
 // Hugging Face's \s is Unicode White_Space; PCRE2's also takes U+180E.
-const char* const kWhiteSpace = "\\t-\\r\\x{20}\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}";
+const char* const kWhiteSpace =
+    "\\t-\\r\\x{20}\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}";
 
-const char* const kCategoryNames[] = {"Cn", "Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "No", "Pc", "Pd",
-                                      "Ps", "Pe", "Pi", "Pf", "Po", "Sm", "Sc", "Sk", "So", "Zs", "Zl", "Zp", "Cc", "Cf",
-                                      "Cs", "Co"};
+const char* const kCategoryNames[] = {"Cn", "Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd",
+                                      "Nl", "No", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "Sm",
+                                      "Sc", "Sk", "So", "Zs", "Zl", "Zp", "Cc", "Cf", "Cs", "Co"};
 
 // Code points that utf8proc assigns to a general category but PCRE2's older Unicode tables leave
 // unassigned, as class members ("\x{a}-\x{b}..."), by category name ("Lo") and major class ("L").
@@ -54,13 +54,13 @@ const std::map<std::string, std::string>& newer_code_points() {
         int err = 0;
         PCRE2_SIZE offset = 0;
         const char* pat = "\\p{Cn}+";
-        pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pat), PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
-                                         &err, &offset, nullptr);
+        pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pat), PCRE2_ZERO_TERMINATED,
+                                         PCRE2_UTF | PCRE2_UCP, &err, &offset, nullptr);
         pcre2_match_data* md = pcre2_match_data_create(1, nullptr);
         std::map<std::string, std::vector<uint32_t>> points;
         PCRE2_SIZE start = 0;
-        while (pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(all.data()), all.size(), start, PCRE2_NO_UTF_CHECK, md,
-                           nullptr) > 0) {
+        while (pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(all.data()), all.size(), start,
+                           PCRE2_NO_UTF_CHECK, md, nullptr) > 0) {
             const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
             std::string_view m(all.data() + ov[0], ov[1] - ov[0]);
             for (size_t i = 0; i < m.size();) {
@@ -83,8 +83,10 @@ const std::map<std::string, std::string>& newer_code_points() {
             for (size_t i = 0; i < cps.size();) {
                 size_t j = i;
                 while (j + 1 < cps.size() && cps[j + 1] == cps[j] + 1) ++j;
-                if (j == i) std::snprintf(buf, sizeof buf, "\\x{%x}", cps[i]);
-                else std::snprintf(buf, sizeof buf, "\\x{%x}-\\x{%x}", cps[i], cps[j]);
+                if (j == i)
+                    std::snprintf(buf, sizeof buf, "\\x{%x}", cps[i]);
+                else
+                    std::snprintf(buf, sizeof buf, "\\x{%x}-\\x{%x}", cps[i], cps[j]);
                 cls += buf;
                 i = j + 1;
             }
@@ -129,9 +131,12 @@ std::string translate(const std::string& p, const JsonNode& where) {
                 std::string prop = p.substr(i, end - i);
                 auto& adds = newer_code_points();
                 auto it = adds.find(name);
-                if (it == adds.end() || (e == 'P' && in_class)) out += prop;
-                else if (in_class) out += prop + it->second;
-                else out += std::string(e == 'p' ? "[" : "[^") + "\\p{" + name + "}" + it->second + "]";
+                if (it == adds.end() || (e == 'P' && in_class))
+                    out += prop;
+                else if (in_class)
+                    out += prop + it->second;
+                else
+                    out += std::string(e == 'p' ? "[" : "[^") + "\\p{" + name + "}" + it->second + "]";
                 i = end - 1;
                 continue;
             }

@@ -2,9 +2,9 @@
 #include "moerl/text/tokenizer.hpp"
 
 #include <atomic>
-#include <mutex>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -95,7 +95,8 @@ void load_config(TokenizerImpl& t, const json& j, const std::string& name) {
             t.config.chat_template = ct.str();
         } else {  // a list of named templates: the one called "default"
             for (size_t i = 0; i < ct.size(); ++i)
-                if (ct.at(i).at("name").str() == "default") t.config.chat_template = ct.at(i).at("template").str();
+                if (ct.at(i).at("name").str() == "default")
+                    t.config.chat_template = ct.at(i).at("template").str();
         }
     }
 }
@@ -119,8 +120,8 @@ void load_tokenizer(TokenizerImpl& t, const json& j, const std::string& name) {
     if (root.has("normalizer")) t.normalizer = make_normalizer(root.at("normalizer"));
     if (root.has("pre_tokenizer")) {
         // Subword affixes need the characters, so the model maps bytes itself only without them.
-        t.pre_tokenizer =
-            make_pre_tokenizer(root.at("pre_tokenizer"), t.model->supports_raw_bytes(), t.byte_level_deferred);
+        t.pre_tokenizer = make_pre_tokenizer(root.at("pre_tokenizer"), t.model->supports_raw_bytes(),
+                                             t.byte_level_deferred);
     }
     if (root.has("post_processor")) t.post = make_post_processor(root.at("post_processor"));
     if (root.has("decoder")) t.decoder = make_decoder(root.at("decoder"));
@@ -147,8 +148,10 @@ void load_tokenizer(TokenizerImpl& t, const json& j, const std::string& name) {
             for (const AddedToken& b : t.added) seen = seen || b.content == tok.content;
             if (seen) continue;
             auto in_model = t.model->vocab().find(tok.content);
-            if (in_model != t.model->vocab().end()) tok.id = in_model->second;
-            else tok.id = max_added < 0 ? model_size : (max_added >= model_size ? max_added + 1 : model_size);
+            if (in_model != t.model->vocab().end())
+                tok.id = in_model->second;
+            else
+                tok.id = max_added < 0 ? model_size : (max_added >= model_size ? max_added + 1 : model_size);
             max_added = std::max(max_added, tok.id);
             max_id = std::max(max_id, tok.id);
             t.added.push_back(std::move(tok));
@@ -200,8 +203,10 @@ void encode_impl(const TokenizerImpl& t, std::string_view text, bool add_special
         words = &s.pre_tokens;
     }
     for (const Piece& w : *words) {
-        if (w.token >= 0) ids.push_back(w.token);
-        else t.model->tokenize(w.view(), t.byte_level_deferred, ids, s.cache, s.merge);
+        if (w.token >= 0)
+            ids.push_back(w.token);
+        else
+            t.model->tokenize(w.view(), t.byte_level_deferred, ids, s.cache, s.merge);
     }
     if (add_special) ids.insert(ids.end(), t.post.after.begin(), t.post.after.end());
 }
@@ -321,7 +326,9 @@ std::optional<std::string> Tokenizer::id_to_token(int32_t id) const {
     return std::nullopt;
 }
 
-std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const { return detail::lookup(*impl_, token); }
+std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
+    return detail::lookup(*impl_, token);
+}
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 bool Tokenizer::is_special(int32_t id) const {
     if (id < 0 || id >= impl_->vocab_size) return false;
