@@ -259,22 +259,22 @@ inline std::string digits(Rng& r) {
 }
 
 inline std::string latex(Rng& r) {
-    static const std::vector<std::string> parts = {"\\frac{a}{b}",
-                                                   "\\sum_{i=1}^{n} x_i",
-                                                   "$x^2 + y^2 = z^2$",
-                                                   "\\int_0^\\infty e^{-x}\\,dx",
-                                                   "\\boxed{42}",
-                                                   "\\begin{align} a &= b \\\\ c &= d \\end{align}",
-                                                   "\\alpha\\beta\\gamma",
-                                                   "$$\\sqrt[3]{27}$$",
-                                                   "\\left( \\frac{1}{2} \\right)",
-                                                   "\\mathbb{R}^{n \\times m}",
-                                                   "\\text{if } x > 0",
-                                                   "{}^{}_{}",
-                                                   "\\\\"};
+    static const std::vector<std::string> pieces = {"\\frac{a}{b}",
+                                                    "\\sum_{i=1}^{n} x_i",
+                                                    "$x^2 + y^2 = z^2$",
+                                                    "\\int_0^\\infty e^{-x}\\,dx",
+                                                    "\\boxed{42}",
+                                                    "\\begin{align} a &= b \\\\ c &= d \\end{align}",
+                                                    "\\alpha\\beta\\gamma",
+                                                    "$$\\sqrt[3]{27}$$",
+                                                    "\\left( \\frac{1}{2} \\right)",
+                                                    "\\mathbb{R}^{n \\times m}",
+                                                    "\\text{if } x > 0",
+                                                    "{}^{}_{}",
+                                                    "\\\\"};
     std::string s;
     size_t n = 1 + r.below(6);
-    for (size_t i = 0; i < n; ++i) s += r.pick(parts) + (r.chance(50) ? " " : "");
+    for (size_t i = 0; i < n; ++i) s += r.pick(pieces) + (r.chance(50) ? " " : "");
     return s;
 }
 
