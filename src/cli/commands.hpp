@@ -16,6 +16,8 @@ void register_model_commands(CLI::App& app, CLI::App& bench);
 void register_run_commands(CLI::App& app);
 // `bench rollout` (cmd_bench_rollout.cpp).
 void register_bench_rollout(CLI::App& bench);
+// `tokenize` and `bench tokenizer` (cmd_tokenize.cpp).
+void register_tokenize_commands(CLI::App& app, CLI::App& bench);
 // `worker --role ...` (cmd_worker.cpp).
 void register_worker_commands(CLI::App& app);
 

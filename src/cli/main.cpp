@@ -23,6 +23,9 @@ int main(int argc, char** argv) {
 #ifdef MOERL_HAVE_CMD_RUN
     moerl::cli::register_run_commands(app);
 #endif
+#ifdef MOERL_HAVE_CMD_TOKENIZE
+    moerl::cli::register_tokenize_commands(app, *bench);
+#endif
 #ifdef MOERL_HAVE_CMD_WORKER
     moerl::cli::register_worker_commands(app);
 #endif
