@@ -35,8 +35,9 @@ mkdir -p "$work"
 engine=""
 run_flags=()
 if command -v podman >/dev/null; then
-    # A sandbox without systemd or a registry-configured runtime: runc, cgroupfs, and ulimits no
-    # higher than this shell's (podman's defaults would raise them and fail).
+    # Also for machines without systemd (containers in containers): runc, cgroupfs, and ulimits
+    # no higher than this shell's, since podman's defaults would raise them and runc fails there;
+    # nproc is kept at 16384 at most (higher values were refused even below the hard limit).
     nproc_hard=$(ulimit -Hu)
     [[ $nproc_hard == unlimited ]] && nproc_hard=65536
     nproc=$((nproc_hard / 2 < 16384 ? nproc_hard / 2 : 16384))

@@ -278,6 +278,12 @@ class Lint:
             return None, None
         return w, self.pod_spec(w)["containers"][0]
 
+    def required(self, kind, name):
+        w, c = self.role_container(kind, name)
+        if w is None:
+            self.errors.append(f"no {name} {kind}")
+        return w, c
+
     def run_id(self):
         w, c = self.role_container("Deployment", "rollout")
         if c is None:
@@ -329,9 +335,8 @@ class Lint:
                             self.error(ta, f"secretTargetRef {s['name']}: Secret neither rendered nor expected")
 
     def check_trainer(self):
-        sts, c = self.role_container("StatefulSet", "trainer")
+        sts, c = self.required("StatefulSet", "trainer")
         if sts is None:
-            self.errors.append("no trainer StatefulSet")
             return
         svc = self.named("Service", sts["spec"].get("serviceName", ""))
         if svc is None or svc["spec"].get("clusterIP") != "None":
@@ -353,9 +358,8 @@ class Lint:
             self.error(sts, f"MASTER_PORT {env['MASTER_PORT'].get('value')} is not a port of Service {svc['metadata']['name']}")
 
     def check_rollout(self):
-        d, c = self.role_container("Deployment", "rollout")
+        d, c = self.required("Deployment", "rollout")
         if d is None:
-            self.errors.append("no rollout Deployment")
             return
         spec = self.pod_spec(d)
         grace = spec.get("terminationGracePeriodSeconds", 30)
@@ -379,9 +383,8 @@ class Lint:
             self.error(d, "no PodDisruptionBudget covers the rollout workers")
 
     def check_redis(self):
-        sts, c = self.role_container("StatefulSet", "redis")
+        sts, c = self.required("StatefulSet", "redis")
         if sts is None:
-            self.errors.append("no redis StatefulSet")
             return
         args = c.get("args", [])
         if self.flag(args, "--appendonly") != "yes":
