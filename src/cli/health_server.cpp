@@ -1,0 +1,191 @@
+#include "health_server.hpp"
+
+#include <httplib.h>
+#include <sys/socket.h>
+
+#include <charconv>
+#include <chrono>
+#include <cmath>
+
+#include "moerl/core/env.hpp"
+#include "moerl/core/error.hpp"
+
+namespace moerl::cli {
+
+namespace {
+
+constexpr const char* kExpositionType = "text/plain; version=0.0.4; charset=utf-8";
+
+bool valid_metric_name(const std::string& name) {
+    if (name.empty()) return false;
+    for (size_t i = 0; i < name.size(); ++i) {
+        const char c = name[i];
+        const bool letter = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':';
+        if (!letter && !(i > 0 && c >= '0' && c <= '9')) return false;
+    }
+    return true;
+}
+
+// HELP text: backslash and line feed escaped, as the exposition format requires.
+std::string escape_help(const std::string& text) {
+    std::string out;
+    for (char c : text) {
+        if (c == '\\')
+            out += "\\\\";
+        else if (c == '\n')
+            out += "\\n";
+        else
+            out += c;
+    }
+    return out;
+}
+
+// Shortest text that reads back as the same double; the format's spellings of the special values.
+std::string format_value(double v) {
+    if (std::isnan(v)) return "NaN";
+    if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+    char buf[64];
+    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+}
+
+}  // namespace
+
+MetricsRegistry::Entry& MetricsRegistry::add(const std::string& name, const std::string& help,
+                                             const char* type) {
+    MOERL_CHECK(valid_metric_name(name), "metric name '", name,
+                "' is not valid; expected [a-zA-Z_:][a-zA-Z0-9_:]* (Prometheus)");
+    auto [it, inserted] = entries_.try_emplace(name);
+    Entry& e = it->second;
+    if (inserted) {
+        e.help = help;
+        e.type = type;
+    } else {
+        MOERL_CHECK(std::string(e.type) == type && !e.read, "metric '", name, "' is already registered as a ",
+                    e.read ? "computed gauge" : e.type, "; expected a ", type);
+    }
+    return e;
+}
+
+Counter& MetricsRegistry::counter(const std::string& name, const std::string& help) {
+    std::lock_guard lock(mutex_);
+    Entry& e = add(name, help, "counter");
+    if (!e.counter) e.counter = std::make_unique<Counter>();
+    return *e.counter;
+}
+
+Gauge& MetricsRegistry::gauge(const std::string& name, const std::string& help) {
+    std::lock_guard lock(mutex_);
+    Entry& e = add(name, help, "gauge");
+    if (!e.gauge) e.gauge = std::make_unique<Gauge>();
+    return *e.gauge;
+}
+
+void MetricsRegistry::gauge_fn(const std::string& name, const std::string& help,
+                               std::function<double()> read) {
+    MOERL_CHECK(read != nullptr, "metric '", name, "': computed gauge without a function");
+    std::lock_guard lock(mutex_);
+    MOERL_CHECK(entries_.count(name) == 0, "metric '", name, "' is already registered");
+    Entry& e = add(name, help, "gauge");
+    e.read = std::move(read);
+}
+
+std::string MetricsRegistry::exposition() const {
+    std::lock_guard lock(mutex_);
+    std::string out;
+    for (const auto& [name, e] : entries_) {
+        double v = 0;
+        if (e.counter) {
+            v = e.counter->value();
+        } else if (e.gauge) {
+            v = e.gauge->value();
+        } else {
+            try {
+                v = e.read();
+            } catch (const std::exception&) {
+                v = NAN;
+            }
+            if (std::isnan(v)) continue;  // no sample beats a made-up one
+        }
+        out += "# HELP " + name + " " + escape_help(e.help) + "\n";
+        out += "# TYPE " + name + " " + e.type + "\n";
+        out += name + " " + format_value(v) + "\n";
+    }
+    return out;
+}
+
+HealthOptions HealthOptions::from_env() {
+    HealthOptions o;
+    o.host = env::get_string("MOERL_HEALTH_ADDR", o.host);
+    o.port = static_cast<int>(env::get_int("MOERL_HEALTH_PORT", o.port));
+    o.threads = static_cast<int>(env::get_int("MOERL_HEALTH_THREADS", o.threads));
+    o.validate();
+    return o;
+}
+
+void HealthOptions::validate() const {
+    MOERL_CHECK(!host.empty(), "health server address is empty; expected an address such as 0.0.0.0");
+    MOERL_CHECK(port >= 0 && port <= 65535, "health server port ", port,
+                " (MOERL_HEALTH_PORT) is out of range; expected 0..65535 (0: any free port)");
+    MOERL_CHECK(threads >= 1 && threads <= 64, "health server threads ", threads,
+                " (MOERL_HEALTH_THREADS); expected 1..64");
+}
+
+struct HealthServer::Impl {
+    httplib::Server server;
+    std::atomic<bool> listen_returned{false};
+};
+
+HealthServer::HealthServer(const HealthOptions& options, const MetricsRegistry& metrics, ReadyCheck ready)
+    : impl_(std::make_unique<Impl>()) {
+    options.validate();
+    httplib::Server& s = impl_->server;
+    const int threads = options.threads;
+    s.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+    // httplib's default sets SO_REUSEPORT, which lets a second process share the port silently;
+    // SO_REUSEADDR alone allows a quick restart and makes a busy port an error.
+    s.set_socket_options([](socket_t sock) {
+        int yes = 1;
+        ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
+    s.set_read_timeout(5, 0);
+    s.set_write_timeout(5, 0);
+    s.Get("/healthz",
+          [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
+    s.Get("/readyz", [ready](const httplib::Request&, httplib::Response& res) {
+        std::string why;
+        bool ok = false;
+        try {
+            ok = !ready || ready(why);
+        } catch (const std::exception& e) {
+            why = e.what();
+        }
+        res.status = ok ? 200 : 503;
+        res.set_content(ok ? std::string("ready\n") : "not ready: " + why + "\n", "text/plain");
+    });
+    s.Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {
+        res.set_content(metrics.exposition(), kExpositionType);
+    });
+
+    if (options.port == 0) {
+        port_ = s.bind_to_any_port(options.host);
+    } else {
+        port_ = s.bind_to_port(options.host, options.port) ? options.port : -1;
+    }
+    MOERL_CHECK(port_ > 0, "health server: cannot listen on ", options.host, ":", options.port,
+                " (address in use, or not an address of this host?); set MOERL_HEALTH_PORT to a free port");
+    thread_ = std::thread([this] {
+        impl_->server.listen_after_bind();
+        impl_->listen_returned.store(true);
+    });
+}
+
+HealthServer::~HealthServer() {
+    // stop() does nothing before the accept loop runs: wait for it, or for its end.
+    while (!impl_->server.is_running() && !impl_->listen_returned.load())
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    impl_->server.stop();
+    if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace moerl::cli
