@@ -7,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "moerl/control/run_lock.hpp"
 #include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/rl/run.hpp"
@@ -152,6 +153,9 @@ void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerCont
 
 RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext& w,
                             const TrainWorkerOptions& opt) {
+    // One trainer per run: a second one is refused; a killed one's successor waits out the
+    // lock's time to live (10 s) and takes over.
+    auto lock = control::acquire_run_lock(cfg.registry, w.run_id, "trainer", w.name, Millis(10000));
     cp.registry = std::make_unique<control::StorePolicyRegistry>(std::move(cp.registry), *cp.store,
                                                                  opt.keep_policies);
     TrainLoopOptions loop;
@@ -160,6 +164,7 @@ RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const Worker
     loop.who = w.name;
     loop.log = w.log;
     loop.audit_path = opt.audit_path;
+    loop.check = [&lock] { lock->check(); };
     return train_loop(cfg, cp, loop, nullptr);
 }
 

@@ -55,6 +55,8 @@ struct TrainWorkerOptions {
 
 // The training loop with policies published through the store (control::StorePolicyRegistry).
 // Resumes from the newest checkpoint in the store when there is one (a restarted trainer).
+// Holds the run's trainer lock (control::acquire_run_lock): a second trainer on a run whose
+// trainer is alive is refused with an error naming the run and the holder.
 RunSummary run_train_worker(const RunConfig& config, ControlPlane& control, const WorkerContext& worker,
                             const TrainWorkerOptions& options);
 
