@@ -1,7 +1,8 @@
 // The supervisor behind `moerl cluster`: starts worker processes (this binary, re-executed),
 // restarts those that fail, and stops them all when the trainer exits or a stop is asked for.
 // Children die with the supervisor: each asks the kernel for SIGTERM when its parent dies
-// (PR_SET_PDEATHSIG), and all of them share one process group that the supervisor signals.
+// (PR_SET_PDEATHSIG). They share one process group of their own, so a terminal's SIGINT or
+// SIGHUP reaches only the supervisor, which stops them in order (SIGTERM, grace, SIGKILL).
 #pragma once
 
 #include <atomic>
