@@ -11,7 +11,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <utility>
 
+#include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/rl/grpo.hpp"
@@ -256,6 +258,7 @@ struct TrainerRole::Impl {
     // Experiences taken but not yet trained on, by step and task id (with their delivery ids).
     std::map<int64_t, std::map<std::string, std::pair<ExperienceRecord, std::string>>> held;
     std::set<std::string> consumed;  // task ids trained on (exactly once)
+    int64_t duplicates = 0;          // dropped by take_available since the last step
 
     Impl(const RunConfig& c, ControlPlane& control, std::string dir)
         : cfg(c), cp(control), work_dir(std::move(dir)) {
@@ -282,6 +285,7 @@ struct TrainerRole::Impl {
             ExperienceRecord e = experience_from_json(d.experience.payload);
             if (consumed.count(e.task_id)) {  // trained on before a restart: done with it
                 cp.experience->ack({d.delivery_id});
+                ++duplicates;
                 continue;
             }
             const int64_t s = e.task.step;
@@ -326,7 +330,10 @@ struct TrainerRole::Impl {
                 r.staleness_max = std::max(r.staleness_max, version - v);
             }
             r.response_tokens += static_cast<int64_t>(e.trajectory.tokens.size());
+            r.task_ids.push_back(e.task_id);
+            r.retried += e.attempt > 0 ? 1 : 0;
         }
+        r.duplicates = std::exchange(duplicates, 0);
         const double n = static_cast<double>(batch.size());
         r.reward_mean = sum / n;
         r.reward_std = std::sqrt(std::max(0.0, sq / n - r.reward_mean * r.reward_mean));
@@ -360,29 +367,15 @@ struct TrainerRole::Impl {
         std::ofstream(dir / "trainer_state.json") << st.dump();
         control::publish_checkpoint(*cp.store, dir.string(), name, version, next_step);
         fs::remove_all(dir);
-        // Keep the newest keep_checkpoints.
-        std::set<std::string> names;
-        for (const auto& key : cp.store->list("ckpt-"))
-            if (key.size() > 14 && key.substr(key.find('/') + 1) == "manifest.json")
-                names.insert(key.substr(0, key.find('/')));
-        while (static_cast<int>(names.size()) > cfg.keep_checkpoints) {
-            const std::string oldest = *names.begin();
-            names.erase(names.begin());
-            cp.store->remove(oldest + "/manifest.json");  // first: readers stop trusting it
-            for (const auto& key : cp.store->list(oldest + "/")) cp.store->remove(key);
-        }
+        control::prune_checkpoints(*cp.store, "ckpt-", static_cast<size_t>(cfg.keep_checkpoints));
     }
 
     int64_t start(bool resume) {
         int64_t next_step = 0;
         if (resume) {
-            std::string newest;
-            for (const auto& key : cp.store->list("ckpt-")) {
-                const auto slash = key.find('/');
-                if (slash != std::string::npos && key.substr(slash + 1) == "manifest.json")
-                    newest = std::max(newest, key.substr(0, slash));
-            }
-            MOERL_CHECK(!newest.empty(), "--resume: no checkpoint in ", cp.store->uri());
+            const auto names = control::published_checkpoints(*cp.store, "ckpt-");
+            MOERL_CHECK(!names.empty(), "--resume: no checkpoint in ", cp.store->uri());
+            const std::string& newest = names.back();
             const fs::path dir = fs::path(work_dir) / "resume" / newest;
             fs::remove_all(dir);
             control::fetch_checkpoint(*cp.store, newest, dir.string());

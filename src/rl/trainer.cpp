@@ -195,8 +195,9 @@ struct PolicyTrainer::Impl {
             GrpoOutput g = grpo_loss(in, cfg.grpo);
             at::Tensor loss = g.loss + (mc.router_aux_loss_coef / W) * out.aux_loss;
             loss.backward();
-            step_optimizer(r, epoch);
+            const double grad_norm = step_optimizer(r, epoch);
             if (epoch == 0) {
+                st.grad_norm = grad_norm;  // the gradient of the logged loss
                 st.loss = g.loss.item<double>();
                 st.aux_loss = out.aux_loss.item<double>();
                 st.clip_fraction = g.clip_fraction;
@@ -212,8 +213,9 @@ struct PolicyTrainer::Impl {
         stat_slots[r] = st;
     }
 
-    // Sums dense gradients across ranks, clips by the global norm, applies AdamW.
-    void step_optimizer(int r, int epoch) {
+    // Sums dense gradients across ranks, clips by the global norm, applies AdamW. Returns the
+    // global norm before clipping (the same on every rank).
+    double step_optimizer(int r, int epoch) {
         Rank& k = ranks[r];
         c10::NoGradGuard g;
         std::vector<at::Tensor> dense, expert;
@@ -241,7 +243,6 @@ struct PolicyTrainer::Impl {
             flat = sum;
         }
         const double norm = std::sqrt(flat.pow(2).sum().item<double>() + expert_sq);
-        stat_slots[r].grad_norm = norm;
         const double scale =
             (cfg.grad_clip > 0 && norm > cfg.grad_clip) ? cfg.grad_clip / (norm + 1e-6) : 1.0;
         const int64_t t = step_count_for_update + epoch + 1;
@@ -267,6 +268,7 @@ struct PolicyTrainer::Impl {
         }
         k.model->zero_grad();
         if (W > 1) barrier->arrive_and_wait();
+        return norm;
     }
     int64_t step_count_for_update = 0;  // optimizer steps before the current update
     double lr = 0;                      // learning rate of the current update (schedule)

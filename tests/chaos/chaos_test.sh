@@ -15,17 +15,10 @@
 #   tests/chaos/chaos_test.sh PATH/TO/moerl tests/chaos     (needs MOERL_TEST_REDIS_URL set, else skips)
 set -uo pipefail
 
-if [[ -z ${MOERL_TEST_REDIS_URL:-} ]]; then
-    echo "skip: MOERL_TEST_REDIS_URL is not set (eval \"\$(scripts/test-servers.sh start DIR)\")"
-    exit 0
-fi
-[[ $# -eq 2 ]] || { echo "usage: $0 MOERL_BINARY CHAOS_DIR" >&2; exit 2; }
-moerl=$(realpath "$1")
-cfg=$(realpath "$2/chaos.yaml")
+source "$(dirname "$0")/common.sh" "$@"
 for tool in redis-server redis-cli python3; do
     command -v $tool >/dev/null || { echo "chaos: $tool not found" >&2; exit 1; }
 done
-export OPENBLAS_NUM_THREADS=1
 
 tmp=$(mktemp -d /tmp/moerl-chaos.XXXXXX)
 mkdir -p "$tmp/redis" "$tmp/logs"

@@ -7,24 +7,13 @@
 
 #include "moerl/control/control.hpp"
 #include "moerl/core/error.hpp"
+#include "temp_dir.hpp"
 
 using namespace moerl::control;
+using moerl::control::test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-struct TempDir {
-    fs::path path;
-    TempDir() {
-        path = fs::temp_directory_path() /
-               ("moerl-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
-        fs::create_directories(path);
-    }
-    ~TempDir() { fs::remove_all(path); }
-    static int& counter() {
-        static int c = 0;
-        return c;
-    }
-};
 void write(const fs::path& p, const std::string& text) {
     fs::create_directories(p.parent_path());
     std::ofstream(p, std::ios::binary) << text;

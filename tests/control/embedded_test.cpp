@@ -14,6 +14,12 @@ std::string fresh_run(const char* tag) {
     static int n = 0;
     return std::string(tag) + "-" + std::to_string(n++);
 }
+
+// "id/attempt/payload" of a lease, or "none": one comparison says what was handed out.
+std::string handed_out(const std::optional<Lease>& lease) {
+    if (!lease) return "none";
+    return lease->task.id + "/" + std::to_string(lease->task.attempt) + "/" + lease->task.payload;
+}
 }  // namespace
 
 TEST(EmbeddedTaskQueue, LeaseAckAndFifo) {
@@ -23,13 +29,9 @@ TEST(EmbeddedTaskQueue, LeaseAckAndFifo) {
     q->put({"a", 0, "again", ""});  // duplicate id: ignored
     EXPECT_EQ(q->outstanding(), 2u);
     auto l1 = q->lease("w1", 0ms);
-    ASSERT_TRUE(l1);
-    EXPECT_EQ(l1->task.id, "a");
-    EXPECT_EQ(l1->task.payload, "pa");
-    EXPECT_EQ(l1->task.attempt, 0);
+    ASSERT_EQ(handed_out(l1), "a/0/pa");
     auto l2 = q->lease("w1", 0ms);
-    ASSERT_TRUE(l2);
-    EXPECT_EQ(l2->task.id, "b");
+    ASSERT_EQ(handed_out(l2), "b/0/pb");
     EXPECT_FALSE(q->lease("w1", 20ms));
     q->ack(*l1);
     q->ack(*l1);  // harmless
@@ -47,9 +49,7 @@ TEST(EmbeddedTaskQueue, ExpiredLeaseIsReassignedWithNextAttempt) {
     ASSERT_TRUE(dead);
     EXPECT_FALSE(q->lease("alive", 10ms));  // still leased
     auto again = q->lease("alive", 500ms);  // waits for the expiry
-    ASSERT_TRUE(again);
-    EXPECT_EQ(again->task.id, "t");
-    EXPECT_EQ(again->task.attempt, 1);
+    ASSERT_EQ(handed_out(again), "t/1/p");
     EXPECT_EQ(again->worker, "alive");
     EXPECT_NE(again->lease_id, dead->lease_id);
     // The dead worker's late release must not put the task back a second time.
@@ -78,9 +78,7 @@ TEST(EmbeddedTaskQueue, ReleaseReturnsPartialFirst) {
     auto l = q->lease("w1", 0ms);
     q->release(*l, "half done");
     auto r = q->lease("w2", 0ms);
-    ASSERT_TRUE(r);
-    EXPECT_EQ(r->task.id, "a");
-    EXPECT_EQ(r->task.attempt, 1);
+    ASSERT_EQ(handed_out(r), "a/1/pa");
     EXPECT_EQ(r->task.partial, "half done");
 }
 

@@ -3,63 +3,36 @@
 #include <unistd.h>
 
 #include <filesystem>
-#include <fstream>
-#include <nlohmann/json.hpp>
+#include <memory>
 
-#include "moerl/rl/roles.hpp"
+#include "moerl/rl/run.hpp"
+#include "rl_test_util.hpp"
 
 using namespace moerl::rl;
+using namespace moerl::rl::test;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-    fs::path path;
-    explicit TempDir(const std::string& tag) {
-        static int n = 0;
-        path = fs::temp_directory_path() /
-               ("moerl-rl-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
-        fs::remove_all(path);
-        fs::create_directories(path);
+// Step 0 on the embedded control plane: a started trainer and the step's tasks in the queue.
+struct StepZero {
+    TempDir t;
+    RunConfig c;
+    std::unique_ptr<ControlPlane> cp;
+    std::unique_ptr<TrainerRole> trainer;
+    size_t num_tasks = 0;
+
+    StepZero(const char* tag, int64_t lease_timeout_ms = 0) : t(tag), c(small_config(t.path)) {
+        if (lease_timeout_ms > 0) c.lease_timeout_ms = lease_timeout_ms;
+        cp = std::make_unique<ControlPlane>(ControlPlane::connect(c, unique(tag)));
+        trainer = std::make_unique<TrainerRole>(c, *cp, (t.path / "trainer").string());
+        EXPECT_EQ(trainer->start(false), 0);
+        put_step_tasks(c, *cp->tasks, 0);
+        num_tasks = static_cast<size_t>(c.prompts_per_step) * c.group_size;
     }
-    ~TempDir() { fs::remove_all(path); }
+    std::string dir(const char* name) const { return (t.path / name).string(); }
 };
-
-// A small, fast configuration: sort two digits in [0, 4].
-RunConfig small_config(const fs::path& out) {
-    RunConfig c = RunConfig::from_yaml_text(R"(
-run: {name: test, seed: 7, steps: 6}
-model: {hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 2, head_dim: 16, num_experts: 4, top_k: 2,
-        moe_intermediate_size: 32}
-task: {kind: sort, length: 2, max_value: 4}
-rollout: {max_batch: 64}
-train: {group_size: 4, prompts_per_step: 8, lr: 0.005}
-ranks: {ep: 2}
-)",
-                                            "test.yaml");
-    c.output_dir = out.string();
-    return c;
-}
-
-std::vector<nlohmann::json> read_metrics(const std::string& path, bool drop_timing = true) {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
-        auto j = nlohmann::json::parse(line);
-        if (drop_timing) {
-            j.erase("tokens_per_s");
-            j.erase("step_seconds");
-        }
-        out.push_back(j);
-    }
-    return out;
-}
-
-std::string unique(const char* tag) {
-    return std::string(tag) + "-" + std::to_string(::getpid()) + "-" + std::to_string(rand());
-}
 
 }  // namespace
 
@@ -124,17 +97,13 @@ TEST(RlRun, ResumeContinuesExactly) {
 }
 
 TEST(RlRoles, StoppedWorkerTasksAreRedoneExactlyOnce) {
-    TempDir t("stop");
-    RunConfig c = small_config(t.path);
-    c.rollout_max_batch = 64;
-    ControlPlane cp = ControlPlane::connect(c, unique("stop"));
-    TrainerRole trainer(c, cp, (t.path / "trainer").string());
-    ASSERT_EQ(trainer.start(false), 0);
-    put_step_tasks(c, *cp.tasks, 0);
-    const size_t n = static_cast<size_t>(c.prompts_per_step) * c.group_size;
+    StepZero z("stop");
+    const RunConfig& c = z.c;
+    ControlPlane& cp = *z.cp;
+    const size_t n = z.num_tasks;
     ASSERT_EQ(cp.tasks->outstanding(), n);
 
-    RolloutWorker a(c, cp, "a", (t.path / "a").string());
+    RolloutWorker a(c, cp, "a", z.dir("a"));
     a.work(0ms, nullptr, /*max_engine_steps=*/1);  // mid-task: one decode step
     const size_t released = a.release_all();       // termination notice
     EXPECT_GT(released, 0u);
@@ -149,30 +118,26 @@ TEST(RlRoles, StoppedWorkerTasksAreRedoneExactlyOnce) {
     EXPECT_GE(partial.tokens.size(), 1u);
     cp.tasks->release(*peek, peek->task.partial);
 
-    RolloutWorker b(c, cp, "b", (t.path / "b").string());
+    RolloutWorker b(c, cp, "b", z.dir("b"));
     b.work(0ms);
     EXPECT_EQ(static_cast<size_t>(a.stats().pushed + b.stats().pushed), n);
     EXPECT_EQ(cp.experience->size(), n);
     EXPECT_EQ(cp.tasks->outstanding(), 0u);
-    auto r = trainer.train_step(0, 1000ms);
+    auto r = z.trainer->train_step(0, 1000ms);
     ASSERT_TRUE(r);
     EXPECT_EQ(r->version, 1);
     EXPECT_EQ(cp.experience->size(), 0u);
 }
 
 TEST(RlRoles, DeadWorkerLeasesExpireAndDuplicatesAreDropped) {
-    TempDir t("dead");
-    RunConfig c = small_config(t.path);
-    c.lease_timeout_ms = 300;
-    ControlPlane cp = ControlPlane::connect(c, unique("dead"));
-    TrainerRole trainer(c, cp, (t.path / "trainer").string());
-    trainer.start(false);
-    put_step_tasks(c, *cp.tasks, 0);
-    const size_t n = static_cast<size_t>(c.prompts_per_step) * c.group_size;
-    RolloutWorker dead(c, cp, "dead", (t.path / "dead").string());
+    StepZero z("dead", 300);
+    const RunConfig& c = z.c;
+    ControlPlane& cp = *z.cp;
+    const size_t n = z.num_tasks;
+    RolloutWorker dead(c, cp, "dead", z.dir("dead"));
     dead.work(0ms, nullptr, 1);  // leases everything, then stops answering
     const int64_t dead_pushed = dead.stats().pushed;
-    RolloutWorker alive(c, cp, "alive", (t.path / "alive").string());
+    RolloutWorker alive(c, cp, "alive", z.dir("alive"));
     alive.work(2000ms);  // waits for the leases to expire, then redoes them (attempt 1)
     EXPECT_EQ(static_cast<size_t>(dead_pushed + alive.stats().pushed), n);
     // The "dead" worker wakes up and finishes its stale copies: all rejected as duplicates.
@@ -180,6 +145,6 @@ TEST(RlRoles, DeadWorkerLeasesExpireAndDuplicatesAreDropped) {
     EXPECT_EQ(dead.stats().pushed, dead_pushed);
     EXPECT_EQ(static_cast<size_t>(dead.stats().duplicates), n - static_cast<size_t>(dead_pushed));
     EXPECT_EQ(cp.experience->size(), n);
-    auto r = trainer.train_step(0, 1000ms);
+    auto r = z.trainer->train_step(0, 1000ms);
     ASSERT_TRUE(r);
 }

@@ -80,6 +80,9 @@ struct StepResult {
     double staleness_mean = 0;  // policy versions behind, per token
     int64_t staleness_max = 0;
     int64_t response_tokens = 0;
+    std::vector<std::string> task_ids;  // the experiences trained on, group-major
+    int64_t retried = 0;                // of them, from tasks handed out more than once
+    int64_t duplicates = 0;  // experiences trained on before a restart, dropped since the last step
     TrainStats train;
 };
 
@@ -105,32 +108,7 @@ class TrainerRole {
     std::unique_ptr<Impl> impl_;
 };
 
-// ---- the whole loop in one process ------------------------------------------------------------
-struct RunOptions {
-    bool resume = false;
-    int64_t steps = -1;       // overrides config.steps when >= 0 (a run may stop early: stop_after)
-    int64_t stop_after = -1;  // stop (with a checkpoint) after this many steps of this call
-    std::string output_dir;   // overrides config.output_dir when set
-    bool progress = true;     // the live progress line on stderr
-};
-
-struct RunSummary {
-    int64_t steps_done = 0;   // steps trained in total (including before a resume)
-    double final_reward = 0;  // mean reward of the last min(10, steps) steps
-    double first_reward = 0;  // mean reward of the first min(10, steps) steps
-    double wall_seconds = 0;
-    std::string metrics_path, svg_path;
-};
-
-// env, one rollout worker and the trainer (EP over config.ep_ranks threads) in this process,
-// stepped deterministically: the same config and seed give the same metrics, and a resumed run
-// continues exactly as an uninterrupted one.
-RunSummary run_local(const RunConfig& config, const RunOptions& options);
-
-}  // namespace moerl::rl
-
-namespace moerl::rl {
-
+// ---- benchmark -------------------------------------------------------------------------------
 // Generation throughput of the rollout engine with a randomly initialised model of `config`.
 struct RolloutBench {
     int max_batch = 0;

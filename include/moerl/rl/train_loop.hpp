@@ -1,0 +1,69 @@
+// The training loop, one for every mode. `moerl run` (local: every role in this process) and
+// `moerl worker --role train` (distributed) both call train_loop(); they differ only by the
+// control-plane backends and by who produces the experiences (an ExperienceProducer in this
+// process, or rollout workers elsewhere). Both get the same metrics.jsonl rows, progress line,
+// stop_at_reward rule, checkpoint cadence and reward.svg.
+//
+// The guarantee: an experience is acknowledged in the buffer only after the checkpoint of the
+// step that used it is published (control::DeferredAckBuffer, committed after each checkpoint).
+// A trainer killed in between leaves it unacknowledged, and its successor, resumed from the
+// newest checkpoint, gets it again.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "moerl/rl/config.hpp"
+#include "moerl/rl/roles.hpp"
+
+namespace moerl::rl {
+
+// Produces the experiences the trainer takes, in this process, before each step.
+class ExperienceProducer {
+  public:
+    virtual ~ExperienceProducer() = default;
+    // After the trainer started: the env has put the tasks of every step < env_next_step before.
+    virtual void start(int64_t env_next_step) = 0;
+    // Before step `step` is trained: puts its tasks (and those up to max_staleness ahead) and
+    // generates. Returns the sampling rate, tokens per second of generation.
+    virtual double produce(int64_t step) = 0;
+};
+
+struct TrainLoopOptions {
+    bool resume = false;       // start from the newest checkpoint in the store
+    int64_t stop_after = -1;   // stop (with a checkpoint) after this many steps of this call
+    double step_timeout_s = 0;  // fail when a step's experiences take longer (0: wait, saying so)
+    const std::atomic<bool>* stop = nullptr;  // termination notice: stop before the next step,
+                                              // without a checkpoint (the steps since the last
+                                              // one are trained again after a resume)
+    bool progress = true;  // the progress line on stderr, one a step
+    // Progress and log lines: "[who] ..." each on a line of its own; when empty, "[run.name] ..."
+    // and, on a terminal, the progress line rewrites itself.
+    std::string who;
+    std::function<void(const std::string&)> log;  // start, waits, end (none when empty)
+    // Called before each step and each checkpoint; throwing stops the run there (e.g. this
+    // trainer lost its run's lock to another one).
+    std::function<void()> check;
+    std::string audit_path;  // append a JSON line per start, step (its task ids) and end
+};
+
+struct RunSummary {
+    int64_t steps_done = 0;   // steps trained in total (including before a resume)
+    double final_reward = 0;  // mean reward of the last min(10, steps) steps
+    double first_reward = 0;  // mean reward of the first min(10, steps) steps
+    double wall_seconds = 0;
+    bool reached_reward = false;  // stopped by stop_at_reward
+    bool stopped = false;         // stopped by the termination notice
+    std::string metrics_path, svg_path;
+};
+
+// Trains config.steps steps (or until stop_at_reward, stop_after or the notice), writing
+// output_dir/metrics.jsonl and output_dir/reward.svg, checkpoints to the store every
+// checkpoint_every steps and at the end, and the run-done marker when the run is over.
+// `control.experience` is wrapped in a control::DeferredAckBuffer.
+RunSummary train_loop(const RunConfig& config, ControlPlane& control, const TrainLoopOptions& options,
+                      ExperienceProducer* producer);
+
+}  // namespace moerl::rl
