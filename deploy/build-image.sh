@@ -103,8 +103,8 @@ user=$($engine run --rm "${run_flags[@]}" "${ro[@]}" --entrypoint /usr/bin/id "$
 $engine run --rm "${run_flags[@]}" "${ro[@]}" "$tag" --help >/dev/null
 for role in env rollout reward train; do
     # No Redis on port 1: each role must start, parse the config and fail naming the address.
-    out=$($engine run --rm "${run_flags[@]}" "${ro[@]}" -e MOERL_REDIS_RETRY_MS=0 "$tag" worker --role "$role" \
-        --redis redis://127.0.0.1:1 --store file:///var/lib/moerl/store --run-id smoke \
+    out=$($engine run --rm "${run_flags[@]}" "${ro[@]}" "$tag" worker --role "$role" \
+        --redis 'redis://127.0.0.1:1/0?retry_ms=0' --store file:///var/lib/moerl/store --run-id smoke \
         /usr/share/moerl/examples/quickstart.yaml 2>&1 || true)
     grep -q "127.0.0.1:1" <<<"$out" || { echo "build-image: role $role: unexpected output:"; echo "$out"; exit 1; }
 done

@@ -447,10 +447,10 @@ def check_run_configs(objects, moerl):
                 path = os.path.join(d, key)
                 with open(path, "w") as f:
                     f.write(text)
-                out = subprocess.run([moerl, "worker", "--role", "env", "--redis", "redis://127.0.0.1:1",
+                out = subprocess.run([moerl, "worker", "--role", "env", "--redis", "redis://127.0.0.1:1/0?retry_ms=0",
                                       "--store", f"file://{d}/store", "--run-id", "check", "--out", d, path],
                                      capture_output=True, text=True, timeout=120,
-                                     env={**os.environ, "MOERL_REDIS_RETRY_MS": "0"})
+                                     env=os.environ)
                 if "127.0.0.1:1" not in out.stderr:
                     errors.append(f"ConfigMap/{cm['metadata']['name']} {key}: the binary rejects it:\n{out.stderr.strip()}")
     return errors
