@@ -4,7 +4,9 @@
 // are rl::run_*_worker (rl/run.hpp), the supervisor is cluster.hpp.
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <memory>
 #include <vector>
@@ -12,6 +14,10 @@
 #include "cluster.hpp"
 #include "commands.hpp"
 #include "distributed_run.hpp"
+#ifdef MOERL_HAVE_HEALTH
+#include "health_server.hpp"
+#endif
+#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/run.hpp"
@@ -68,9 +74,38 @@ void run_worker(const WorkerArgs& a) {
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
     const std::string who = a.worker_id.empty() ? default_worker_id(a.role) : a.worker_id;
     start_grace_watchdog(who, a.grace_s);
+#ifdef MOERL_HAVE_HEALTH
+    // Probes and metrics for a cluster scheduler, where MOERL_HEALTH_PORT asks for them (the images
+    // set it; local clusters leave it unset, so their workers do not compete for one port).
+    MetricsRegistry metrics;
+    std::atomic<bool> connected{false};
+    std::unique_ptr<HealthServer> health;
+    if (env::get("MOERL_HEALTH_PORT")) {
+        metrics.gauge("moerl_worker_start_time_seconds", "Unix time the worker started")
+            .set(static_cast<double>(::time(nullptr)));
+        metrics.gauge_fn("moerl_worker_connected", "1 once the control plane answered",
+                         [&connected] { return connected.load() ? 1.0 : 0.0; });
+        health = std::make_unique<HealthServer>(HealthOptions::from_env(), metrics,
+                                                [&connected](std::string& why) {
+                                                    if (stop_flag().load()) {
+                                                        why = "stopping (termination notice)";
+                                                        return false;
+                                                    }
+                                                    if (!connected.load()) {
+                                                        why = "connecting to the control plane";
+                                                        return false;
+                                                    }
+                                                    return true;
+                                                });
+        log_line(who, "health server on port " + std::to_string(health->port()));
+    }
+#endif
     log_line(who, "role " + a.role + ", run " + run_id + ", store " + cfg.store_uri() + ", pid " +
                       std::to_string(::getpid()));
     rl::ControlPlane cp = rl::ControlPlane::connect(cfg, run_id);
+#ifdef MOERL_HAVE_HEALTH
+    connected = true;
+#endif
     rl::WorkerContext w{run_id, who, &stop_flag(), [who](const std::string& text) { log_line(who, text); }};
     if (a.role == "env") {
         rl::run_env_worker(cfg, cp, w);
@@ -98,8 +133,8 @@ void run_cluster(const ClusterArgs& c) {
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
     auto child = [&](const std::string& role) {
         ChildSpec s{role,
-                    {"moerl", "worker", "--role", role, "--redis", a.redis, "--store", cfg.store_uri(), "--run-id",
-                     run_id, "--out", cfg.output_dir, "--grace-s", std::to_string(a.grace_s),
+                    {"moerl", "worker", "--role", role, "--redis", a.redis, "--store", cfg.store_uri(),
+                     "--run-id", run_id, "--out", cfg.output_dir, "--grace-s", std::to_string(a.grace_s),
                      "--lease-timeout-ms", std::to_string(cfg.lease_timeout_ms)}};
         if (role == "train") {
             s.argv.insert(s.argv.end(), {"--checkpoint-every", std::to_string(a.checkpoint_every)});
@@ -128,9 +163,10 @@ void add_common_options(CLI::App* cmd, WorkerArgs& a) {
         "Override control.lease_timeout_ms: a lease not renewed this long moves to another worker");
     cmd->add_option("--grace-s", a.grace_s, "Seconds between a termination notice (SIGTERM) and exit")
         ->check(CLI::PositiveNumber);
-    cmd->add_option("--checkpoint-every", a.checkpoint_every,
-                    "Trainer: steps per checkpoint (overrides run.checkpoint_every; default 1): experiences are "
-                    "acknowledged once their step is in one");
+    cmd->add_option(
+        "--checkpoint-every", a.checkpoint_every,
+        "Trainer: steps per checkpoint (overrides run.checkpoint_every; default 1): experiences are "
+        "acknowledged once their step is in one");
     cmd->add_option("--audit", a.audit,
                     "Trainer: append one JSON line per trained step (task ids) to this file");
 }

@@ -25,7 +25,7 @@ return 0
 class RedisLockBackend final : public LockBackend {
   public:
     RedisLockBackend(const std::string& url, const std::string& run_id, const std::string& name)
-        : key_(redis::run_key(run_id, "lock:" + name)), client_(url, redis::Options::from_env()) {}
+        : key_(redis::run_key(run_id, "lock:" + name)), client_(url, redis::Options::from_url(url)) {}
 
     std::string take_or_renew(const std::string& holder, Millis ttl) override {
         auto reply = client_.eval(kTakeScript, "take lock", {key_}, {holder, std::to_string(ttl.count())});
