@@ -14,6 +14,7 @@
 
 #include "file_util.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/json.hpp"
 
 namespace moerl::model {
 namespace {
@@ -85,7 +86,7 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, uint64_t size, 
 
     json header;
     try {
-        header = json::parse(bytes + 8, bytes + 8 + header_len);
+        header = parse_json(bytes + 8, bytes + 8 + header_len, source);
     } catch (const json::exception& e) {
         MOERL_FAIL(source, ": header is not valid JSON (", e.what(), ")");
     }
@@ -280,7 +281,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
     if (std::filesystem::exists(index_path)) {
         json j;
         try {
-            j = json::parse(detail::read_text_file(index_path));
+            j = parse_json(detail::read_text_file(index_path), index_path);
         } catch (const json::exception& e) {
             MOERL_FAIL(index_path, ": not valid JSON (", e.what(), ")");
         }
