@@ -12,6 +12,7 @@
 #include "digest.hpp"
 #include "moerl/control/control.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/json.hpp"
 
 namespace moerl::control {
 
@@ -27,20 +28,6 @@ std::string manifest_to_json(const Manifest& m) {
     j["files"] = nlohmann::json::object();
     for (const auto& [name, f] : m.files) j["files"][name] = {{"sha256", f.first}, {"bytes", f.second}};
     return j.dump(2);
-}
-
-Manifest manifest_from_json(const std::string& text, const std::string& source) {
-    Manifest m;
-    try {
-        auto j = nlohmann::json::parse(text);
-        m.version = j.at("version").get<int64_t>();
-        m.step = j.at("step").get<int64_t>();
-        for (const auto& [name, f] : j.at("files").items())
-            m.files[name] = {f.at("sha256").get<std::string>(), f.at("bytes").get<uint64_t>()};
-    } catch (const nlohmann::json::exception& e) {
-        MOERL_FAIL(source, ": not a valid checkpoint manifest: ", e.what());
-    }
-    return m;
 }
 
 std::string read_text(const std::string& path) {
@@ -68,6 +55,38 @@ void verify(const std::string& path, const std::string& what,
 }
 
 }  // namespace
+
+Manifest manifest_from_json(const std::string& text, const std::string& source) {
+    using nlohmann::json;
+    Manifest m;
+    try {
+        const json j = parse_json(text, source);
+        MOERL_CHECK(j.is_object(), source, ": expected a JSON object");
+        // Integer fields only: get<int64_t>() of a float such as 1e300 would not fit.
+        for (auto [key, out] : {std::pair{"version", &m.version}, std::pair{"step", &m.step}}) {
+            MOERL_CHECK(j.at(key).is_number_integer(), source, ": ", key, " must be an integer, got ",
+                        j.at(key).dump());
+            *out = j.at(key).get<int64_t>();
+        }
+        for (const auto& [name, f] : j.at("files").items()) {
+            // The name becomes a path under the checkpoint directory: it must stay inside it.
+            bool inside = !name.empty() && name.front() != '/';
+            for (const auto& part : fs::path(name)) inside = inside && part != ".." && part != ".";
+            MOERL_CHECK(inside, source, ": files: \"", name,
+                        "\" is not a relative path inside the checkpoint");
+            const std::string& sha = f.at("sha256").get_ref<const std::string&>();
+            MOERL_CHECK(sha.size() == 64 && sha.find_first_not_of("0123456789abcdef") == std::string::npos,
+                        source, ": files.", name, ".sha256 must be 64 lower-case hex digits, got \"", sha,
+                        "\"");
+            MOERL_CHECK(f.at("bytes").is_number_unsigned(), source, ": files.", name,
+                        ".bytes must be a non-negative integer, got ", f.at("bytes").dump());
+            m.files[name] = {sha, f.at("bytes").get<uint64_t>()};
+        }
+    } catch (const nlohmann::json::exception& e) {
+        MOERL_FAIL(source, ": not a valid checkpoint manifest: ", e.what());
+    }
+    return m;
+}
 
 std::string sha256_file(const std::string& path) {
     std::ifstream in(path, std::ios::binary);

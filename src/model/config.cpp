@@ -6,6 +6,7 @@
 
 #include "file_util.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/json.hpp"
 
 namespace moerl::model {
 namespace {
@@ -63,7 +64,7 @@ std::string expert_tensor_name(int layer, int expert, const char* proj) {
 ModelConfig ModelConfig::from_json_text(const std::string& text, const std::string& source) {
     json j;
     try {
-        j = json::parse(text);
+        j = parse_json(text, source);
     } catch (const json::exception& e) {
         MOERL_FAIL(source, ": not valid JSON (", e.what(), ")");
     }
@@ -104,9 +105,9 @@ ModelConfig ModelConfig::from_json_text(const std::string& text, const std::stri
         MOERL_CHECK(v.is_array(), source, ": field mlp_only_layers must be a list of layer indices, got ",
                     v.dump());
         for (const json& e : v) {
-            MOERL_CHECK(e.is_number_integer(), source, ": mlp_only_layers must hold integers, got ",
-                        e.dump());
-            c.mlp_only_layers.push_back(e.get<int>());
+            MOERL_CHECK(e.is_number_integer() && e.get<int64_t>() >= 0 && e.get<int64_t>() <= INT32_MAX,
+                        source, ": mlp_only_layers must hold layer indices, got ", e.dump());
+            c.mlp_only_layers.push_back(static_cast<int>(e.get<int64_t>()));
         }
     }
     c.rms_norm_eps = r.get_double("rms_norm_eps", 1e-6);
@@ -114,7 +115,10 @@ ModelConfig ModelConfig::from_json_text(const std::string& text, const std::stri
     if (r.has("rope_parameters")) {  // transformers 5 nests rope_theta here
         const json& rp = j.at("rope_parameters");
         MOERL_CHECK(rp.is_object(), source, ": field rope_parameters must be an object, got ", rp.dump());
-        const std::string type = rp.value("rope_type", std::string("default"));
+        const json type_field = rp.value("rope_type", json("default"));
+        MOERL_CHECK(type_field.is_string(), source, ": rope_parameters.rope_type must be a string, got ",
+                    type_field.dump());
+        const std::string type = type_field.get<std::string>();
         MOERL_CHECK(type == "default", source, ": rope_parameters.rope_type \"", type,
                     "\" is not supported, expected \"default\"");
         c.rope_theta = Reader{rp, source}.get_double("rope_theta", c.rope_theta);
@@ -198,6 +202,12 @@ void ModelConfig::validate() const {
     positive("rope_theta", rope_theta);
     positive("max_position_embeddings", max_position_embeddings);
     positive("decoder_sparse_step", decoder_sparse_step);
+    // Far above any released model (~100 layers); bounds the per-layer loops below and in the model.
+    constexpr int kMaxLayers = 4096;
+    MOERL_CHECK(num_hidden_layers <= kMaxLayers, "num_hidden_layers (", num_hidden_layers,
+                ") must be <= ", kMaxLayers);
+    MOERL_CHECK(mlp_only_layers.size() <= static_cast<size_t>(num_hidden_layers), "mlp_only_layers holds ",
+                mlp_only_layers.size(), " entries, but num_hidden_layers = ", num_hidden_layers);
     MOERL_CHECK(num_attention_heads % num_key_value_heads == 0, "num_attention_heads (", num_attention_heads,
                 ") must be a multiple of num_key_value_heads (", num_key_value_heads, ")");
     MOERL_CHECK(head_dim % 2 == 0, "head_dim (", head_dim, ") must be even for rotary embeddings");

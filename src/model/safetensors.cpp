@@ -14,6 +14,7 @@
 
 #include "file_util.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/json.hpp"
 
 namespace moerl::model {
 namespace {
@@ -70,6 +71,89 @@ int64_t TensorInfo::numel() const {
     return n;
 }
 
+SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, uint64_t size, const std::string& source) {
+    SafetensorsHeader out;
+    MOERL_CHECK(size >= 8, source, ": file is ", size,
+                " bytes, too short for a safetensors header (8-byte length + JSON)");
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];  // little-endian u64
+    MOERL_CHECK(header_len <= kMaxHeaderBytes, source, ": header length ", header_len, " exceeds the ",
+                kMaxHeaderBytes, "-byte limit (corrupt file?)");
+    MOERL_CHECK(header_len <= size - 8, source, ": header length ", header_len,
+                " runs past the end of the file (", size, " bytes; truncated?)");
+    out.data_offset = 8 + header_len;
+    const uint64_t data_size = size - 8 - header_len;
+
+    json header;
+    try {
+        header = parse_json(bytes + 8, bytes + 8 + header_len, source);
+    } catch (const json::exception& e) {
+        MOERL_FAIL(source, ": header is not valid JSON (", e.what(), ")");
+    }
+    MOERL_CHECK(header.is_object(), source, ": header must be a JSON object");
+    for (auto it = header.begin(); it != header.end(); ++it) {
+        const std::string& name = it.key();
+        const json& v = it.value();
+        if (name == "__metadata__") {
+            MOERL_CHECK(v.is_object(), source, ": __metadata__ must be an object of strings");
+            for (auto m = v.begin(); m != v.end(); ++m) {
+                MOERL_CHECK(m.value().is_string(), source, ": __metadata__.", m.key(), " must be a string");
+                out.metadata[m.key()] = m.value().get<std::string>();
+            }
+            continue;
+        }
+        MOERL_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
+                    source, ": tensor ", name, " needs dtype, shape and data_offsets, got ", v.dump());
+        TensorInfo info;
+        info.name = name;
+        MOERL_CHECK(v["dtype"].is_string(), source, ": tensor ", name, ": dtype must be a string");
+        try {
+            info.dtype = parse_st_dtype(v["dtype"].get<std::string>());
+        } catch (const Error& e) {
+            MOERL_FAIL(source, ": tensor ", name, ": ", e.message());
+        }
+        MOERL_CHECK(v["shape"].is_array(), source, ": tensor ", name, ": shape must be a list");
+        uint64_t numel = 1;
+        for (const json& d : v["shape"]) {
+            MOERL_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, source, ": tensor ", name,
+                        ": shape entries must be non-negative integers, got ", d.dump());
+            const uint64_t s = d.get<uint64_t>();
+            MOERL_CHECK(s == 0 || numel <= UINT64_MAX / s / 8, source, ": tensor ", name, ": shape ",
+                        v["shape"].dump(), " overflows");
+            numel *= s;
+            info.shape.push_back(static_cast<int64_t>(s));
+        }
+        const json& off = v["data_offsets"];
+        MOERL_CHECK(
+            off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
+            source, ": tensor ", name, ": data_offsets must be [begin, end], got ", off.dump());
+        const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+        MOERL_CHECK(begin <= end, source, ": tensor ", name, ": data_offsets ", off.dump(),
+                    " has begin > end");
+        info.offset = begin;
+        info.nbytes = end - begin;
+        const uint64_t expect = numel * st_dtype_size(info.dtype);
+        MOERL_CHECK(info.nbytes == expect, source, ": tensor ", name, ": data_offsets ", off.dump(), " span ",
+                    info.nbytes, " bytes, but shape ", shape_str(info.shape), " of ",
+                    st_dtype_name(info.dtype), " needs ", expect, " bytes");
+        MOERL_CHECK(end <= data_size, source, ": tensor ", name, ": data_offsets ", off.dump(),
+                    " run past the end of the data region (", data_size, " bytes; truncated file?)");
+        out.tensors.push_back(std::move(info));
+    }
+    std::vector<const TensorInfo*> order;
+    for (const auto& t : out.tensors) order.push_back(&t);
+    std::sort(order.begin(), order.end(),
+              [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
+    for (size_t i = 1; i < order.size(); ++i) {
+        const TensorInfo& a = *order[i - 1];
+        const TensorInfo& b = *order[i];
+        MOERL_CHECK(a.offset + a.nbytes <= b.offset || a.nbytes == 0 || b.nbytes == 0, source, ": tensors ",
+                    a.name, " [", a.offset, ", ", a.offset + a.nbytes, ") and ", b.name, " [", b.offset, ", ",
+                    b.offset + b.nbytes, ") overlap");
+    }
+    return out;
+}
+
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     int fd = ::open(path.c_str(), O_RDONLY);
     MOERL_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
@@ -93,87 +177,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     }
     // Member initialisation is done; from here errors must release the mapping.
     try {
-        MOERL_CHECK(file_size_ >= 8, path, ": file is ", file_size_,
-                    " bytes, too short for a safetensors header (8-byte length + JSON)");
-        const auto* bytes = static_cast<const uint8_t*>(map_);
-        uint64_t header_len = 0;
-        for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];  // little-endian u64
-        MOERL_CHECK(header_len <= kMaxHeaderBytes, path, ": header length ", header_len, " exceeds the ",
-                    kMaxHeaderBytes, "-byte limit (corrupt file?)");
-        MOERL_CHECK(header_len <= file_size_ - 8, path, ": header length ", header_len,
-                    " runs past the end of the file (", file_size_, " bytes; truncated?)");
-        data_ = bytes + 8 + header_len;
-        const uint64_t data_size = file_size_ - 8 - header_len;
-
-        json header;
-        try {
-            header = json::parse(bytes + 8, bytes + 8 + header_len);
-        } catch (const json::exception& e) {
-            MOERL_FAIL(path, ": header is not valid JSON (", e.what(), ")");
-        }
-        MOERL_CHECK(header.is_object(), path, ": header must be a JSON object");
-        for (auto it = header.begin(); it != header.end(); ++it) {
-            const std::string& name = it.key();
-            const json& v = it.value();
-            if (name == "__metadata__") {
-                MOERL_CHECK(v.is_object(), path, ": __metadata__ must be an object of strings");
-                for (auto m = v.begin(); m != v.end(); ++m) {
-                    MOERL_CHECK(m.value().is_string(), path, ": __metadata__.", m.key(), " must be a string");
-                    metadata_[m.key()] = m.value().get<std::string>();
-                }
-                continue;
-            }
-            MOERL_CHECK(
-                v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
-                path, ": tensor ", name, " needs dtype, shape and data_offsets, got ", v.dump());
-            TensorInfo info;
-            info.name = name;
-            MOERL_CHECK(v["dtype"].is_string(), path, ": tensor ", name, ": dtype must be a string");
-            try {
-                info.dtype = parse_st_dtype(v["dtype"].get<std::string>());
-            } catch (const Error& e) {
-                MOERL_FAIL(path, ": tensor ", name, ": ", e.message());
-            }
-            MOERL_CHECK(v["shape"].is_array(), path, ": tensor ", name, ": shape must be a list");
-            uint64_t numel = 1;
-            for (const json& d : v["shape"]) {
-                MOERL_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, path, ": tensor ", name,
-                            ": shape entries must be non-negative integers, got ", d.dump());
-                const uint64_t s = d.get<uint64_t>();
-                MOERL_CHECK(s == 0 || numel <= UINT64_MAX / s / 8, path, ": tensor ", name, ": shape ",
-                            v["shape"].dump(), " overflows");
-                numel *= s;
-                info.shape.push_back(static_cast<int64_t>(s));
-            }
-            const json& off = v["data_offsets"];
-            MOERL_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() &&
-                            off[1].is_number_unsigned(),
-                        path, ": tensor ", name, ": data_offsets must be [begin, end], got ", off.dump());
-            const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-            MOERL_CHECK(begin <= end, path, ": tensor ", name, ": data_offsets ", off.dump(),
-                        " has begin > end");
-            info.offset = begin;
-            info.nbytes = end - begin;
-            const uint64_t expect = numel * st_dtype_size(info.dtype);
-            MOERL_CHECK(info.nbytes == expect, path, ": tensor ", name, ": data_offsets ", off.dump(),
-                        " span ", info.nbytes, " bytes, but shape ", shape_str(info.shape), " of ",
-                        st_dtype_name(info.dtype), " needs ", expect, " bytes");
-            MOERL_CHECK(end <= data_size, path, ": tensor ", name, ": data_offsets ", off.dump(),
-                        " run past the end of the data region (", data_size, " bytes; truncated file?)");
-            by_name_[name] = tensors_.size();
-            tensors_.push_back(std::move(info));
-        }
-        std::vector<const TensorInfo*> order;
-        for (const auto& t : tensors_) order.push_back(&t);
-        std::sort(order.begin(), order.end(),
-                  [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
-        for (size_t i = 1; i < order.size(); ++i) {
-            const TensorInfo& a = *order[i - 1];
-            const TensorInfo& b = *order[i];
-            MOERL_CHECK(a.offset + a.nbytes <= b.offset || a.nbytes == 0 || b.nbytes == 0, path, ": tensors ",
-                        a.name, " [", a.offset, ", ", a.offset + a.nbytes, ") and ", b.name, " [", b.offset,
-                        ", ", b.offset + b.nbytes, ") overlap");
-        }
+        SafetensorsHeader header =
+            parse_safetensors_header(static_cast<const uint8_t*>(map_), file_size_, path);
+        data_ = static_cast<const uint8_t*>(map_) + header.data_offset;
+        tensors_ = std::move(header.tensors);
+        metadata_ = std::move(header.metadata);
+        for (size_t i = 0; i < tensors_.size(); ++i) by_name_[tensors_[i].name] = i;
     } catch (...) {
         if (map_) ::munmap(map_, file_size_);
         map_ = nullptr;
@@ -272,7 +281,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
     if (std::filesystem::exists(index_path)) {
         json j;
         try {
-            j = json::parse(detail::read_text_file(index_path));
+            j = parse_json(detail::read_text_file(index_path), index_path);
         } catch (const json::exception& e) {
             MOERL_FAIL(index_path, ": not valid JSON (", e.what(), ")");
         }

@@ -116,6 +116,8 @@ Manifest fetch_checkpoint(CheckpointStore& store, const std::string& name, const
 std::optional<Manifest> verify_checkpoint_dir(const std::string& dir);
 
 std::string sha256_file(const std::string& path);
+// Parses manifest.json text; `source` names it in errors.
+Manifest manifest_from_json(const std::string& text, const std::string& source);
 
 // Backends by address: "embedded" (in-process, shared by everything in this process under the
 // same run id) or "redis://[:password@]host:port[/db]" (distributed). Stores by URI: "file:///dir",

@@ -25,6 +25,15 @@ struct TensorInfo {
     int64_t numel() const;
 };
 
+// The header of a safetensors file held in memory: `bytes` is the whole file (8-byte length, JSON
+// header, data region). Checked as SafetensorsFile describes; `source` names the file in errors.
+struct SafetensorsHeader {
+    std::vector<TensorInfo> tensors;  // in header order
+    std::map<std::string, std::string> metadata;
+    uint64_t data_offset = 0;  // where the data region starts
+};
+SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, uint64_t size, const std::string& source);
+
 // A read-only, memory-mapped safetensors file. The header is checked on open: JSON well formed,
 // every dtype known, shapes non-negative, nbytes = numel x dtype size, ranges inside the file and
 // disjoint. Errors name the file and the offending tensor.
