@@ -1,4 +1,5 @@
-// EP conformance suite: every transport against the reference semantics of DESIGN.md section 3.
+// EP conformance suite: every transport against the reference semantics of the EP contract
+// (docs/architecture.md).
 // Ranks are forked processes; inputs are regenerated from the run seed on every rank.
 #include <gtest/gtest.h>
 

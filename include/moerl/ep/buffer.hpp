@@ -1,4 +1,4 @@
-// Expert-parallel dispatch and combine (DESIGN.md section 3).
+// Expert-parallel dispatch and combine (docs/architecture.md, "The contract").
 //
 // A Buffer owns one rank's registered symmetric memory for a group of ranks. Its operations are
 // collective: every rank of the group calls the same sequence of them. Pointers are host memory

@@ -1,5 +1,5 @@
 // The records that travel through the control plane, serialized as JSON: the task payload, a
-// (possibly partial) trajectory and the experience record (DESIGN.md section 5).
+// (possibly partial) trajectory and the experience record (docs/architecture.md, "One RL step").
 #pragma once
 
 #include <cstdint>
