@@ -86,14 +86,9 @@ class RedisExperienceBuffer final : public ExperienceBuffer {
         const auto deadline = std::chrono::steady_clock::now() + wait;
         for (;;) {
             auto remaining = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
-            std::vector<std::string> args{"XREADGROUP", "GROUP", kGroup,
-                                          consumer,     "COUNT", std::to_string(max - out.size())};
             Millis block{0};
-            if (remaining.count() > 0) {
-                block = std::min(remaining, kReadSlice);
-                args.insert(args.end(), {"BLOCK", std::to_string(block.count())});
-            }
-            args.insert(args.end(), {"STREAMS", stream_, ">"});
+            auto args = redis::read_group_args(kGroup, consumer, max - out.size(), stream_, remaining,
+                                               kReadSlice, block);
             auto reply = client_.command(args, block);
             collect(reply.get(), out);
             if (!out.empty() || std::chrono::steady_clock::now() >= deadline) return out;

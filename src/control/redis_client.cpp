@@ -181,6 +181,30 @@ Client::Client(const std::string& url, Options options, std::function<void(Clien
 
 Client::~Client() { disconnect_locked(); }
 
+void Client::run_on_connect_locked() {
+    in_on_connect_ = true;
+    try {
+        on_connect_(*this);
+    } catch (...) {
+        in_on_connect_ = false;
+        throw;
+    }
+    in_on_connect_ = false;
+}
+
+std::vector<std::string> read_group_args(const std::string& group, const std::string& consumer, size_t count,
+                                         const std::string& stream, Millis remaining, Millis slice,
+                                         Millis& block) {
+    std::vector<std::string> args{"XREADGROUP", "GROUP", group, consumer, "COUNT", std::to_string(count)};
+    block = Millis(0);
+    if (remaining.count() > 0) {
+        block = std::min(remaining, slice);
+        args.insert(args.end(), {"BLOCK", std::to_string(block.count())});
+    }
+    args.insert(args.end(), {"STREAMS", stream, ">"});
+    return args;
+}
+
 uint64_t Client::generation() const {
     std::lock_guard lock(mutex_);
     return generation_;
@@ -226,16 +250,7 @@ void Client::connect_locked() {
                 if (attempts > 1)
                     std::fprintf(stderr, "moerl: redis %s reachable again after %d connection attempts\n",
                                  url_.c_str(), attempts);
-                if (on_connect_ && !in_on_connect_) {
-                    in_on_connect_ = true;
-                    try {
-                        on_connect_(*this);
-                    } catch (...) {
-                        in_on_connect_ = false;
-                        throw;
-                    }
-                    in_on_connect_ = false;
-                }
+                if (on_connect_ && !in_on_connect_) run_on_connect_locked();
                 return;
             } catch (const moerl::Error&) {
                 disconnect_locked();
@@ -295,14 +310,7 @@ Reply Client::command_locked(const std::vector<std::string>& args, std::chrono::
             std::string(reply->str, reply->len).rfind("NOGROUP", 0) == 0) {
             // The server lost its data (restart without persistence): recreate the groups once.
             regrouped = true;
-            in_on_connect_ = true;
-            try {
-                on_connect_(*this);
-            } catch (...) {
-                in_on_connect_ = false;
-                throw;
-            }
-            in_on_connect_ = false;
+            run_on_connect_locked();
             continue;
         }
         if (reply->type == REDIS_REPLY_ERROR && round < 50 &&

@@ -86,6 +86,7 @@ class Client {
     Reply command_locked(const std::vector<std::string>& args, std::chrono::milliseconds extra_timeout,
                          const std::string& what);
     void connect_locked();  // throws after the retry budget
+    void run_on_connect_locked();
     void disconnect_locked();
 
     std::string url_;  // with the password masked, for messages
@@ -98,6 +99,14 @@ class Client {
     uint64_t generation_ = 0;             // GUARDED_BY(mutex_)
     bool in_on_connect_ = false;          // GUARDED_BY(mutex_)
 };
+
+using Millis = std::chrono::milliseconds;
+
+// XREADGROUP of up to `count` new entries of `stream`, blocking for min(remaining, slice) when some
+// time remains (`block` gets that wait, for the client's socket timeout).
+std::vector<std::string> read_group_args(const std::string& group, const std::string& consumer, size_t count,
+                                         const std::string& stream, Millis remaining, Millis slice,
+                                         Millis& block);
 
 // Keys of one run: "moerl:{run_id}:name". The braces are a Redis Cluster hash tag, so every key of a
 // run lands in one slot and the multi-key scripts below stay valid on a cluster.

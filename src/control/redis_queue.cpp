@@ -121,13 +121,8 @@ class RedisTaskQueue final : public TaskQueue {
         for (;;) {
             if (auto claimed = take_expired(worker)) return claimed;
             auto remaining = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
-            std::vector<std::string> args{"XREADGROUP", "GROUP", kGroup, worker, "COUNT", "1"};
             Millis block{0};
-            if (remaining.count() > 0) {
-                block = std::min(remaining, kReadSlice);
-                args.insert(args.end(), {"BLOCK", std::to_string(block.count())});
-            }
-            args.insert(args.end(), {"STREAMS", stream_, ">"});
+            auto args = redis::read_group_args(kGroup, worker, 1, stream_, remaining, kReadSlice, block);
             auto reply = client_.command(args, block);
             if (!redis::is_nil(reply.get()) && reply->elements > 0) {
                 // [[stream, [[entry id, fields]]]]
