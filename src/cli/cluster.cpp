@@ -43,7 +43,8 @@ pid_t spawn(const std::vector<std::string>& argv, pid_t group) {
 int exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
 }  // namespace
 
-int supervise(const std::vector<ChildSpec>& specs, const SuperviseOptions& opt, const std::atomic<bool>& stop) {
+int supervise(const std::vector<ChildSpec>& specs, const SuperviseOptions& opt,
+              const std::atomic<bool>& stop) {
     std::map<pid_t, size_t> running;  // pid -> index in specs
     pid_t group = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -92,8 +93,8 @@ int supervise(const std::vector<ChildSpec>& specs, const SuperviseOptions& opt, 
             if (code == 0) continue;  // the run is over for it
             MOERL_CHECK(++restarts <= opt.max_restarts, "cluster: a ", specs[i].role, " process exited with ",
                         code, " (", restarts, " restarts so far); giving up");
-            std::fprintf(stderr, "[cluster] %s (pid %d) exited with %d; restarting it\n", specs[i].role.c_str(),
-                         pid, code);
+            std::fprintf(stderr, "[cluster] %s (pid %d) exited with %d; restarting it\n",
+                         specs[i].role.c_str(), pid, code);
             running[spawn(specs[i].argv, group)] = i;
         }
     } catch (...) {

@@ -27,7 +27,8 @@ void register_run_commands(CLI::App& app) {
     run->add_flag("--quiet", args->quiet, "No progress line");
     add_distributed_run_options(run, args->distributed);
     run->callback([args] {
-        if (args->distributed.enabled) return run_distributed(args->config, args->run.output_dir, args->distributed);
+        if (args->distributed.enabled)
+            return run_distributed(args->config, args->run.output_dir, args->distributed);
         rl::RunConfig cfg = rl::RunConfig::load(args->config);
         args->run.progress = !args->quiet;
         rl::RunSummary s = rl::run_local(cfg, args->run);

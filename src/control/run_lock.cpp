@@ -104,7 +104,8 @@ class TtlLock final : public RunLock {
 std::unique_ptr<RunLock> acquire_run_lock(const std::string& address, const std::string& run_id,
                                           const std::string& name, const std::string& holder, Millis ttl) {
     MOERL_CHECK(!holder.empty(), "run ", run_id, ": the ", name, " lock needs a holder name");
-    MOERL_CHECK(ttl.count() >= 30, "run ", run_id, ": lock time to live ", ttl.count(), " ms; expected >= 30");
+    MOERL_CHECK(ttl.count() >= 30, "run ", run_id, ": lock time to live ", ttl.count(),
+                " ms; expected >= 30");
     std::unique_ptr<LockBackend> backend;
     if (address == "embedded") {
         backend = std::make_unique<EmbeddedLockBackend>(run_id + "/" + name);
@@ -115,7 +116,8 @@ std::unique_ptr<RunLock> acquire_run_lock(const std::string& address, const std:
         MOERL_FAIL("run ", run_id, ": ", address, ": this build has no Redis support");
 #endif
     } else {
-        MOERL_FAIL("run ", run_id, ": cannot lock on control plane '", address, "'; expected embedded or redis://");
+        MOERL_FAIL("run ", run_id, ": cannot lock on control plane '", address,
+                   "'; expected embedded or redis://");
     }
     const auto deadline = Clock::now() + ttl + std::chrono::seconds(1);
     for (;;) {

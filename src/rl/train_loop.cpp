@@ -127,8 +127,8 @@ class Loop {
             const double step_s = seconds_since(ts);
             // Without a producer here, the rate at which the rollout workers delivered this step.
             const double tokens_per_s = sampled_per_s >= 0 ? sampled_per_s
-                                        : step_s > 0     ? static_cast<double>(r->response_tokens) / step_s
-                                                         : 0.0;
+                                        : step_s > 0       ? static_cast<double>(r->response_tokens) / step_s
+                                                           : 0.0;
             metrics << metrics_row(*r, tokens_per_s, step_s).dump() << "\n";
             metrics.flush();
             MOERL_CHECK(metrics.good(), metrics_path_, ": cannot append");
@@ -223,7 +223,8 @@ class Loop {
         if (!opt_.progress) return;
         const bool inline_line = inline_progress();
         char retried[32] = "";
-        if (r.retried > 0) std::snprintf(retried, sizeof retried, "  retried %lld", static_cast<long long>(r.retried));
+        if (r.retried > 0)
+            std::snprintf(retried, sizeof retried, "  retried %lld", static_cast<long long>(r.retried));
         std::fprintf(stderr,
                      "%s%sstep %lld/%lld  v%lld  reward %.3f (avg10 %.3f)  exact %3.0f%%  tok/s %6.0f  "
                      "staleness %.2f  loss %+.4f%s  %.0fs%s",

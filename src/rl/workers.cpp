@@ -156,8 +156,8 @@ RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const Worker
     // One trainer per run: a second one is refused; a killed one's successor waits out the
     // lock's time to live (10 s) and takes over.
     auto lock = control::acquire_run_lock(cfg.registry, w.run_id, "trainer", w.name, Millis(10000));
-    cp.registry = std::make_unique<control::StorePolicyRegistry>(std::move(cp.registry), *cp.store,
-                                                                 opt.keep_policies);
+    cp.registry =
+        std::make_unique<control::StorePolicyRegistry>(std::move(cp.registry), *cp.store, opt.keep_policies);
     TrainLoopOptions loop;
     loop.resume = !control::published_checkpoints(*cp.store, "ckpt-").empty();
     loop.stop = w.stop;

@@ -1,8 +1,9 @@
 // The acknowledgement at commit (DeferredAckBuffer) over the embedded experience buffer.
+#include "moerl/control/deferred_ack.hpp"
+
 #include <gtest/gtest.h>
 
 #include "moerl/control/control.hpp"
-#include "moerl/control/deferred_ack.hpp"
 #include "moerl/core/error.hpp"
 
 using namespace moerl::control;

@@ -1,5 +1,7 @@
 // One trainer per run: the run lock, in this process (embedded) and in Redis (when
 // MOERL_TEST_REDIS_URL is set).
+#include "moerl/control/run_lock.hpp"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -7,7 +9,6 @@
 #include <cstdlib>
 #include <functional>
 
-#include "moerl/control/run_lock.hpp"
 #include "moerl/core/error.hpp"
 
 using namespace moerl::control;
@@ -42,8 +43,10 @@ TEST(RunLock, SecondHolderIsRefusedWhileTheFirstRenews) {
         const std::string run = fresh_run("second");
         auto first = acquire_run_lock(address, run, "trainer", "train-a", 300ms);
         const auto t0 = std::chrono::steady_clock::now();
-        const std::string err = error_of([&] { acquire_run_lock(address, run, "trainer", "train-b", 300ms); });
-        EXPECT_NE(err.find("run " + run + " already has a trainer: train-a holds its lock"), std::string::npos)
+        const std::string err =
+            error_of([&] { acquire_run_lock(address, run, "trainer", "train-b", 300ms); });
+        EXPECT_NE(err.find("run " + run + " already has a trainer: train-a holds its lock"),
+                  std::string::npos)
             << address << ": " << err;
         // It waited out a time to live: the first one renewed meanwhile.
         EXPECT_GE(std::chrono::steady_clock::now() - t0, 300ms) << address;

@@ -1,5 +1,7 @@
 // A run's layout in the checkpoint store: published checkpoints, pruning, the store-backed policy
 // registry and the run-done marker.
+#include "moerl/control/run_store.hpp"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -7,7 +9,6 @@
 #include <fstream>
 
 #include "moerl/control/control.hpp"
-#include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
 #include "temp_dir.hpp"
 
@@ -43,7 +44,8 @@ TEST(RunStore, OnlyCheckpointsWithAManifestArePublished) {
 TEST(StorePolicyRegistry, PublishesThroughTheStoreAndKeepsTheNewest) {
     TempDir t;
     auto store = make_checkpoint_store("file://" + (t.path / "store").string());
-    StorePolicyRegistry reg(make_registry("embedded", "store-registry-" + std::to_string(::getpid())), *store, 2);
+    StorePolicyRegistry reg(make_registry("embedded", "store-registry-" + std::to_string(::getpid())), *store,
+                            2);
     EXPECT_FALSE(reg.latest());
     for (int v = 0; v < 4; ++v) reg.publish(v, "file://" + policy_dir(t.path / "policy", v));
     auto latest = reg.latest();
@@ -60,7 +62,8 @@ TEST(StorePolicyRegistry, PublishesThroughTheStoreAndKeepsTheNewest) {
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     EXPECT_EQ(text, "weights of v3");
     EXPECT_THROW(reg.publish(3, "file://" + policy_dir(t.path / "policy", 3)), moerl::Error);
-    EXPECT_THROW(StorePolicyRegistry(make_registry("embedded", "store-registry-keep"), *store, 1), moerl::Error);
+    EXPECT_THROW(StorePolicyRegistry(make_registry("embedded", "store-registry-keep"), *store, 1),
+                 moerl::Error);
 }
 
 TEST(RunStore, RunDoneMarker) {

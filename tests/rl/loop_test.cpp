@@ -31,7 +31,8 @@ std::vector<ExperienceRecord> fake_batch(const RunConfig& c) {
             e.task_id = task_id(0, p, g);
             e.task = make_task_payload(c, 0, p, g);
             for (int j = 0; j <= g % 3; ++j) {
-                e.trajectory.tokens.push_back(e.task.prompt_tokens[1 + (j % (e.task.prompt_tokens.size() - 1))]);
+                e.trajectory.tokens.push_back(
+                    e.task.prompt_tokens[1 + (j % (e.task.prompt_tokens.size() - 1))]);
                 e.trajectory.logprobs.push_back(-1.5f);
                 e.trajectory.versions.push_back(0);
             }
@@ -48,7 +49,8 @@ std::vector<ExperienceRecord> fake_batch(const RunConfig& c) {
 double norm_from_moments(const fs::path& dir, int ranks, double beta1) {
     double sq = 0;
     for (int r = 0; r < ranks; ++r) {
-        moerl::model::SafetensorsFile f((dir / ("optimizer-rank" + std::to_string(r) + ".safetensors")).string());
+        moerl::model::SafetensorsFile f(
+            (dir / ("optimizer-rank" + std::to_string(r) + ".safetensors")).string());
         for (const auto& info : f.tensors()) {
             if (info.name.rfind("exp_avg.", 0) != 0) continue;
             const bool expert = info.name.find(".experts.") != std::string::npos;
@@ -72,14 +74,16 @@ std::vector<std::string> keys_of(const nlohmann::json& row) {
 // The env and one rollout worker of this process, as run_local's.
 class Producer final : public ExperienceProducer {
   public:
-    Producer(const RunConfig& c, ControlPlane& cp, const fs::path& dir, int64_t stop_at, std::atomic<bool>* stop)
+    Producer(const RunConfig& c, ControlPlane& cp, const fs::path& dir, int64_t stop_at,
+             std::atomic<bool>* stop)
         : c_(c), cp_(cp), dir_(dir), stop_at_(stop_at), stop_(stop) {}
     void start(int64_t env_next_step) override {
         env_next_ = env_next_step;
         worker_ = std::make_unique<RolloutWorker>(c_, cp_, "rollout", (dir_ / "rollout").string());
     }
     double produce(int64_t step) override {
-        while (env_next_ <= step + c_.max_staleness && env_next_ < c_.steps) put_step_tasks(c_, *cp_.tasks, env_next_++);
+        while (env_next_ <= step + c_.max_staleness && env_next_ < c_.steps)
+            put_step_tasks(c_, *cp_.tasks, env_next_++);
         worker_->work(moerl::control::Millis(0));
         if (step == stop_at_) stop_->store(true);  // a termination notice while this step waits
         return 0;
@@ -133,7 +137,8 @@ TEST(TrainLoop, StepsAfterTheLastCheckpointStayUnacknowledged) {
         EXPECT_EQ(s.steps_done, 1);
         // Step 0 was trained; with every = 2 its checkpoint never came, so it stays in the buffer
         // with step 1's (generated, never trained).
-        EXPECT_EQ(cp.experience->size(), every == 1 ? per_step : 2 * per_step) << "checkpoint_every " << every;
+        EXPECT_EQ(cp.experience->size(), every == 1 ? per_step : 2 * per_step)
+            << "checkpoint_every " << every;
         if (every != 1) continue;
         // A successor resumes from the checkpoint of step 1 and finishes: everything acknowledged.
         ControlPlane next = ControlPlane::connect(c, run);
@@ -165,8 +170,9 @@ TEST(TrainLoop, DistributedRolesWriteWhatTheLocalRunWrites) {
     ControlPlane env_cp = ControlPlane::connect(d, run), rollout_cp = ControlPlane::connect(d, run);
     ControlPlane train_cp = ControlPlane::connect(d, run);
     std::thread env([&] { run_env_worker(d, env_cp, {run, "env", nullptr, {}}); });
-    std::thread rollout(
-        [&] { run_rollout_worker(d, rollout_cp, {run, "rollout", nullptr, {}}, (dist.path / "rollout").string()); });
+    std::thread rollout([&] {
+        run_rollout_worker(d, rollout_cp, {run, "rollout", nullptr, {}}, (dist.path / "rollout").string());
+    });
     TrainWorkerOptions to;
     to.audit_path = (dist.path / "audit.jsonl").string();
     WorkerContext w{run, "train", nullptr, {}};

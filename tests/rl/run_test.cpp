@@ -1,11 +1,12 @@
 // End to end: the roles against the embedded control plane, and short local runs.
+#include "moerl/rl/run.hpp"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <memory>
 
-#include "moerl/rl/run.hpp"
 #include "rl_test_util.hpp"
 
 using namespace moerl::rl;

@@ -1,12 +1,12 @@
 // The binary pins its BLAS and LibTorch threads itself (run.threads). Run with
 // OPENBLAS_NUM_THREADS=3 (set by CMake; OpenBLAS caps it at the number of cores): pin_threads
 // must override what the variable said.
+#include "moerl/rl/threads.hpp"
+
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-
-#include "moerl/rl/threads.hpp"
 
 using namespace moerl::rl;
 

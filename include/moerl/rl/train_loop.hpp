@@ -32,13 +32,13 @@ class ExperienceProducer {
 };
 
 struct TrainLoopOptions {
-    bool resume = false;       // start from the newest checkpoint in the store
-    int64_t stop_after = -1;   // stop (with a checkpoint) after this many steps of this call
+    bool resume = false;        // start from the newest checkpoint in the store
+    int64_t stop_after = -1;    // stop (with a checkpoint) after this many steps of this call
     double step_timeout_s = 0;  // fail when a step's experiences take longer (0: wait, saying so)
     const std::atomic<bool>* stop = nullptr;  // termination notice: stop before the next step,
                                               // without a checkpoint (the steps since the last
                                               // one are trained again after a resume)
-    bool progress = true;  // the progress line on stderr, one a step
+    bool progress = true;                     // the progress line on stderr, one a step
     // Progress and log lines: "[who] ..." each on a line of its own; when empty, "[run.name] ..."
     // and, on a terminal, the progress line rewrites itself.
     std::string who;
