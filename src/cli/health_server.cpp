@@ -118,7 +118,6 @@ HealthOptions HealthOptions::from_env() {
     HealthOptions o;
     o.host = env::get_string("MOERL_HEALTH_ADDR", o.host);
     o.port = static_cast<int>(env::get_int("MOERL_HEALTH_PORT", o.port));
-    o.threads = static_cast<int>(env::get_int("MOERL_HEALTH_THREADS", o.threads));
     o.validate();
     return o;
 }
@@ -127,8 +126,7 @@ void HealthOptions::validate() const {
     MOERL_CHECK(!host.empty(), "health server address is empty; expected an address such as 0.0.0.0");
     MOERL_CHECK(port >= 0 && port <= 65535, "health server port ", port,
                 " (MOERL_HEALTH_PORT) is out of range; expected 0..65535 (0: any free port)");
-    MOERL_CHECK(threads >= 1 && threads <= 64, "health server threads ", threads,
-                " (MOERL_HEALTH_THREADS); expected 1..64");
+    MOERL_CHECK(threads >= 1 && threads <= 64, "health server threads ", threads, "; expected 1..64");
 }
 
 struct HealthServer::Impl {

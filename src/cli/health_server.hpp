@@ -71,7 +71,7 @@ struct HealthOptions {
     std::string host = "0.0.0.0";
     // Port; 0 picks a free one (see HealthServer::port()). Default 8080 (MOERL_HEALTH_PORT).
     int port = 8080;
-    // Threads answering requests; probes and one scraper need few (MOERL_HEALTH_THREADS, 1..64).
+    // Threads answering requests; probes and one scraper need few (1..64).
     int threads = 2;
 
     static HealthOptions from_env();

@@ -93,7 +93,7 @@ Options Options::from_url(const std::string& url) {
             o.password_file = text;
             continue;
         }
-        const std::chrono::milliseconds value(parse_int(text, name.c_str(), url));
+        const std::chrono::milliseconds value(query_int(url, "redis URL", name, text));
         if (name == "retry_ms") {
             o.retry_budget = value;
         } else if (name == "backoff_ms") {

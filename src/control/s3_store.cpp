@@ -452,16 +452,6 @@ class S3Store final : public CheckpointStore {
     CURL* curl_ = nullptr;  // GUARDED_BY(mutex_)
 };
 
-long setting_value(const std::string& uri, const std::string& name, const std::string& text) {
-    try {
-        size_t used = 0;
-        const long v = std::stol(text, &used);
-        if (used == text.size()) return v;
-    } catch (const std::logic_error&) {
-    }
-    MOERL_FAIL("S3 store URI '", uri, "': ", name, "='", text, "' is not an integer");
-}
-
 }  // namespace
 
 Options Options::from_env() {
@@ -478,7 +468,7 @@ Options Options::from_env() {
 
 std::string Options::read_uri_settings(const std::string& uri) {
     for (const auto& [name, text] : query_settings(uri, "S3 store URI")) {
-        const long v = setting_value(uri, name, text);
+        const long v = query_int(uri, "S3 store URI", name, text);
         if (name == "multipart_mb" || name == "part_mb") {
             MOERL_CHECK(v >= 1, "S3 store URI '", uri, "': ", name, "=", v, "; expected at least 1 (MiB)");
             (name == "part_mb" ? part_size : multipart_threshold) = static_cast<uint64_t>(v) << 20;

@@ -2,6 +2,7 @@
 // redis://host:6379/0?retry_ms=60000 or s3://bucket/prefix?part_mb=16.
 #pragma once
 
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,18 @@ inline std::vector<std::pair<std::string, std::string>> query_settings(const std
         out.emplace_back(item.substr(0, eq), item.substr(eq + 1));
     }
     return out;
+}
+
+// The integer value of setting `name` of `uri`; anything else is an error naming both.
+inline long query_int(const std::string& uri, const char* kind, const std::string& name,
+                      const std::string& text) {
+    try {
+        size_t used = 0;
+        const long v = std::stol(text, &used);
+        if (used == text.size()) return v;
+    } catch (const std::logic_error&) {
+    }
+    MOERL_FAIL(kind, " '", uri, "': ", name, "='", text, "' is not an integer");
 }
 
 }  // namespace moerl::control
