@@ -26,12 +26,18 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# The chaos config with a run long enough to outlive every check here (90 steps can finish within
+# the 10 s a second trainer waits for the lock on an idle machine); each cluster is stopped early.
+long_cfg=$tmp/long.yaml
+sed 's/steps: 90,/steps: 100000,/' "$cfg" >"$long_cfg"
+grep -q 'steps: 100000,' "$long_cfg" || { echo "cluster test: cannot lengthen $cfg" >&2; exit 1; }
+
 # start_cluster NAME: a cluster of trainer, env and one rollout worker on its own run id; sets
 # $cluster and writes the workers' pids to $tmp/NAME.pids once the trainer trains.
 start_cluster() {
     local name=$1
     "$moerl" cluster --redis "$MOERL_TEST_REDIS_URL" --store "file://$tmp/$name-store" --out "$tmp/$name-out" \
-        --run-id "$name-$$" --rollout-workers 1 --grace-s 3 "$cfg" >"$tmp/$name.log" 2>&1 &
+        --run-id "$name-$$" --rollout-workers 1 --grace-s 3 "$long_cfg" >"$tmp/$name.log" 2>&1 &
     cluster=$!
     for _ in $(seq 600); do
         grep -q "step 1/" "$tmp/$name.log" && break
@@ -59,7 +65,7 @@ expect_gone() {
 if start_cluster kill; then
     # The live trainer renews its lock: a second one on the same run id must be refused.
     "$moerl" worker --role train --redis "$MOERL_TEST_REDIS_URL" --store "file://$tmp/kill-store" \
-        --out "$tmp/second-out" --run-id "kill-$$" "$cfg" >"$tmp/second.log" 2>&1
+        --out "$tmp/second-out" --run-id "kill-$$" "$long_cfg" >"$tmp/second.log" 2>&1
     rc=$?
     ((rc != 0)) || fail "a second trainer on a live run exited with 0"
     grep -q "run kill-$$ already has a trainer: train-" "$tmp/second.log" ||
