@@ -11,7 +11,9 @@
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
 # "--no-attention") narrows the kernel bench.
-# MOERL_DEVICE_RL=ON builds the rl layer too and runs its rollout engine on the GPU against the CPU.
+# MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
+# end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
+# the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one).
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ echo "GPUs: $NGPU"; cat "$OUT/gpu.txt"
 
 # --- configure ------------------------------------------------------------------------------------
 ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOERL_WITH_CUDA=ON -DMOERL_WITH_FABRIC=OFF -DMOERL_WITH_REDIS=OFF
-      -DMOERL_WITH_RL=${MOERL_DEVICE_RL:-OFF}
+      -DMOERL_WITH_RL=${MOERL_DEVICE_RL:-ON}
       -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-lineinfo
       -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
 TORCH_PREFIX=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
@@ -59,7 +61,7 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test)
-for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test; do
+for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test rl_run_test rl_gpu_test; do
   grep -q "build $t:" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
@@ -67,7 +69,7 @@ done
 if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 # The rl layer is optional here: if it broke the CLI, build the CLI without it so the benchmarks run.
-if [ "${MOERL_DEVICE_RL:-OFF}" = ON ] && [ ! -x "$BUILD/src/cli/moerl" ]; then
+if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ ! -x "$BUILD/src/cli/moerl" ]; then
   cmake -S . -B "$BUILD" -DMOERL_WITH_RL=OFF >>"$OUT/configure.log" 2>&1 &&
     timeout 200 cmake --build "$BUILD" -j16 --target moerl >"$OUT/build-no-rl.log" 2>&1
   step build_without_rl "rc=$?"
@@ -177,10 +179,26 @@ if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/model/model_test" ];
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-model.log" | tail -12
   step ctest_model_cuda "$(grep -E 'tests passed' "$OUT/ctest-model.log" | tail -1)"
 fi
-# The RL rollout engine on the GPU against the CPU (built with MOERL_DEVICE_RL=ON).
+# The rl layer on the GPU: rollout engine against the CPU, the CUDA trainer against the CPU's,
+# routing records of the fast path against the eager path, sampling, weight sync.
 if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/rl/rl_unit_test" ]; then
-  (cd "$BUILD" && timeout 120 ctest -R 'Rollout\.Cuda' --output-on-failure --timeout 100) >"$OUT/ctest-rl.log" 2>&1
+  (cd "$BUILD" && timeout 200 ctest -R 'Rollout\.Cuda|RlGpu|Trainer' --output-on-failure --timeout 150) >"$OUT/ctest-rl.log" 2>&1
+  grep -E "tests passed|Failed|Passed" "$OUT/ctest-rl.log" | tail -20
   step ctest_rl_cuda "$(grep -E 'tests passed' "$OUT/ctest-rl.log" | tail -1)"
+fi
+# An RL job end to end on the GPU: the quickstart task to reward 0.9, then the loop's phase times.
+if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >/dev/null 2>&1; then
+  RL_TMP=${TMPDIR:-/tmp}/moerl-rl; rm -rf "$RL_TMP"; mkdir -p "$RL_TMP"
+  timeout 240 "$MOERL" run examples/gpu-quickstart.yaml --out "$RL_TMP/quickstart" --quiet >"$OUT/rl-quickstart.log" 2>&1
+  step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"
+  cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
+  timeout 120 "$MOERL" bench rl examples/gpu-quickstart.yaml --steps 12 --warmup 2 --out "$RL_TMP/bench-small" >"$OUT/bench-rl.log" 2>&1
+  step bench_rl "rc=$?"
+  if [ "${MOERL_DEVICE_RL_BIG:-1}" = 1 ]; then
+    timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
+    step bench_rl_big "rc=$?"
+  fi
+  rm -rf "$RL_TMP"
 fi
 
 # --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
@@ -224,12 +242,13 @@ echo
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"
 [ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
+for f in bench-rl.log bench-rl-big.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

@@ -14,6 +14,8 @@ void register_ep_commands(CLI::App& app);
 void register_model_commands(CLI::App& app, CLI::App& bench);
 // `run` (cmd_run.cpp).
 void register_run_commands(CLI::App& app);
+// `bench rl` (cmd_bench_rl.cpp).
+void register_bench_rl(CLI::App& bench);
 // `bench rollout` (cmd_bench_rollout.cpp).
 void register_bench_rollout(CLI::App& bench);
 // `tokenize` and `bench tokenizer` (cmd_tokenize.cpp).

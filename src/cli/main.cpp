@@ -23,6 +23,9 @@ int main(int argc, char** argv) {
 #ifdef MOERL_HAVE_CMD_RUN
     moerl::cli::register_run_commands(app);
 #endif
+#ifdef MOERL_HAVE_CMD_BENCH_RL
+    moerl::cli::register_bench_rl(*bench);
+#endif
 #ifdef MOERL_HAVE_CMD_TOKENIZE
     moerl::cli::register_tokenize_commands(app, *bench);
 #endif

@@ -74,6 +74,16 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
     num_active_ = at::zeros({1}, i32);
     expert_slots_ = at::zeros({B * K_}, i32);
     experts_read = at::zeros({1}, t.dtype(at::kLong));
+    if (opt.record_routing)
+        routing_record = at::full({B, std::max(1, m.config.num_moe_layers()), K_}, -1, i32);
+}
+
+void Generator::DecodeStep::record(int moe_index, int B, const cuda::Launch& launch) {
+    if (!opt_.record_routing) return;
+    const size_t row = static_cast<size_t>(K_) * sizeof(int);
+    MOERL_CUDA_CHECK(cudaMemcpy2DAsync(routing_record.data_ptr<int>() + moe_index * K_,
+                                       routing_record.stride(0) * sizeof(int), topk_idx_.data_ptr<int>(), row,
+                                       row, B, cudaMemcpyDeviceToDevice, launch.stream));
 }
 
 void Generator::DecodeStep::fuse_qkv() {
@@ -196,6 +206,7 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
                                               o_.data_ptr(), pos, done, launch);
                 mark("experts down+combine", launch);
             }
+            record(w.moe_index, B, launch);
             norm_pending = &next_norm;
             continue;
         }
@@ -231,6 +242,7 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
             cuda::launch_moe_combine_rmsnorm(dtype_, x_.data_ptr(), y_.data_ptr<float>(), r,
                                              next_norm.data_ptr(), eps, pos, B, K, H, h_.data_ptr(), launch);
             mark("combine+norm", launch);
+            record(w.moe_index, B, launch);
         } else {
             at::Tensor mlp = swiglu(rows(h_), w.gate_proj, w.up_proj, w.down_proj).contiguous();
             cuda::launch_add_rmsnorm(dtype_, x_.data_ptr(), mlp.data_ptr(), next_norm.data_ptr(), eps, pos, B,

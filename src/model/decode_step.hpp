@@ -34,6 +34,9 @@ class Generator::DecodeStep {
     // Step outputs: logits [max_batch, V] (model dtype), greedy [max_batch] int64; experts_read [1]:
     // expert weight sets read since the last reset.
     at::Tensor logits, greedy, experts_read;
+    // With GeneratorOptions::record_routing: [max_batch, num_moe_layers, K] int32, the experts each
+    // row used in each MoE layer of the last step.
+    at::Tensor routing_record;
     // Per layer: paged keys and values [num_blocks, block_size, Hkv, D].
     std::vector<at::Tensor> k_pool, v_pool;
     StepProfiler profiler;
@@ -45,6 +48,8 @@ class Generator::DecodeStep {
     // The experts of a large batch as grouped GEMMs (LibTorch >= 2.8), into y.
     void experts_grouped(int B, const LayerWeights& w);
     cuda::MoeRouting routing() const;
+    // Copies the routing of MoE layer `moe_index` (topk_idx) into routing_record.
+    void record(int moe_index, int B, const cuda::Launch& launch);
     void mark(const char* name, const cuda::Launch& launch) { profiler.mark(name, launch.stream); }
 
     const MoeModel::Impl& m_;

@@ -203,7 +203,7 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
         g.length[s] = len;
     }
     KvCache cache = g.model.new_cache(n, longest);
-    StepOutput out = g.model.prefill(cache, ids, mask);
+    StepOutput out = g.model.prefill(cache, ids, mask, g.opt.record_routing);
     // ...then its keys and values into the blocks.
     const int64_t Hkv = g.m.config.num_key_value_heads, D = g.m.config.head_dim;
     at::Tensor src_t = at::tensor(src, at::kLong).to(g.device),
@@ -220,6 +220,7 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
     GenerationStep step;
     step.logits = out.logits.to(g.m.options.dtype);
     step.greedy = out.logits.argmax(-1);
+    if (g.opt.record_routing) step.routing = out.routing;
     return step;
 }
 
@@ -301,7 +302,9 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     }
     ++g.host_stats.decode_steps;
     g.host_stats.decode_rows += n;
-    return {g.step.logits.narrow(0, 0, n), g.step.greedy.narrow(0, 0, n)};
+    GenerationStep step{g.step.logits.narrow(0, 0, n), g.step.greedy.narrow(0, 0, n), {}};
+    if (g.opt.record_routing) step.routing = g.step.routing_record.narrow(0, 0, n).to(at::kShort);
+    return step;
 }
 
 void Generator::refresh_weights() {

@@ -22,12 +22,32 @@ namespace {
 #ifdef MOERL_HAVE_GROUPED_MM
 std::atomic<bool> grouped_mm_failed{false};
 
-// Inference on CUDA in bf16 with 16-byte aligned rows.
+// Whether this LibTorch differentiates the grouped GEMM (asked once, on a tiny problem).
+bool grouped_mm_has_backward(const at::Device& device) {
+    static const bool ok = [&] {
+        try {
+            c10::AutoGradMode grad(true);
+            auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
+            at::Tensor a = at::ones({16, 16}, opts).requires_grad_(true);
+            at::Tensor b = at::ones({2, 16, 16}, opts).requires_grad_(true);
+            at::Tensor offsets = at::tensor({8, 16}, at::TensorOptions().device(device).dtype(at::kInt));
+            at::_grouped_mm(a, b, offsets).sum().backward();
+            return a.grad().defined() && b.grad().defined();
+        } catch (const c10::Error&) {
+            return false;
+        }
+    }();
+    return ok;
+}
+
+// CUDA in bf16 with 16-byte aligned rows; under autograd where the grouped GEMM has a backward.
 bool use_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& gate) {
+    if (grouped_mm_failed.load() || !x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.size(1) % 8 != 0 ||
+        gate.size(1) % 8 != 0)
+        return false;
     const bool needs_grad =
         c10::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || gate.requires_grad());
-    return !grouped_mm_failed.load() && !needs_grad && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
-           x.size(1) % 8 == 0 && gate.size(1) % 8 == 0;
+    return !needs_grad || grouped_mm_has_backward(x.device());
 }
 
 // Slots sorted by expert (slots without one last, past the final offset); all experts in one

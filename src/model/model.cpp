@@ -193,8 +193,14 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
     const int64_t B = input_ids.size(0), S = input_ids.size(1);
     at::Tensor ids = input_ids.to(m.options.device, at::kLong);
     check_token_ids(ids, m.config.vocab_size, "input_ids");
-    at::Tensor valid;
-    if (attention_mask.defined()) {
+    at::Tensor valid, segments;
+    if (options.segment_ids.defined()) {
+        MOERL_CHECK(!attention_mask.defined(), "forward: give attention_mask or segment_ids, not both");
+        MOERL_CHECK(options.segment_ids.sizes() == input_ids.sizes(), "segment_ids has shape ",
+                    options.segment_ids.sizes(), ", expected the shape of input_ids ", input_ids.sizes());
+        segments = options.segment_ids.to(m.options.device, at::kLong);
+        valid = segments > 0;
+    } else if (attention_mask.defined()) {
         MOERL_CHECK(attention_mask.sizes() == input_ids.sizes(), "attention_mask has shape ",
                     attention_mask.sizes(), ", expected the shape of input_ids ", input_ids.sizes());
         valid = attention_mask.to(m.options.device).to(at::kBool);
@@ -211,9 +217,23 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
                     ", ", M, ", ", K, "] (batch, seq, MoE layers, top-k)");
         replay = options.replay_routing.to(m.options.device, at::kLong);
     }
-    at::Tensor positions = (valid.to(at::kLong).cumsum(1) - 1).clamp_min(0);
-    Impl::Trunk t = m.run(ids, positions, allowed_keys(valid, S, 0), valid, nullptr, 0, replay,
-                          options.record_routing, /*want_aux=*/true);
+    at::Tensor positions, allowed;
+    if (segments.defined()) {
+        // Each column's distance from the first column of its run.
+        at::Tensor col = at::arange(S, segments.options()).unsqueeze(0).expand({B, S});
+        at::Tensor starts = at::ones({B, S}, segments.options().dtype(at::kBool));
+        if (S > 1)
+            starts.narrow(1, 1, S - 1).copy_(segments.narrow(1, 1, S - 1) != segments.narrow(1, 0, S - 1));
+        at::Tensor first = std::get<0>(at::where(starts, col, at::zeros_like(col)).cummax(1));
+        positions = col - first;
+        at::Tensor same = segments.unsqueeze(2) == segments.unsqueeze(1);
+        allowed = allowed_keys(valid, S, 0).logical_and(same.logical_or(valid.logical_not().unsqueeze(2)));
+    } else {
+        positions = (valid.to(at::kLong).cumsum(1) - 1).clamp_min(0);
+        allowed = allowed_keys(valid, S, 0);
+    }
+    Impl::Trunk t =
+        m.run(ids, positions, allowed, valid, nullptr, 0, replay, options.record_routing, /*want_aux=*/true);
     ForwardOutput out;
     at::Tensor logits = at::matmul(t.hidden, m.output_weight().t());
     if (options.compute_logprobs) out.token_logprobs = token_logprobs(logits, ids);

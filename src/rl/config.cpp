@@ -194,6 +194,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         "model", source,
         [&](Section& s) {
             s.string("path", c.model_path);
+            s.integer("vocab_size", Tokenizer::get().vocab_size(), 1 << 24, m.vocab_size);
             s.integer("hidden_size", 8, 65536, m.hidden_size);
             s.integer("num_layers", 1, 256, m.num_hidden_layers);
             s.integer("num_heads", 1, 1024, m.num_attention_heads);
@@ -256,6 +257,9 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.number("clip_high", 0, 100, c.grpo.clip_high, true);
             s.number("kl_coef", 0, 1e300, c.grpo.kl_coef);
             s.number("tis_cap", 1, 1e300, c.grpo.tis_cap);
+            s.choice("device", {"cpu", "cuda"}, c.train_device);
+            s.choice("dtype", {"fp32", "bf16"}, c.train_dtype);
+            s.integer("micro_batch_tokens", 0, INT64_C(1) << 40, c.micro_batch_tokens);
         },
         top);
     section(
@@ -307,6 +311,8 @@ void RunConfig::validate() const {
     MOERL_CHECK(int64_t{prompts_per_step} * group_size >= ep_ranks, s, ": ranks.ep: ", ep_ranks,
                 " ranks need at least one sample each, but train.prompts_per_step x train.group_size = ",
                 int64_t{prompts_per_step} * group_size);
+    MOERL_CHECK(train_device != "cuda" || ep_ranks == 1, s,
+                ": train.device: cuda trains on one GPU, so ranks.ep must be 1 (got ", ep_ranks, ")");
     MOERL_CHECK(sampling.top_k <= m.vocab_size, s, ": rollout.top_k: ", sampling.top_k,
                 " exceeds the vocabulary (", m.vocab_size, ")");
     MOERL_CHECK(lr_schedule == "constant" || lr_schedule == "cosine", s,

@@ -30,8 +30,10 @@ GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& p) {
                 "grpo_loss: logp ", in.logp.sizes(), ", prox_logp ", in.prox_logp.sizes(),
                 ", behaviour_logp ", in.behaviour_logp.sizes(), " and mask ", in.mask.sizes(),
                 " must all be [N, S]");
-    MOERL_CHECK(in.advantages.dim() == 1 && in.advantages.size(0) == in.logp.size(0),
-                "grpo_loss: advantages ", in.advantages.sizes(), ", expected [", in.logp.size(0), "]");
+    MOERL_CHECK((in.advantages.dim() == 1 && in.advantages.size(0) == in.logp.size(0)) ||
+                    in.advantages.sizes() == in.logp.sizes(),
+                "grpo_loss: advantages ", in.advantages.sizes(), ", expected [", in.logp.size(0), "] or ",
+                in.logp.sizes());
     MOERL_CHECK(p.kl_coef == 0 || in.ref_logp.defined(), "grpo_loss: kl_coef = ", p.kl_coef,
                 " needs reference log-probs");
     const at::Tensor mask = in.mask.to(at::kFloat);
@@ -41,7 +43,8 @@ GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& p) {
     at::Tensor w_raw = at::exp(prox - in.behaviour_logp.detach());
     at::Tensor w = at::clamp_max(w_raw, p.tis_cap);
     at::Tensor ratio = at::exp(in.logp - prox);
-    at::Tensor adv = in.advantages.to(at::kFloat).unsqueeze(1).expand_as(ratio);
+    at::Tensor adv = in.advantages.dim() == 2 ? in.advantages.to(at::kFloat)
+                                              : in.advantages.to(at::kFloat).unsqueeze(1).expand_as(ratio);
     at::Tensor unclipped = ratio * adv;
     at::Tensor clipped = at::clamp(ratio, 1.0 - p.clip_low, 1.0 + p.clip_high) * adv;
     at::Tensor per_token = -w * at::minimum(unclipped, clipped);

@@ -1,7 +1,7 @@
 // The env, rollout and train roles on top of the control plane.
 #include "moerl/rl/roles.hpp"
 
-#include <ATen/Context.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <utility>
@@ -38,9 +39,60 @@ std::string checkpoint_name(int64_t next_step) {
     return buf;
 }
 
-// Policy versions live in the store as "policy-v{N}" checkpoints, or as a plain directory
-// ("file:///dir") when trainer and workers share a file system.
+// Policy versions live in the store as "policy-v{N}" checkpoints, as a plain directory
+// ("file:///dir") when trainer and workers share a file system, or in the trainer's memory
+// ("mem://{id}") when they share this process (the embedded control plane).
 constexpr const char* kStorePrefix = "store:";
+constexpr const char* kMemoryPrefix = "mem://";
+
+// The trainers of this process whose weights rollout workers here copy directly, by the run's
+// checkpoint store (a trainer resumed on the same run takes its predecessor's place).
+class InProcessPolicies {
+  public:
+    static std::string add(const std::string& store_uri, const PolicyTrainer* trainer) {
+        std::lock_guard lock(mutex());
+        table()[store_uri] = trainer;
+        return store_uri;
+    }
+    static void remove(const std::string& id, const PolicyTrainer* trainer) {
+        std::lock_guard lock(mutex());
+        auto it = table().find(id);
+        if (it != table().end() && it->second == trainer) table().erase(it);
+    }
+    // Copies the trainer's current weights into `dst` (HF name -> tensor); returns the bytes read.
+    static int64_t copy(const std::string& id, const std::map<std::string, at::Tensor>& dst) {
+        std::lock_guard lock(mutex());
+        auto it = table().find(id);
+        MOERL_CHECK(it != table().end(), "rollout: policy ", kMemoryPrefix, id,
+                    " is not in this process (mem:// policies need the embedded control plane)");
+        c10::NoGradGuard no_grad;
+        int64_t bytes = 0;
+        std::set<std::string> done;
+        for (const auto& [name, src] : it->second->weights()) {
+            if (!done.insert(name).second) continue;  // dense weights: on every EP rank
+            auto d = dst.find(name);
+            MOERL_CHECK(d != dst.end(), "rollout: the trainer's weight ", name,
+                        " has no place in the rollout model");
+            MOERL_CHECK(d->second.sizes() == src.sizes(), "rollout: weight ", name, " is ", src.sizes(),
+                        " in the trainer but ", d->second.sizes(), " in the rollout model");
+            d->second.copy_(src);
+            bytes += src.numel() * static_cast<int64_t>(src.element_size());
+        }
+        MOERL_CHECK(done.size() == dst.size(), "rollout: the trainer has ", done.size(),
+                    " of the rollout model's ", dst.size(), " weights");
+        return bytes;
+    }
+
+  private:
+    static std::mutex& mutex() {
+        static std::mutex m;
+        return m;
+    }
+    static std::map<std::string, const PolicyTrainer*>& table() {
+        static std::map<std::string, const PolicyTrainer*> t;
+        return t;
+    }
+};
 
 // The rollout model's device and dtype (rollout.device, rollout.dtype).
 model::ModelOptions rollout_model_options(const RunConfig& c) {
@@ -112,6 +164,7 @@ struct RolloutWorker::Impl {
         TaskPayload payload;
     };
     std::map<uint64_t, InFlight> in_flight;
+    std::map<std::string, at::Tensor> weight_slots;  // the rollout model's weights by HF name
 
     Impl(const RunConfig& c, ControlPlane& control, std::string n, std::string cache)
         : cfg(c),
@@ -136,6 +189,20 @@ struct RolloutWorker::Impl {
         auto latest = cp.registry->latest();
         if (!latest || latest->first <= version) return version;
         const std::string& uri = latest->second;
+        const auto t0 = Clock::now();
+        if (uri.rfind(kMemoryPrefix, 0) == 0) {
+            if (weight_slots.empty())
+                for (auto& [name, t] : model.state_dict()) weight_slots.emplace(name, t);
+            stats.sync_bytes +=
+                InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), weight_slots);
+            engine->refresh_weights();
+            if (model.options().device.is_cuda())
+                at::zeros({1}, model.options().device).item();  // copies done
+            stats.sync_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+            ++stats.syncs;
+            version = latest->first;
+            return version;
+        }
         std::string dir;
         if (uri.rfind("file://", 0) == 0) {
             dir = uri.substr(7);
@@ -147,6 +214,8 @@ struct RolloutWorker::Impl {
         }
         model.load_weights(dir);
         engine->refresh_weights();
+        stats.sync_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+        ++stats.syncs;
         version = latest->first;
         return version;
     }
@@ -171,7 +240,9 @@ struct RolloutWorker::Impl {
             batch.push_back(
                 {f.payload.problem, f.payload.prompt_tokens, d.trajectory.tokens, d.trajectory.terminated});
         }
+        const auto t0 = Clock::now();
         std::vector<double> rewards = rewarder->score(batch);
+        stats.reward_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
         for (size_t i = 0; i < done.size(); ++i) {
             InFlight f = std::move(in_flight.at(done[i].id));
             in_flight.erase(done[i].id);
@@ -260,13 +331,29 @@ struct TrainerRole::Impl {
     std::set<std::string> consumed;  // task ids trained on (exactly once)
     int64_t duplicates = 0;          // dropped by take_available since the last step
 
+    std::string in_process_id;   // set when rollout workers here copy the weights from memory
+    double publish_seconds = 0;  // of the last publish_policy()
+
     Impl(const RunConfig& c, ControlPlane& control, std::string dir)
         : cfg(c), cp(control), work_dir(std::move(dir)) {
         fs::create_directories(work_dir);
         trainer = std::make_unique<PolicyTrainer>(cfg, work_dir);
+        if (cfg.registry == "embedded")
+            in_process_id = InProcessPolicies::add(cp.store->uri(), trainer.get());
+    }
+    ~Impl() {
+        if (!in_process_id.empty()) InProcessPolicies::remove(in_process_id, trainer.get());
     }
 
     void publish_policy() {
+        const auto t0 = Clock::now();
+        if (!in_process_id.empty()) {  // no files: the workers copy the weights when they sync
+            auto latest = cp.registry->latest();
+            if (!latest || latest->first < version)
+                cp.registry->publish(version, kMemoryPrefix + in_process_id);
+            publish_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+            return;
+        }
         const std::string dir = (fs::path(work_dir) / "policy" / ("v" + std::to_string(version))).string();
         trainer->save_weights(dir);
         // A restarted trainer finds its version already registered (a persistent registry).
@@ -277,6 +364,7 @@ struct TrainerRole::Impl {
         const fs::path old = fs::path(work_dir) / "policy" / ("v" + std::to_string(version - 2));
         std::error_code ec;
         fs::remove_all(old, ec);
+        publish_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     }
 
     void take_available(control::Millis wait) {
@@ -339,10 +427,13 @@ struct TrainerRole::Impl {
         r.reward_std = std::sqrt(std::max(0.0, sq / n - r.reward_mean * r.reward_mean));
         r.exact_fraction = exact / n;
         r.staleness_mean = r.response_tokens ? stale / static_cast<double>(r.response_tokens) : 0;
+        const auto t_train = Clock::now();
         r.train = trainer->update(batch, adv);
+        r.train_seconds = std::chrono::duration<double>(Clock::now() - t_train).count();
         for (auto& e : batch) consumed.insert(e.task_id);
         version = s + 1;
         publish_policy();
+        r.publish_seconds = publish_seconds;
         r.version = version;
         cp.experience->ack(deliveries);
         return r;

@@ -1,8 +1,8 @@
 // Continuous-batching generation on top of MoeModel's prefill/decode. The active batch shares one
 // KV cache; joining sequences are prefilled in their own cache and merged in, right-aligned (the
 // model's positions come from next_position, so leading empty columns are harmless). On a CUDA
-// device without routing records, model::Generator holds the sequences instead (a slot each in its
-// paged cache) and runs prefill and the decode steps.
+// device model::Generator holds the sequences instead (a slot each in its paged cache) and runs
+// prefill and the decode steps, routing records included.
 #include "moerl/rl/rollout.hpp"
 
 #include <ATen/ATen.h>
@@ -132,10 +132,11 @@ struct RolloutEngine::Impl {
         num_moe_layers = m.config().num_moe_layers();
         top_k = m.config().num_experts_per_tok;
         vocab = m.config().vocab_size;
-        if (m.options().device.is_cuda() && !record_routing && model::Generator::available()) {
+        if (m.options().device.is_cuda() && model::Generator::available()) {
             model::GeneratorOptions o;
             o.max_batch = max_batch;
             o.max_seq_len = max_seq_len;
+            o.record_routing = record_routing;
             gen = std::make_unique<model::Generator>(m, o);
         }
     }
@@ -150,7 +151,7 @@ struct RolloutEngine::Impl {
 
     void append_routing(Seq& s, const at::Tensor& r /* [S, M, K] int16 */, int64_t first_col) {
         if (!record_routing) return;
-        at::Tensor part = r.narrow(0, first_col, r.size(0) - first_col).contiguous();
+        at::Tensor part = r.narrow(0, first_col, r.size(0) - first_col).to(at::kCPU, at::kShort).contiguous();
         const int16_t* p = part.data_ptr<int16_t>();
         s.traj.routing.insert(s.traj.routing.end(), p, p + part.numel());
     }
@@ -229,7 +230,14 @@ struct RolloutEngine::Impl {
                 MOERL_CHECK(s.slot >= 0, "rollout: the CUDA engine has no free slot for request ", s.req.id);
                 slots.push_back(s.slot);
             }
-            logits = gen->prefill(slots, contexts).logits;
+            model::GenerationStep out = gen->prefill(slots, contexts);
+            logits = out.logits;
+            if (record_routing) {
+                at::Tensor routing = out.routing.to(at::kCPU);
+                for (size_t i = 0; i < n; ++i)
+                    append_routing(joining[i], routing[i],
+                                   longest - static_cast<int64_t>(contexts[i].size()));
+            }
         } else {
             const int64_t B = static_cast<int64_t>(n);
             at::Tensor ids = at::zeros({B, longest}, at::kLong);
@@ -293,9 +301,12 @@ struct RolloutEngine::Impl {
         std::vector<int> slots;
         for (auto& s : active) in.push_back(s.next_input), slots.push_back(s.slot);
         model::StepOutput out;
-        if (gen)
-            out.logits = gen->decode(slots, at::tensor(in, at::kLong)).logits;
-        else
+        if (gen) {
+            model::GenerationStep g = gen->decode(slots, at::tensor(in, at::kLong));
+            out.logits = g.logits;
+            // [n, M, K] -> [n, 1, M, K]: one column per row, as the eager decode gives.
+            if (record_routing) out.routing = g.routing.to(at::kCPU).unsqueeze(1);
+        } else
             out = model.decode(cache, at::tensor(in, at::kLong), record_routing);
         std::vector<Seq*> rows;
         for (auto& s : active) rows.push_back(&s);

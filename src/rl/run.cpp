@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <memory>
@@ -32,14 +33,19 @@ class LocalProducer final : public ExperienceProducer {
         worker_ = std::make_unique<RolloutWorker>(cfg_, cp_, "rollout-0", cache_dir_);
     }
 
-    double produce(int64_t step) override {
+    ProducedStep produce(int64_t step) override {
         while (env_next_ <= step + cfg_.max_staleness && env_next_ < cfg_.steps)
             put_step_tasks(cfg_, *cp_.tasks, env_next_++);
-        const int64_t tokens = worker_->stats().tokens;
-        const double seconds = worker_->stats().seconds;
+        const RolloutStats before = worker_->stats();
         worker_->work(control::Millis(0));
-        const double gen_s = worker_->stats().seconds - seconds;
-        return gen_s > 0 ? static_cast<double>(worker_->stats().tokens - tokens) / gen_s : 0.0;
+        const RolloutStats& after = worker_->stats();
+        ProducedStep p;
+        p.reward_s = after.reward_seconds - before.reward_seconds;
+        p.sync_s = after.sync_seconds - before.sync_seconds;
+        p.generate_s = std::max(0.0, after.seconds - before.seconds - p.reward_s - p.sync_s);
+        const double work_s = after.seconds - before.seconds;
+        p.tokens_per_s = work_s > 0 ? static_cast<double>(after.tokens - before.tokens) / work_s : 0.0;
+        return p;
     }
 
   private:

@@ -56,7 +56,9 @@ double mean_of(const std::vector<double>& v, size_t n, bool from_end) {
 }
 
 // One row of metrics.jsonl: the same fields in every mode.
-nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step_s) {
+// The producer's phase times are null where the rollout runs elsewhere.
+nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step_s, const ProducedStep* p) {
+    auto here = [p](double v) { return p ? nlohmann::json(v) : nlohmann::json(nullptr); };
     return {{"step", r.step},
             {"version", r.version},
             {"reward", r.reward_mean},
@@ -75,7 +77,15 @@ nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step
             {"staleness_max", r.staleness_max},
             {"retried", r.retried},
             {"tokens_per_s", tokens_per_s},
-            {"step_seconds", step_s}};
+            {"step_seconds", step_s},
+            {"logprob_diff", r.train.logprob_diff},
+            {"ratio_std", r.train.behaviour_ratio_std},
+            {"rollout_s", here(p ? p->generate_s : 0)},
+            {"reward_s", here(p ? p->reward_s : 0)},
+            {"sync_s", here(p ? p->sync_s : 0)},
+            {"train_s", r.train_seconds},
+            {"train_tokens", r.train.total_tokens},
+            {"publish_s", r.publish_seconds}};
 }
 
 class Loop {
@@ -117,7 +127,9 @@ class Loop {
             }
             if (opt_.check) opt_.check();
             const auto ts = Clock::now();
-            const double sampled_per_s = producer_ ? producer_->produce(step) : -1;
+            ProducedStep produced;
+            if (producer_) produced = producer_->produce(step);
+            const double sampled_per_s = producer_ ? produced.tokens_per_s : -1;
             std::optional<StepResult> r = wait_and_train(step);
             if (!r) {  // terminated while waiting: nothing of this step is trained
                 stopped = true;
@@ -129,7 +141,7 @@ class Loop {
             const double tokens_per_s = sampled_per_s >= 0 ? sampled_per_s
                                         : step_s > 0       ? static_cast<double>(r->response_tokens) / step_s
                                                            : 0.0;
-            metrics << metrics_row(*r, tokens_per_s, step_s).dump() << "\n";
+            metrics << metrics_row(*r, tokens_per_s, step_s, producer_ ? &produced : nullptr).dump() << "\n";
             metrics.flush();
             MOERL_CHECK(metrics.good(), metrics_path_, ": cannot append");
             steps_axis_.push_back(static_cast<double>(step));

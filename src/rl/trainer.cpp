@@ -32,47 +32,104 @@ std::string unique_job() {
     return "rl-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
-// Model inputs of a list of samples: prompt + response, right-padded.
+// Model inputs of a list of samples on `device`. Padded: one row per sample, right-padded.
+// Packed: one row holding the samples one after another, each its own segment (no padding).
 struct Batch {
-    at::Tensor ids, attn, resp_mask, behaviour, advantages, replay;
-    int64_t num_tokens = 0;
+    at::Tensor ids, attn, segments, resp_mask, behaviour, advantages, replay;
+    int64_t num_tokens = 0;    // response tokens
+    int64_t total_tokens = 0;  // prompt + response
 };
 
 Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::vector<double>& adv, int M,
-                 int K, bool replay) {
+                 int K, bool replay, bool packed, at::Device device) {
     Batch b;
     const int64_t N = static_cast<int64_t>(recs.size());
-    int64_t S = 1;
-    for (auto* r : recs) S = std::max<int64_t>(S, r->task.prompt_tokens.size() + r->trajectory.tokens.size());
-    b.ids = at::zeros({N, S}, at::kLong);
-    b.attn = at::zeros({N, S}, at::kLong);
-    b.resp_mask = at::zeros({N, S}, at::kFloat);
-    b.behaviour = at::zeros({N, S}, at::kFloat);
-    b.advantages = at::tensor(adv, at::kDouble).to(at::kFloat);
-    if (replay) b.replay = at::full({N, S, M, K}, -1, at::kShort);
-    auto ids = b.ids.accessor<int64_t, 2>();
-    auto attn = b.attn.accessor<int64_t, 2>();
-    auto mask = b.resp_mask.accessor<float, 2>();
-    auto beh = b.behaviour.accessor<float, 2>();
+    auto length = [](const ExperienceRecord* r) {
+        return static_cast<int64_t>(r->task.prompt_tokens.size() + r->trajectory.tokens.size());
+    };
+    int64_t rows = N, S = 1;
+    if (packed) {
+        rows = 1;
+        S = 0;
+        for (auto* r : recs) S += length(r);
+        S = std::max<int64_t>(S, 1);
+    } else {
+        for (auto* r : recs) S = std::max(S, length(r));
+    }
+    at::Tensor ids = at::zeros({rows, S}, at::kLong);
+    at::Tensor valid = at::zeros({rows, S}, at::kLong);  // attention mask, or segment ids when packed
+    at::Tensor resp = at::zeros({rows, S}, at::kFloat);
+    at::Tensor beh = at::zeros({rows, S}, at::kFloat);
+    at::Tensor advs = packed ? at::zeros({rows, S}, at::kFloat) : at::tensor(adv, at::kDouble).to(at::kFloat);
+    at::Tensor rep;
+    if (replay) rep = at::full({rows, S, M, K}, -1, at::kShort);
+    auto ids_a = ids.accessor<int64_t, 2>();
+    auto valid_a = valid.accessor<int64_t, 2>();
+    auto resp_a = resp.accessor<float, 2>();
+    auto beh_a = beh.accessor<float, 2>();
+    int64_t col = 0;
     for (int64_t i = 0; i < N; ++i) {
         const auto& p = recs[i]->task.prompt_tokens;
         const auto& t = recs[i]->trajectory;
-        const int64_t P = static_cast<int64_t>(p.size());
-        for (int64_t j = 0; j < P; ++j) ids[i][j] = p[j], attn[i][j] = 1;
+        const int64_t row = packed ? 0 : i, at0 = packed ? col : 0, mark = packed ? i + 1 : 1;
+        const int64_t P = static_cast<int64_t>(p.size()), L = length(recs[i]);
+        for (int64_t j = 0; j < P; ++j) ids_a[row][at0 + j] = p[j], valid_a[row][at0 + j] = mark;
         for (size_t j = 0; j < t.tokens.size(); ++j) {
-            ids[i][P + j] = t.tokens[j];
-            attn[i][P + j] = 1;
-            mask[i][P + j] = 1;
-            beh[i][P + j] = t.logprobs[j];
+            ids_a[row][at0 + P + j] = t.tokens[j];
+            valid_a[row][at0 + P + j] = mark;
+            resp_a[row][at0 + P + j] = 1;
+            beh_a[row][at0 + P + j] = t.logprobs[j];
         }
-        const int64_t L = P + static_cast<int64_t>(t.tokens.size());
+        if (packed) advs[0].narrow(0, at0, L).fill_(adv[i]);
         if (replay && !t.routing.empty() && t.num_moe_layers == M && t.top_k == K &&
             static_cast<int64_t>(t.routing.size()) == L * M * K) {
-            b.replay[i].narrow(0, 0, L).copy_(at::tensor(t.routing, at::kShort).view({L, M, K}));
+            rep[row].narrow(0, at0, L).copy_(at::tensor(t.routing, at::kShort).view({L, M, K}));
         }
         b.num_tokens += static_cast<int64_t>(t.tokens.size());
+        b.total_tokens += L;
+        col += L;
     }
+    b.ids = ids.to(device);
+    (packed ? b.segments : b.attn) = valid.to(device);
+    b.resp_mask = resp.to(device);
+    b.behaviour = beh.to(device);
+    b.advantages = advs.to(device);
+    if (replay) b.replay = rep.to(device);
     return b;
+}
+
+// Splits samples of lengths `lengths` into micro-batches of at most `budget` tokens, longest
+// first into the first that has room (a sample longer than the budget gets one of its own).
+std::vector<std::vector<size_t>> pack_first_fit(const std::vector<int64_t>& lengths, int64_t budget) {
+    std::vector<size_t> order(lengths.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lengths[a] > lengths[b]; });
+    std::vector<std::vector<size_t>> bins;
+    std::vector<int64_t> used;
+    for (size_t i : order) {
+        size_t k = 0;
+        while (k < bins.size() && used[k] + lengths[i] > budget) ++k;
+        if (k == bins.size()) bins.emplace_back(), used.push_back(0);
+        bins[k].push_back(i);
+        used[k] += lengths[i];
+    }
+    return bins;
+}
+
+// Splits samples into exactly `count` micro-batches (count <= samples), longest first into the
+// one with the fewest tokens.
+std::vector<std::vector<size_t>> pack_balanced(const std::vector<int64_t>& lengths, size_t count) {
+    std::vector<size_t> order(lengths.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lengths[a] > lengths[b]; });
+    std::vector<std::vector<size_t>> bins(count);
+    std::vector<int64_t> used(count, 0);
+    for (size_t i : order) {
+        const size_t k = std::min_element(used.begin(), used.end()) - used.begin();
+        bins[k].push_back(i);
+        used[k] += lengths[i];
+    }
+    return bins;
 }
 
 // [b, t] = log p(ids[b, t] | ids[b, <t]) under softmax(logits / temperature); column 0 is 0.
@@ -86,23 +143,37 @@ at::Tensor tempered_logprobs(const at::Tensor& logits, const at::Tensor& ids, do
 
 }  // namespace
 
+// What one rank's micro-batches of one update add up to.
+struct RankSums {
+    TrainStats stats;                        // loss summed; the rest weighted by response tokens below
+    double weighted_tokens = 0;              // response tokens behind the weighted means
+    double diff_sum = 0;                     // sum of |behaviour - trainer| log-prob over response tokens
+    double ratio_sum = 0, ratio_sq_sum = 0;  // exp(trainer - behaviour) and its square
+};
+
 struct PolicyTrainer::Impl {
     struct Rank {
         std::unique_ptr<ep::Store> store;
         std::unique_ptr<ep::Buffer> buffer;
-        std::unique_ptr<model::MoeModel> model, ref;
-        std::vector<model::NamedParameter> params;
-        std::vector<at::Tensor> m, v;
+        // `model` runs forward and backward in the training dtype; with bf16 `master` holds the fp32
+        // weights AdamW updates (and checkpoints save), copied into `model` after each step.
+        std::unique_ptr<model::MoeModel> model, master, ref;
+        std::vector<model::NamedParameter> params;  // model's (their grads)
+        std::vector<at::Tensor> weights;            // what AdamW updates: master's or params'
+        std::vector<at::Tensor> m, v;               // fp32 moments
     };
     RunConfig cfg;
     int W = 1;
+    at::Device device = at::kCPU;
+    at::ScalarType dtype = at::kFloat;
     std::string store_dir;
     std::vector<Rank> ranks;
     int64_t step = 0;
     std::unique_ptr<std::barrier<>> barrier;
     std::vector<at::Tensor> grad_slots;  // [W] flat dense gradients
     std::vector<double> sq_slots;        // [W] squared expert-gradient norms
-    std::vector<TrainStats> stat_slots;  // [W]
+    std::vector<RankSums> sum_slots;     // [W]
+    std::vector<double> norm_slots;      // [W] gradient norm of the first epoch
 
     // Runs fn(r) on W threads and rethrows the first failure.
     void on_ranks(const std::function<void(int)>& fn) {
@@ -124,9 +195,21 @@ struct PolicyTrainer::Impl {
         if (failure) std::rethrow_exception(failure);
     }
 
+    // The weights AdamW owns, as a model (save and load go through it).
+    model::MoeModel& owner(Rank& k) { return k.master ? *k.master : *k.model; }
+
+    // model <- master, after the optimizer step or a load.
+    void copy_master(Rank& k) {
+        if (!k.master) return;
+        c10::NoGradGuard g;
+        for (size_t i = 0; i < k.params.size(); ++i) k.params[i].tensor.copy_(k.weights[i]);
+    }
+
     void init(int r, int max_tokens) {
         Rank& k = ranks[r];
         model::ModelOptions opts;
+        opts.device = device;
+        opts.dtype = dtype;
         if (W > 1) {
             k.store = ep::make_file_store(store_dir);
             ep::Config ec;
@@ -136,7 +219,7 @@ struct PolicyTrainer::Impl {
             ec.hidden = cfg.model.hidden_size;
             ec.top_k = cfg.model.num_experts_per_tok;
             ec.max_tokens_per_rank = max_tokens;
-            ec.dtype = ep::DType::kFloat32;
+            ec.dtype = dtype == at::kBFloat16 ? ep::DType::kBFloat16 : ep::DType::kFloat32;
             ec.transport = "host";
             ec.job_id = job;
             ec.timeout_s = 120;
@@ -144,11 +227,25 @@ struct PolicyTrainer::Impl {
             opts.ep = k.buffer.get();
         }
         k.model = std::make_unique<model::MoeModel>(cfg.model, opts);
-        if (cfg.model_path.empty()) {
-            k.model->init_random(cfg.seed);
-        } else {
-            k.model->load_weights(cfg.model_path);
+        if (dtype != at::kFloat) {
+            model::ModelOptions master_opts = opts;
+            master_opts.dtype = at::kFloat;
+            k.master = std::make_unique<model::MoeModel>(cfg.model, master_opts);
+            k.master->set_requires_grad(false);
         }
+        if (cfg.model_path.empty()) {
+            owner(k).init_random(cfg.seed);
+        } else {
+            owner(k).load_weights(cfg.model_path);
+        }
+        k.params = k.model->named_parameters();
+        if (k.master) {
+            for (auto& p : k.master->named_parameters()) k.weights.push_back(p.tensor);
+        } else {
+            for (auto& p : k.params) k.weights.push_back(p.tensor);
+        }
+        MOERL_CHECK(k.weights.size() == k.params.size(), "trainer: master weights do not match the model");
+        copy_master(k);
         if (cfg.grpo.kl_coef > 0) {
             k.ref = std::make_unique<model::MoeModel>(cfg.model, opts);
             c10::NoGradGuard g;
@@ -157,71 +254,108 @@ struct PolicyTrainer::Impl {
             for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_(src[i].second);
             k.ref->set_requires_grad(false);
         }
-        k.params = k.model->named_parameters();
-        for (auto& p : k.params) {
-            k.m.push_back(at::zeros_like(p.tensor).detach());
-            k.v.push_back(at::zeros_like(p.tensor).detach());
+        for (auto& w : k.weights) {
+            k.m.push_back(at::zeros_like(w, w.options().dtype(at::kFloat)).detach());
+            k.v.push_back(at::zeros_like(w, w.options().dtype(at::kFloat)).detach());
         }
     }
     std::string job = unique_job();
 
-    void rank_update(int r, const std::vector<const ExperienceRecord*>& recs, const std::vector<double>& adv,
-                     int64_t global_tokens) {
-        Rank& k = ranks[r];
-        const auto& mc = cfg.model;
-        Batch b = make_batch(recs, adv, mc.num_moe_layers(), mc.num_experts_per_tok, cfg.routing_replay);
-        TrainStats st;
-        at::Tensor prox, ref_lp;
+    model::ForwardOutput forward(const model::MoeModel& net, const Batch& b) const {
         model::ForwardOptions fo;
         fo.return_logits = true;
         fo.compute_logprobs = false;
         if (cfg.routing_replay) fo.replay_routing = b.replay;
-        if (k.ref) {
-            c10::NoGradGuard g;
-            ref_lp =
-                tempered_logprobs(k.ref->forward(b.ids, b.attn, fo).logits, b.ids, cfg.sampling.temperature);
-        }
-        for (int epoch = 0; epoch < cfg.ppo_epochs; ++epoch) {
-            model::ForwardOutput out = k.model->forward(b.ids, b.attn, fo);
-            at::Tensor logp = tempered_logprobs(out.logits, b.ids, cfg.sampling.temperature);
-            if (epoch == 0) prox = logp.detach();
-            GrpoInputs in{logp,
-                          prox,
-                          b.behaviour,
-                          b.advantages,
-                          b.resp_mask,
-                          ref_lp,
-                          static_cast<double>(global_tokens)};
-            GrpoOutput g = grpo_loss(in, cfg.grpo);
-            at::Tensor loss = g.loss + (mc.router_aux_loss_coef / W) * out.aux_loss;
-            loss.backward();
-            const double grad_norm = step_optimizer(r, epoch);
-            if (epoch == 0) {
-                st.grad_norm = grad_norm;  // the gradient of the logged loss
-                st.loss = g.loss.item<double>();
-                st.aux_loss = out.aux_loss.item<double>();
-                st.clip_fraction = g.clip_fraction;
-                st.mean_ratio = g.mean_ratio;
-                st.mean_is_weight = g.mean_is_weight;
-                st.truncated_fraction = g.truncated_fraction;
-                st.kl = g.kl;
-            } else {
-                st.clip_fraction = g.clip_fraction;  // the last epoch's is the informative one
-            }
-        }
-        st.num_tokens = b.num_tokens;
-        stat_slots[r] = st;
+        if (b.segments.defined()) fo.segment_ids = b.segments;
+        return net.forward(b.ids, b.attn, fo);
     }
 
-    // Sums dense gradients across ranks, clips by the global norm, applies AdamW. Returns the
-    // global norm before clipping (the same on every rank).
+    // One update of rank r: ppo_epochs passes over its micro-batches, each a forward and backward
+    // (gradients accumulate), then one optimizer step per pass.
+    void rank_update(int r, const std::vector<const ExperienceRecord*>& recs, const std::vector<double>& adv,
+                     const std::vector<std::vector<size_t>>& micro, int64_t global_tokens) {
+        Rank& k = ranks[r];
+        const auto& mc = cfg.model;
+        const bool packed = cfg.micro_batch_tokens > 0;
+        std::vector<Batch> batches;
+        for (const auto& part : micro) {
+            std::vector<const ExperienceRecord*> sub;
+            std::vector<double> sub_adv;
+            for (size_t i : part) sub.push_back(recs[i]), sub_adv.push_back(adv[i]);
+            batches.push_back(make_batch(sub, sub_adv, mc.num_moe_layers(), mc.num_experts_per_tok,
+                                         cfg.routing_replay, packed, device));
+        }
+        const size_t n = batches.size();
+        std::vector<at::Tensor> prox(n), ref_lp(n);
+        if (k.ref) {
+            c10::NoGradGuard g;
+            for (size_t i = 0; i < n; ++i)
+                ref_lp[i] = tempered_logprobs(forward(*k.ref, batches[i]).logits, batches[i].ids,
+                                              cfg.sampling.temperature);
+        }
+        RankSums sums;
+        // The load-balancing loss is not a sum over tokens: each micro-batch's counts 1/n.
+        const double aux_scale = mc.router_aux_loss_coef / W / static_cast<double>(std::max<size_t>(1, n));
+        for (int epoch = 0; epoch < cfg.ppo_epochs; ++epoch) {
+            double clip = 0, weighted = 0;
+            for (size_t i = 0; i < n; ++i) {
+                const Batch& b = batches[i];
+                model::ForwardOutput out = forward(*k.model, b);
+                at::Tensor logp = tempered_logprobs(out.logits, b.ids, cfg.sampling.temperature);
+                out.logits = at::Tensor();
+                if (epoch == 0) prox[i] = logp.detach();
+                GrpoInputs in{logp,
+                              prox[i],
+                              b.behaviour,
+                              b.advantages,
+                              b.resp_mask,
+                              ref_lp[i],
+                              static_cast<double>(global_tokens)};
+                GrpoOutput g = grpo_loss(in, cfg.grpo);
+                (g.loss + aux_scale * out.aux_loss).backward();
+                const double w = static_cast<double>(b.num_tokens);
+                clip += w * g.clip_fraction;
+                weighted += w;
+                if (epoch > 0) continue;
+                TrainStats& st = sums.stats;
+                st.loss += g.loss.item<double>();
+                st.aux_loss += out.aux_loss.item<double>() / static_cast<double>(n);
+                st.mean_ratio += w * g.mean_ratio;
+                st.mean_is_weight += w * g.mean_is_weight;
+                st.truncated_fraction += w * g.truncated_fraction;
+                st.kl += w * g.kl;
+                // Training-inference mismatch, on the weights that sampled (when on-policy).
+                c10::NoGradGuard no_grad;
+                at::Tensor d = (prox[i] - b.behaviour) * b.resp_mask;
+                at::Tensor ratio = at::exp(prox[i] - b.behaviour) * b.resp_mask;
+                sums.diff_sum += d.abs().sum().item<double>();
+                sums.ratio_sum += ratio.sum().item<double>();
+                sums.ratio_sq_sum += (ratio * ratio).sum().item<double>();
+            }
+            const double grad_norm = step_optimizer(r, epoch);
+            if (epoch == 0) {
+                norm_slots[r] = grad_norm;  // the gradient of the logged loss
+                sums.weighted_tokens = weighted;
+            }
+            // The last epoch's clip fraction is the informative one.
+            sums.stats.clip_fraction = weighted > 0 ? clip : 0;
+        }
+        for (auto& b : batches)
+            sums.stats.num_tokens += b.num_tokens, sums.stats.total_tokens += b.total_tokens;
+        sum_slots[r] = sums;
+    }
+
+    // Sums dense gradients across ranks, clips by the global norm, applies AdamW (to the fp32
+    // master weights when training in bf16). Returns the global norm before clipping (the same on
+    // every rank).
     double step_optimizer(int r, int epoch) {
         Rank& k = ranks[r];
         c10::NoGradGuard g;
         std::vector<at::Tensor> dense, expert;
         for (auto& p : k.params) {
             at::Tensor grad = p.tensor.grad();
-            if (!grad.defined()) grad = at::zeros_like(p.tensor);
+            grad = grad.defined() ? grad.to(at::kFloat)
+                                  : at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat));
             (p.expert ? expert : dense).push_back(grad);
         }
         at::Tensor flat = at::cat([&] {
@@ -251,7 +385,7 @@ struct PolicyTrainer::Impl {
         int64_t offset = 0;
         size_t ei = 0;
         for (size_t i = 0; i < k.params.size(); ++i) {
-            at::Tensor p = k.params[i].tensor;
+            at::Tensor p = k.weights[i];
             at::Tensor grad;
             if (k.params[i].expert) {
                 grad = expert[ei++];
@@ -267,6 +401,7 @@ struct PolicyTrainer::Impl {
             p.addcdiv_(k.m[i], denom, -lr / bc1);
         }
         k.model->zero_grad();
+        copy_master(k);
         if (W > 1) barrier->arrive_and_wait();
         return norm;
     }
@@ -279,10 +414,17 @@ PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_di
     Impl& m = *impl_;
     m.cfg = config;
     m.W = config.ep_ranks;
+    if (config.train_device == "cuda") {
+        MOERL_CHECK(at::hasCUDA(), config.source,
+                    ": train.device: cuda, but this LibTorch build or machine has no CUDA device");
+        m.device = at::Device(at::kCUDA, 0);
+    }
+    m.dtype = config.train_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
     m.ranks.resize(m.W);
     m.grad_slots.resize(m.W);
     m.sq_slots.resize(m.W);
-    m.stat_slots.resize(m.W);
+    m.sum_slots.resize(m.W);
+    m.norm_slots.resize(m.W);
     m.barrier = std::make_unique<std::barrier<>>(m.W);
     m.store_dir = (fs::path(work_dir) / ("ep-" + m.job)).string();
     fs::create_directories(m.store_dir);
@@ -319,22 +461,60 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
         parts[i % m.W].push_back(&batch[i]);
         adv[i % m.W].push_back(advantages[i]);
     }
-    m.lr = m.cfg.lr_at(m.step_count_for_update / m.cfg.ppo_epochs);
-    m.on_ranks([&](int r) { m.rank_update(r, parts[r], adv[r], std::max<int64_t>(1, global_tokens)); });
-    TrainStats total;
-    for (int r = 0; r < m.W; ++r) {
-        const TrainStats& s = m.stat_slots[r];
-        const double w = static_cast<double>(s.num_tokens) / std::max<int64_t>(1, global_tokens);
-        total.loss += s.loss;  // each rank's loss is already divided by the global count
-        total.aux_loss += s.aux_loss / m.W;
-        total.clip_fraction += w * s.clip_fraction;
-        total.mean_ratio += w * s.mean_ratio;
-        total.mean_is_weight += w * s.mean_is_weight;
-        total.truncated_fraction += w * s.truncated_fraction;
-        total.kl += w * s.kl;
-        total.num_tokens += s.num_tokens;
+    // Micro-batches: every rank runs the same number (the MoE layers are collective).
+    std::vector<std::vector<std::vector<size_t>>> micro(m.W);
+    if (m.cfg.micro_batch_tokens <= 0) {
+        for (int r = 0; r < m.W; ++r) {
+            micro[r].emplace_back(parts[r].size());
+            for (size_t i = 0; i < parts[r].size(); ++i) micro[r][0][i] = i;
+        }
+    } else {
+        std::vector<std::vector<int64_t>> lengths(m.W);
+        size_t most = 0, fewest_samples = SIZE_MAX;
+        for (int r = 0; r < m.W; ++r) {
+            for (auto* e : parts[r])
+                lengths[r].push_back(
+                    static_cast<int64_t>(e->task.prompt_tokens.size() + e->trajectory.tokens.size()));
+            micro[r] = pack_first_fit(lengths[r], m.cfg.micro_batch_tokens);
+            most = std::max(most, micro[r].size());
+            fewest_samples = std::min(fewest_samples, parts[r].size());
+        }
+        const size_t count = std::min(most, fewest_samples);
+        for (int r = 0; r < m.W; ++r)
+            if (micro[r].size() != count) micro[r] = pack_balanced(lengths[r], count);
     }
-    total.grad_norm = m.stat_slots[0].grad_norm;
+    m.lr = m.cfg.lr_at(m.step_count_for_update / m.cfg.ppo_epochs);
+    m.on_ranks(
+        [&](int r) { m.rank_update(r, parts[r], adv[r], micro[r], std::max<int64_t>(1, global_tokens)); });
+    TrainStats total;
+    double weighted = 0, diff = 0, ratio = 0, ratio_sq = 0;
+    for (int r = 0; r < m.W; ++r) {
+        const RankSums& s = m.sum_slots[r];
+        total.loss += s.stats.loss;  // each rank's loss is already divided by the global count
+        total.aux_loss += s.stats.aux_loss / m.W;
+        total.clip_fraction += s.stats.clip_fraction;
+        total.mean_ratio += s.stats.mean_ratio;
+        total.mean_is_weight += s.stats.mean_is_weight;
+        total.truncated_fraction += s.stats.truncated_fraction;
+        total.kl += s.stats.kl;
+        total.num_tokens += s.stats.num_tokens;
+        total.total_tokens += s.stats.total_tokens;
+        weighted += s.weighted_tokens;
+        diff += s.diff_sum;
+        ratio += s.ratio_sum;
+        ratio_sq += s.ratio_sq_sum;
+    }
+    const double w = std::max(1.0, weighted);
+    total.clip_fraction /= w;
+    total.mean_ratio /= w;
+    total.mean_is_weight /= w;
+    total.truncated_fraction /= w;
+    total.kl /= w;
+    const double tokens = std::max<double>(1.0, static_cast<double>(total.num_tokens));
+    total.logprob_diff = diff / tokens;
+    const double mean_ratio = ratio / tokens;
+    total.behaviour_ratio_std = std::sqrt(std::max(0.0, ratio_sq / tokens - mean_ratio * mean_ratio));
+    total.grad_norm = m.norm_slots[0];
     total.lr = m.lr;
     m.step_count_for_update += m.cfg.ppo_epochs;
     m.step = m.step_count_for_update;
@@ -342,7 +522,14 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
 }
 
 void PolicyTrainer::save_weights(const std::string& dir) const {
-    impl_->on_ranks([&](int r) { impl_->ranks[r].model->save_pretrained(dir, 0, "float32"); });
+    impl_->on_ranks([&](int r) { impl_->owner(impl_->ranks[r]).save_pretrained(dir, 0, "float32"); });
+}
+
+std::vector<std::pair<std::string, at::Tensor>> PolicyTrainer::weights() const {
+    std::vector<std::pair<std::string, at::Tensor>> all;
+    for (auto& k : impl_->ranks)
+        for (auto& t : k.model->state_dict()) all.push_back(std::move(t));
+    return all;
 }
 
 void PolicyTrainer::save_optimizer(const std::string& dir) const {
@@ -354,7 +541,7 @@ void PolicyTrainer::save_optimizer(const std::string& dir) const {
         std::vector<at::Tensor> keep;
         for (size_t i = 0; i < k.params.size(); ++i) {
             for (int which = 0; which < 2; ++which) {
-                at::Tensor t = (which == 0 ? k.m[i] : k.v[i]).to(at::kFloat).contiguous();
+                at::Tensor t = (which == 0 ? k.m[i] : k.v[i]).to(at::kCPU, at::kFloat).contiguous();
                 keep.push_back(t);
                 tensors.push_back({(which == 0 ? "exp_avg." : "exp_avg_sq.") + k.params[i].name,
                                    model::StDType::kF32,
@@ -371,7 +558,10 @@ void PolicyTrainer::save_optimizer(const std::string& dir) const {
 
 void PolicyTrainer::load(const std::string& dir) {
     Impl& m = *impl_;
-    m.on_ranks([&](int r) { m.ranks[r].model->load_weights(dir); });
+    m.on_ranks([&](int r) {
+        m.owner(m.ranks[r]).load_weights(dir);
+        m.copy_master(m.ranks[r]);
+    });
     const fs::path opt = fs::path(dir) / "optimizer.json";
     if (!fs::exists(opt)) return;
     std::ifstream in(opt);
@@ -392,7 +582,9 @@ void PolicyTrainer::load(const std::string& dir) {
                 at::Tensor& dst = which == 0 ? k.m[i] : k.v[i];
                 MOERL_CHECK(info->nbytes == static_cast<uint64_t>(dst.numel()) * 4, "checkpoint ", dir, ": ",
                             name, " has ", info->nbytes, " bytes, expected ", dst.numel() * 4);
-                std::memcpy(dst.data_ptr(), f.data(*info), info->nbytes);
+                at::Tensor host = at::empty(dst.sizes(), at::kFloat);
+                std::memcpy(host.data_ptr(), f.data(*info), info->nbytes);
+                dst.copy_(host);
             }
         }
     });

@@ -81,12 +81,12 @@ class Producer final : public ExperienceProducer {
         env_next_ = env_next_step;
         worker_ = std::make_unique<RolloutWorker>(c_, cp_, "rollout", (dir_ / "rollout").string());
     }
-    double produce(int64_t step) override {
+    ProducedStep produce(int64_t step) override {
         while (env_next_ <= step + c_.max_staleness && env_next_ < c_.steps)
             put_step_tasks(c_, *cp_.tasks, env_next_++);
         worker_->work(moerl::control::Millis(0));
         if (step == stop_at_) stop_->store(true);  // a termination notice while this step waits
-        return 0;
+        return {};
     }
 
   private:

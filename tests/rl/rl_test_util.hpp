@@ -42,8 +42,9 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
     while (std::getline(in, line)) {
         auto j = nlohmann::json::parse(line);
         if (drop_timing) {
-            j.erase("tokens_per_s");
-            j.erase("step_seconds");
+            for (const char* timing :
+                 {"tokens_per_s", "step_seconds", "rollout_s", "reward_s", "sync_s", "train_s", "publish_s"})
+                j.erase(timing);
         }
         out.push_back(j);
     }

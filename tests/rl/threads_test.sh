@@ -19,7 +19,8 @@ strip() { python3 -c '
 import json, sys
 for line in open(sys.argv[1]):
     j = json.loads(line)
-    j.pop("tokens_per_s"); j.pop("step_seconds")
+    for timing in ("tokens_per_s", "step_seconds", "rollout_s", "reward_s", "sync_s", "train_s", "publish_s"):
+        j.pop(timing)
     print(json.dumps(j, sort_keys=True))' "$1"; }
 OPENBLAS_NUM_THREADS=1 "$moerl" run "$tmp/run.yaml" --out "$tmp/with" --quiet >/dev/null
 env -u OPENBLAS_NUM_THREADS "$moerl" run "$tmp/run.yaml" --out "$tmp/without" --quiet >/dev/null

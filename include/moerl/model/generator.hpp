@@ -46,6 +46,10 @@ struct GeneratorOptions {
     // Per-kernel times of eager steps (needs cuda_graphs = false), read with Generator::profile().
     // The kernels then run in plain stream order, not overlapped. Default false.
     bool profile = false;
+    // Routing records: every step also returns the experts each row used in each MoE layer
+    // (GenerationStep::routing), for routing replay in training. One small device copy per MoE layer
+    // a step. Default false.
+    bool record_routing = false;
 
     // Where the decode path changes with the batch bucket B. The defaults are the measured best on
     // an H200 at the Qwen3-30B-A3B shape (bench/RESULTS.md); change them only after measuring with
@@ -68,6 +72,10 @@ struct GeneratorOptions {
 struct GenerationStep {
     at::Tensor logits;  // [n, V] model dtype on the device, valid until the next call
     at::Tensor greedy;  // [n] int64 on the device: argmax of each row
+    // With GeneratorOptions::record_routing, the experts used (global ids, the K of a row in any
+    // order; int16 on the device): prefill [n, longest prompt, num_moe_layers, K], left-aligned as
+    // the prompts are right-aligned (rows of -1 before a shorter prompt); decode [n, num_moe_layers, K].
+    at::Tensor routing;
 };
 
 struct GeneratorStats {

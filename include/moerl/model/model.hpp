@@ -40,6 +40,11 @@ struct ForwardOptions {
     // Routing replay [B, S, num_moe_layers, K] (any integer dtype): rows without -1 force those
     // experts; rows with a -1 are routed by the router. Router weights stay differentiable.
     at::Tensor replay_routing;
+    // Packed rows [B, S] (any integer dtype) in place of attention_mask: several sequences share a
+    // row, each a run of one id > 0 (0 = padding). A token attends only to the earlier tokens of
+    // its own run and its position restarts at 0 there, so a packed row computes exactly what the
+    // sequences would alone.
+    at::Tensor segment_ids;
 };
 
 struct ForwardOutput {

@@ -40,8 +40,8 @@ struct RunConfig {
     SamplingParams sampling;
     int rollout_max_batch = 64;  // sequences decoded together, >= 1
     bool record_routing = true;
-    // Where the rollout worker's model lives: cpu, or cuda (the first GPU; with record_routing off
-    // the sequences decode through model::Generator, the fused CUDA engine), in fp32 or bf16.
+    // Where the rollout worker's model lives: cpu, or cuda (the first GPU, where sequences decode
+    // through model::Generator, the fused CUDA engine, routing records included), in fp32 or bf16.
     std::string rollout_device = "cpu";
     std::string rollout_dtype = "fp32";
     int rollout_max_seq_len = 1024;  // prompt + response a sequence may hold on cuda (its KV cache)
@@ -61,6 +61,14 @@ struct RunConfig {
     int max_staleness = 0;   // policy versions a sample may lag, >= 0 (0 = on-policy)
     bool routing_replay = false;
     GrpoParams grpo;
+    // Where the trainer runs: cpu, or cuda (the first GPU; ranks.ep must be 1 there, one rank per GPU).
+    std::string train_device = "cpu";
+    // fp32, or bf16: forward and backward in bf16 with fp32 master weights and AdamW moments.
+    std::string train_dtype = "fp32";
+    // Tokens (prompt + response) a micro-batch may hold, > 0: a rank packs its samples into rows of
+    // at most this many tokens (several samples per row, no padding), runs forward and backward per
+    // row and steps the optimizer once (gradient accumulation). 0 (default): one padded batch.
+    int64_t micro_batch_tokens = 0;
     // reward
     double verifier_weight = 1.0;
     std::string reward_model_path;  // HF checkpoint + scalar head, optional

@@ -23,7 +23,7 @@ struct GrpoInputs {
     at::Tensor logp;            // [N, S] fp32 current policy log-probs (differentiable)
     at::Tensor prox_logp;       // [N, S] the policy at the start of this step (no grad)
     at::Tensor behaviour_logp;  // [N, S] log-probs recorded by rollout
-    at::Tensor advantages;      // [N] fp32
+    at::Tensor advantages;      // [N] fp32 per sample, or [N, S] per token (packed rows)
     at::Tensor mask;            // [N, S] fp32, 1 on response tokens
     at::Tensor ref_logp;        // [N, S] reference policy (optional; needed when kl_coef > 0)
     double num_tokens = 0;      // token-level mean divisor; 0 = mask.sum() (set it to the global

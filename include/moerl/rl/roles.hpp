@@ -39,11 +39,15 @@ void put_step_tasks(const RunConfig& config, control::TaskQueue& tasks, int64_t 
 
 // ---- rollout ---------------------------------------------------------------------------------
 struct RolloutStats {
-    int64_t pushed = 0;      // experiences accepted by the buffer
-    int64_t duplicates = 0;  // experiences the buffer already had (a redone task)
-    int64_t released = 0;    // tasks given back with a partial trajectory
-    int64_t tokens = 0;      // tokens sampled
-    double seconds = 0;      // time spent generating
+    int64_t pushed = 0;         // experiences accepted by the buffer
+    int64_t duplicates = 0;     // experiences the buffer already had (a redone task)
+    int64_t released = 0;       // tasks given back with a partial trajectory
+    int64_t tokens = 0;         // tokens sampled
+    double seconds = 0;         // time spent in work(): generating, scoring, syncing
+    double reward_seconds = 0;  // of it, scoring finished responses
+    double sync_seconds = 0;    // loading new policy versions into the rollout model
+    int64_t syncs = 0;          // policy versions loaded
+    int64_t sync_bytes = 0;     // weight bytes copied by in-process syncs
 };
 
 class RolloutWorker {
@@ -84,6 +88,8 @@ struct StepResult {
     int64_t retried = 0;                // of them, from tasks handed out more than once
     int64_t duplicates = 0;  // experiences trained on before a restart, dropped since the last step
     TrainStats train;
+    double train_seconds = 0;    // the GRPO update
+    double publish_seconds = 0;  // publishing the new policy version
 };
 
 class TrainerRole {

@@ -49,8 +49,8 @@ class RolloutEngine {
     // The model must outlive the engine; weights may be reloaded in place between steps (tokens
     // carry the version that sampled them; call refresh_weights() after). A model on a CUDA device
     // decodes through model::Generator (paged KV cache of max_seq_len tokens a sequence, fused decode
-    // kernels) when this build has it and routing is not recorded; otherwise through the model's
-    // own prefill/decode.
+    // kernels, routing records from the decode kernels) when this build has it; otherwise through
+    // the model's own prefill/decode, the reference.
     RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
                   bool record_routing, int max_seq_len = 1024);
     ~RolloutEngine();

@@ -20,6 +20,14 @@
 
 namespace moerl::rl {
 
+// What producing one step's experiences took.
+struct ProducedStep {
+    double tokens_per_s = 0;  // sampled tokens per second of generation
+    double generate_s = 0;    // decoding
+    double reward_s = 0;      // scoring the responses
+    double sync_s = 0;        // loading the newest policy into the rollout model
+};
+
 // Produces the experiences the trainer takes, in this process, before each step.
 class ExperienceProducer {
   public:
@@ -27,8 +35,8 @@ class ExperienceProducer {
     // After the trainer started: the env has put the tasks of every step < env_next_step before.
     virtual void start(int64_t env_next_step) = 0;
     // Before step `step` is trained: puts its tasks (and those up to max_staleness ahead) and
-    // generates. Returns the sampling rate, tokens per second of generation.
-    virtual double produce(int64_t step) = 0;
+    // generates.
+    virtual ProducedStep produce(int64_t step) = 0;
 };
 
 struct TrainLoopOptions {

@@ -1,12 +1,17 @@
 // The GRPO policy trainer: W expert-parallel ranks as threads of this process (host EP transport),
 // each holding the dense weights and 1/W of the experts. Dense gradients are summed across ranks,
 // expert gradients stay local (they already hold every rank's tokens through the combine's
-// backward). AdamW with decoupled weight decay and global-norm gradient clipping.
+// backward). AdamW with decoupled weight decay and global-norm gradient clipping. On the CPU or
+// one GPU (train.device), in fp32 or in bf16 with fp32 master weights (train.dtype), the batch in
+// packed micro-batches of a token budget with gradient accumulation (train.micro_batch_tokens).
 #pragma once
+
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moerl/rl/config.hpp"
@@ -22,9 +27,15 @@ struct TrainStats {
     double mean_is_weight = 0;
     double truncated_fraction = 0;
     double kl = 0;
-    double grad_norm = 0;  // before clipping
-    double lr = 0;         // learning rate of the update
-    int64_t num_tokens = 0;
+    double grad_norm = 0;      // before clipping
+    double lr = 0;             // learning rate of the update
+    int64_t num_tokens = 0;    // response tokens
+    int64_t total_tokens = 0;  // prompt + response tokens through forward and backward
+    // Training-inference mismatch over response tokens, on the trainer's weights at the start of
+    // the update (the sampling weights when on-policy): mean |behaviour - trainer| log-prob and the
+    // standard deviation of the ratio exp(trainer - behaviour).
+    double logprob_diff = 0;
+    double behaviour_ratio_std = 0;
 };
 
 class PolicyTrainer {
@@ -39,6 +50,9 @@ class PolicyTrainer {
 
     // HF layout, fp32 (exact), every rank's experts.
     void save_weights(const std::string& dir) const;
+    // The weights forward runs on (train.dtype, train.device), HF names, every rank's experts;
+    // they change in place with each update. What in-process weight sync copies from.
+    std::vector<std::pair<std::string, at::Tensor>> weights() const;
     // optimizer-rank{r}.safetensors (AdamW moments) and optimizer.json (step count).
     void save_optimizer(const std::string& dir) const;
     // Restores weights and (when present) optimizer state written by the two above.

@@ -1,0 +1,227 @@
+// The rl layer on a GPU (label gpu; each test skips without a CUDA device): the CUDA trainer
+// against the CPU's, routing records of the fast decode path against the eager path's, sampling on
+// the device, and a generator that took new weights in place against one built with them.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include "moerl/model/generator.hpp"
+#include "moerl/model/model.hpp"
+#include "moerl/model/safetensors.hpp"
+#include "moerl/rl/grpo.hpp"
+#include "moerl/rl/roles.hpp"
+#include "moerl/rl/rollout.hpp"
+#include "moerl/rl/trainer.hpp"
+#include "rl_test_util.hpp"
+
+using namespace moerl::rl;
+using namespace moerl::rl::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+#define SKIP_WITHOUT_CUDA()                                   \
+    do {                                                      \
+        if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device"; \
+    } while (0)
+
+std::vector<ExperienceRecord> batch_of(const RunConfig& c) {
+    std::vector<ExperienceRecord> batch;
+    for (int p = 0; p < c.prompts_per_step; ++p) {
+        for (int g = 0; g < c.group_size; ++g) {
+            ExperienceRecord e;
+            e.task_id = task_id(0, p, g);
+            e.task = make_task_payload(c, 0, p, g);
+            for (int j = 0; j <= (p + g) % 4; ++j) {
+                e.trajectory.tokens.push_back(3 + (p * 5 + g + j) % 12);
+                e.trajectory.logprobs.push_back(-1.2f);
+                e.trajectory.versions.push_back(0);
+            }
+            e.reward = ((p * 3 + g) % 4) / 3.0;
+            batch.push_back(std::move(e));
+        }
+    }
+    return batch;
+}
+
+std::map<std::string, std::vector<float>> moments(const fs::path& dir) {
+    std::map<std::string, std::vector<float>> out;
+    moerl::model::SafetensorsFile f((dir / "optimizer-rank0.safetensors").string());
+    for (const auto& info : f.tensors()) {
+        if (info.name.rfind("exp_avg.", 0) != 0) continue;
+        const float* p = reinterpret_cast<const float*>(f.data(info));
+        out[info.name].assign(p, p + info.numel());
+    }
+    return out;
+}
+
+}  // namespace
+
+// fp32 on both: the same loss and gradients (the first moments) up to reduction order.
+TEST(RlGpu, CudaTrainerMatchesTheCpuTrainer) {
+    SKIP_WITHOUT_CUDA();
+    TempDir t("gputrain");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.grad_clip = 0;
+    const auto batch = batch_of(c);
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    const auto adv = group_advantages(rewards, c.group_size);
+    TrainStats st[2];
+    for (int gpu = 0; gpu < 2; ++gpu) {
+        RunConfig run = c;
+        run.train_device = gpu ? "cuda" : "cpu";
+        run.micro_batch_tokens = gpu ? 16 : 0;  // packed on the GPU, one padded batch on the CPU
+        PolicyTrainer trainer(run, (t.path / ("w" + std::to_string(gpu))).string());
+        st[gpu] = trainer.update(batch, adv);
+        trainer.save_optimizer((t.path / ("o" + std::to_string(gpu))).string());
+    }
+    EXPECT_NEAR(st[1].loss, st[0].loss, 1e-4 * std::abs(st[0].loss) + 1e-6);
+    EXPECT_NEAR(st[1].grad_norm, st[0].grad_norm, 1e-3 * st[0].grad_norm);
+    const auto cpu = moments(t.path / "o0"), gpu = moments(t.path / "o1");
+    ASSERT_EQ(cpu.size(), gpu.size());
+    double diff = 0, scale = 0;
+    for (const auto& [name, a] : cpu) {
+        const auto& b = gpu.at(name);
+        ASSERT_EQ(a.size(), b.size()) << name;
+        for (size_t i = 0; i < a.size(); ++i) {
+            diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+            scale = std::max(scale, std::abs(static_cast<double>(a[i])));
+        }
+    }
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LT(diff, 1e-3 * scale);
+}
+
+// Greedy rollouts with routing records: on the GPU (the fused engine) the tokens and the experts
+// recorded for every position and MoE layer are the CPU eager path's (as sets: the order of a
+// position's K experts is free).
+TEST(RlGpu, RoutingRecordsOfTheFastPathEqualTheEagerPath) {
+    SKIP_WITHOUT_CUDA();
+    if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
+    RunConfig c = RunConfig::from_yaml_text("rollout: {top_k: 1, max_new_tokens: 6}\n", "gpu.yaml");
+    moerl::model::MoeModel cpu(c.model, moerl::model::ModelOptions{});
+    moerl::model::ModelOptions on_gpu;
+    on_gpu.device = at::Device(at::kCUDA, 0);
+    moerl::model::MoeModel gpu(c.model, on_gpu);
+    cpu.init_random(11);
+    gpu.init_random(11);
+    RolloutEngine a(cpu, c.sampling, 4, true, c.rollout_max_seq_len);
+    RolloutEngine b(gpu, c.sampling, 4, true, c.rollout_max_seq_len);
+    ASSERT_TRUE(b.uses_generator());
+    for (int i = 0; i < 9; ++i) {
+        const TaskPayload p = make_task_payload(c, 0, i, 0);
+        a.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 2 + i % 5});
+        b.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 2 + i % 5});
+    }
+    auto by_id = [](std::vector<GenResult> v) {
+        std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
+        return v;
+    };
+    const auto want = by_id(a.run_to_completion(0)), got = by_id(b.run_to_completion(0));
+    ASSERT_EQ(got.size(), want.size());
+    const int K = c.model.num_experts_per_tok;
+    int64_t same = 0, total = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
+        const auto& rw = want[i].trajectory.routing;
+        const auto& rg = got[i].trajectory.routing;
+        ASSERT_EQ(rg.size(), rw.size()) << "request " << want[i].id;
+        for (size_t at0 = 0; at0 + K <= rw.size(); at0 += K) {
+            std::vector<int16_t> x(rw.begin() + at0, rw.begin() + at0 + K),
+                y(rg.begin() + at0, rg.begin() + at0 + K);
+            std::sort(x.begin(), x.end());
+            std::sort(y.begin(), y.end());
+            same += x == y;
+            ++total;
+        }
+    }
+    ASSERT_GT(total, 50);
+    // fp32 on both sides: only a near-tie of two router logits may flip (none expected here).
+    EXPECT_GE(static_cast<double>(same), 0.995 * static_cast<double>(total)) << same << " of " << total;
+}
+
+// On the device: the draws follow softmax(logits / T) (chi-square, 5 degrees of freedom, 0.1%
+// critical value 20.5), the same uniforms give the same tokens as on the CPU, top-k keeps k.
+TEST(RlGpu, SamplingOnTheDeviceDrawsFromTheDistribution) {
+    SKIP_WITHOUT_CUDA();
+    const std::vector<float> row = {1.0f, 0.5f, -0.3f, 2.0f, 0.0f, -1.0f};
+    const int V = static_cast<int>(row.size()), N = 20000;
+    SamplingParams p;
+    p.temperature = 0.8;
+    at::Tensor logits = at::tensor(row).unsqueeze(0).expand({N, V}).contiguous();
+    std::vector<double> u(N);
+    for (int i = 0; i < N; ++i) u[i] = uniform_draw(42, static_cast<uint64_t>(i));
+    const auto on_gpu = sample_tokens(logits.to(at::kCUDA), p, u);
+    const auto on_cpu = sample_tokens(logits, p, u);
+    std::vector<double> counts(V, 0), prob(V);
+    double z = 0;
+    for (int v = 0; v < V; ++v) z += std::exp(row[v] / p.temperature);
+    for (int v = 0; v < V; ++v) prob[v] = std::exp(row[v] / p.temperature) / z;
+    for (int i = 0; i < N; ++i) {
+        ASSERT_EQ(on_gpu[i].first, on_cpu[i].first) << "draw " << i;
+        counts[on_gpu[i].first] += 1;
+    }
+    double chi2 = 0;
+    for (int v = 0; v < V; ++v) chi2 += (counts[v] - N * prob[v]) * (counts[v] - N * prob[v]) / (N * prob[v]);
+    EXPECT_LT(chi2, 20.5);
+    p.top_k = 2;
+    for (const auto& [tok, lp] : sample_tokens(logits.to(at::kCUDA).narrow(0, 0, 500), p,
+                                               std::vector<double>(u.begin(), u.begin() + 500)))
+        EXPECT_TRUE(tok == 3 || tok == 0) << tok;
+}
+
+// After an update on the GPU, a bf16 generator that copied the trainer's weights in place decodes
+// exactly what a generator built on a model loaded from the saved checkpoint decodes.
+TEST(RlGpu, GeneratorAfterAnInPlaceSyncEqualsAFreshOne) {
+    SKIP_WITHOUT_CUDA();
+    if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
+    TempDir t("gpusync");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.train_device = "cuda";
+    c.train_dtype = "bf16";
+    PolicyTrainer trainer(c, (t.path / "work").string());
+    const auto batch = batch_of(c);
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    moerl::model::ModelOptions o;
+    o.device = at::Device(at::kCUDA, 0);
+    o.dtype = at::kBFloat16;
+    moerl::model::MoeModel synced(c.model, o);
+    synced.init_random(99);  // other weights to start from
+    moerl::model::Generator gen_synced(synced, {.max_batch = 4, .max_seq_len = 64});
+    trainer.update(batch, group_advantages(rewards, c.group_size));
+    {
+        c10::NoGradGuard g;
+        std::map<std::string, at::Tensor> dst;
+        for (auto& [name, tensor] : synced.state_dict()) dst.emplace(name, tensor);
+        for (const auto& [name, src] : trainer.weights()) dst.at(name).copy_(src);
+    }
+    gen_synced.refresh_weights();
+    trainer.save_weights((t.path / "saved").string());
+    moerl::model::MoeModel fresh(c.model, o);
+    fresh.load_weights((t.path / "saved").string());
+    moerl::model::Generator gen_fresh(fresh, {.max_batch = 4, .max_seq_len = 64});
+    std::vector<std::vector<int64_t>> prompts;
+    for (int i = 0; i < 3; ++i) {
+        const TaskPayload p = make_task_payload(c, 1, i, 0);
+        prompts.emplace_back(p.prompt_tokens.begin(), p.prompt_tokens.end());
+    }
+    std::vector<int> sa, sb;
+    for (int i = 0; i < 3; ++i) sa.push_back(gen_synced.acquire()), sb.push_back(gen_fresh.acquire());
+    at::Tensor ta = gen_synced.prefill(sa, prompts).greedy, tb = gen_fresh.prefill(sb, prompts).greedy;
+    for (int step = 0; step < 8; ++step) {
+        ASSERT_TRUE(at::equal(ta.cpu(), tb.cpu())) << "step " << step;
+        auto ra = gen_synced.decode(sa, ta), rb = gen_fresh.decode(sb, tb);
+        ASSERT_TRUE(at::equal(ra.logits.cpu(), rb.logits.cpu())) << "logits differ at step " << step;
+        ta = ra.greedy;
+        tb = rb.greedy;
+    }
+}

@@ -1,0 +1,224 @@
+// The trainer's micro-batches and mixed precision: packed micro-batches with gradient accumulation
+// give the full batch's loss and gradients; in bf16 the fp32 master weights take AdamW's exact step.
+#include "moerl/rl/trainer.hpp"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "moerl/core/error.hpp"
+#include "moerl/model/model.hpp"
+#include "moerl/model/safetensors.hpp"
+#include "moerl/rl/grpo.hpp"
+#include "moerl/rl/roles.hpp"
+#include "rl_test_util.hpp"
+
+using namespace moerl::rl;
+using namespace moerl::rl::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+// One step's samples with responses of 1 to 5 tokens and varied rewards.
+std::vector<ExperienceRecord> varied_batch(const RunConfig& c) {
+    std::vector<ExperienceRecord> batch;
+    for (int p = 0; p < c.prompts_per_step; ++p) {
+        for (int g = 0; g < c.group_size; ++g) {
+            ExperienceRecord e;
+            e.task_id = task_id(0, p, g);
+            e.task = make_task_payload(c, 0, p, g);
+            for (int j = 0; j <= (p + 2 * g) % 5; ++j) {
+                e.trajectory.tokens.push_back(3 + (p * 7 + g * 3 + j) % 12);
+                e.trajectory.logprobs.push_back(-1.0f - 0.1f * static_cast<float>(j));
+                e.trajectory.versions.push_back(0);
+            }
+            e.reward = ((p + g) % 4) / 3.0;
+            batch.push_back(std::move(e));
+        }
+    }
+    return batch;
+}
+
+std::vector<double> advantages_of(const std::vector<ExperienceRecord>& batch, int group_size) {
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    return group_advantages(rewards, group_size);
+}
+
+// Every fp32 tensor of the safetensors files in `dir` whose name starts with `prefix`, by name and
+// file (EP ranks write one file each).
+std::map<std::string, std::vector<float>> read_tensors(const fs::path& dir, const std::string& prefix) {
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+        if (entry.path().extension() != ".safetensors") continue;
+        moerl::model::SafetensorsFile f(entry.path().string());
+        for (const auto& info : f.tensors()) {
+            if (info.name.rfind(prefix, 0) != 0) continue;
+            const float* p = reinterpret_cast<const float*>(f.data(info));
+            out[entry.path().filename().string() + ":" + info.name].assign(p, p + info.numel());
+        }
+    }
+    return out;
+}
+
+// Largest |a - b| over all tensors, and the largest |a|.
+std::pair<double, double> max_difference(const std::map<std::string, std::vector<float>>& a,
+                                         const std::map<std::string, std::vector<float>>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double diff = 0, scale = 0;
+    for (const auto& [name, x] : a) {
+        auto it = b.find(name);
+        if (it == b.end()) {
+            ADD_FAILURE() << name << " missing";
+            continue;
+        }
+        EXPECT_EQ(x.size(), it->second.size()) << name;
+        for (size_t i = 0; i < x.size() && i < it->second.size(); ++i) {
+            diff = std::max(diff, std::abs(static_cast<double>(x[i]) - it->second[i]));
+            scale = std::max(scale, std::abs(static_cast<double>(x[i])));
+        }
+    }
+    return {diff, scale};
+}
+
+}  // namespace
+
+TEST(TrainerMicroBatches, PackedEqualsTheFullBatch) {
+    for (int ranks : {1, 2}) {
+        TempDir t("packed");
+        RunConfig c = small_config(t.path);
+        c.ep_ranks = ranks;
+        c.grad_clip = 0;
+        c.model.router_aux_loss_coef = 0;  // the load-balancing loss is not a sum over tokens
+        const auto batch = varied_batch(c);
+        const auto adv = advantages_of(batch, c.group_size);
+        TrainStats full_stats, packed_stats;
+        for (int64_t budget : {int64_t{0}, int64_t{12}}) {
+            RunConfig run = c;
+            run.micro_batch_tokens = budget;
+            PolicyTrainer trainer(run, (t.path / ("work" + std::to_string(budget))).string());
+            (budget == 0 ? full_stats : packed_stats) = trainer.update(batch, adv);
+            trainer.save_optimizer((t.path / ("opt" + std::to_string(budget))).string());
+        }
+        EXPECT_NE(full_stats.loss, 0.0);
+        EXPECT_NEAR(packed_stats.loss, full_stats.loss, 1e-5 * std::abs(full_stats.loss) + 1e-7)
+            << ranks << " ranks";
+        EXPECT_NEAR(packed_stats.grad_norm, full_stats.grad_norm, 1e-4 * full_stats.grad_norm);
+        EXPECT_EQ(packed_stats.num_tokens, full_stats.num_tokens);
+        // The gradients, from the first moments: exp_avg = (1 - beta1) * gradient after one step.
+        auto [diff, scale] = max_difference(read_tensors(t.path / "opt0", "exp_avg."),
+                                            read_tensors(t.path / "opt12", "exp_avg."));
+        EXPECT_GT(scale, 0.0);
+        EXPECT_LT(diff, 1e-5 * scale) << ranks << " ranks";
+    }
+}
+
+TEST(TrainerMicroBatches, MismatchIsZeroWhenBehaviourIsTheTrainersOwn) {
+    TempDir t("mismatch");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    auto batch = varied_batch(c);
+    // Behaviour log-probs from the trainer's own forward: what an exact rollout would record.
+    PolicyTrainer trainer(c, (t.path / "work").string());
+    auto weights = trainer.weights();
+    moerl::model::MoeModel m(c.model, moerl::model::ModelOptions{});
+    {
+        c10::NoGradGuard g;
+        auto dst = m.state_dict();
+        ASSERT_EQ(dst.size(), weights.size());
+        for (size_t i = 0; i < dst.size(); ++i) dst[i].second.copy_(weights[i].second);
+    }
+    for (auto& e : batch) {
+        std::vector<int64_t> ids(e.task.prompt_tokens.begin(), e.task.prompt_tokens.end());
+        ids.insert(ids.end(), e.trajectory.tokens.begin(), e.trajectory.tokens.end());
+        at::Tensor x = at::tensor(ids, at::kLong).unsqueeze(0);
+        c10::NoGradGuard g;
+        at::Tensor lp = moerl::model::token_logprobs(m.forward(x, at::Tensor()).logits, x);
+        const size_t P = e.task.prompt_tokens.size();
+        for (size_t j = 0; j < e.trajectory.tokens.size(); ++j)
+            e.trajectory.logprobs[j] = lp[0][static_cast<int64_t>(P + j)].item<float>();
+    }
+    TrainStats st = trainer.update(batch, advantages_of(batch, c.group_size));
+    EXPECT_LT(st.logprob_diff, 1e-5);
+    EXPECT_LT(st.behaviour_ratio_std, 1e-5);
+    EXPECT_NEAR(st.mean_ratio, 1.0, 1e-5);
+    // And a recorded log-prob off by 0.5 on every token shows as such.
+    for (auto& e : batch)
+        for (auto& lp : e.trajectory.logprobs) lp -= 0.5f;
+    PolicyTrainer fresh(c, (t.path / "work2").string());
+    TrainStats off = fresh.update(batch, advantages_of(batch, c.group_size));
+    EXPECT_NEAR(off.logprob_diff, 0.5, 1e-4);
+}
+
+TEST(TrainerMixedPrecision, Bf16MasterWeightsTakeTheExactAdamWStep) {
+    TempDir t("bf16");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.grad_clip = 0;
+    c.weight_decay = 0;
+    c.train_dtype = "bf16";
+    const auto batch = varied_batch(c);
+    PolicyTrainer trainer(c, (t.path / "work").string());
+    trainer.save_weights((t.path / "w0").string());
+    trainer.update(batch, advantages_of(batch, c.group_size));
+    trainer.save_weights((t.path / "w1").string());
+    trainer.save_optimizer((t.path / "opt").string());
+    auto w0 = read_tensors(t.path / "w0", "");
+    auto w1 = read_tensors(t.path / "w1", "");
+    auto mom = read_tensors(t.path / "opt", "");
+    // After one step: w1 = w0 - lr * m_hat / (sqrt(v_hat) + eps), in fp32 on the master weights.
+    const double bc1 = 1 - c.beta1, bc2 = 1 - c.beta2;
+    int checked = 0, moved = 0;
+    for (const auto& [key, before] : w0) {
+        const std::string name = key.substr(key.find(':') + 1);
+        // Experts are one stacked tensor in the optimizer state and one per expert in the weights:
+        // the dense weights are compared.
+        auto mi = mom.find("optimizer-rank0.safetensors:exp_avg." + name);
+        if (mi == mom.end()) continue;
+        const auto& after = w1.at(key);
+        const auto& m = mi->second;
+        const auto& v = mom.at("optimizer-rank0.safetensors:exp_avg_sq." + name);
+        ASSERT_EQ(after.size(), before.size());
+        for (size_t i = 0; i < before.size(); ++i) {
+            const double step = c.lr * (m[i] / bc1) / (std::sqrt(v[i] / bc2) + c.adam_eps);
+            const double expected = static_cast<double>(before[i]) - step;
+            ASSERT_NEAR(after[i], expected, 1e-6 * std::max(1.0, std::abs(expected)))
+                << name << "[" << i << "]";
+            moved += after[i] != before[i];
+            ++checked;
+        }
+    }
+    EXPECT_GT(checked, 1000);
+    EXPECT_GT(moved, checked / 2);
+    // The steps are smaller than bf16's resolution for most weights: only fp32 masters keep them.
+    // What forward runs on is the master rounded to bf16.
+    for (const auto& [name, w] : trainer.weights()) {
+        EXPECT_EQ(w.scalar_type(), at::kBFloat16) << name;
+    }
+}
+
+TEST(TrainerConfig, CudaNeedsOneRankAndADevice) {
+    TempDir t("cudacfg");
+    RunConfig c = small_config(t.path);
+    c.train_device = "cuda";
+    c.ep_ranks = 2;
+    try {
+        c.validate();
+        FAIL() << "ranks.ep 2 on cuda accepted";
+    } catch (const moerl::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("ranks.ep must be 1"), std::string::npos) << e.what();
+    }
+    if (!at::hasCUDA()) {
+        c.ep_ranks = 1;
+        try {
+            PolicyTrainer trainer(c, (t.path / "work").string());
+            FAIL() << "a CUDA trainer without a device";
+        } catch (const moerl::Error& e) {
+            EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
+        }
+    }
+}
