@@ -2,6 +2,7 @@
 #include "moerl/rl/roles.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <chrono>

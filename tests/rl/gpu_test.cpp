@@ -2,6 +2,7 @@
 // against the CPU's, routing records of the fast decode path against the eager path's, sampling on
 // the device, and a generator that took new weights in place against one built with them.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -3,6 +3,7 @@
 #include "moerl/rl/trainer.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
