@@ -202,6 +202,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.integer("head_dim", 2, 1024, m.head_dim);
             s.integer("moe_intermediate_size", 1, 1 << 20, m.moe_intermediate_size);
             s.integer("intermediate_size", 1, 1 << 20, m.intermediate_size);
+            s.integer("max_position_embeddings", 1, 1 << 24, m.max_position_embeddings);
             s.integer("num_experts", 1, 1024, m.num_experts);
             s.integer("top_k", 1, 32, m.num_experts_per_tok);
             s.integer("decoder_sparse_step", 1, 256, m.decoder_sparse_step);
