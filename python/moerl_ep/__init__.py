@@ -1,0 +1,12 @@
+"""moerl_ep: moerl's expert-parallel library with DeepEP's Python API (docs/python.md).
+
+    import moerl_ep
+    buffer = moerl_ep.Buffer(group, num_nvl_bytes=...)   # instead of deep_ep.Buffer
+"""
+from . import _C
+from .buffer import Buffer, DispatchHandle, Error, LowLatencyHandle, TimeoutError  # noqa: A004
+from .config import Config
+from .utils import EventHandle, EventOverlap
+
+__all__ = ['Buffer', 'Config', 'DispatchHandle', 'Error', 'EventHandle', 'EventOverlap', 'LowLatencyHandle',
+           'TimeoutError']
