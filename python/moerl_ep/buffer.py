@@ -208,13 +208,15 @@ class Buffer:
         self._engines[key] = engine
         return engine
 
-    def _normal_engine(self, hidden: int, dtype: str, top_k: int, num_experts: int) -> Tuple[tuple, '_C.Engine']:
+    def _normal_engine(self, hidden: int, dtype: str, top_k: int, num_experts: int,
+                       max_tokens: int = 1 << 20) -> Tuple[tuple, '_C.Engine']:
+        # max_tokens caps the tokens per rank fitted to num_nvl_bytes (and so the memory registered).
         key = ('normal', hidden, dtype, top_k, num_experts)
         engine = self._engines.get(key)
         if engine is None:
             c = self._engine_config(hidden, top_k, num_experts, dtype, 1, False)
             c.validate()
-            max_tokens = min(self._normal_max_tokens(hidden, top_k, num_experts, dtype), 1 << 20)
+            max_tokens = min(self._normal_max_tokens(hidden, top_k, num_experts, dtype), max_tokens)
             if max_tokens < 1:
                 need = self.get_normal_size_hint(1, hidden, self.group_size, top_k, num_experts, dtype)
                 raise Error(f'dispatch: num_nvl_bytes = {self.num_nvl_bytes} holds no token of hidden {hidden} '
@@ -428,9 +430,11 @@ class Buffer:
         out = engine.combine(x, native, _stream(x))
         combined_w = None
         if topk_weights is not None:
-            # The weights sum in fp32 over a second engine of K fp32 columns with the same routing.
+            # The weights sum in fp32 over a second engine of K fp32 columns with the same routing, sized
+            # for the tokens of the first.
             w = topk_weights.to(torch.float32).contiguous()
-            wkey, wengine = self._normal_engine(w.size(1), 'fp32', handle._routing.size(1), handle._num_experts)
+            wkey, wengine = self._normal_engine(w.size(1), 'fp32', handle._routing.size(1), handle._num_experts,
+                                                engine.config.max_tokens_per_rank)
             wnative = self._native_handle(handle, wkey, wengine, torch.float32, w.device)
             combined_w = wengine.combine(w, wnative, _stream(w))
         if bias is not None:
