@@ -22,6 +22,13 @@ def _e4m3_to_float(bits):
     return sign * torch.where(exp == 0, mant / 8 * 2.0 ** -6, normal)
 
 
+def _cast_back(data, scales):
+    # per_token_cast_back of DeepEP's utils.
+    import torch
+    values = _e4m3_to_float(data).view(data.size(0), -1, 128) * scales.unsqueeze(-1)
+    return values.view(data.shape).to(torch.bfloat16)
+
+
 def _intranode(rank, world):
     import torch
     import torch.distributed as dist
@@ -33,6 +40,10 @@ def _intranode(rank, world):
                              explicitly_destroy=True, timeout_s=20)
     x = torch.ones((T, H), dtype=torch.bfloat16) * rank
     x_pure_rand = torch.randn((T, H), dtype=torch.bfloat16)
+    # per_token_cast_to_fp8(x) of DeepEP's utils, for x = rank everywhere: e4m3 448 (0x7e) times amax / 448.
+    fp8 = getattr(torch, 'float8_e4m3fn', torch.uint8)
+    x_e4m3 = (torch.full((T, H), 0x7e if rank else 0, dtype=torch.uint8).view(fp8),
+              torch.full((T, H // 128), max(rank, 1e-4) / 448.0))
     scores = torch.randn((T, E)).abs() + 1
     topk_idx = torch.topk(scores, K, dim=-1, sorted=False)[1]
     topk_weights = torch.ones((T, K)) * rank
@@ -65,7 +76,7 @@ def _intranode(rank, world):
     passed = 0
     for previous_mode in (False, True):
         for async_mode in (False, True):
-            for current_x in (x_pure_rand, x):
+            for current_x in (x_pure_rand, x, x_e4m3):
                 for with_topk in (False, True):
                     args = {'x': current_x, 'num_tokens_per_rank': num_tokens_per_rank,
                             'is_token_in_rank': is_token_in_rank, 'num_tokens_per_expert': num_tokens_per_expert,
@@ -77,6 +88,7 @@ def _intranode(rank, world):
                         args.update({'previous_event': buffer.capture()})
                     recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(**args)
                     event.current_stream_wait() if async_mode else ()
+                    recv_x = _cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
                     rank_prefix_matrix = handle[0]
                     assert gbl_per_rank[rank].item() == recv_x.size(0)
                     assert gbl_per_expert.view(world, -1)[rank].tolist() == counts
@@ -97,6 +109,7 @@ def _intranode(rank, world):
                         worst = T * world
                         args.update({'num_worst_tokens': worst})
                         wx, widx, ww, empty, _, event = buffer.dispatch(**args)
+                        wx = _cast_back(*wx) if isinstance(wx, tuple) else wx
                         assert len(empty) == 0 and wx.size(0) == worst and widx.size(0) == worst
                         assert torch.equal(recv_x, wx[:recv_x.size(0)])
                         assert torch.equal(recv_topk_idx, widx[:recv_x.size(0)])
@@ -108,6 +121,7 @@ def _intranode(rank, world):
                             cached.update({'previous_event': buffer.capture()})
                         recv_x, _, _, _, _, event = buffer.dispatch(**cached)
                         event.current_stream_wait() if async_mode else ()
+                        recv_x = _cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
                         if current_x is not x_pure_rand:
                             check_data(recv_x, rank_prefix_matrix)
                     combine = {'x': recv_x, 'handle': handle, 'config': config, 'async_finish': async_mode}
@@ -210,7 +224,7 @@ def _low_latency(rank, world):
 
 class DeepEPCallsTest(unittest.TestCase):
     def test_intranode_sequence(self):
-        self.assertEqual(run_ranks(2, _intranode, timeout=120), [16, 16])
+        self.assertEqual(run_ranks(2, _intranode, timeout=120), [24, 24])
 
     def test_low_latency_sequence(self):
         self.assertEqual(run_ranks(2, _low_latency, timeout=120), [8, 8])

@@ -7,7 +7,7 @@ from harness import run_ranks
 T, H, FFN, E, K = 6, 32, 24, 8, 2
 
 
-def _layer_errors(rank, world, dtype_name, seed):
+def _layer_errors(rank, world, dtype_name, seed, transport='host'):
     import torch
     import torch.distributed as dist
     import moerl_ep
@@ -25,7 +25,7 @@ def _layer_errors(rank, world, dtype_name, seed):
     ref = full(Xr)
     (ref.float() * G.float()).sum().backward()
 
-    buffer = moerl_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, timeout_s=20)
+    buffer = moerl_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, transport=transport, timeout_s=20)
     layer = MoE(buffer, H, FFN, E, K, dtype=dtype)
     n = layer.w_gate.size(0)
     experts = slice(layer.first_expert, layer.first_expert + n)
@@ -53,10 +53,10 @@ def _layer_errors(rank, world, dtype_name, seed):
 
 
 class MoELayerTest(unittest.TestCase):
-    def check(self, world, dtype, tol):
-        for errors in run_ranks(world, _layer_errors, dtype, 1234, timeout=120):
+    def check(self, world, dtype, tol, transport='host'):
+        for errors in run_ranks(world, _layer_errors, dtype, 1234, transport, timeout=120):
             for what, e in errors.items():
-                self.assertLess(e, tol, f'{world} ranks, {dtype}: {what} differs by {e:.3g} (relative)')
+                self.assertLess(e, tol, f'{world} ranks, {dtype}, {transport}: {what} differs by {e:.3g}')
 
     def test_two_ranks_fp32(self):
         self.check(2, 'float32', 1e-5)
@@ -66,6 +66,12 @@ class MoELayerTest(unittest.TestCase):
 
     def test_two_ranks_bf16(self):
         self.check(2, 'bfloat16', 5e-2)
+
+    def test_two_ranks_fabric_tcp(self):
+        import moerl_ep
+        if 'fabric' not in moerl_ep._C.available_transports():
+            self.skipTest('built without libfabric')
+        self.check(2, 'float32', 1e-5, 'fabric/tcp')
 
 
 if __name__ == '__main__':
