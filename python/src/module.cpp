@@ -141,8 +141,8 @@ class Engine {
         if (idx.defined()) check_tensor(idx, "dispatch: topk_idx", at::kLong, dev);
         if (w.defined()) check_tensor(w, "dispatch: topk_weights", at::kFloat, dev);
         const int64_t H = c.hidden, K = c.top_k;
-        int64_t rows = c.max_recv_tokens();
-        if (reuse) rows = reuse->h.num_recv_tokens();
+        // At least one row: the library takes no null recv_x, even when nothing arrives.
+        const int64_t rows = reuse ? std::max(reuse->h.num_recv_tokens(), 1) : c.max_recv_tokens();
         auto opts = x.options();
         at::Tensor recv_x = at::empty({rows, H}, c.fp8_dispatch ? opts.dtype(at::kByte) : opts), recv_scales,
                    recv_idx, recv_w;

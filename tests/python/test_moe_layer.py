@@ -7,7 +7,7 @@ from harness import run_ranks
 T, H, FFN, E, K = 6, 32, 24, 8, 2
 
 
-def _layer_errors(rank, world, dtype_name, seed, transport='host'):
+def _layer_errors(rank, world, dtype_name, seed, transport='host', starve_last_rank=False):
     import torch
     import torch.distributed as dist
     import moerl_ep
@@ -20,6 +20,12 @@ def _layer_errors(rank, world, dtype_name, seed, transport='host'):
         for p in full.parameters():
             p.copy_(torch.randn(p.shape) * 0.3)
     X = torch.randn(world * T, H).to(dtype)
+    if starve_last_rank:  # positive x, and the last rank's experts score negative: it receives no row
+        X = X.abs()
+        last = E - E // world
+        with torch.no_grad():
+            full.router.weight.abs_()
+            full.router.weight[last:].neg_()
     G = torch.randn(world * T, H).to(dtype)
     Xr = X.clone().requires_grad_()
     ref = full(Xr)
@@ -48,13 +54,15 @@ def _layer_errors(rank, world, dtype_name, seed, transport='host'):
         'grad_router': err(router_grad, full.router.weight.grad),
     }
     for name in ('w_gate', 'w_up', 'w_down'):
-        errors['grad_' + name] = err(getattr(layer, name).grad, getattr(full, name).grad[experts])
+        param = getattr(layer, name)
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)  # experts without rows
+        errors['grad_' + name] = err(grad, getattr(full, name).grad[experts])
     return errors
 
 
 class MoELayerTest(unittest.TestCase):
-    def check(self, world, dtype, tol, transport='host'):
-        for errors in run_ranks(world, _layer_errors, dtype, 1234, transport, timeout=120):
+    def check(self, world, dtype, tol, transport='host', starve_last_rank=False):
+        for errors in run_ranks(world, _layer_errors, dtype, 1234, transport, starve_last_rank, timeout=120):
             for what, e in errors.items():
                 self.assertLess(e, tol, f'{world} ranks, {dtype}, {transport}: {what} differs by {e:.3g}')
 
@@ -66,6 +74,9 @@ class MoELayerTest(unittest.TestCase):
 
     def test_two_ranks_bf16(self):
         self.check(2, 'bfloat16', 5e-2)
+
+    def test_rank_without_rows(self):
+        self.check(2, 'float32', 1e-5, starve_last_rank=True)
 
     def test_two_ranks_fabric_tcp(self):
         import moerl_ep
