@@ -14,7 +14,7 @@ def _survive_dead_peer(rank, world):
     import torch.distributed as dist
     import moerl_ep
 
-    buffer = moerl_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 16, timeout_s=2)
+    buffer = moerl_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 16, timeout_s=5)
     x = torch.randn(T, H)
     idx = torch.arange(T).remainder(E).view(T, K)
     layout = buffer.get_dispatch_layout(idx, E)
