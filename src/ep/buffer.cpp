@@ -68,8 +68,9 @@ void Buffer::destroy() {
     engine_.reset();
 }
 
-Layout Buffer::layout(View<const int64_t> topk_idx) const {
-    const Config& c = config_;
+Layout Buffer::layout(View<const int64_t> topk_idx) const { return compute_layout(config_, topk_idx); }
+
+Layout compute_layout(const Config& c, View<const int64_t> topk_idx) {
     check_rows(c, "topk_idx", topk_idx.rows, topk_idx.cols, c.max_tokens_per_rank, c.top_k);
     check_topk(c, topk_idx);
     const int W = c.world_size;

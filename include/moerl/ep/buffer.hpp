@@ -107,6 +107,10 @@ class Buffer {
     std::unique_ptr<Engine> engine_;
 };
 
+// The layout of topk_idx under config (world_size, num_experts, top_k, max_tokens_per_rank), without a
+// Buffer: what Buffer::layout returns. Host memory; validates every id.
+Layout compute_layout(const Config& config, View<const int64_t> topk_idx);
+
 // Reference checks shared by every engine; throw moerl::Error naming the bad value.
 void check_topk(const Config& config, View<const int64_t> topk_idx);
 void check_rows(const Config& config, const char* what, int64_t rows, int64_t cols, int64_t max_rows,

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Per-call overhead of moerl_ep (the Python binding) over calling the EP library's C++ API directly.
+
+Both sides run the same engine (one moerl::ep::Buffer) in the same processes: the C++ side is a loop
+of Buffer::dispatch + Buffer::combine with outputs allocated once (moerl_ep._C.Engine.time_native);
+the Python side is moerl_ep.Buffer.dispatch / .combine as DeepEP callers use them (handle objects,
+fresh output tensors, events). Prints medians in microseconds per call and the difference.
+
+    PYTHONPATH=build/python python3 bench/python_overhead.py [--ranks 1 2] [--tokens 8] [--hidden 256]
+"""
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+
+
+def _rank(rank, world, args, results):
+    import torch
+    import torch.distributed as dist
+    import moerl_ep
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'file://{args.init_dir}/{world}', rank=rank, world_size=world)
+    device = 'cuda' if args.device == 'cuda' else 'cpu'
+    if device == 'cuda':
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dtype = {'bf16': torch.bfloat16, 'fp32': torch.float32}[args.dtype]
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    size = moerl_ep.Buffer.get_normal_size_hint(T, H, world, K, E, args.dtype)
+    buffer = moerl_ep.Buffer(dist.group.WORLD, num_nvl_bytes=size, transport=args.transport, timeout_s=60)
+    torch.manual_seed(rank)
+    x = torch.randn(T, H, device=device).to(dtype)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(device)
+    w = torch.rand(T, K, device=device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    kwargs = dict(topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **kwargs)  # makes the engine
+    engine = next(iter(buffer._engines.values()))
+
+    def sync():
+        if device == 'cuda':
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        out = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(out)
+
+    rows = {}
+    for _ in range(2):  # a second round once everything is warm; the last one counts
+        native_dispatch, native_combine = engine.time_native(x, idx, w, args.iters)
+        rows['dispatch'] = (native_dispatch, timed(lambda: buffer.dispatch(x, **kwargs)))
+        rows['combine'] = (native_combine, timed(lambda: buffer.combine(recv_x, handle)))
+        rows['dispatch (cached handle)'] = (None, timed(lambda: buffer.dispatch(x, handle=handle)))
+        rows['get_dispatch_layout'] = (None, timed(lambda: buffer.get_dispatch_layout(idx, E)))
+    results.put((rank, rows, engine.transport_name))
+    dist.barrier()
+    buffer._release()
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--ranks', type=int, nargs='+', default=[1, 2])
+    p.add_argument('--tokens', type=int, default=8)
+    p.add_argument('--hidden', type=int, default=256)
+    p.add_argument('--experts', type=int, default=8)
+    p.add_argument('--topk', type=int, default=2)
+    p.add_argument('--dtype', choices=['bf16', 'fp32'], default='bf16')
+    p.add_argument('--iters', type=int, default=2000)
+    p.add_argument('--device', choices=['cpu', 'cuda'], default='cpu')
+    p.add_argument('--transport', default=None, help='host, fabric/tcp, cuda, nccl (default: host on cpu)')
+    args = p.parse_args()
+    if args.transport is None:
+        args.transport = 'cuda' if args.device == 'cuda' else 'host'
+    args.init_dir = tempfile.mkdtemp(prefix='moerl-ep-bench-')
+    print(f'moerl_ep overhead: {args.tokens} tokens x hidden {args.hidden} ({args.dtype}), {args.experts} '
+          f'experts, top-{args.topk}, {args.device}, median of {args.iters} calls per rank, microseconds')
+    print()
+    print('| ranks | transport | call | C++ API | moerl_ep | overhead |')
+    print('|---|---|---|---|---|---|')
+    ctx = mp.get_context('spawn')
+    for world in args.ranks:
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(r, world, args, results)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        got = [results.get(timeout=600) for _ in range(world)]
+        for proc in procs:
+            proc.join()
+        rows, transport = min(got)[1], min(got)[2]  # rank 0's figures
+        for call, (native, module) in rows.items():
+            native_s = f'{native:.1f}' if native is not None else '-'
+            over = f'{module - native:.1f}' if native is not None else '-'
+            print(f'| {world} | {transport} | {call} | {native_s} | {module:.1f} | {over} |')
+
+
+if __name__ == '__main__':
+    main()
