@@ -135,6 +135,7 @@ struct RolloutWorker::Impl {
     int64_t sync() {
         auto latest = cp.registry->latest();
         if (!latest || latest->first <= version) return version;
+        const auto t0 = Clock::now();
         const std::string& uri = latest->second;
         std::string dir;
         if (uri.rfind("file://", 0) == 0) {
@@ -148,6 +149,9 @@ struct RolloutWorker::Impl {
         model.load_weights(dir);
         engine->refresh_weights();
         version = latest->first;
+        ++stats.syncs;
+        stats.last_sync_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+        stats.sync_seconds += stats.last_sync_seconds;
         return version;
     }
 

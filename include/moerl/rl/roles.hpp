@@ -44,6 +44,9 @@ struct RolloutStats {
     int64_t released = 0;    // tasks given back with a partial trajectory
     int64_t tokens = 0;      // tokens sampled
     double seconds = 0;      // time spent generating
+    // Policy versions loaded, and the seconds fetching and loading them took: in all, the newest.
+    int64_t syncs = 0;
+    double sync_seconds = 0, last_sync_seconds = 0;
 };
 
 class RolloutWorker {
