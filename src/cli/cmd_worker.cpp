@@ -85,18 +85,24 @@ void run_worker(const WorkerArgs& a) {
             .set(static_cast<double>(::time(nullptr)));
         metrics.gauge_fn("moerl_worker_connected", "1 once the control plane answered",
                          [&connected] { return connected.load() ? 1.0 : 0.0; });
-        health = std::make_unique<HealthServer>(HealthOptions::from_env(), metrics,
-                                                [&connected](std::string& why) {
-                                                    if (stop_flag().load()) {
-                                                        why = "stopping (termination notice)";
-                                                        return false;
-                                                    }
-                                                    if (!connected.load()) {
-                                                        why = "connecting to the control plane";
-                                                        return false;
-                                                    }
-                                                    return true;
-                                                });
+        const bool needs_policy = a.role == "rollout" || a.role == "reward";
+        health = std::make_unique<HealthServer>(
+            HealthOptions::from_env(), metrics, [&connected, &metrics, needs_policy](std::string& why) {
+                if (stop_flag().load()) {
+                    why = "stopping (termination notice)";
+                    return false;
+                }
+                if (!connected.load()) {
+                    why = "connecting to the control plane";
+                    return false;
+                }
+                // A rollout worker is ready once it generates: a policy is loaded.
+                if (needs_policy && metrics.value("moerl_rollout_policy_version").value_or(-1) < 0) {
+                    why = "no policy loaded yet";
+                    return false;
+                }
+                return true;
+            });
         log_line(who, "health server on port " + std::to_string(health->port()));
     }
 #endif
@@ -107,6 +113,9 @@ void run_worker(const WorkerArgs& a) {
     connected = true;
 #endif
     rl::WorkerContext w{run_id, who, &stop_flag(), [who](const std::string& text) { log_line(who, text); }};
+#ifdef MOERL_HAVE_HEALTH
+    if (health) w.metrics = &metrics;
+#endif
     if (a.role == "env") {
         rl::run_env_worker(cfg, cp, w);
     } else if (a.role == "train") {

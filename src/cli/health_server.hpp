@@ -1,69 +1,20 @@
 // Per-role HTTP endpoints for a cluster scheduler and a metrics scraper:
 //   GET /healthz  200 while the process serves requests (liveness)
 //   GET /readyz   200 when the readiness callback says the role's backends answer, else 503 and why
-//   GET /metrics  the registered counters and gauges in Prometheus' text exposition format 0.0.4
+//   GET /metrics  the registry's counters and gauges (moerl/core/metrics_registry.hpp) in
+//                 Prometheus' text exposition format 0.0.4
 // The server runs on its own threads; the role only bumps counters and sets gauges.
 #pragma once
 
 #include <atomic>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <string>
 #include <thread>
 
+#include "moerl/core/metrics_registry.hpp"
+
 namespace moerl::cli {
-
-// A monotonically increasing value (Prometheus "counter": by convention its name ends in _total).
-class Counter {
-  public:
-    void add(double by = 1) { value_.fetch_add(by, std::memory_order_relaxed); }
-    double value() const { return value_.load(std::memory_order_relaxed); }
-
-  private:
-    std::atomic<double> value_{0};
-};
-
-// A value that goes up and down (Prometheus "gauge").
-class Gauge {
-  public:
-    void set(double v) { value_.store(v, std::memory_order_relaxed); }
-    void add(double by) { value_.fetch_add(by, std::memory_order_relaxed); }
-    double value() const { return value_.load(std::memory_order_relaxed); }
-
-  private:
-    std::atomic<double> value_{0};
-};
-
-// Metrics registered by name. Names must match [a-zA-Z_:][a-zA-Z0-9_:]* and are unique across kinds;
-// registering a name again returns the same metric (same kind required). References stay valid for
-// the registry's lifetime.
-class MetricsRegistry {
-  public:
-    Counter& counter(const std::string& name, const std::string& help);
-    Gauge& gauge(const std::string& name, const std::string& help);
-    // A gauge computed at scrape time, e.g. a queue depth read from Redis; an exception or NaN
-    // from `read` leaves the sample out of that scrape.
-    void gauge_fn(const std::string& name, const std::string& help, std::function<double()> read);
-
-    // The text exposition: "# HELP", "# TYPE" and one sample line per metric, sorted by name.
-    std::string exposition() const;
-
-  private:
-    struct Entry {
-        std::string help;
-        const char* type = "gauge";
-        std::unique_ptr<Counter> counter;
-        std::unique_ptr<Gauge> gauge;
-        std::function<double()> read;
-    };
-    Entry& add(const std::string& name, const std::string& help, const char* type);
-
-    mutable std::mutex mutex_;
-    std::map<std::string, Entry> entries_;  // GUARDED_BY(mutex_)
-};
 
 struct HealthOptions {
     // Address to listen on. Default "0.0.0.0" (MOERL_HEALTH_ADDR): a pod's probes come from the

@@ -160,6 +160,7 @@ class S3Store final : public CheckpointStore {
         curl_init_once();
         curl_ = curl_easy_init();
         MOERL_CHECK(curl_ != nullptr, "curl_easy_init failed");
+        if (options_.credentials) options_.credentials->get();  // a missing or broken source fails here
     }
 
     ~S3Store() override { curl_easy_cleanup(curl_); }
@@ -263,6 +264,17 @@ class S3Store final : public CheckpointStore {
         return root_ + key;
     }
 
+    aws::Credentials credentials() {
+        if (options_.credentials) return options_.credentials->get();
+        return {options_.access_key_id, options_.secret_access_key, options_.session_token, std::nullopt,
+                "options"};
+    }
+
+    static bool expired(const Response& r) {
+        return (r.status == 400 || r.status == 403) &&
+               (r.code() == "ExpiredToken" || r.code() == "TokenRefreshRequired");
+    }
+
     std::string describe(const Request& r) const {
         std::string out = std::string("S3 ") + r.method + " s3://" + bucket_ + "/" + r.key;
         for (const auto& [k, v] : r.query)
@@ -291,6 +303,7 @@ class S3Store final : public CheckpointStore {
             r.body != nullptr ? sha256_hex(r.body->data(), r.body->size()) : kEmptySha256;
         auto backoff = options_.backoff;
         Response resp;
+        bool refreshed = false;
         for (int attempt = 1;; ++attempt) {
             if (r.sink != nullptr) {
                 // A failed try may have written part of the body.
@@ -301,6 +314,13 @@ class S3Store final : public CheckpointStore {
             resp = Response{};
             std::string curl_error;
             CURLcode rc = perform_once(r, url, payload_hash, resp, curl_error);
+            if (rc == CURLE_OK && expired(resp) && options_.credentials && !refreshed) {
+                // Temporary credentials revoked or expired early: fetch new ones, once.
+                options_.credentials->invalidate();
+                refreshed = true;
+                --attempt;
+                continue;
+            }
             if (rc == CURLE_OK && !is_transient(resp)) return resp;
             MOERL_CHECK(rc == CURLE_OK || is_transient(rc), describe(r), " failed: curl error ", rc, " ",
                         curl_easy_strerror(rc), " (", curl_error, ")");
@@ -327,11 +347,13 @@ class S3Store final : public CheckpointStore {
             MOERL_CHECK(next != nullptr, "curl_slist_append failed");
             headers = next;
         };
+        const aws::Credentials creds = credentials();
         add_header("x-amz-content-sha256: " + payload_hash);
-        if (!options_.session_token.empty()) add_header("x-amz-security-token: " + options_.session_token);
+        // Signed with the rest (curl signs every header it is given): temporary credentials need it.
+        if (!creds.session_token.empty()) add_header("x-amz-security-token: " + creds.session_token);
         if (!r.content_type.empty()) add_header("Content-Type: " + r.content_type);
         std::string sigv4 = "aws:amz:" + options_.region + ":s3";
-        std::string userpwd = options_.access_key_id + ":" + options_.secret_access_key;
+        std::string userpwd = creds.access_key_id + ":" + creds.secret_access_key;
         CURLcode rc = CURLE_OK;
         auto set = [&](CURLcode c) {
             if (rc == CURLE_OK) rc = c;
@@ -460,9 +482,7 @@ Options Options::from_env() {
     o.endpoint =
         env::get_string("AWS_ENDPOINT_URL_S3",
                         env::get_string("AWS_ENDPOINT_URL", "https://s3." + o.region + ".amazonaws.com"));
-    o.access_key_id = env::get_string("AWS_ACCESS_KEY_ID", "");
-    o.secret_access_key = env::get_string("AWS_SECRET_ACCESS_KEY", "");
-    o.session_token = env::get_string("AWS_SESSION_TOKEN", "");
+    o.credentials = std::make_shared<aws::CredentialChain>(aws::ChainSettings::from_env(o.region));
     return o;
 }
 
@@ -485,8 +505,10 @@ std::string Options::read_uri_settings(const std::string& uri) {
 }
 
 void Options::validate() const {
-    MOERL_CHECK(!access_key_id.empty() && !secret_access_key.empty(),
-                "S3 credentials missing: expected AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to be set");
+    MOERL_CHECK(
+        credentials || (!access_key_id.empty() && !secret_access_key.empty()),
+        "S3 credentials missing: expected AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or another source of "
+        "the AWS credential chain (IRSA, Pod Identity, instance metadata)");
     MOERL_CHECK(endpoint.rfind("http://", 0) == 0 || endpoint.rfind("https://", 0) == 0, "S3 endpoint '",
                 endpoint, "': expected http://host[:port] or https://host[:port]");
     MOERL_CHECK(!region.empty(), "S3 region is empty; expected e.g. us-east-1 (AWS_REGION)");

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "aws_credentials.hpp"
 #include "moerl/control/control.hpp"
 
 namespace moerl::control::s3 {
@@ -15,9 +16,13 @@ struct Options {
     // https://s3.REGION.amazonaws.com). Objects are addressed path-style: ENDPOINT/bucket/key.
     std::string endpoint;
     std::string region = "us-east-1";  // AWS_REGION, else AWS_DEFAULT_REGION
-    std::string access_key_id;         // AWS_ACCESS_KEY_ID (required)
-    std::string secret_access_key;     // AWS_SECRET_ACCESS_KEY (required)
-    std::string session_token;         // AWS_SESSION_TOKEN (optional)
+    // Fixed keys (tests, tools); when empty, `credentials` supplies them.
+    std::string access_key_id;
+    std::string secret_access_key;
+    std::string session_token;
+    // The credential chain (aws_credentials.hpp): environment keys, IRSA web identity, container
+    // endpoint (EKS Pod Identity), IMDSv2; from_env() sets it.
+    std::shared_ptr<aws::CredentialChain> credentials;
     // Files larger than this go up as a multipart upload (the URI's multipart_mb, default 8, >= 1).
     uint64_t multipart_threshold = 8ull << 20;
     // Part size of a multipart upload; at least 5 MiB as S3 requires, and large enough for at most
@@ -33,7 +38,7 @@ struct Options {
     std::chrono::milliseconds stall_timeout{30000};
     int list_page_size = 1000;  // max-keys of ListObjectsV2 (1..1000)
 
-    // Endpoint, region and credentials from the standard AWS environment variables.
+    // Endpoint and region from the standard AWS environment variables, credentials from the chain.
     static Options from_env();
     // Applies the settings of an s3://bucket/prefix?name=value&... URI (multipart_mb, part_mb,
     // attempts, backoff_ms); returns the URI without its query. An unknown name is an error.

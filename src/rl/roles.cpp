@@ -189,6 +189,7 @@ struct RolloutWorker::Impl {
     int64_t sync() {
         auto latest = cp.registry->latest();
         if (!latest || latest->first <= version) return version;
+        const auto t0 = Clock::now();
         const std::string& uri = latest->second;
         const auto t0 = Clock::now();
         if (uri.rfind(kMemoryPrefix, 0) == 0) {
@@ -199,8 +200,9 @@ struct RolloutWorker::Impl {
             engine->refresh_weights();
             if (model.options().device.is_cuda())
                 at::zeros({1}, model.options().device).item();  // copies done
-            stats.sync_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
             ++stats.syncs;
+            stats.last_sync_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+            stats.sync_seconds += stats.last_sync_seconds;
             version = latest->first;
             return version;
         }
@@ -215,9 +217,10 @@ struct RolloutWorker::Impl {
         }
         model.load_weights(dir);
         engine->refresh_weights();
-        stats.sync_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-        ++stats.syncs;
         version = latest->first;
+        ++stats.syncs;
+        stats.last_sync_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+        stats.sync_seconds += stats.last_sync_seconds;
         return version;
     }
 

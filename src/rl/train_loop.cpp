@@ -18,6 +18,7 @@
 #include "moerl/core/error.hpp"
 #include "moerl/rl/metrics.hpp"
 #include "moerl/rl/threads.hpp"
+#include "role_metrics.hpp"
 
 namespace moerl::rl {
 
@@ -91,7 +92,12 @@ nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step
 class Loop {
   public:
     Loop(const RunConfig& cfg, ControlPlane& cp, const TrainLoopOptions& opt, ExperienceProducer* producer)
-        : cfg_(cfg), cp_(cp), opt_(opt), producer_(producer), out_(fs::absolute(cfg.output_dir)) {}
+        : cfg_(cfg),
+          cp_(cp),
+          opt_(opt),
+          producer_(producer),
+          out_(fs::absolute(cfg.output_dir)),
+          role_metrics_(opt.metrics) {}
 
     RunSummary run() {
         pin_threads(cfg_.threads);
@@ -99,6 +105,7 @@ class Loop {
         auto deferred = std::make_unique<control::DeferredAckBuffer>(std::move(cp_.experience));
         acks_ = deferred.get();
         cp_.experience = std::move(deferred);
+        role_metrics_.time_publishes(cp_);
         TrainerRole trainer(cfg_, cp_, (out_ / "trainer").string());
         trainer_ = &trainer;
         const int64_t first = trainer.start(opt_.resume);
@@ -141,6 +148,7 @@ class Loop {
             const double tokens_per_s = sampled_per_s >= 0 ? sampled_per_s
                                         : step_s > 0       ? static_cast<double>(r->response_tokens) / step_s
                                                            : 0.0;
+            role_metrics_.step(*r, step_s);
             metrics << metrics_row(*r, tokens_per_s, step_s, producer_ ? &produced : nullptr).dump() << "\n";
             metrics.flush();
             MOERL_CHECK(metrics.good(), metrics_path_, ": cannot append");
@@ -210,6 +218,7 @@ class Loop {
         const auto t = Clock::now();
         auto next_note = t + std::chrono::seconds(30);
         while (!stop_requested()) {
+            role_metrics_.sample(cp_);
             auto r = trainer_->train_step(step, control::Millis(500));
             if (r) return r;
             MOERL_CHECK(opt_.step_timeout_s <= 0 || seconds_since(t) < opt_.step_timeout_s,
@@ -258,6 +267,7 @@ class Loop {
     int64_t saved_next_ = 0;  // next_step of the newest checkpoint (or of the start)
     std::string metrics_path_;
     std::vector<double> steps_axis_, rewards_;
+    TrainMetrics role_metrics_;
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/rl/run.hpp"
+#include "role_metrics.hpp"
 
 namespace moerl::rl {
 
@@ -94,15 +95,19 @@ class Heartbeat {
 
 void run_env_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext& w) {
     DoneWatch done(*cp.store);
+    EnvMetrics metrics(w.metrics);
     int64_t env_next = 0;
     int64_t last_logged = -2;
     while (!stopping(w) && !done.done()) {
         auto latest = cp.registry->latest();
         const int64_t version = latest ? latest->first : -1;
         if (version >= 0) {
-            while (env_next <= version + cfg.max_staleness && env_next < cfg.steps && !stopping(w))
+            while (env_next <= version + cfg.max_staleness && env_next < cfg.steps && !stopping(w)) {
                 put_step_tasks(cfg, *cp.tasks, env_next++);
+                metrics.step_put(int64_t{cfg.prompts_per_step} * cfg.group_size, env_next);
+            }
         }
+        metrics.sample(*cp.tasks);
         if (env_next - 1 != last_logged && env_next > 0) {
             last_logged = env_next - 1;
             say(w, "put step " + std::to_string(last_logged) + " (policy v" + std::to_string(version) + ")");
@@ -115,6 +120,8 @@ void run_env_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext&
 
 void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext& w,
                         const std::string& cache_dir) {
+    RolloutMetrics metrics(w.metrics);
+    metrics.count_queue(cp);
     RolloutWorker worker(cfg, cp, w.name, cache_dir);
     DoneWatch done(*cp.store);
     {
@@ -123,10 +130,13 @@ void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerCont
         // policy could not generate it.
         while (!stopping(w) && !done.done() && worker.sync_policy() < 0)
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        metrics.update(worker.stats(), worker.policy_version());
         int failures = 0;
         while (!stopping(w) && !done.done()) {
             try {
-                worker.work(Millis(500), w.stop);
+                // At most 32 decode steps a call, so the metrics follow a long stretch of work.
+                worker.work(Millis(500), w.stop, 32);
+                metrics.update(worker.stats(), worker.policy_version());
                 prune_policy_dirs(cache_dir, 2);
                 failures = 0;
             } catch (const moerl::Error& e) {
@@ -165,6 +175,7 @@ RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const Worker
     loop.log = w.log;
     loop.audit_path = opt.audit_path;
     loop.check = [&lock] { lock->check(); };
+    loop.metrics = w.metrics;
     return train_loop(cfg, cp, loop, nullptr);
 }
 

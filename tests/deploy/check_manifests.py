@@ -115,6 +115,7 @@ class Lint:
         self.check_trainer()
         self.check_rollout()
         self.check_redis()
+        self.check_credentials()
         if self.cluster:
             self.check_node_groups()
         return self.errors
@@ -404,6 +405,42 @@ class Lint:
         if not re.search(r"redis:7\.", c.get("image", "")):
             self.error(sts, f"redis image {c.get('image')}; expected Redis 7 (streams lag for KEDA)")
 
+    # Set by EKS (IRSA's webhook, the Pod Identity agent): a value in a manifest would override it.
+    INJECTED_AWS_ENV = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+                        "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE")
+
+    def check_credentials(self):
+        accounts = set()
+        for w in self.workloads():
+            moerl = [c for c, _ in self.containers(w) if c.get("image", "").split("/")[-1].startswith("moerl")]
+            if not moerl:
+                continue
+            sa = self.pod_spec(w).get("serviceAccountName")
+            if not sa or not self.named("ServiceAccount", sa):
+                self.error(w, f"serviceAccountName {sa!r} is not a ServiceAccount of the render "
+                              "(the S3 role of IRSA / Pod Identity hangs on it)")
+            accounts.add(sa)
+            for c in moerl:
+                for e in c.get("env", []):
+                    if e["name"] in self.INJECTED_AWS_ENV:
+                        self.error(w, f"container {c['name']} sets {e['name']}, which EKS injects for IRSA / "
+                                      "Pod Identity; leave it to EKS")
+        if not self.cluster:
+            return
+        associations = {(a.get("namespace"), a.get("serviceAccountName"))
+                        for a in self.cluster.get("iam", {}).get("podIdentityAssociations", [])}
+        for sa in sorted(a for a in accounts if a):
+            obj = self.named("ServiceAccount", sa)
+            if obj is None:
+                continue
+            arn = obj["metadata"].get("annotations", {}).get("eks.amazonaws.com/role-arn", "")
+            if (self.namespace, sa) in associations:
+                continue
+            if not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+", arn):
+                self.error(obj, f"no IAM role for the S3 store: annotation eks.amazonaws.com/role-arn {arn!r} "
+                                "is not a role ARN, and the cluster config has no podIdentityAssociation for it")
+
     def check_node_groups(self):
         groups = self.cluster.get("managedNodeGroups", []) + self.cluster.get("nodeGroups", [])
         for w in self.workloads():
@@ -527,6 +564,12 @@ BAD = {
         {"nvidia.com/gpu": 2}), "requests 2 != limits 1"),
     "untolerated-taint": ("eks", lambda o: find(o, "StatefulSet", "redis")["spec"]["template"]["spec"].pop("tolerations"),
                           "taint moerl.dev/pool:NoSchedule"),
+    "irsa-env-by-hand": ("eks", lambda o: container(o, "Deployment", "rollout")["env"].append(
+        {"name": "AWS_ROLE_ARN", "value": "arn:aws:iam::111122223333:role/other"}), "which EKS injects"),
+    "no-irsa-role": ("eks", lambda o: find(o, "ServiceAccount", "moerl")["metadata"].pop("annotations"),
+                     "no IAM role for the S3 store"),
+    "unknown-service-account": ("dev", lambda o: find(o, "Deployment", "env")["spec"]["template"]["spec"].update(
+        serviceAccountName="moerl-s3"), "is not a ServiceAccount of the render"),
     "unknown-pool": ("eks", lambda o: find(o, "Deployment", "env")["spec"]["template"]["spec"]["nodeSelector"].update(
         {"moerl.dev/pool": "cpus"}), "no node group of the cluster config"),
 }

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include <atomic>
+#include <cmath>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -175,6 +176,23 @@ TEST(HealthServer, RegistryRejectsBadNamesAndKindClashes) {
     metrics.gauge_fn("moerl_depth", "Depth", [] { return 1.0; });
     EXPECT_THROW(metrics.gauge_fn("moerl_depth", "Depth", [] { return 2.0; }), Error);
     EXPECT_THROW(metrics.gauge("moerl_depth", "Depth"), Error);
+}
+
+TEST(HealthServer, RegistryReadsValuesByName) {
+    // The rollout's readiness probe reads its policy version this way.
+    MetricsRegistry metrics;
+    EXPECT_FALSE(metrics.value("moerl_rollout_policy_version")) << "not registered yet";
+    Gauge& version = metrics.gauge("moerl_rollout_policy_version", "Policy version in use");
+    version.set(-1);
+    EXPECT_EQ(metrics.value("moerl_rollout_policy_version"), -1.0);
+    version.set(3);
+    EXPECT_EQ(metrics.value("moerl_rollout_policy_version"), 3.0);
+    metrics.counter("moerl_rollout_tasks_done_total", "Tasks done").add(2);
+    EXPECT_EQ(metrics.value("moerl_rollout_tasks_done_total"), 2.0);
+    metrics.gauge_fn("moerl_failing", "A reading that fails",
+                     []() -> double { throw std::runtime_error("x"); });
+    ASSERT_TRUE(metrics.value("moerl_failing"));
+    EXPECT_TRUE(std::isnan(*metrics.value("moerl_failing")));
 }
 
 TEST(HealthServer, PortInUseIsAClearError) {

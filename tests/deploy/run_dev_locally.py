@@ -286,6 +286,46 @@ def get(url):
         return None, ""
 
 
+SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*) (NaN|[+-]Inf|-?[0-9.]+(?:e[+-]?[0-9]+)?)")
+
+# What each role must export on /metrics (names with their Prometheus type).
+ROLE_METRICS = {
+    "trainer": {"moerl_train_steps_total": "counter", "moerl_train_policy_version": "gauge",
+                "moerl_train_reward_mean": "gauge", "moerl_train_staleness_mean": "gauge",
+                "moerl_train_tokens_per_second": "gauge", "moerl_train_weight_publish_seconds": "gauge",
+                "moerl_train_experiences_waiting": "gauge", "moerl_queue_tasks_outstanding": "gauge"},
+    "rollout": {"moerl_rollout_tasks_leased_total": "counter", "moerl_rollout_tasks_done_total": "counter",
+                "moerl_rollout_tasks_requeued_total": "counter", "moerl_rollout_tokens_generated_total": "counter",
+                "moerl_rollout_tokens_per_second": "gauge", "moerl_rollout_policy_version": "gauge",
+                "moerl_rollout_policy_sync_seconds": "gauge"},
+    "env": {"moerl_env_tasks_put_total": "counter", "moerl_queue_tasks_outstanding": "gauge"},
+}
+
+
+def scrape(pod, port):
+    """The samples of a pod's /metrics, after checking every line is a HELP, a TYPE or its sample."""
+    status, body = get(f"http://127.0.0.1:{port}/metrics")
+    if status != 200 or not body.endswith("\n"):
+        fail(f"{pod}: /metrics answered {status}: {body[:200]}")
+    samples, types, typed = {}, {}, None
+    for line in body.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, typed, kind = line.split(" ")
+            types[typed] = kind
+            continue
+        m = SAMPLE.fullmatch(line)
+        if not m or m.group(1) != typed:
+            fail(f"{pod}: /metrics line {line!r} is not a sample of the TYPE before it")
+        samples[m.group(1)] = float(m.group(2))
+    role = next((r for r in ROLE_METRICS if pod.startswith(r)), None)
+    for name, kind in ROLE_METRICS.get(role, {}).items():
+        if types.get(name) != kind:
+            fail(f"{pod}: /metrics has no {kind} {name}: {sorted(types)}")
+    return samples
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--moerl", required=True)
@@ -358,8 +398,9 @@ def main():
             return steps_done() >= n
         wait_until("2 trained steps", 600, lambda: cluster.alive("trainer-0") and progress(2), interval=0.5)
 
-        # Probes and metrics, where the binary serves them.
+        # Probes and metrics of every moerl pod.
         served = 0
+        first_scrape = {}
         for pod, (p, log, c, spec, env) in cluster.procs.items():
             if "MOERL_HEALTH_PORT" not in env:
                 continue
@@ -373,11 +414,18 @@ def main():
             status, body = get(f"http://127.0.0.1:{port}{c['readinessProbe']['httpGet']['path']}")
             if status != 200:
                 fail(f"{pod}: readiness probe answered {status}: {body}")
-            status, body = get(f"http://127.0.0.1:{port}/metrics")
-            if status != 200 or "# TYPE " not in body:
-                fail(f"{pod}: /metrics answered {status}: {body[:200]}")
-        print(f"probes and /metrics: {served} of {len(cluster.procs) - 1} moerl pods serve them"
-              + ("" if served else " (the roles do not start the health server yet)"))
+            first_scrape[pod] = scrape(pod, port)
+        if served != len(cluster.procs) - 1:
+            fail(f"probes: {served} of {len(cluster.procs) - 1} moerl pods serve them")
+        t, r = first_scrape["trainer-0"], first_scrape["rollout-local-2"]
+        if t["moerl_train_steps_total"] < 2 or t["moerl_train_policy_version"] < 2:
+            fail(f"trainer-0 trained 2 steps, but /metrics says {t}")
+        if r["moerl_rollout_policy_version"] < 0:
+            fail(f"rollout-local-2 is ready, but /metrics says no policy is loaded: {r}")
+        if r["moerl_rollout_tasks_leased_total"] < r["moerl_rollout_tasks_done_total"]:
+            fail(f"rollout-local-2 finished more tasks than it leased: {r}")
+        print(f"probes and /metrics: all {served} moerl pods serve them; trainer steps "
+              f"{t['moerl_train_steps_total']:.0f}, rollout-local-2 tasks done {r['moerl_rollout_tasks_done_total']:.0f}")
 
         # A spot interruption of rollout-local-1, as the manifest defines it.
         code, seconds = cluster.interrupt("rollout-local-1")
@@ -401,6 +449,22 @@ def main():
         wait_until(f"{a.steps} more trained steps", 900,
                    lambda: cluster.alive("trainer-0") and cluster.alive("rollout-local-3") and progress(base + a.steps),
                    interval=0.5)
+        # The counters moved with the run.
+        ports = {pod: env["MOERL_HEALTH_PORT"] for pod, (_, _, _, _, env) in cluster.procs.items()
+                 if "MOERL_HEALTH_PORT" in env}
+        moved = []
+        for pod, name in (("trainer-0", "moerl_train_steps_total"), ("trainer-0", "moerl_train_tokens_total"),
+                          ("rollout-local-2", "moerl_rollout_tasks_done_total"),
+                          ("rollout-local-2", "moerl_rollout_tokens_generated_total"),
+                          ("env-local-1", "moerl_env_tasks_put_total")):
+            before, now = first_scrape[pod].get(name, 0), scrape(pod, ports[pod]).get(name, 0)
+            if now <= before:
+                fail(f"{pod}: {name} did not grow while the run went on ({before} -> {now})")
+            moved.append(f"{pod} {name} {before:.0f} -> {now:.0f}")
+        r3 = scrape("rollout-local-3", ports["rollout-local-3"])
+        if r3["moerl_rollout_tasks_done_total"] <= 0 or r3["moerl_rollout_policy_version"] < 0:
+            fail(f"rollout-local-3 trained steps but its /metrics shows no work: {r3}")
+        print("metrics moved: " + "; ".join(moved))
     finally:
         cluster.stop_all()
         for h in helpers:

@@ -4,7 +4,10 @@ s3rver does not verify SigV4 signatures, so the dist tests point the S3 store at
 make sure the requests curl signs are the ones AWS verifies. Answers 200 (with just enough XML for
 the store to go on) when the signature matches, 403 and the canonical request when it does not.
 
-usage: python3 sigv4_check.py PORT ACCESS_KEY SECRET_KEY REGION
+With SESSION_TOKEN (temporary credentials), each request must also carry it as a signed
+x-amz-security-token header.
+
+usage: python3 sigv4_check.py PORT ACCESS_KEY SECRET_KEY REGION [SESSION_TOKEN]
 """
 import http.server
 import sys
@@ -14,6 +17,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
 PORT, ACCESS_KEY, SECRET_KEY, REGION = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+TOKEN = sys.argv[5] if len(sys.argv) > 5 else None
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -27,11 +31,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             request = AWSRequest(method=self.command, url="http://" + self.headers["Host"] + self.path,
                                  data=body, headers={h: self.headers[h] for h in signed})
             request.context["timestamp"] = self.headers["x-amz-date"]
-            signer = S3SigV4Auth(Credentials(ACCESS_KEY, SECRET_KEY), "s3", REGION)
+            signer = S3SigV4Auth(Credentials(ACCESS_KEY, SECRET_KEY, TOKEN), "s3", REGION)
             canonical = signer.canonical_request(request)
             expected = signer.signature(signer.string_to_sign(request, canonical), request)
             ok = expected == auth.split("Signature=")[1].strip()
             detail = canonical
+            if ok and TOKEN and (self.headers.get("x-amz-security-token") != TOKEN
+                                 or "x-amz-security-token" not in signed):
+                ok, detail = False, "no signed x-amz-security-token header with the session token"
         if self.command == "POST" and "uploads=" in self.path:
             reply = b"<InitiateMultipartUploadResult><UploadId>u1</UploadId></InitiateMultipartUploadResult>"
         elif ok:

@@ -45,9 +45,11 @@ struct RolloutStats {
     int64_t tokens = 0;         // tokens sampled
     double seconds = 0;         // time spent in work(): generating, scoring, syncing
     double reward_seconds = 0;  // of it, scoring finished responses
-    double sync_seconds = 0;    // loading new policy versions into the rollout model
-    int64_t syncs = 0;          // policy versions loaded
-    int64_t sync_bytes = 0;     // weight bytes copied by in-process syncs
+    // Policy versions loaded into the rollout model, the seconds that took (in all, the newest),
+    // and the weight bytes in-process syncs copied.
+    int64_t syncs = 0;
+    double sync_seconds = 0, last_sync_seconds = 0;
+    int64_t sync_bytes = 0;
 };
 
 class RolloutWorker {

@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 
+#include "moerl/core/metrics_registry.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/roles.hpp"
 #include "moerl/rl/train_loop.hpp"
@@ -35,6 +36,7 @@ struct WorkerContext {
     std::string name;                         // this worker's identity (lease owner, log prefix)
     const std::atomic<bool>* stop = nullptr;  // the termination notice
     std::function<void(const std::string&)> log;
+    MetricsRegistry* metrics = nullptr;  // the role's counters and gauges (role_metrics.hpp), or none
 };
 
 // Puts the tasks of step s once policy version >= s - max_staleness is published, so no sample

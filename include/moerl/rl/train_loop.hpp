@@ -15,6 +15,7 @@
 #include <functional>
 #include <string>
 
+#include "moerl/core/metrics_registry.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/roles.hpp"
 
@@ -55,6 +56,8 @@ struct TrainLoopOptions {
     // trainer lost its run's lock to another one).
     std::function<void()> check;
     std::string audit_path;  // append a JSON line per start, step (its task ids) and end
+    // Steps, reward, staleness and publish times for /metrics (none when null).
+    MetricsRegistry* metrics = nullptr;
 };
 
 struct RunSummary {
