@@ -79,6 +79,11 @@ class FileCheckpointStore final : public CheckpointStore {
         std::error_code ec;
         fs::remove(root_ / key, ec);
         MOERL_CHECK(!ec, "checkpoint store: cannot remove ", (root_ / key).string(), ": ", ec.message());
+        // Directories the key leaves empty go too (a pruned checkpoint leaves nothing behind).
+        for (fs::path dir = (root_ / key).parent_path();
+             dir != root_ && dir.string().size() > root_.string().size(); dir = dir.parent_path()) {
+            if (!fs::is_empty(dir, ec) || ec || !fs::remove(dir, ec)) break;
+        }
     }
 
   private:
