@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "moerl/control/run_store.hpp"
@@ -153,6 +155,14 @@ struct RolloutWorker::Impl {
 
     void admit(const control::Lease& lease) {
         InFlight f{lease, task_payload_from_json(lease.task.payload)};
+        // The env puts step s once version s - max_staleness is published, so a task can arrive
+        // just after this worker's last sync(): load that version first, or the bound is broken
+        // by one.
+        const int64_t needed = f.payload.step - cfg.max_staleness;
+        for (int i = 0; version < needed && i < 40; ++i) {
+            if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            sync();
+        }
         GenRequest r;
         r.id = next_id++;
         r.prompt = f.payload.prompt_tokens;
@@ -257,13 +267,24 @@ struct TrainerRole::Impl {
     std::string consumer = "trainer";
     // Experiences taken but not yet trained on, by step and task id (with their delivery ids).
     std::map<int64_t, std::map<std::string, std::pair<ExperienceRecord, std::string>>> held;
-    std::set<std::string> consumed;  // task ids trained on (exactly once)
-    int64_t duplicates = 0;          // dropped by take_available since the last step
+    // Trained on (exactly once): every task of the steps before consumed_below (steps are trained
+    // in order), and the ids in `consumed` (an older checkpoint's list).
+    int64_t consumed_below = 0;
+    std::set<std::string> consumed;
+    int64_t duplicates = 0;  // dropped by take_available since the last step
 
     Impl(const RunConfig& c, ControlPlane& control, std::string dir)
         : cfg(c), cp(control), work_dir(std::move(dir)) {
         fs::create_directories(work_dir);
         trainer = std::make_unique<PolicyTrainer>(cfg, work_dir);
+    }
+
+    bool consumed_by_watermark(const std::string& id) const {
+        long long step = -1;
+        return std::sscanf(id.c_str(), "s%lld-", &step) == 1 && step >= 0 && step < consumed_below;
+    }
+    bool is_consumed(const ExperienceRecord& e) const {
+        return e.task.step < consumed_below || consumed.count(e.task_id) > 0;
     }
 
     void publish_policy() {
@@ -283,7 +304,7 @@ struct TrainerRole::Impl {
         auto deliveries = cp.experience->take(consumer, 1 << 20, wait);
         for (auto& d : deliveries) {
             ExperienceRecord e = experience_from_json(d.experience.payload);
-            if (consumed.count(e.task_id)) {  // trained on before a restart: done with it
+            if (is_consumed(e)) {  // trained on before a restart: done with it
                 cp.experience->ack({d.delivery_id});
                 ++duplicates;
                 continue;
@@ -340,7 +361,7 @@ struct TrainerRole::Impl {
         r.exact_fraction = exact / n;
         r.staleness_mean = r.response_tokens ? stale / static_cast<double>(r.response_tokens) : 0;
         r.train = trainer->update(batch, adv);
-        for (auto& e : batch) consumed.insert(e.task_id);
+        consumed_below = std::max(consumed_below, s + 1);
         version = s + 1;
         publish_policy();
         r.version = version;
@@ -359,7 +380,12 @@ struct TrainerRole::Impl {
         st["version"] = version;
         st["env_next_step"] = env_next_step;
         st["seed"] = cfg.seed;
-        st["consumed"] = consumed;
+        // Compact: a watermark plus the ids it does not cover (none when steps are trained in order).
+        st["consumed_below_step"] = consumed_below;
+        nlohmann::json others = nlohmann::json::array();
+        for (const auto& id : consumed)
+            if (!consumed_by_watermark(id)) others.push_back(id);
+        st["consumed"] = others;
         nlohmann::json pending = nlohmann::json::array();
         for (auto& [s, m] : held)
             for (auto& [id, e] : m) pending.push_back(to_json(e.first));
@@ -389,6 +415,9 @@ struct TrainerRole::Impl {
             version = st.at("version").get<int64_t>();
             env_next = st.at("env_next_step").get<int64_t>();
             consumed = st.at("consumed").get<std::set<std::string>>();
+            // Every step before the checkpoint's was trained (older checkpoints list every id).
+            consumed_below = std::max(st.value("consumed_below_step", int64_t{0}), next_step);
+            std::erase_if(consumed, [&](const std::string& id) { return consumed_by_watermark(id); });
             for (const auto& text : st.at("pending")) {
                 ExperienceRecord e = experience_from_json(text.get<std::string>());
                 cp.experience->push({e.task_id, e.attempt, e.oldest_version(), text.get<std::string>()});
@@ -412,6 +441,11 @@ void TrainerRole::save_checkpoint(int64_t next_step, int64_t env_next_step) {
 }
 int64_t TrainerRole::resumed_env_next_step() const { return impl_->env_next; }
 int64_t TrainerRole::version() const { return impl_->version; }
+size_t TrainerRole::num_held(int64_t step) const {
+    auto it = impl_->held.find(step);
+    return it == impl_->held.end() ? 0 : it->second.size();
+}
+void TrainerRole::republish_policy() { impl_->publish_policy(); }
 
 }  // namespace moerl::rl
 

@@ -96,6 +96,8 @@ void run_env_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext&
     DoneWatch done(*cp.store);
     int64_t env_next = 0;
     int64_t last_logged = -2;
+    auto next_log = Clock::now();
+    say(w, "waiting for the trainer to publish policy v0");
     while (!stopping(w) && !done.done()) {
         auto latest = cp.registry->latest();
         const int64_t version = latest ? latest->first : -1;
@@ -103,9 +105,12 @@ void run_env_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext&
             while (env_next <= version + cfg.max_staleness && env_next < cfg.steps && !stopping(w))
                 put_step_tasks(cfg, *cp.tasks, env_next++);
         }
-        if (env_next - 1 != last_logged && env_next > 0) {
+        // The trainer's progress line numbers steps from 1; the env says what it put every 30 s.
+        if (env_next - 1 != last_logged && env_next > 0 && (last_logged < 0 || Clock::now() >= next_log)) {
             last_logged = env_next - 1;
-            say(w, "put step " + std::to_string(last_logged) + " (policy v" + std::to_string(version) + ")");
+            next_log = Clock::now() + std::chrono::seconds(30);
+            say(w, "put the tasks of steps up to " + std::to_string(last_logged + 1) + "/" +
+                       std::to_string(cfg.steps) + " (policy v" + std::to_string(version) + ")");
         }
         if (version >= cfg.steps) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -121,6 +126,8 @@ void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerCont
         Heartbeat heartbeat(*cp.tasks, w, Millis(cfg.lease_timeout_ms));
         // Tasks appear once version 0 is published; a worker that leased one before loading any
         // policy could not generate it.
+        if (!stopping(w) && !done.done() && worker.sync_policy() < 0)
+            say(w, "waiting for the trainer to publish policy v0");
         while (!stopping(w) && !done.done() && worker.sync_policy() < 0)
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
         int failures = 0;
@@ -165,6 +172,7 @@ RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const Worker
     loop.log = w.log;
     loop.audit_path = opt.audit_path;
     loop.check = [&lock] { lock->check(); };
+    loop.control_plane_reset = [&lock] { return lock->take_reset(); };
     return train_loop(cfg, cp, loop, nullptr);
 }
 
