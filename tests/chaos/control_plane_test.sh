@@ -10,21 +10,12 @@
 set -uo pipefail
 
 source "$(dirname "$0")/common.sh" "$@"
-tmp=$(mktemp -d /tmp/moerl-cp.XXXXXX)
-failed=0
-fail() {
-    echo "control plane test: FAIL: $*" >&2
-    failed=1
-}
+source "$(dirname "$0")/../test_lib.sh"
+new_tmp control-plane
 cleanup() {
     [[ -n ${cluster:-} ]] && kill -9 "$cluster" 2>/dev/null
     [[ -n ${redis_pid:-} ]] && kill "$redis_pid" 2>/dev/null
-    if ((failed)); then
-        echo "---- logs (kept in $tmp) ----" >&2
-        tail -n 15 "$tmp"/*.log >&2
-    else
-        rm -rf "$tmp"
-    fi
+    keep_or_remove_tmp
 }
 trap cleanup EXIT
 
@@ -105,7 +96,7 @@ finish 30
 grep -q "stopped by SIGTERM before the run finished" "$tmp/term.log" || fail "term: $(tail -n 1 "$tmp/term.log")"
 
 if ((failed)); then
-    echo "control plane test: FAILED"
+    echo "control-plane test: FAILED"
     exit 1
 fi
-echo "control plane test: PASSED"
+echo "control-plane test: PASSED"

@@ -5,29 +5,21 @@
 #   tests/cli/run_cli_test.sh PATH/TO/moerl
 set -uo pipefail
 moerl=$(realpath "$1")
+here=$(cd "$(dirname "$0")" && pwd)
 export OPENBLAS_NUM_THREADS=1
-tmp=$(mktemp -d /tmp/moerl-runcli.XXXXXX)
+source "$here/../test_lib.sh"
+new_tmp run-cli
 cd "$tmp" || exit 1  # a run on defaults writes runs/ here
-failed=0
-fail() {
-    echo "run cli test: FAIL: $*" >&2
-    failed=1
-}
 cleanup() {
     [[ -n ${bg:-} ]] && kill -9 "$bg" 2>/dev/null
-    if ((failed)); then tail -n 5 "$tmp"/*.err >&2; else rm -rf "$tmp"; fi
+    keep_or_remove_tmp
 }
 trap cleanup EXIT
 
-cat >"$tmp/run.yaml" <<'YAML'
-run: {name: cli, seed: 7, steps: 100000, checkpoint_every: 2}
-model: {hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 2, head_dim: 16, num_experts: 4, top_k: 2,
-        moe_intermediate_size: 32}
-task: {kind: sort, length: 2, max_value: 4}
-rollout: {max_batch: 64}
-train: {group_size: 4, prompts_per_step: 8, lr: 0.005}
-ranks: {ep: 2}
-YAML
+# The chaos tests' small run, long and with a checkpoint every 2 steps.
+sed 's/name: chaos, seed: 7, steps: 90, checkpoint_every: 0/name: cli, seed: 7, steps: 100000, checkpoint_every: 2/' \
+    "$here/../chaos/chaos.yaml" >"$tmp/run.yaml"
+grep -q "steps: 100000, checkpoint_every: 2" "$tmp/run.yaml" || { echo "cannot adapt chaos.yaml" >&2; exit 1; }
 
 # expect_error NAME STATUS TEXT -- COMMAND...: COMMAND exits with STATUS and its stderr holds TEXT.
 expect_error() {
@@ -84,7 +76,7 @@ longest=$(tr '\r' '\n' <"$tmp/resume.tty" | grep "^\[cli\] step [0-9]*/" | sed '
 ((longest > 0 && longest < 60)) || fail "progress lines on a 60-column terminal are up to $longest characters"
 
 if ((failed)); then
-    echo "run cli test: FAILED"
+    echo "run-cli test: FAILED"
     exit 1
 fi
-echo "run cli test: PASSED"
+echo "run-cli test: PASSED"
