@@ -27,9 +27,12 @@ void copy_atomic(const fs::path& src, const fs::path& dst) {
     fs::path tmp = dst;
     tmp += ".tmp." + std::to_string(::getpid());
     fs::copy_file(src, tmp, fs::copy_options::overwrite_existing, ec);
-    MOERL_CHECK(!ec, "cannot copy ", src.string(), " to ", tmp.string(), ": ", ec.message());
-    fs::rename(tmp, dst, ec);
-    MOERL_CHECK(!ec, "cannot rename ", tmp.string(), " to ", dst.string(), ": ", ec.message());
+    if (!ec) fs::rename(tmp, dst, ec);
+    if (ec) {
+        std::error_code ignored;  // a full disk: leave no partial file behind
+        fs::remove(tmp, ignored);
+        MOERL_FAIL("cannot copy ", src.string(), " to ", dst.string(), ": ", ec.message());
+    }
 }
 
 class FileCheckpointStore final : public CheckpointStore {

@@ -372,9 +372,6 @@ struct TrainerRole::Impl {
     void save(int64_t next_step, int64_t env_next_step) {
         const std::string name = checkpoint_name(next_step);
         const fs::path dir = fs::path(work_dir) / "staging" / name;
-        fs::remove_all(dir);
-        trainer->save_weights(dir.string());
-        trainer->save_optimizer(dir.string());
         nlohmann::json st;
         st["next_step"] = next_step;
         st["version"] = version;
@@ -390,8 +387,20 @@ struct TrainerRole::Impl {
         for (auto& [s, m] : held)
             for (auto& [id, e] : m) pending.push_back(to_json(e.first));
         st["pending"] = pending;
-        std::ofstream(dir / "trainer_state.json") << st.dump();
-        control::publish_checkpoint(*cp.store, dir.string(), name, version, next_step);
+        fs::remove_all(dir);
+        try {
+            trainer->save_weights(dir.string());
+            trainer->save_optimizer(dir.string());
+            std::ofstream state(dir / "trainer_state.json");
+            state << st.dump();
+            state.close();
+            MOERL_CHECK(state.good(), "cannot write ", (dir / "trainer_state.json").string());
+            control::publish_checkpoint(*cp.store, dir.string(), name, version, next_step);
+        } catch (...) {
+            std::error_code ec;  // a full disk: leave no staging files behind
+            fs::remove_all(dir, ec);
+            throw;
+        }
         fs::remove_all(dir);
         control::prune_checkpoints(*cp.store, "ckpt-", static_cast<size_t>(cfg.keep_checkpoints));
     }

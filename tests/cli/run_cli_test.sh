@@ -12,6 +12,7 @@ new_tmp run-cli
 cd "$tmp" || exit 1  # a run on defaults writes runs/ here
 cleanup() {
     [[ -n ${bg:-} ]] && kill -9 "$bg" 2>/dev/null
+    mountpoint -q "$tmp/tiny" 2>/dev/null && umount "$tmp/tiny"
     keep_or_remove_tmp
 }
 trap cleanup EXIT
@@ -74,6 +75,18 @@ grep -q "resumed at step [0-9]*/[0-9]* from checkpoint ckpt-[0-9]* in file://" "
 grep -q "finished all $((steps + 4)) steps" "$tmp/resume.tty" || fail "the resumed run's summary: $(tail -c 300 "$tmp/resume.tty")"
 longest=$(tr '\r' '\n' <"$tmp/resume.tty" | grep "^\[cli\] step [0-9]*/" | sed 's/\x1b\[K//g' | awk '{ if (length($0) > m) m = length($0) } END { print m + 0 }')
 ((longest > 0 && longest < 60)) || fail "progress lines on a 60-column terminal are up to $longest characters"
+
+# A full disk leaves no staging or half-copied files: the run's output on a 1200 KiB tmpfs, where
+# one can be mounted (root); skipped elsewhere.
+mkdir "$tmp/tiny"
+if mount -t tmpfs -o size=1200k tmpfs "$tmp/tiny" 2>/dev/null; then
+    expect_error full 1 "cannot " -- "$moerl" run "$tmp/run.yaml" --out "$tmp/tiny/out" --steps 40 --quiet
+    left=$(find "$tmp/tiny" -name '*.tmp.*' -o -path '*/staging/*' | head -n 3)
+    [[ -z $left ]] || fail "a full disk left partial files behind: $left"
+    umount "$tmp/tiny"
+else
+    echo "run-cli: the full-disk check is skipped (cannot mount a tmpfs here)"
+fi
 
 if ((failed)); then
     echo "run-cli test: FAILED"
