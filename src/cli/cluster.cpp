@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "moerl/core/error.hpp"
+#include "worker_control.hpp"
 
 namespace moerl::cli {
 
@@ -66,8 +67,8 @@ int supervise(const std::vector<ChildSpec>& specs, const SuperviseOptions& opt,
             }
         }
         for (const auto& [pid, i] : running) {
-            std::fprintf(stderr, "[cluster] %s (pid %d) did not stop within the grace period; killing it\n",
-                         specs[i].role.c_str(), pid);
+            log_line("cluster", specs[i].role + " (pid " + std::to_string(pid) +
+                                    ") did not stop within the grace period; killing it");
             ::kill(pid, SIGKILL);
             ::waitpid(pid, nullptr, 0);
         }
@@ -86,15 +87,24 @@ int supervise(const std::vector<ChildSpec>& specs, const SuperviseOptions& opt,
             const size_t i = it->second;
             running.erase(it);
             const int code = exit_code(status);
-            if (specs[i].role == "train") {
+            const bool trainer = specs[i].role == "train";
+            if (trainer && code == 0) {  // the run is over
                 trainer_status = code;
                 break;
             }
             if (code == 0) continue;  // the run is over for it
+            if (stop.load()) break;   // stopping anyway
+            // A failed trainer is restarted too: it resumes from its newest checkpoint, after the
+            // lock of the dead one expired.
             MOERL_CHECK(++restarts <= opt.max_restarts, "cluster: a ", specs[i].role, " process exited with ",
-                        code, " (", restarts, " restarts so far); giving up");
-            std::fprintf(stderr, "[cluster] %s (pid %d) exited with %d; restarting it\n",
-                         specs[i].role.c_str(), pid, code);
+                        code, " (", restarts - 1, " restarts so far, --max-restarts ", opt.max_restarts,
+                        "); giving up");
+            log_line("cluster", specs[i].role + " (pid " + std::to_string(pid) + ") exited with " +
+                                    std::to_string(code) +
+                                    (trainer ? "; restarting it (it resumes from its newest checkpoint)"
+                                             : "; restarting it") +
+                                    ", restart " + std::to_string(restarts) + " of " +
+                                    std::to_string(opt.max_restarts));
             running[spawn(specs[i].argv, group)] = i;
         }
     } catch (...) {

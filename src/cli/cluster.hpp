@@ -12,17 +12,18 @@
 namespace moerl::cli {
 
 struct ChildSpec {
-    std::string role;               // "train" ends the cluster when it exits
+    std::string role;               // "train" ends the cluster when it exits with 0
     std::vector<std::string> argv;  // argv[0] is only a name: /proc/self/exe runs
 };
 
 struct SuperviseOptions {
-    int max_restarts = 5;  // failed non-trainer exits restarted in total, then give up
+    int max_restarts = 5;  // failed exits (the trainer's too) restarted in total, then give up
     double grace_s = 20;   // after SIGTERM, how long the children have before SIGKILL
 };
 
-// Runs the children until the trainer exits or `stop` becomes true; returns the trainer's exit
-// status (-1 when stopped before it exited). Throws moerl::Error when the restart budget is spent.
+// Runs the children until the trainer exits with 0 or `stop` becomes true; returns 0 then (-1
+// when stopped before). A child that fails (the trainer too) is started again. Throws moerl::Error when the
+// restart budget is spent.
 int supervise(const std::vector<ChildSpec>& children, const SuperviseOptions& options,
               const std::atomic<bool>& stop);
 

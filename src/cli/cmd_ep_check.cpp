@@ -93,13 +93,15 @@ void register_ep_commands(CLI::App& app) {
     ep->require_subcommand(1);
     auto* check = ep->add_subcommand("check", "Self-check dispatch/combine on one rank of a launched group");
     auto o = std::make_shared<CheckOpts>();
-    check->add_option("--transport", o->transport, "host, fabric/tcp, fabric/shm");
-    check->add_option("--experts", o->experts);
-    check->add_option("--hidden", o->hidden);
-    check->add_option("--top-k", o->top_k);
-    check->add_option("--tokens", o->tokens);
-    check->add_option("--rounds", o->rounds);
-    check->add_option("--timeout", o->timeout_s, "seconds to wait for any peer");
+    check->add_option("--transport", o->transport, "host, fabric/tcp, fabric/shm")->capture_default_str();
+    check->add_option("--experts", o->experts, "Experts in total, split evenly over the ranks")
+        ->capture_default_str();
+    check->add_option("--hidden", o->hidden, "Hidden size: columns of each token row")->capture_default_str();
+    check->add_option("--top-k", o->top_k, "Experts per token")->capture_default_str();
+    check->add_option("--tokens", o->tokens, "Tokens per rank and round")->capture_default_str();
+    check->add_option("--rounds", o->rounds, "Dispatch/combine rounds, each with fresh routing")
+        ->capture_default_str();
+    check->add_option("--timeout", o->timeout_s, "Seconds to wait for any peer")->capture_default_str();
     check->callback([o] { run_check(*o); });
 }
 

@@ -1,12 +1,52 @@
 // `moerl run CONFIG.yaml` (local mode: every role in this process; --distributed: `moerl cluster`).
 #include <cstdio>
+#include <filesystem>
 
 #include "commands.hpp"
 #include "distributed_run.hpp"
+#include "moerl/core/error.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/run.hpp"
+#include "worker_control.hpp"
 
 namespace moerl::cli {
+
+namespace {
+// Why the run ended, where its results and checkpoints are, and how to continue it.
+int report(const rl::RunConfig& cfg, const rl::RunSummary& s, const std::string& config,
+           const std::string& out) {
+    const std::string resume = "moerl run " + config + " --out " + out + " --resume";
+    if (s.stopped) {
+        const long long redo = static_cast<long long>(s.steps_done - s.checkpoint_step);
+        std::printf(
+            "run %s: stopped by %s after step %lld/%lld; the newest checkpoint is at step %lld, so %lld "
+            "step%s will be trained again\ncontinue with: %s\n",
+            cfg.name.c_str(), stop_signal_name().c_str(), static_cast<long long>(s.steps_done),
+            static_cast<long long>(cfg.steps), static_cast<long long>(s.checkpoint_step), redo,
+            redo == 1 ? "" : "s", resume.c_str());
+        return stopped_exit_code();
+    }
+    if (s.reached_reward) {
+        std::printf(
+            "run %s: reached the reward target after step %lld/%lld (10-step mean %.3f >= "
+            "run.stop_at_reward %g)\n",
+            cfg.name.c_str(), static_cast<long long>(s.steps_done), static_cast<long long>(cfg.steps),
+            s.final_reward, cfg.stop_at_reward);
+    } else if (s.steps_done >= cfg.steps) {
+        std::printf("run %s: finished all %lld steps (run.steps)\n", cfg.name.c_str(),
+                    static_cast<long long>(cfg.steps));
+    } else {
+        std::printf("run %s: paused after step %lld/%lld; continue with: %s\n", cfg.name.c_str(),
+                    static_cast<long long>(s.steps_done), static_cast<long long>(cfg.steps), resume.c_str());
+    }
+    std::printf("final mean reward %.3f (first steps %.3f), %.1f s\n", s.final_reward, s.first_reward,
+                s.wall_seconds);
+    std::printf("metrics: %s\nreward curve: %s\ncheckpoints: %s (newest at step %lld)\n",
+                s.metrics_path.c_str(), s.svg_path.c_str(), s.checkpoints.c_str(),
+                static_cast<long long>(s.checkpoint_step));
+    return 0;
+}
+}  // namespace
 
 void register_run_commands(CLI::App& app) {
     struct RunArgs {
@@ -18,6 +58,7 @@ void register_run_commands(CLI::App& app) {
     auto args = std::make_shared<RunArgs>();
     CLI::App* run =
         app.add_subcommand("run", "Run RL post-training from a YAML config (all roles in this process)");
+    run->footer(kExitStatusHelp);
     run->add_option("config", args->config, "Run configuration (YAML), e.g. examples/quickstart.yaml")
         ->required();
     run->add_flag("--resume", args->run.resume,
@@ -29,13 +70,22 @@ void register_run_commands(CLI::App& app) {
     run->callback([args] {
         if (args->distributed.enabled)
             return run_distributed(args->config, args->run.output_dir, args->distributed);
+        // Silently running embedded would ignore the control plane the user named.
+        MOERL_CHECK(args->distributed.redis.empty() && args->distributed.store.empty(),
+                    "run: --redis and --store need --distributed (without it every role runs in this process "
+                    "on embedded backends)");
         rl::RunConfig cfg = rl::RunConfig::load(args->config);
+        if (!args->run.output_dir.empty()) cfg.output_dir = args->run.output_dir;
+        if (args->run.steps >= 0) cfg.steps = args->run.steps;
+        const std::string out = cfg.output_dir;
+        MOERL_CHECK(!args->run.resume || std::filesystem::exists(out), "--resume: no earlier run in ", out,
+                    " (the directory does not exist); run without --resume to start one");
+        install_stop_handlers();
         args->run.progress = !args->quiet;
+        args->run.stop = &stop_flag();
         rl::RunSummary s = rl::run_local(cfg, args->run);
-        std::printf("run %s: %lld steps, final mean reward %.3f (first steps %.3f), %.1f s\n",
-                    cfg.name.c_str(), static_cast<long long>(s.steps_done), s.final_reward, s.first_reward,
-                    s.wall_seconds);
-        std::printf("metrics: %s\nreward curve: %s\n", s.metrics_path.c_str(), s.svg_path.c_str());
+        const int code = report(cfg, s, args->config, out);
+        if (code != 0) throw CLI::RuntimeError(code);
     });
 }
 

@@ -17,6 +17,7 @@
 #ifdef MOERL_HAVE_HEALTH
 #include "health_server.hpp"
 #endif
+#include "moerl/control/control.hpp"
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/rl/config.hpp"
@@ -66,13 +67,30 @@ std::string default_worker_id(const std::string& role) {
     return role + "-" + host + "-" + std::to_string(::getpid());
 }
 
+void run_worker_as(const WorkerArgs& a, const std::string& who);
+
+// Errors are logged with the worker's prefix, and the exit status says how it ended.
 void run_worker(const WorkerArgs& a) {
     install_stop_handlers();
+    const std::string who = a.worker_id.empty() ? default_worker_id(a.role) : a.worker_id;
+    try {
+        run_worker_as(a, who);
+    } catch (const CLI::RuntimeError&) {  // an exit status, said already
+        throw;
+    } catch (const moerl::Error& e) {
+        log_line(who, "error: " + e.message());
+        throw CLI::RuntimeError(kExitError);
+    } catch (const std::exception& e) {
+        log_line(who, std::string("error: ") + e.what());
+        throw CLI::RuntimeError(kExitError);
+    }
+}
+
+void run_worker_as(const WorkerArgs& a, const std::string& who) {
     MOERL_CHECK(a.role == "env" || a.role == "rollout" || a.role == "reward" || a.role == "train", "--role ",
                 a.role, "; expected env, rollout, reward or train");
     const rl::RunConfig cfg = load_config(a);
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
-    const std::string who = a.worker_id.empty() ? default_worker_id(a.role) : a.worker_id;
     start_grace_watchdog(who, a.grace_s);
 #ifdef MOERL_HAVE_HEALTH
     // Probes and metrics for a cluster scheduler, where MOERL_HEALTH_PORT asks for them (the images
@@ -108,7 +126,9 @@ void run_worker(const WorkerArgs& a) {
 #endif
     log_line(who, "role " + a.role + ", run " + run_id + ", store " + cfg.store_uri() + ", pid " +
                       std::to_string(::getpid()));
+    log_line(who, "connecting to the control plane (Redis; the URL's retry_ms bounds the wait)");
     rl::ControlPlane cp = rl::ControlPlane::connect(cfg, run_id);
+    log_line(who, "connected to the control plane");
 #ifdef MOERL_HAVE_HEALTH
     connected = true;
 #endif
@@ -119,7 +139,14 @@ void run_worker(const WorkerArgs& a) {
     if (a.role == "env") {
         rl::run_env_worker(cfg, cp, w);
     } else if (a.role == "train") {
-        rl::run_train_worker(cfg, cp, w, {a.keep_policies, a.audit});
+        const rl::RunSummary s = rl::run_train_worker(cfg, cp, w, {a.keep_policies, a.audit});
+        if (s.stopped) {
+            // Not a finished run: a scheduler (or `moerl cluster`) must not take it for one.
+            log_line(who, "stopped by " + stop_signal_name() + " before step " +
+                              std::to_string(s.steps_done + 1) + "; a restarted trainer resumes at step " +
+                              std::to_string(s.checkpoint_step + 1) + " from " + s.checkpoints);
+            throw CLI::RuntimeError(stopped_exit_code());
+        }
     } else {
         // The rollout worker scores its own samples (verifier, optional reward model): a separate
         // reward role is the same process kind until reward models run on their own GPUs.
@@ -133,18 +160,38 @@ struct ClusterArgs {
     int max_restarts = 5;
 };
 
+// The control plane answers now, or the cluster is not started: its workers would only wait and
+// be restarted in vain.
+void check_control_plane(const rl::RunConfig& cfg, const std::string& run_id) {
+    std::string url = cfg.registry;
+    if (url.find("retry_ms=") == std::string::npos)
+        url += (url.find('?') == std::string::npos ? "?" : "&") + std::string("retry_ms=3000");
+    try {
+        control::make_registry(url, run_id)->latest();
+    } catch (const moerl::Error& e) {
+        MOERL_FAIL("cluster: the control plane does not answer, so no worker was started: ", e.message());
+    }
+}
+
 void run_cluster(const ClusterArgs& c) {
     install_stop_handlers();
     MOERL_CHECK(!c.worker.redis.empty(), "cluster: --redis redis://host:port is required");
     MOERL_CHECK(c.rollout_workers >= 1, "--rollout-workers ", c.rollout_workers, "; expected >= 1");
+    MOERL_CHECK(c.max_restarts >= 0, "--max-restarts ", c.max_restarts, "; expected >= 0");
     const WorkerArgs& a = c.worker;
     const rl::RunConfig cfg = load_config(a);  // fail here, not in every child
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
+    check_control_plane(cfg, run_id);
+    // A rollout worker restarted under its name takes its dead predecessor's leases back at once.
+    int num_rollout = 0;
     auto child = [&](const std::string& role) {
         ChildSpec s{role,
                     {"moerl", "worker", "--role", role, "--redis", a.redis, "--store", cfg.store_uri(),
-                     "--run-id", run_id, "--out", cfg.output_dir, "--grace-s", std::to_string(a.grace_s),
+                     "--run-id", run_id, "--out", cfg.output_dir, "--grace-s", seconds_text(a.grace_s),
                      "--lease-timeout-ms", std::to_string(cfg.lease_timeout_ms)}};
+        if (role == "rollout")
+            s.argv.insert(s.argv.end(),
+                          {"--worker-id", "rollout-" + std::to_string(num_rollout++) + "-" + run_id});
         if (role == "train") {
             s.argv.insert(s.argv.end(), {"--checkpoint-every", std::to_string(a.checkpoint_every)});
             if (!a.audit.empty()) s.argv.insert(s.argv.end(), {"--audit", a.audit});
@@ -154,11 +201,18 @@ void run_cluster(const ClusterArgs& c) {
     };
     std::vector<ChildSpec> children{child("train"), child("env")};
     for (int i = 0; i < c.rollout_workers; ++i) children.push_back(child("rollout"));
-    std::fprintf(stderr, "[cluster] run %s: trainer, env and %d rollout workers started\n", run_id.c_str(),
-                 c.rollout_workers);
+    log_line("cluster", "run " + run_id + ": trainer, env and " + std::to_string(c.rollout_workers) +
+                            " rollout workers started");
     const int trainer_status = supervise(children, {c.max_restarts, a.grace_s}, stop_flag());
     MOERL_CHECK(trainer_status <= 0, "cluster: the trainer exited with ", trainer_status);
-    log_line("cluster", stop_flag().load() ? "stopped" : "run finished; workers stopped");
+    if (stop_flag().load()) {
+        log_line("cluster", "stopped by " + stop_signal_name() +
+                                " before the run finished; the same command continues it from the newest "
+                                "checkpoint in " +
+                                cfg.store_uri());
+        throw CLI::RuntimeError(stopped_exit_code());
+    }
+    log_line("cluster", "run finished; workers stopped");
 }
 
 void add_common_options(CLI::App* cmd, WorkerArgs& a) {
@@ -170,7 +224,8 @@ void add_common_options(CLI::App* cmd, WorkerArgs& a) {
     cmd->add_option(
         "--lease-timeout-ms", a.lease_timeout_ms,
         "Override control.lease_timeout_ms: a lease not renewed this long moves to another worker");
-    cmd->add_option("--grace-s", a.grace_s, "Seconds between a termination notice (SIGTERM) and exit")
+    cmd->add_option("--grace-s", a.grace_s,
+                    "Seconds between a termination notice (SIGTERM) and exit (default 20)")
         ->check(CLI::PositiveNumber);
     cmd->add_option(
         "--checkpoint-every", a.checkpoint_every,
@@ -209,14 +264,18 @@ void register_worker_commands(CLI::App& app) {
     worker->add_option("--role", wargs->role, "env | rollout | reward | train")->required();
     worker->add_option(
         "--worker-id", wargs->worker_id,
-        "Unique name of this worker (default: ROLE-HOST-PID; never reuse a dead worker's name)");
+        "Name of this worker (default: ROLE-HOST-PID). A rollout worker restarted under a dead one's name "
+        "takes its leases back at once; never give two live workers one name");
     add_common_options(worker, *wargs);
     worker->callback([wargs] { run_worker(*wargs); });
 
     auto cargs = std::make_shared<ClusterArgs>();
     CLI::App* cluster = app.add_subcommand(
         "cluster", "Start a local distributed run: trainer, env and rollout worker processes");
-    cluster->add_option("--rollout-workers", cargs->rollout_workers, "Rollout worker processes");
+    cluster->add_option("--rollout-workers", cargs->rollout_workers, "Rollout worker processes (default 2)");
+    cluster->add_option(
+        "--max-restarts", cargs->max_restarts,
+        "Failed worker exits (the trainer's too) restarted in total before giving up (default 5)");
     add_common_options(cluster, cargs->worker);
     cluster->callback([cargs] { run_cluster(*cargs); });
 }

@@ -4,11 +4,13 @@
 
 #include "commands.hpp"
 #include "moerl/core/error.hpp"
+#include "worker_control.hpp"
 
 int main(int argc, char** argv) {
     CLI::App app{"moerl: reinforcement-learning post-training of Mixture-of-Experts models"};
     app.require_subcommand(1);
     app.set_version_flag("--version", "moerl 0.1.0");
+    app.footer(moerl::cli::kExitStatusHelp);
     CLI::App* bench = app.add_subcommand("bench", "Benchmarks; each prints a table");
     bench->require_subcommand(1);
     moerl::cli::register_launch_command(app);
@@ -34,14 +36,28 @@ int main(int argc, char** argv) {
 #endif
     try {
         app.parse(argc, argv);
+    } catch (const CLI::RuntimeError& e) {  // a command's own exit status; it said why already
+        return e.get_exit_code();
     } catch (const CLI::ParseError& e) {
-        return app.exit(e);
+        const bool unknown_command = app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-';
+        if (unknown_command) {
+            std::cerr << "moerl: unknown command '" << argv[1] << "'\n";
+        } else if (app.exit(e) == 0) {
+            return 0;  // --help, --version
+        }
+        if (app.get_subcommands().empty()) {
+            std::string names;
+            for (const CLI::App* sub : app.get_subcommands({}))
+                names += (names.empty() ? "" : ", ") + sub->get_name();
+            std::cerr << "moerl commands: " << names << " (moerl COMMAND --help for each)\n";
+        }
+        return moerl::cli::kExitUsage;
     } catch (const moerl::Error& e) {
         std::cerr << "moerl: error: " << e.message() << "\n";
-        return 1;
+        return moerl::cli::kExitError;
     } catch (const std::exception& e) {
         std::cerr << "moerl: error: " << e.what() << "\n";
-        return 1;
+        return moerl::cli::kExitError;
     }
     return 0;
 }

@@ -114,19 +114,38 @@ Manifest publish_checkpoint(CheckpointStore& store, const std::string& local_dir
         if (rel != kManifest) rels.push_back(rel);
     }
     std::sort(rels.begin(), rels.end());
-    for (const auto& rel : rels) {
-        const std::string path = (fs::path(local_dir) / rel).string();
-        m.files[rel] = {sha256_file(path), fs::file_size(path)};
-        store.put_file(name + "/" + rel, path);
-    }
-    // The manifest goes last: until it exists, readers ignore the checkpoint.
+    const bool existed = store.exists(name + "/" + kManifest);
+    std::vector<std::string> uploaded;
     const std::string tmp = scratch_path(kManifest);
-    {
-        std::ofstream out(tmp, std::ios::binary);
-        out << manifest_to_json(m);
-        MOERL_CHECK(out.good(), "publish_checkpoint: cannot write ", tmp);
+    try {
+        for (const auto& rel : rels) {
+            const std::string path = (fs::path(local_dir) / rel).string();
+            m.files[rel] = {sha256_file(path), fs::file_size(path)};
+            store.put_file(name + "/" + rel, path);
+            uploaded.push_back(name + "/" + rel);
+        }
+        // The manifest goes last: until it exists, readers ignore the checkpoint.
+        {
+            std::ofstream out(tmp, std::ios::binary);
+            out << manifest_to_json(m);
+            MOERL_CHECK(out.good(), "publish_checkpoint: cannot write ", tmp);
+        }
+        store.put_file(name + "/" + kManifest, tmp);
+    } catch (...) {
+        // Best effort (a full disk): no half-uploaded checkpoint left behind, unless it replaced
+        // a published one (whose manifest then no longer matches and is refused by readers).
+        std::error_code ec;
+        fs::remove(tmp, ec);
+        if (!existed) {
+            for (const auto& key : uploaded) {
+                try {
+                    store.remove(key);
+                } catch (const std::exception&) {
+                }
+            }
+        }
+        throw;
     }
-    store.put_file(name + "/" + kManifest, tmp);
     fs::remove(tmp);
     return m;
 }

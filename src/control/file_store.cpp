@@ -27,9 +27,12 @@ void copy_atomic(const fs::path& src, const fs::path& dst) {
     fs::path tmp = dst;
     tmp += ".tmp." + std::to_string(::getpid());
     fs::copy_file(src, tmp, fs::copy_options::overwrite_existing, ec);
-    MOERL_CHECK(!ec, "cannot copy ", src.string(), " to ", tmp.string(), ": ", ec.message());
-    fs::rename(tmp, dst, ec);
-    MOERL_CHECK(!ec, "cannot rename ", tmp.string(), " to ", dst.string(), ": ", ec.message());
+    if (!ec) fs::rename(tmp, dst, ec);
+    if (ec) {
+        std::error_code ignored;  // a full disk: leave no partial file behind
+        fs::remove(tmp, ignored);
+        MOERL_FAIL("cannot copy ", src.string(), " to ", dst.string(), ": ", ec.message());
+    }
 }
 
 class FileCheckpointStore final : public CheckpointStore {
@@ -79,6 +82,11 @@ class FileCheckpointStore final : public CheckpointStore {
         std::error_code ec;
         fs::remove(root_ / key, ec);
         MOERL_CHECK(!ec, "checkpoint store: cannot remove ", (root_ / key).string(), ": ", ec.message());
+        // Directories the key leaves empty go too (a pruned checkpoint leaves nothing behind).
+        for (fs::path dir = (root_ / key).parent_path();
+             dir != root_ && dir.string().size() > root_.string().size(); dir = dir.parent_path()) {
+            if (!fs::is_empty(dir, ec) || ec || !fs::remove(dir, ec)) break;
+        }
     }
 
   private:

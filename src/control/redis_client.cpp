@@ -307,8 +307,10 @@ Reply Client::command_locked(const std::vector<std::string>& args, std::chrono::
             continue;
         }
         if (reply->type == REDIS_REPLY_ERROR && !regrouped && on_connect_ && !in_on_connect_ &&
-            std::string(reply->str, reply->len).rfind("NOGROUP", 0) == 0) {
-            // The server lost its data (restart without persistence): recreate the groups once.
+            (std::string(reply->str, reply->len).rfind("NOGROUP", 0) == 0 ||
+             std::string(reply->str, reply->len).rfind("UNBLOCKED", 0) == 0)) {
+            // The server lost its data (restart without persistence, FLUSHALL; a blocked read is
+            // UNBLOCKED when its stream goes): recreate the groups once.
             regrouped = true;
             run_on_connect_locked();
             continue;

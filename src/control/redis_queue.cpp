@@ -4,6 +4,7 @@
 //   moerl:{run}:tasks:done   set of acknowledged task ids: never handed out again
 // Every state change is one Lua script, so a command retried after a lost reply changes nothing twice.
 #include <algorithm>
+#include <map>
 #include <thread>
 
 #include "backends.hpp"
@@ -118,6 +119,7 @@ class RedisTaskQueue final : public TaskQueue {
     std::optional<Lease> lease(const std::string& worker, Millis wait) override {
         MOERL_CHECK(!worker.empty(), "lease with an empty worker name; expected a unique name per worker");
         const auto deadline = std::chrono::steady_clock::now() + wait;
+        if (auto own = take_own_history(worker)) return own;
         for (;;) {
             if (auto claimed = take_expired(worker)) return claimed;
             auto remaining = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
@@ -158,6 +160,30 @@ class RedisTaskQueue final : public TaskQueue {
     }
 
   private:
+    // The leases a dead process of the same worker name still holds: this process never leased
+    // them, so the first lease() calls of each name take them over at once instead of waiting out
+    // the lease timeout. XREADGROUP from an id reads the consumer's own pending entries.
+    std::optional<Lease> take_own_history(const std::string& worker) {
+        auto [cursor, fresh] = history_cursor_.try_emplace(worker, "0");
+        (void)fresh;
+        while (cursor->second != ">") {
+            auto reply = client_.command(
+                {"XREADGROUP", "GROUP", kGroup, worker, "COUNT", "1", "STREAMS", stream_, cursor->second});
+            const redisReply* entries =
+                redis::is_nil(reply.get()) || reply->elements == 0 ? nullptr : reply->element[0]->element[1];
+            if (entries == nullptr || entries->elements == 0) {
+                cursor->second = ">";
+                break;
+            }
+            const redisReply* e = entries->element[0];
+            cursor->second = redis::as_string(e->element[0], "XREADGROUP entry id");
+            if (e->element[1]->type != REDIS_REPLY_ARRAY) continue;  // deleted meanwhile
+            // A retry of the dead process's attempt.
+            if (auto lease = make_lease(cursor->second, e->element[1], worker, 2)) return lease;
+        }
+        return std::nullopt;
+    }
+
     std::optional<Lease> take_expired(const std::string& worker) {
         for (;;) {
             auto reply = client_.eval(kClaimScript, "claim expired lease", {stream_, done_},
@@ -194,6 +220,8 @@ class RedisTaskQueue final : public TaskQueue {
 
     const std::string stream_, open_, done_;
     const Millis lease_timeout_;
+    // Per worker name: the last own pending entry taken over, ">" once there are no more.
+    std::map<std::string, std::string> history_cursor_;
     redis::Client client_;  // the one connection of this queue, guarded by its own mutex
 };
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "moerl/core/error.hpp"
 #include "run_lock_backend.hpp"
@@ -19,7 +20,8 @@ class EmbeddedLockBackend final : public LockBackend {
   public:
     explicit EmbeddedLockBackend(std::string key) : key_(std::move(key)) {}
 
-    std::string take_or_renew(const std::string& holder, Millis ttl) override {
+    std::string take_or_renew(const std::string& holder, Millis ttl, bool& reset) override {
+        reset = false;
         std::lock_guard lock(mutex());
         auto& entry = locks()[key_];
         if (entry.first.empty() || entry.first == holder || Clock::now() > entry.second)
@@ -67,6 +69,11 @@ class TtlLock final : public RunLock {
         }
     }
 
+    bool take_reset() override {
+        std::lock_guard lock(mutex_);
+        return std::exchange(reset_, false);
+    }
+
     void check() override {
         std::lock_guard lock(mutex_);
         MOERL_CHECK(lost_to_.empty(), what_, ": ", holder_, " lost the lock to ", lost_to_,
@@ -80,13 +87,15 @@ class TtlLock final : public RunLock {
             if (!lost_to_.empty()) continue;
             lock.unlock();
             std::string now_held_by;
+            bool reset = false;
             try {
-                now_held_by = backend_->take_or_renew(holder_, ttl_);
+                now_held_by = backend_->take_or_renew(holder_, ttl_, reset);
             } catch (const std::exception&) {  // the control plane is away: try again next time
                 now_held_by = holder_;
             }
             lock.lock();
             if (now_held_by != holder_) lost_to_ = now_held_by;
+            if (reset) reset_ = true;
         }
     }
 
@@ -97,6 +106,7 @@ class TtlLock final : public RunLock {
     std::condition_variable cv_;
     bool quit_ = false;    // GUARDED_BY(mutex_)
     std::string lost_to_;  // GUARDED_BY(mutex_)
+    bool reset_ = false;   // GUARDED_BY(mutex_)
     std::thread thread_;
 };
 }  // namespace
@@ -121,7 +131,8 @@ std::unique_ptr<RunLock> acquire_run_lock(const std::string& address, const std:
     }
     const auto deadline = Clock::now() + ttl + std::chrono::seconds(1);
     for (;;) {
-        const std::string held_by = backend->take_or_renew(holder, ttl);
+        bool reset = false;  // a first holder finds no marker either
+        const std::string held_by = backend->take_or_renew(holder, ttl, reset);
         if (held_by == holder) break;
         MOERL_CHECK(Clock::now() < deadline, "run ", run_id, " already has a ", name, ": ", held_by,
                     " holds its lock and renews it; stop that one first, or use another run id");

@@ -12,8 +12,9 @@ class LockBackend {
   public:
     virtual ~LockBackend() = default;
     // Takes the lock for `holder` (for `ttl`) when nobody has it, renews it when `holder` has it.
-    // Returns who has it afterwards.
-    virtual std::string take_or_renew(const std::string& holder, Millis ttl) = 0;
+    // Returns who has it afterwards. `reset` becomes true when the control plane had lost the
+    // run's marker (its data) before this call.
+    virtual std::string take_or_renew(const std::string& holder, Millis ttl, bool& reset) = 0;
     // Gives the lock up if `holder` still has it.
     virtual void release(const std::string& holder) = 0;
 };

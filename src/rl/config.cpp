@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -144,6 +145,28 @@ void section(const std::string& name, const std::string& source, const std::func
     s.finish();
 }
 
+// yaml-cpp keeps both entries of a key given twice in one mapping, and lookups see the first
+// only: a second `run:` block would be ignored without a word.
+void check_unique_keys(const YAML::Node& node, const std::string& source, const std::string& path) {
+    if (node.IsSequence()) {
+        for (size_t i = 0; i < node.size(); ++i)
+            check_unique_keys(node[i], source, path + "[" + std::to_string(i) + "]");
+        return;
+    }
+    if (!node.IsMap()) return;
+    std::map<std::string, int> first_line;
+    for (const auto& kv : node) {
+        const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+        const int line = kv.first.Mark().line + 1;
+        auto [it, fresh] = first_line.emplace(key, line);
+        MOERL_CHECK(fresh, source, ":", line, ": ", path.empty() ? "" : path + ".", key,
+                    ": duplicate key (first given on line ", it->second, ")");
+        check_unique_keys(kv.second, source, path.empty() ? key : path + "." + key);
+    }
+}
+
+constexpr size_t kMaxConfigBytes = 1 << 20;  // far above any real config; refused before parsing
+
 }  // namespace
 
 RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& source) {
@@ -167,12 +190,15 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
     m.torch_dtype = "float32";
     m.tie_word_embeddings = false;
 
+    MOERL_CHECK(text.size() <= kMaxConfigBytes, source, ": ", text.size(), " bytes; a config is at most ",
+                kMaxConfigBytes, " bytes");
     YAML::Node root;
     try {
         root = YAML::Load(text);
     } catch (const YAML::Exception& e) {
         MOERL_FAIL(source, ": not valid YAML: ", e.what());
     }
+    check_unique_keys(root, source, "");
     MOERL_CHECK(root.IsMap() || root.IsNull(), source, ": expected a mapping of sections at the top level");
     Section top(root, "", source);
     int64_t steps = c.steps;
@@ -289,14 +315,41 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
 }
 
 RunConfig RunConfig::load(const std::string& path) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const auto status = fs::status(path, ec);
+    MOERL_CHECK(fs::exists(status), "config file ", path, " does not exist");
+    MOERL_CHECK(!fs::is_directory(status), "config file ", path, " is a directory; expected a YAML file");
+    MOERL_CHECK(fs::is_regular_file(status), "config file ", path, " is not a regular file");
+    const auto size = fs::file_size(path, ec);
+    MOERL_CHECK(!ec && size <= kMaxConfigBytes, "config file ", path, ": ", size,
+                " bytes; a config is at most ", kMaxConfigBytes, " bytes");
     std::ifstream in(path);
     MOERL_CHECK(in, "cannot read config file ", path);
     std::string text((std::istreambuf_iterator<char>(in)), {});
-    return from_yaml_text(text, std::filesystem::path(path).filename().string());
+    const std::string source = fs::path(path).filename().string();
+    bool empty = true;
+    try {
+        empty = YAML::Load(text).IsNull();
+    } catch (const YAML::Exception&) {
+        empty = false;  // from_yaml_text says what is wrong
+    }
+    MOERL_CHECK(!empty, path, ":1: the config file is empty; expected sections such as run:, model:, task:");
+    return from_yaml_text(text, source);
 }
 
 void RunConfig::validate() const {
     const std::string& s = source;
+    // The name becomes a directory name and the namespace of the run's Redis keys.
+    MOERL_CHECK(!name.empty() && name.size() <= 64, s, ": run.name: expected 1 to 64 characters, got ",
+                name.size());
+    for (char ch : name) {
+        MOERL_CHECK(std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '-', s,
+                    ": run.name: '", name, "' has the character '", std::string(1, ch),
+                    "'; expected letters, digits, '.', '_' and '-' only");
+    }
+    MOERL_CHECK(name.find_first_not_of('.') != std::string::npos, s, ": run.name: '", name,
+                "' is not a usable name");
     const model::ModelConfig& m = model;
     if (model_path.empty()) {
         MOERL_CHECK(m.num_attention_heads % m.num_key_value_heads == 0, s,

@@ -11,6 +11,36 @@
 
 namespace moerl::rl {
 
+namespace {
+// Text as XML character data or an attribute value.
+std::string xml_escape(const std::string& text) {
+    std::string out;
+    for (char ch : text) {
+        switch (ch) {
+            case '&':
+                out += "&amp;";
+                break;
+            case '<':
+                out += "&lt;";
+                break;
+            case '>':
+                out += "&gt;";
+                break;
+            case '"':
+                out += "&quot;";
+                break;
+            case '\'':
+                out += "&apos;";
+                break;
+            default:
+                if (static_cast<unsigned char>(ch) >= 0x20 || ch == '\t')
+                    out += ch;  // XML 1.0 has no other controls
+        }
+    }
+    return out;
+}
+}  // namespace
+
 void write_reward_svg(const std::string& path, const std::vector<double>& steps,
                       const std::vector<double>& values, const std::string& title) {
     const double W = 720, H = 400, left = 60, right = 20, top = 40, bottom = 50;
@@ -24,7 +54,7 @@ void write_reward_svg(const std::string& path, const std::vector<double>& steps,
     s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
       << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
          "fill=\"white\"/>\n";
-    s << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">" << title
+    s << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">" << xml_escape(title)
       << "</text>\n";
     for (int i = 0; i <= 5; ++i) {
         double y = i / 5.0;

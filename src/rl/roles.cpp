@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "moerl/control/run_store.hpp"
@@ -226,6 +228,14 @@ struct RolloutWorker::Impl {
 
     void admit(const control::Lease& lease) {
         InFlight f{lease, task_payload_from_json(lease.task.payload)};
+        // The env puts step s once version s - max_staleness is published, so a task can arrive
+        // just after this worker's last sync(): load that version first, or the bound is broken
+        // by one.
+        const int64_t needed = f.payload.step - cfg.max_staleness;
+        for (int i = 0; version < needed && i < 40; ++i) {
+            if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            sync();
+        }
         GenRequest r;
         r.id = next_id++;
         r.prompt = f.payload.prompt_tokens;
@@ -332,8 +342,11 @@ struct TrainerRole::Impl {
     std::string consumer = "trainer";
     // Experiences taken but not yet trained on, by step and task id (with their delivery ids).
     std::map<int64_t, std::map<std::string, std::pair<ExperienceRecord, std::string>>> held;
-    std::set<std::string> consumed;  // task ids trained on (exactly once)
-    int64_t duplicates = 0;          // dropped by take_available since the last step
+    // Trained on (exactly once): every task of the steps before consumed_below (steps are trained
+    // in order), and the ids in `consumed` (an older checkpoint's list).
+    int64_t consumed_below = 0;
+    std::set<std::string> consumed;
+    int64_t duplicates = 0;  // dropped by take_available since the last step
 
     std::string in_process_id;   // set when rollout workers here copy the weights from memory
     double publish_seconds = 0;  // of the last publish_policy()
@@ -347,6 +360,14 @@ struct TrainerRole::Impl {
     }
     ~Impl() {
         if (!in_process_id.empty()) InProcessPolicies::remove(in_process_id, trainer.get());
+    }
+
+    bool consumed_by_watermark(const std::string& id) const {
+        long long step = -1;
+        return std::sscanf(id.c_str(), "s%lld-", &step) == 1 && step >= 0 && step < consumed_below;
+    }
+    bool is_consumed(const ExperienceRecord& e) const {
+        return e.task.step < consumed_below || consumed.count(e.task_id) > 0;
     }
 
     void publish_policy() {
@@ -375,7 +396,7 @@ struct TrainerRole::Impl {
         auto deliveries = cp.experience->take(consumer, 1 << 20, wait);
         for (auto& d : deliveries) {
             ExperienceRecord e = experience_from_json(d.experience.payload);
-            if (consumed.count(e.task_id)) {  // trained on before a restart: done with it
+            if (is_consumed(e)) {  // trained on before a restart: done with it
                 cp.experience->ack({d.delivery_id});
                 ++duplicates;
                 continue;
@@ -434,7 +455,7 @@ struct TrainerRole::Impl {
         const auto t_train = Clock::now();
         r.train = trainer->update(batch, adv);
         r.train_seconds = std::chrono::duration<double>(Clock::now() - t_train).count();
-        for (auto& e : batch) consumed.insert(e.task_id);
+        consumed_below = std::max(consumed_below, s + 1);
         version = s + 1;
         publish_policy();
         r.publish_seconds = publish_seconds;
@@ -446,21 +467,35 @@ struct TrainerRole::Impl {
     void save(int64_t next_step, int64_t env_next_step) {
         const std::string name = checkpoint_name(next_step);
         const fs::path dir = fs::path(work_dir) / "staging" / name;
-        fs::remove_all(dir);
-        trainer->save_weights(dir.string());
-        trainer->save_optimizer(dir.string());
         nlohmann::json st;
         st["next_step"] = next_step;
         st["version"] = version;
         st["env_next_step"] = env_next_step;
         st["seed"] = cfg.seed;
-        st["consumed"] = consumed;
+        // Compact: a watermark plus the ids it does not cover (none when steps are trained in order).
+        st["consumed_below_step"] = consumed_below;
+        nlohmann::json others = nlohmann::json::array();
+        for (const auto& id : consumed)
+            if (!consumed_by_watermark(id)) others.push_back(id);
+        st["consumed"] = others;
         nlohmann::json pending = nlohmann::json::array();
         for (auto& [s, m] : held)
             for (auto& [id, e] : m) pending.push_back(to_json(e.first));
         st["pending"] = pending;
-        std::ofstream(dir / "trainer_state.json") << st.dump();
-        control::publish_checkpoint(*cp.store, dir.string(), name, version, next_step);
+        fs::remove_all(dir);
+        try {
+            trainer->save_weights(dir.string());
+            trainer->save_optimizer(dir.string());
+            std::ofstream state(dir / "trainer_state.json");
+            state << st.dump();
+            state.close();
+            MOERL_CHECK(state.good(), "cannot write ", (dir / "trainer_state.json").string());
+            control::publish_checkpoint(*cp.store, dir.string(), name, version, next_step);
+        } catch (...) {
+            std::error_code ec;  // a full disk: leave no staging files behind
+            fs::remove_all(dir, ec);
+            throw;
+        }
         fs::remove_all(dir);
         control::prune_checkpoints(*cp.store, "ckpt-", static_cast<size_t>(cfg.keep_checkpoints));
     }
@@ -484,6 +519,9 @@ struct TrainerRole::Impl {
             version = st.at("version").get<int64_t>();
             env_next = st.at("env_next_step").get<int64_t>();
             consumed = st.at("consumed").get<std::set<std::string>>();
+            // Every step before the checkpoint's was trained (older checkpoints list every id).
+            consumed_below = std::max(st.value("consumed_below_step", int64_t{0}), next_step);
+            std::erase_if(consumed, [&](const std::string& id) { return consumed_by_watermark(id); });
             for (const auto& text : st.at("pending")) {
                 ExperienceRecord e = experience_from_json(text.get<std::string>());
                 cp.experience->push({e.task_id, e.attempt, e.oldest_version(), text.get<std::string>()});
@@ -507,6 +545,11 @@ void TrainerRole::save_checkpoint(int64_t next_step, int64_t env_next_step) {
 }
 int64_t TrainerRole::resumed_env_next_step() const { return impl_->env_next; }
 int64_t TrainerRole::version() const { return impl_->version; }
+size_t TrainerRole::num_held(int64_t step) const {
+    auto it = impl_->held.find(step);
+    return it == impl_->held.end() ? 0 : it->second.size();
+}
+void TrainerRole::republish_policy() { impl_->publish_policy(); }
 
 }  // namespace moerl::rl
 

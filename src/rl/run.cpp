@@ -63,10 +63,7 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     if (!opt.output_dir.empty()) cfg.output_dir = opt.output_dir;
     cfg.validate();
     const fs::path out = fs::absolute(cfg.output_dir);
-    MOERL_CHECK(opt.resume || !fs::exists(out / "checkpoints") || fs::is_empty(out / "checkpoints"),
-                "output directory ", out.string(),
-                " already holds checkpoints: pass --resume to continue that run, ",
-                "or choose another --out");
+    // (train_loop locks the output directory, then refuses one that holds another run's checkpoints.)
     // Embedded backends are namespaced by a fresh id; Redis keys by the run name (shared by roles).
     const bool embedded = cfg.queue == "embedded" && cfg.buffer == "embedded" && cfg.registry == "embedded";
     ControlPlane cp = ControlPlane::connect(cfg, embedded ? unique_run_id(cfg.name) : cfg.name);
@@ -76,6 +73,7 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     loop.stop_after = opt.stop_after;
     loop.step_timeout_s = 60;  // everything was generated before the step: only a bug waits
     loop.progress = opt.progress;
+    loop.stop = opt.stop;
     return train_loop(cfg, cp, loop, &producer);
 }
 

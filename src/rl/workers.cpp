@@ -98,6 +98,8 @@ void run_env_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext&
     EnvMetrics metrics(w.metrics);
     int64_t env_next = 0;
     int64_t last_logged = -2;
+    auto next_log = Clock::now();
+    say(w, "waiting for the trainer to publish policy v0");
     while (!stopping(w) && !done.done()) {
         auto latest = cp.registry->latest();
         const int64_t version = latest ? latest->first : -1;
@@ -108,9 +110,12 @@ void run_env_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext&
             }
         }
         metrics.sample(*cp.tasks);
-        if (env_next - 1 != last_logged && env_next > 0) {
+        // The trainer's progress line numbers steps from 1; the env says what it put every 30 s.
+        if (env_next - 1 != last_logged && env_next > 0 && (last_logged < 0 || Clock::now() >= next_log)) {
             last_logged = env_next - 1;
-            say(w, "put step " + std::to_string(last_logged) + " (policy v" + std::to_string(version) + ")");
+            next_log = Clock::now() + std::chrono::seconds(30);
+            say(w, "put the tasks of steps up to " + std::to_string(last_logged + 1) + "/" +
+                       std::to_string(cfg.steps) + " (policy v" + std::to_string(version) + ")");
         }
         if (version >= cfg.steps) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -128,6 +133,8 @@ void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerCont
         Heartbeat heartbeat(*cp.tasks, w, Millis(cfg.lease_timeout_ms));
         // Tasks appear once version 0 is published; a worker that leased one before loading any
         // policy could not generate it.
+        if (!stopping(w) && !done.done() && worker.sync_policy() < 0)
+            say(w, "waiting for the trainer to publish policy v0");
         while (!stopping(w) && !done.done() && worker.sync_policy() < 0)
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
         metrics.update(worker.stats(), worker.policy_version());
@@ -176,6 +183,7 @@ RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const Worker
     loop.audit_path = opt.audit_path;
     loop.check = [&lock] { lock->check(); };
     loop.metrics = w.metrics;
+    loop.control_plane_reset = [&lock] { return lock->take_reset(); };
     return train_loop(cfg, cp, loop, nullptr);
 }
 

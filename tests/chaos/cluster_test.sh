@@ -9,20 +9,11 @@
 set -uo pipefail
 
 source "$(dirname "$0")/common.sh" "$@"
-tmp=$(mktemp -d /tmp/moerl-cluster.XXXXXX)
-failed=0
-fail() {
-    echo "cluster test: FAIL: $*" >&2
-    failed=1
-}
+source "$(dirname "$0")/../test_lib.sh"
+new_tmp cluster
 cleanup() {
     for pid in $(cat "$tmp"/*.pids 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
-    if ((failed)); then
-        echo "---- logs (kept in $tmp) ----" >&2
-        tail -n 20 "$tmp"/*.log >&2
-    else
-        rm -rf "$tmp"
-    fi
+    keep_or_remove_tmp
 }
 trap cleanup EXIT
 

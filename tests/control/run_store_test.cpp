@@ -39,6 +39,9 @@ TEST(RunStore, OnlyCheckpointsWithAManifestArePublished) {
     prune_checkpoints(*store, "ckpt-", 1);
     EXPECT_EQ(published_checkpoints(*store, "ckpt-"), (std::vector<std::string>{"ckpt-00000002"}));
     EXPECT_TRUE(store->list("ckpt-00000001/").empty());
+    // Nothing of the pruned checkpoint stays behind, not even its directory.
+    EXPECT_FALSE(fs::exists(t.path / "store" / "ckpt-00000001"));
+    EXPECT_TRUE(fs::exists(t.path / "store" / "ckpt-00000002"));
 }
 
 TEST(StorePolicyRegistry, PublishesThroughTheStoreAndKeepsTheNewest) {

@@ -4,9 +4,12 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <map>
 #include <random>
 
@@ -15,6 +18,7 @@
 #include "moerl/model/model.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/experience.hpp"
+#include "moerl/rl/metrics.hpp"
 #include "moerl/rl/roles.hpp"
 #include "moerl/rl/rollout.hpp"
 
@@ -255,4 +259,39 @@ TEST(Rollout, CudaMatchesCpuOrIsRefused) {
                 << "request " << want[i].id << " token " << t;
     }
     EXPECT_TRUE(b.idle());
+}
+
+TEST(Config, DuplicateKeysAreErrorsNamingTheLine) {
+    EXPECT_EQ(config_error("run: {name: a}\ntrain:\n  lr: 0.1\nrun: {name: b}\n"),
+              "quickstart.yaml:4: run: duplicate key (first given on line 1)");
+    EXPECT_EQ(config_error("train:\n  lr: 0.1\n  group_size: 4\n  lr: 0.2\n"),
+              "quickstart.yaml:4: train.lr: duplicate key (first given on line 2)");
+}
+
+TEST(Config, OversizedTextIsRefusedBeforeParsing) {
+    const std::string big(2 << 20, '#');
+    EXPECT_NE(config_error(big).find("2097152 bytes; a config is at most 1048576 bytes"), std::string::npos);
+}
+
+TEST(Config, RunNameIsAPathAndNamespaceSafeWord) {
+    EXPECT_EQ(config_error("run: {name: ok.name_1-2}\n"), "(no error)");
+    EXPECT_EQ(
+        config_error("run: {name: ../../etc/x}\n"),
+        "quickstart.yaml: run.name: '../../etc/x' has the character '/'; expected letters, digits, '.', "
+        "'_' and '-' only");
+    EXPECT_EQ(config_error("run: {name: \"R&D run\"}\n").substr(0, 37),
+              "quickstart.yaml: run.name: 'R&D run' ");
+    EXPECT_EQ(config_error("run: {name: " + std::string(65, 'a') + "}\n"),
+              "quickstart.yaml: run.name: expected 1 to 64 characters, got 65");
+    EXPECT_EQ(config_error("run: {name: ..}\n"), "quickstart.yaml: run.name: '..' is not a usable name");
+}
+
+TEST(RewardSvg, TitleIsXmlEscaped) {
+    const std::string path = ::testing::TempDir() + "/escaped-" + std::to_string(::getpid()) + ".svg";
+    write_reward_svg(path, {0, 1}, {0.1, 0.2}, "R&D </text><script>alert(1)</script>");
+    std::ifstream in(path);
+    const std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::remove(path.c_str());
+    EXPECT_NE(svg.find("R&amp;D &lt;/text&gt;&lt;script&gt;"), std::string::npos) << svg;
+    EXPECT_EQ(svg.find("<script>"), std::string::npos);
 }

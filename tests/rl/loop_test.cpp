@@ -157,6 +157,7 @@ TEST(TrainLoop, StepsAfterTheLastCheckpointStayUnacknowledged) {
 TEST(TrainLoop, DistributedRolesWriteWhatTheLocalRunWrites) {
     TempDir local("local"), dist("dist");
     RunConfig c = small_config(local.path);
+    c.max_staleness = 0;
     RunOptions o;
     o.progress = false;
     RunSummary ls = run_local(c, o);
@@ -191,6 +192,9 @@ TEST(TrainLoop, DistributedRolesWriteWhatTheLocalRunWrites) {
         EXPECT_EQ(dm[i]["step"], lm[i]["step"]);
         EXPECT_GT(lm[i]["grad_norm"].get<double>(), 0.0) << "step " << i;
         EXPECT_GT(dm[i]["grad_norm"].get<double>(), 0.0) << "step " << i;
+        // max_staleness 0 holds exactly in both modes: no sample from an older policy.
+        EXPECT_EQ(lm[i]["staleness_max"].get<int64_t>(), 0) << "local, step " << i;
+        EXPECT_EQ(dm[i]["staleness_max"].get<int64_t>(), 0) << "distributed, step " << i;
     }
     EXPECT_EQ(train_cp.experience->size(), 0u);  // every experience acknowledged after its checkpoint
     EXPECT_EQ(read_metrics(to.audit_path).size(), static_cast<size_t>(c.steps) + 2);  // start, steps, done

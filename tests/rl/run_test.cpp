@@ -5,8 +5,12 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 
+#include "moerl/control/run_lock.hpp"
+#include "moerl/core/error.hpp"
 #include "rl_test_util.hpp"
 
 using namespace moerl::rl;
@@ -95,6 +99,61 @@ TEST(RlRun, ResumeContinuesExactly) {
             EXPECT_GT(mf.back()["staleness"].get<double>(), 0.0);
         }
     }
+}
+
+TEST(RlRun, TrainerStateKeepsConsumedIdsCompact) {
+    // The consumed task ids as a watermark: trainer_state.json does not grow with the run.
+    TempDir t("compact");
+    RunConfig c = small_config(t.path);
+    c.checkpoint_every = 2;
+    RunOptions o;
+    o.progress = false;
+    o.stop_after = 4;
+    run_local(c, o);
+    std::ifstream in(t.path / "checkpoints" / "ckpt-00000004" / "trainer_state.json");
+    ASSERT_TRUE(in) << "no checkpoint at step 4";
+    auto st = nlohmann::json::parse(in);
+    EXPECT_EQ(st.value("consumed_below_step", int64_t{-1}), 4);
+    EXPECT_EQ(st.at("consumed").size(), 0u);
+    RunOptions again;
+    again.progress = false;
+    again.resume = true;
+    EXPECT_EQ(run_local(c, again).steps_done, 6);  // and it resumes from it
+}
+
+TEST(RlRun, ResumingAFinishedRunTrainsNoMoreSteps) {
+    TempDir t("reached");
+    RunConfig c = small_config(t.path);
+    c.steps = 40;
+    c.stop_at_reward = 0.01;  // reached as soon as there are 10 steps
+    RunOptions o;
+    o.progress = false;
+    RunSummary s = run_local(c, o);
+    ASSERT_TRUE(s.reached_reward);
+    EXPECT_EQ(s.steps_done, 10);
+    RunOptions again = o;
+    again.resume = true;
+    RunSummary r = run_local(c, again);
+    EXPECT_TRUE(r.reached_reward);
+    EXPECT_EQ(r.steps_done, 10);
+    EXPECT_EQ(read_metrics(r.metrics_path).size(), 10u);
+}
+
+TEST(RlRun, ASecondRunOnOneOutputDirectoryIsRefused) {
+    TempDir t("dirlock");
+    RunConfig c = small_config(t.path);
+    auto held = moerl::control::lock_run_directory(t.path.string());
+    RunOptions o;
+    o.progress = false;
+    try {
+        run_local(c, o);
+        ADD_FAILURE() << "a run on a locked output directory started";
+    } catch (const moerl::Error& e) {
+        EXPECT_NE(e.message().find("in use by another moerl process (pid " + std::to_string(::getpid())),
+                  std::string::npos)
+            << e.message();
+    }
+    EXPECT_FALSE(fs::exists(t.path / "metrics.jsonl"));
 }
 
 TEST(RlRoles, StoppedWorkerTasksAreRedoneExactlyOnce) {

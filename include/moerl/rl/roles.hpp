@@ -110,6 +110,10 @@ class TrainerRole {
     // The env's progress saved in the checkpoint start() resumed from (0 on a fresh start).
     int64_t resumed_env_next_step() const;
     int64_t version() const;
+    // Experiences of `step` taken and held for training (what a waiting trainer already has).
+    size_t num_held(int64_t step) const;
+    // Publishes the current version again (the registry lost it: a control plane without its data).
+    void republish_policy();
 
   private:
     struct Impl;

@@ -23,6 +23,7 @@ struct RunOptions {
     int64_t stop_after = -1;  // stop (with a checkpoint) after this many steps of this call
     std::string output_dir;   // overrides config.output_dir when set
     bool progress = true;     // the live progress line on stderr
+    const std::atomic<bool>* stop = nullptr;  // Ctrl-C: stop before the next step (RunSummary::stopped)
 };
 
 // env, one rollout worker and the trainer (EP over config.ep_ranks threads) in this process,

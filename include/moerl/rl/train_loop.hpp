@@ -58,6 +58,11 @@ struct TrainLoopOptions {
     std::string audit_path;  // append a JSON line per start, step (its task ids) and end
     // Steps, reward, staleness and publish times for /metrics (none when null).
     MetricsRegistry* metrics = nullptr;
+    // Returns true (once per event) when the control plane lost the run's data, e.g. a Redis
+    // restarted without persistence: the loop then publishes its version again and re-issues
+    // the tasks of the steps in flight. Checked while waiting for experiences.
+    std::function<bool()> control_plane_reset;
+    int wait_note_s = 30;  // while waiting for a step's experiences, say so this often
 };
 
 struct RunSummary {
@@ -68,6 +73,8 @@ struct RunSummary {
     bool reached_reward = false;  // stopped by stop_at_reward
     bool stopped = false;         // stopped by the termination notice
     std::string metrics_path, svg_path;
+    std::string checkpoints;      // the store's URI
+    int64_t checkpoint_step = 0;  // the step the newest checkpoint resumes at (0: none yet)
 };
 
 // Trains config.steps steps (or until stop_at_reward, stop_after or the notice), writing
