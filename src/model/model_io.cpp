@@ -110,7 +110,7 @@ std::vector<std::pair<std::string, at::Tensor>> MoeModel::state_dict() const {
         }
     }
     out.push_back({"model.norm.weight", m.final_norm.detach()});
-    if (!m.config.tie_word_embeddings) out.push_back({"lm_head.weight", m.lm_head.detach()});
+    if (m.lm_head.defined()) out.push_back({"lm_head.weight", m.lm_head.detach()});
     return out;
 }
 
