@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "moerl/core/error.hpp"
+#include "moerl/rl/reward_worker.hpp"
 
 namespace moerl::rl {
 
@@ -21,7 +22,8 @@ std::string unique_run_id(const std::string& name) {
     return name + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
-// The env and one rollout worker, run to completion before each training step.
+// The env, one rollout worker and, with a reward model, one reward worker, run to completion
+// before each training step.
 class LocalProducer final : public ExperienceProducer {
   public:
     LocalProducer(const RunConfig& cfg, ControlPlane& cp, std::string cache_dir)
@@ -30,6 +32,7 @@ class LocalProducer final : public ExperienceProducer {
     void start(int64_t env_next_step) override {
         env_next_ = env_next_step;
         worker_ = std::make_unique<RolloutWorker>(cfg_, cp_, "rollout-0", cache_dir_);
+        if (cp_.scoring) reward_ = std::make_unique<RewardWorker>(cfg_, cp_, "reward-0");
     }
 
     double produce(int64_t step) override {
@@ -39,6 +42,7 @@ class LocalProducer final : public ExperienceProducer {
         const double seconds = worker_->stats().seconds;
         worker_->work(control::Millis(0));
         const double gen_s = worker_->stats().seconds - seconds;
+        if (reward_) reward_->work(control::Millis(0));
         return gen_s > 0 ? static_cast<double>(worker_->stats().tokens - tokens) / gen_s : 0.0;
     }
 
@@ -48,6 +52,7 @@ class LocalProducer final : public ExperienceProducer {
     const std::string cache_dir_;
     int64_t env_next_ = 0;
     std::unique_ptr<RolloutWorker> worker_;
+    std::unique_ptr<RewardWorker> reward_;
 };
 }  // namespace
 
