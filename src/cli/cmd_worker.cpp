@@ -19,6 +19,7 @@
 #endif
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/model/reward_model.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/run.hpp"
 #include "worker_control.hpp"
@@ -71,6 +72,8 @@ void run_worker(const WorkerArgs& a) {
     MOERL_CHECK(a.role == "env" || a.role == "rollout" || a.role == "reward" || a.role == "train", "--role ",
                 a.role, "; expected env, rollout, reward or train");
     const rl::RunConfig cfg = load_config(a);
+    MOERL_CHECK(a.role != "reward" || !cfg.reward_model_path.empty(), "--role reward: ", a.config,
+                " has no reward.model_path; its rollout workers pass experiences to the trainer directly");
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
     const std::string who = a.worker_id.empty() ? default_worker_id(a.role) : a.worker_id;
     start_grace_watchdog(who, a.grace_s);
@@ -111,9 +114,9 @@ void run_worker(const WorkerArgs& a) {
         rl::run_env_worker(cfg, cp, w);
     } else if (a.role == "train") {
         rl::run_train_worker(cfg, cp, w, {a.keep_policies, a.audit});
+    } else if (a.role == "reward") {
+        rl::run_reward_worker(cfg, cp, w);
     } else {
-        // The rollout worker scores its own samples (verifier, optional reward model): a separate
-        // reward role is the same process kind until reward models run on their own GPUs.
         rl::run_rollout_worker(cfg, cp, w, (fs::path(cfg.output_dir) / "rollout" / who).string());
     }
 }
@@ -121,6 +124,7 @@ void run_worker(const WorkerArgs& a) {
 struct ClusterArgs {
     WorkerArgs worker;
     int rollout_workers = 2;
+    int reward_workers = -1;  // -1: one when the config has a reward model, else none
     int max_restarts = 5;
 };
 
@@ -131,6 +135,13 @@ void run_cluster(const ClusterArgs& c) {
     const WorkerArgs& a = c.worker;
     const rl::RunConfig cfg = load_config(a);  // fail here, not in every child
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
+    const bool scored = !cfg.reward_model_path.empty();
+    const int reward_workers = c.reward_workers >= 0 ? c.reward_workers : (scored ? 1 : 0);
+    MOERL_CHECK(!scored || reward_workers >= 1, "--reward-workers 0, but ", a.config,
+                " has a reward model (reward.model_path): nothing would score its experiences");
+    MOERL_CHECK(scored || reward_workers == 0, "--reward-workers ", reward_workers, ", but ", a.config,
+                " has no reward.model_path");
+    if (scored) model::inspect_reward_checkpoint(cfg.reward_model_path, cfg.reward_label);
     auto child = [&](const std::string& role) {
         ChildSpec s{role,
                     {"moerl", "worker", "--role", role, "--redis", a.redis, "--store", cfg.store_uri(),
@@ -145,8 +156,9 @@ void run_cluster(const ClusterArgs& c) {
     };
     std::vector<ChildSpec> children{child("train"), child("env")};
     for (int i = 0; i < c.rollout_workers; ++i) children.push_back(child("rollout"));
-    std::fprintf(stderr, "[cluster] run %s: trainer, env and %d rollout workers started\n", run_id.c_str(),
-                 c.rollout_workers);
+    for (int i = 0; i < reward_workers; ++i) children.push_back(child("reward"));
+    std::fprintf(stderr, "[cluster] run %s: trainer, env, %d rollout and %d reward workers started\n",
+                 run_id.c_str(), c.rollout_workers, reward_workers);
     const int trainer_status = supervise(children, {c.max_restarts, a.grace_s}, stop_flag());
     MOERL_CHECK(trainer_status <= 0, "cluster: the trainer exited with ", trainer_status);
     log_line("cluster", stop_flag().load() ? "stopped" : "run finished; workers stopped");
@@ -206,8 +218,10 @@ void register_worker_commands(CLI::App& app) {
 
     auto cargs = std::make_shared<ClusterArgs>();
     CLI::App* cluster = app.add_subcommand(
-        "cluster", "Start a local distributed run: trainer, env and rollout worker processes");
+        "cluster", "Start a local distributed run: trainer, env, rollout and reward worker processes");
     cluster->add_option("--rollout-workers", cargs->rollout_workers, "Rollout worker processes");
+    cluster->add_option("--reward-workers", cargs->reward_workers,
+                        "Reward worker processes (default: 1 when the config has reward.model_path, else 0)");
     add_common_options(cluster, cargs->worker);
     cluster->callback([cargs] { run_cluster(*cargs); });
 }
