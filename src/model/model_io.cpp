@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "dtype_names.hpp"
 #include "file_util.hpp"
 #include "model_impl.hpp"
 #include "moerl/core/error.hpp"
@@ -13,7 +14,7 @@
 #include "moerl/model/safetensors.hpp"
 
 namespace moerl::model {
-namespace {
+namespace detail {
 
 at::ScalarType to_scalar_type(StDType t) {
     switch (t) {
@@ -64,6 +65,14 @@ at::ScalarType parse_torch_dtype(const std::string& name) {
 std::string torch_dtype_name(at::ScalarType t) {
     return t == at::kFloat ? "float32" : (t == at::kBFloat16 ? "bfloat16" : "float16");
 }
+
+}  // namespace detail
+
+namespace {
+using detail::parse_torch_dtype;
+using detail::to_scalar_type;
+using detail::to_st_dtype;
+using detail::torch_dtype_name;
 
 uint64_t mix_seed(uint64_t seed, const std::string& name) {
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the name, then splitmix64 with the seed

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "dtype_names.hpp"
 #include "file_util.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/core/json.hpp"
@@ -20,28 +21,6 @@ namespace {
 
 using nlohmann::json;
 constexpr const char* kScore = "score.weight";
-
-at::ScalarType float_type(StDType t, const std::string& what) {
-    switch (t) {
-        case StDType::kF64:
-            return at::kDouble;
-        case StDType::kF32:
-            return at::kFloat;
-        case StDType::kF16:
-            return at::kHalf;
-        case StDType::kBF16:
-            return at::kBFloat16;
-        default:
-            MOERL_FAIL(what, " has dtype ", st_dtype_name(t), ", expected a floating type");
-    }
-}
-
-at::ScalarType stored_type(const std::string& name) {
-    if (name == "float32") return at::kFloat;
-    if (name == "bfloat16") return at::kBFloat16;
-    if (name == "float16") return at::kHalf;
-    MOERL_FAIL("dtype \"", name, "\" is not supported, expected float32, bfloat16 or float16");
-}
 
 // config.json's architectures as one string for messages ("" when absent).
 std::string architectures(const json& j) {
@@ -88,7 +67,8 @@ RewardCheckpointInfo inspect_reward_checkpoint(const std::string& dir, int label
             "): expected the [num_labels, hidden_size] head of a *ForSequenceClassification checkpoint");
     }
     const TensorInfo& t = reader.info(kScore);
-    float_type(t.dtype, "checkpoint " + dir + ": " + kScore);
+    MOERL_CHECK(c10::isFloatingType(detail::to_scalar_type(t.dtype)), "checkpoint ", dir, ": ", kScore,
+                " has dtype ", st_dtype_name(t.dtype), ", expected a floating type");
     const int64_t hidden = info.backbone.hidden_size;
     MOERL_CHECK(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] == hidden, "checkpoint ", dir, ": ",
                 kScore, " has shape ", at::IntArrayRef(t.shape),
@@ -151,7 +131,7 @@ RewardModel RewardModel::from_pretrained(const std::string& dir, const ModelOpti
     rm.backbone_.load_weights(dir);
     CheckpointReader reader(dir);
     const TensorInfo& t = reader.info(kScore);
-    at::Tensor src = at::empty(t.shape, at::TensorOptions().dtype(float_type(t.dtype, kScore)));
+    at::Tensor src = at::empty(t.shape, at::TensorOptions().dtype(detail::to_scalar_type(t.dtype)));
     std::memcpy(src.data_ptr(), reader.data(kScore), t.nbytes);
     c10::NoGradGuard no_grad;
     rm.score_.copy_(src);
@@ -167,9 +147,8 @@ void RewardModel::init_random(uint64_t seed) {
 
 void RewardModel::save_pretrained(const std::string& dir, const std::string& dtype) const {
     const std::string stored = dtype.empty() ? config().torch_dtype : dtype;
-    const at::ScalarType type = stored_type(stored);
-    const StDType st =
-        type == at::kFloat ? StDType::kF32 : (type == at::kBFloat16 ? StDType::kBF16 : StDType::kF16);
+    const at::ScalarType type = detail::parse_torch_dtype(stored);
+    const StDType st = detail::to_st_dtype(type);
     std::filesystem::create_directories(dir);
     auto named = backbone_.state_dict();
     named.push_back({kScore, score_.detach()});

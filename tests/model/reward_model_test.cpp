@@ -16,9 +16,7 @@
 namespace moerl::model {
 namespace {
 
-using test::error_of;
-using test::TempDir;
-using test::tiny_config;
+using namespace test;
 using ::testing::HasSubstr;
 
 constexpr int64_t kPad = 5;
