@@ -2,8 +2,8 @@
 # Reward workers killed while a distributed run trains: trainer, env, one rollout and two reward
 # worker processes (`moerl worker --role reward`, a random reward model from `moerl model init
 # --reward`) on the test Redis; every 2 s a reward worker gets SIGKILL and a replacement starts.
-# Then: every experience went through the scoring stage (each score task acknowledged, none open)
-# and into the buffer exactly once, and the trainer trained every step exactly once on exactly its
+# Then: every experience went through the scoring stage (acknowledged, or left open by a worker
+# killed after its push) and into the buffer exactly once, and the trainer trained every step exactly once on exactly its
 # tasks.
 #
 #   tests/chaos/reward_test.sh PATH/TO/moerl tests/chaos     (needs MOERL_TEST_REDIS_URL set, else skips)
@@ -113,7 +113,7 @@ echo "reward chaos: the reward workers that saw the run end redid $redone leases
 
 python3 - "$tmp" "$run_cfg" \
     "$(rcli SMEMBERS "$prefix:experience:seen" | tr '\n' ' ')" "$(rcli XLEN "$prefix:experience")" \
-    "$(rcli SMEMBERS "$score:tasks:done" | tr '\n' ' ')" "$(rcli SCARD "$score:tasks:open")" <<'EOF' || failed=1
+    "$(rcli SMEMBERS "$score:tasks:done" | tr '\n' ' ')" "$(rcli SMEMBERS "$score:tasks:open" | tr '\n' ' ')" <<'EOF' || failed=1
 import json, os, re, sys
 tmp, cfg_path, seen, exp_len, scored, score_open = sys.argv[1:]
 text = open(cfg_path).read()
@@ -125,8 +125,11 @@ all_ids = set().union(*expected.values())
 failures = []
 def check(cond, what):
     failures.extend([] if cond else [what])
-check(set(scored.split()) == all_ids, f"score tasks acknowledged: {len(set(scored.split()))} of {len(all_ids)}")
-check(int(score_open) == 0, f"{score_open} score tasks still open")
+# A worker killed between its push and its ack leaves a score task open until its lease moves on,
+# which the end of the run may come before: harmless when the buffer has that experience.
+scored, score_open = set(scored.split()), set(score_open.split())
+check(scored | score_open == all_ids, f"score tasks: {len(scored)} acknowledged, {len(score_open)} open, of {len(all_ids)}")
+check(score_open <= set(seen.split()), f"{len(score_open - set(seen.split()))} open score tasks never reached the buffer")
 check(len(seen.split()) == len(set(seen.split())) and set(seen.split()) == all_ids,
       f"experience pushed for {len(set(seen.split()))} task ids; expected {len(all_ids)}")
 check(int(exp_len) == 0, f"{exp_len} experiences not acknowledged by the trainer")
