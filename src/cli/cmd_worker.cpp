@@ -72,8 +72,6 @@ void run_worker(const WorkerArgs& a) {
     MOERL_CHECK(a.role == "env" || a.role == "rollout" || a.role == "reward" || a.role == "train", "--role ",
                 a.role, "; expected env, rollout, reward or train");
     const rl::RunConfig cfg = load_config(a);
-    MOERL_CHECK(a.role != "reward" || !cfg.reward_model_path.empty(), "--role reward: ", a.config,
-                " has no reward.model_path; its rollout workers pass experiences to the trainer directly");
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
     const std::string who = a.worker_id.empty() ? default_worker_id(a.role) : a.worker_id;
     start_grace_watchdog(who, a.grace_s);

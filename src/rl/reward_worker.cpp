@@ -17,6 +17,22 @@ using Clock = std::chrono::steady_clock;
 int policy_vocab_size(const RunConfig& c) {
     return c.model_path.empty() ? c.model.vocab_size : model::ModelConfig::load(c.model_path).vocab_size;
 }
+
+// Checks what can be checked before loading, then loads reward.model_path.
+model::RewardModel load_reward_model(const RunConfig& c, const ControlPlane& cp, const std::string& name) {
+    MOERL_CHECK(
+        cp.scoring != nullptr, "reward worker ", name, ": ", c.source,
+        " has no reward.model_path, so nothing is scored: its rollout workers pass experiences to the "
+        "trainer directly");
+    model::RewardModel rm = model::RewardModel::from_pretrained(
+        c.reward_model_path, role_model_options(c, c.reward_device, c.reward_dtype, "reward.device"),
+        c.reward_label);
+    const int policy_vocab = policy_vocab_size(c);
+    MOERL_CHECK(rm.config().vocab_size >= policy_vocab, c.source, ": reward.model_path ", c.reward_model_path,
+                " has vocab_size ", rm.config().vocab_size, ", smaller than the policy's ", policy_vocab,
+                ": it cannot read every response");
+    return rm;
+}
 }  // namespace
 
 std::string scoring_run_id(const std::string& run_id) { return run_id + "/score"; }
@@ -29,19 +45,7 @@ struct RewardWorker::Impl {
     RewardStats stats;
 
     Impl(const RunConfig& c, ControlPlane& control, std::string n)
-        : cfg(c),
-          cp(control),
-          name(std::move(n)),
-          model(model::RewardModel::from_pretrained(
-              c.reward_model_path, role_model_options(c, c.reward_device, c.reward_dtype, "reward.device"),
-              c.reward_label)) {
-        MOERL_CHECK(cp.scoring != nullptr, "reward worker ", name,
-                    ": the control plane has no scoring stage (reward.model_path is not set)");
-        const int policy_vocab = policy_vocab_size(c);
-        MOERL_CHECK(model.config().vocab_size >= policy_vocab, c.source, ": reward.model_path ",
-                    c.reward_model_path, " has vocab_size ", model.config().vocab_size,
-                    ", smaller than the policy's ", policy_vocab, ": it cannot read every response");
-    }
+        : cfg(c), cp(control), name(std::move(n)), model(load_reward_model(c, control, name)) {}
 
     // One batch: up to reward.batch_size leases. Returns how many were passed on; nullopt when
     // none arrived.

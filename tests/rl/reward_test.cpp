@@ -170,8 +170,15 @@ TEST(RlReward, ConfigErrorsNameTheKey) {
               }).find("x.yaml: reward.batch_size: expected an integer in [1, 65536], got 0"),
               std::string::npos);
 
-    // A causal LM as the reward model: refused before any work, naming what it is.
+    // A reward worker on a run without a reward model.
     RunConfig c = small_config(t.path / "run");
+    ControlPlane plain = ControlPlane::connect(c, unique("rm-none"));
+    EXPECT_NE(error_of([&] {
+                  RewardWorker(c, plain, "r");
+              }).find("reward worker r: test.yaml has no reward.model_path, so nothing is scored"),
+              std::string::npos);
+
+    // A causal LM as the reward model: refused before any work, naming what it is.
     moerl::model::MoeModel lm(reward_backbone(c.model.vocab_size), {});
     lm.save_pretrained((t.path / "lm").string(), 0, "float32");
     c.reward_model_path = (t.path / "lm").string();
