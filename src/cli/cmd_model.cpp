@@ -1,4 +1,4 @@
-// `moerl model init`, `moerl ckpt inspect` and `moerl bench model`.
+// `moerl model init`, `moerl model score`, `moerl ckpt inspect` and `moerl bench model`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
@@ -19,6 +21,7 @@
 #include "moerl/core/error.hpp"
 #include "moerl/model/config.hpp"
 #include "moerl/model/model.hpp"
+#include "moerl/model/reward_model.hpp"
 #include "moerl/model/safetensors.hpp"
 
 namespace moerl::cli {
@@ -38,10 +41,26 @@ std::string dtype_name(at::ScalarType t) {
     return t == at::kFloat ? "float32" : (t == at::kBFloat16 ? "bfloat16" : "float16");
 }
 
+// A reward checkpoint (`model init --reward`): the backbone of config.json plus a score head.
+struct RewardInit {
+    bool enabled = false;
+    int num_labels = 1;
+    int64_t pad_token_id = -2;  // -2: config.json's pad_token_id (none when absent); -1: none
+};
+
+std::optional<int64_t> pad_token_of(const model::ModelConfig& config, int64_t requested) {
+    if (requested >= 0) return requested;
+    if (requested == -1) return std::nullopt;
+    const auto extra = nlohmann::json::parse(config.extra_json.empty() ? "{}" : config.extra_json);
+    if (extra.contains("pad_token_id") && extra["pad_token_id"].is_number_integer())
+        return extra["pad_token_id"].get<int64_t>();
+    return std::nullopt;
+}
+
 // Writes a random checkpoint into a staging directory beside `out`, then renames it into place, so
 // `out` never holds a mix of old and new files (an old shard or index next to a new model).
 void model_init(const std::string& config_path, const std::string& out, uint64_t seed, int shard_mb,
-                const std::string& dtype, bool force) {
+                const std::string& dtype, bool force, const RewardInit& reward) {
     namespace fs = std::filesystem;
     model::ModelConfig config = model::ModelConfig::load(config_path);
     const std::string stored = dtype_name(dtype_of(dtype.empty() ? config.torch_dtype : dtype));
@@ -56,10 +75,25 @@ void model_init(const std::string& config_path, const std::string& out, uint64_t
     const fs::path staging =
         target.parent_path() / ("." + target.filename().string() + ".init-" + std::to_string(::getpid()));
     fs::remove_all(staging);
-    model::MoeModel m(config, {at::kCPU, dtype_of(stored)});
-    m.init_random(seed);
+    MOERL_CHECK(!reward.enabled || shard_mb == 0,
+                "model init --reward writes one model.safetensors; drop --shard-mb");
+    std::optional<model::MoeModel> lm;
+    std::optional<model::RewardModel> rm;
+    if (reward.enabled) {
+        rm.emplace(config, reward.num_labels, 0, pad_token_of(config, reward.pad_token_id),
+                   model::ModelOptions{at::kCPU, dtype_of(stored)});
+        rm->init_random(seed);
+    } else {
+        lm.emplace(config, model::ModelOptions{at::kCPU, dtype_of(stored)});
+        lm->init_random(seed);
+    }
+    const model::MoeModel& m = rm ? rm->backbone() : *lm;
     try {
-        m.save_pretrained(staging.string(), static_cast<uint64_t>(shard_mb) << 20, stored);
+        if (rm) {
+            rm->save_pretrained(staging.string(), stored);
+        } else {
+            m.save_pretrained(staging.string(), static_cast<uint64_t>(shard_mb) << 20, stored);
+        }
         fs::remove_all(target);
         fs::rename(staging, target);
     } catch (...) {
@@ -67,10 +101,46 @@ void model_init(const std::string& config_path, const std::string& out, uint64_t
         fs::remove_all(staging, ec);
         throw;
     }
-    std::printf("wrote %s: %s parameters (%s active per token), %s, %s\n", out.c_str(),
-                human_count(static_cast<double>(config.num_parameters())).c_str(),
-                human_count(static_cast<double>(config.num_active_parameters())).c_str(), stored.c_str(),
-                human_bytes(static_cast<double>(m.weight_bytes())).c_str());
+    // A reward model has score.weight instead of an untied lm_head.
+    const int64_t head_change =
+        rm ? int64_t{reward.num_labels} * config.hidden_size -
+                 (config.tie_word_embeddings ? 0 : int64_t{config.vocab_size} * config.hidden_size)
+           : 0;
+    std::printf("wrote %s%s: %s parameters (%s active per token), %s, %s\n", out.c_str(),
+                rm ? " (reward model: score head, no lm_head)" : "",
+                human_count(static_cast<double>(config.num_parameters() + head_change)).c_str(),
+                human_count(static_cast<double>(config.num_active_parameters() + head_change)).c_str(),
+                stored.c_str(), human_bytes(static_cast<double>(m.weight_bytes())).c_str());
+}
+
+// `moerl model score`: JSONL {"ids": [...]} on stdin, {"score": x} on stdout, one line each.
+void model_score(const std::string& dir, int label, int batch, const std::string& device_name) {
+    const at::Device device(device_name);
+    MOERL_CHECK(device.is_cpu() || at::hasCUDA(), "--device ", device_name, ": no CUDA device is available");
+    const model::RewardModel rm = model::RewardModel::from_pretrained(dir, {device, at::kFloat}, label);
+    std::vector<std::vector<int>> pending;
+    auto flush = [&] {
+        for (double s : rm.score(pending, batch)) std::cout << nlohmann::json{{"score", s}}.dump() << "\n";
+        std::cout.flush();
+        pending.clear();
+    };
+    std::string line;
+    for (int64_t number = 1; std::getline(std::cin, line); ++number) {
+        if (line.empty()) continue;
+        const auto j = nlohmann::json::parse(line, nullptr, false);
+        MOERL_CHECK(!j.is_discarded() && j.is_object() && j.contains("ids") && j["ids"].is_array(),
+                    "stdin line ", number, ": expected {\"ids\": [token ids]}");
+        std::vector<int> ids;
+        for (const auto& v : j["ids"]) {
+            MOERL_CHECK(v.is_number_integer(), "stdin line ", number, ": ids must be integers, got ",
+                        v.dump());
+            ids.push_back(v.get<int>());
+        }
+        MOERL_CHECK(!ids.empty(), "stdin line ", number, ": ids is empty; expected at least one token");
+        pending.push_back(std::move(ids));
+        if (static_cast<int>(pending.size()) >= batch) flush();
+    }
+    if (!pending.empty()) flush();
 }
 
 void ckpt_inspect(const std::string& dir) {
@@ -260,6 +330,7 @@ void register_model_commands(CLI::App& app, CLI::App& bench) {
         bool force = false;
     };
     auto init = std::make_shared<InitArgs>();
+    auto reward = std::make_shared<RewardInit>();
     CLI::App* init_cmd = model_cmd->add_subcommand("init", "Write a randomly initialised checkpoint");
     init_cmd->add_option("--config", init->config, "config.json (file or directory)")->required();
     init_cmd->add_option("--out", init->out, "Output directory")->required();
@@ -268,9 +339,33 @@ void register_model_commands(CLI::App& app, CLI::App& bench) {
     init_cmd->add_flag("--force", init->force, "Replace a non-empty --out directory");
     init_cmd->add_option("--dtype", init->dtype,
                          "Stored dtype: bfloat16, float16, float32 (default: torch_dtype)");
-    init_cmd->callback([init] {
-        model_init(init->config, init->out, init->seed, init->shard_mb, init->dtype, init->force);
+    init_cmd->add_flag(
+        "--reward", reward->enabled,
+        "A reward model: the backbone without lm_head plus score.weight (sequence classification)");
+    init_cmd->add_option("--num-labels", reward->num_labels, "With --reward: rows of score.weight")
+        ->check(CLI::PositiveNumber);
+    init_cmd->add_option(
+        "--pad-token-id", reward->pad_token_id,
+        "With --reward: pad_token_id written to config.json (-1: none; default: config.json's)");
+    init_cmd->callback([init, reward] {
+        model_init(init->config, init->out, init->seed, init->shard_mb, init->dtype, init->force, *reward);
     });
+
+    struct ScoreArgs {
+        std::string dir, device = "cpu";
+        int label = -1;
+        int batch = 16;
+    };
+    auto score = std::make_shared<ScoreArgs>();
+    CLI::App* score_cmd = model_cmd->add_subcommand(
+        "score",
+        "Score token sequences with a reward model: {\"ids\": [...]} lines in, {\"score\": x} lines out");
+    score_cmd->add_option("--reward", score->dir, "Reward checkpoint (*ForSequenceClassification)")
+        ->required();
+    score_cmd->add_option("--label", score->label, "Row of score.weight (required when it has several)");
+    score_cmd->add_option("--batch", score->batch, "Sequences per forward")->check(CLI::PositiveNumber);
+    score_cmd->add_option("--device", score->device, "cpu or cuda (cuda:N); fp32 either way");
+    score_cmd->callback([score] { model_score(score->dir, score->label, score->batch, score->device); });
 
     CLI::App* ckpt = subcommand(app, "ckpt", "Checkpoint tools");
     auto dir = std::make_shared<std::string>();

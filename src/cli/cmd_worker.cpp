@@ -20,6 +20,7 @@
 #include "moerl/control/control.hpp"
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/model/reward_model.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/run.hpp"
 #include "worker_control.hpp"
@@ -147,9 +148,9 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
                               std::to_string(s.checkpoint_step + 1) + " from " + s.checkpoints);
             throw CLI::RuntimeError(stopped_exit_code());
         }
+    } else if (a.role == "reward") {
+        rl::run_reward_worker(cfg, cp, w);
     } else {
-        // The rollout worker scores its own samples (verifier, optional reward model): a separate
-        // reward role is the same process kind until reward models run on their own GPUs.
         rl::run_rollout_worker(cfg, cp, w, (fs::path(cfg.output_dir) / "rollout" / who).string());
     }
 }
@@ -157,6 +158,7 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
 struct ClusterArgs {
     WorkerArgs worker;
     int rollout_workers = 2;
+    int reward_workers = -1;  // -1: one when the config has a reward model, else none
     int max_restarts = 5;
 };
 
@@ -182,6 +184,13 @@ void run_cluster(const ClusterArgs& c) {
     const rl::RunConfig cfg = load_config(a);  // fail here, not in every child
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
     check_control_plane(cfg, run_id);
+    const bool scored = !cfg.reward_model_path.empty();
+    const int reward_workers = c.reward_workers >= 0 ? c.reward_workers : (scored ? 1 : 0);
+    MOERL_CHECK(!scored || reward_workers >= 1, "--reward-workers 0, but ", a.config,
+                " has a reward model (reward.model_path): nothing would score its experiences");
+    MOERL_CHECK(scored || reward_workers == 0, "--reward-workers ", reward_workers, ", but ", a.config,
+                " has no reward.model_path");
+    if (scored) model::inspect_reward_checkpoint(cfg.reward_model_path, cfg.reward_label);
     // A rollout worker restarted under its name takes its dead predecessor's leases back at once.
     int num_rollout = 0;
     auto child = [&](const std::string& role) {
@@ -201,8 +210,9 @@ void run_cluster(const ClusterArgs& c) {
     };
     std::vector<ChildSpec> children{child("train"), child("env")};
     for (int i = 0; i < c.rollout_workers; ++i) children.push_back(child("rollout"));
-    log_line("cluster", "run " + run_id + ": trainer, env and " + std::to_string(c.rollout_workers) +
-                            " rollout workers started");
+    for (int i = 0; i < reward_workers; ++i) children.push_back(child("reward"));
+    log_line("cluster", "run " + run_id + ": trainer, env, " + std::to_string(c.rollout_workers) +
+                            " rollout and " + std::to_string(reward_workers) + " reward workers started");
     const int trainer_status = supervise(children, {c.max_restarts, a.grace_s}, stop_flag());
     MOERL_CHECK(trainer_status <= 0, "cluster: the trainer exited with ", trainer_status);
     if (stop_flag().load()) {
@@ -271,8 +281,10 @@ void register_worker_commands(CLI::App& app) {
 
     auto cargs = std::make_shared<ClusterArgs>();
     CLI::App* cluster = app.add_subcommand(
-        "cluster", "Start a local distributed run: trainer, env and rollout worker processes");
+        "cluster", "Start a local distributed run: trainer, env, rollout and reward worker processes");
     cluster->add_option("--rollout-workers", cargs->rollout_workers, "Rollout worker processes (default 2)");
+    cluster->add_option("--reward-workers", cargs->reward_workers,
+                        "Reward worker processes (default: 1 when the config has reward.model_path, else 0)");
     cluster->add_option(
         "--max-restarts", cargs->max_restarts,
         "Failed worker exits (the trainer's too) restarted in total before giving up (default 5)");

@@ -95,7 +95,7 @@ MoeModel::MoeModel(const ModelConfig& config, const ModelOptions& options) : imp
         }
     }
     add("model.norm.weight", m.final_norm, {H});
-    if (!c.tie_word_embeddings) add("lm_head.weight", m.lm_head, {c.vocab_size, H});
+    if (!c.tie_word_embeddings && options.lm_head) add("lm_head.weight", m.lm_head, {c.vocab_size, H});
 }
 
 MoeModel::MoeModel(MoeModel&&) noexcept = default;
@@ -235,9 +235,15 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
     Impl::Trunk t =
         m.run(ids, positions, allowed, valid, nullptr, 0, replay, options.record_routing, /*want_aux=*/true);
     ForwardOutput out;
-    at::Tensor logits = at::matmul(t.hidden, m.output_weight().t());
-    if (options.compute_logprobs) out.token_logprobs = token_logprobs(logits, ids);
-    if (options.return_logits) out.logits = logits;
+    if (options.return_logits || options.compute_logprobs) {
+        MOERL_CHECK(m.output_weight().defined(),
+                    "forward: this model was built without lm_head (ModelOptions::lm_head = false); "
+                    "ask for return_hidden only");
+        at::Tensor logits = at::matmul(t.hidden, m.output_weight().t());
+        if (options.compute_logprobs) out.token_logprobs = token_logprobs(logits, ids);
+        if (options.return_logits) out.logits = logits;
+    }
+    if (options.return_hidden) out.hidden = t.hidden;
     out.aux_loss = t.aux_loss;
     out.routing = t.routing;
     return out;
@@ -277,6 +283,7 @@ StepOutput MoeModel::prefill(KvCache& cache, const at::Tensor& input_ids, const 
     MOERL_CHECK(B == cache.batch_size(), "input_ids has batch ", B, ", but the KV cache holds ",
                 cache.batch_size(), " sequences");
     MOERL_CHECK(S >= 1, "prefill needs at least one column");
+    MOERL_CHECK(m.output_weight().defined(), "prefill: a model without lm_head cannot generate");
     MOERL_CHECK(col0 + S <= cache.capacity, "KV cache capacity ", cache.capacity, " exceeded: ", col0,
                 " columns used + ", S, " new");
     at::Tensor ids = input_ids.to(m.options.device, at::kLong);

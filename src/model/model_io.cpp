@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "dtype_names.hpp"
 #include "file_util.hpp"
 #include "model_impl.hpp"
 #include "moerl/core/error.hpp"
@@ -13,7 +14,7 @@
 #include "moerl/model/safetensors.hpp"
 
 namespace moerl::model {
-namespace {
+namespace detail {
 
 at::ScalarType to_scalar_type(StDType t) {
     switch (t) {
@@ -65,6 +66,14 @@ std::string torch_dtype_name(at::ScalarType t) {
     return t == at::kFloat ? "float32" : (t == at::kBFloat16 ? "bfloat16" : "float16");
 }
 
+}  // namespace detail
+
+namespace {
+using detail::parse_torch_dtype;
+using detail::to_scalar_type;
+using detail::to_st_dtype;
+using detail::torch_dtype_name;
+
 uint64_t mix_seed(uint64_t seed, const std::string& name) {
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the name, then splitmix64 with the seed
     for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
@@ -110,7 +119,7 @@ std::vector<std::pair<std::string, at::Tensor>> MoeModel::state_dict() const {
         }
     }
     out.push_back({"model.norm.weight", m.final_norm.detach()});
-    if (!m.config.tie_word_embeddings) out.push_back({"lm_head.weight", m.lm_head.detach()});
+    if (m.lm_head.defined()) out.push_back({"lm_head.weight", m.lm_head.detach()});
     return out;
 }
 

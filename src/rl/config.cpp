@@ -295,6 +295,10 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.number("verifier_weight", 0, 1e300, c.verifier_weight);
             s.string("model_path", c.reward_model_path);
             s.number("model_weight", 0, 1e300, c.reward_model_weight);
+            s.integer("label", 0, 1 << 20, c.reward_label);
+            s.integer("batch_size", 1, 1 << 16, c.reward_batch_size);
+            s.choice("device", {"cpu", "cuda"}, c.reward_device);
+            s.choice("dtype", {"fp32", "bf16"}, c.reward_dtype);
         },
         top);
     section(
@@ -375,6 +379,13 @@ void RunConfig::validate() const {
                 lr_warmup_steps);
     MOERL_CHECK(lr_min_ratio >= 0 && lr_min_ratio <= 1, s,
                 ": train.lr_min_ratio: expected a number >= 0 and <= 1, got ", lr_min_ratio);
+    if (reward_model_path.empty()) {
+        MOERL_CHECK(reward_model_weight == 0, s, ": reward.model_weight: ", reward_model_weight,
+                    ", but no reward.model_path names a reward model");
+    } else {
+        MOERL_CHECK(reward_model_weight > 0, s, ": reward.model_weight: 0 with reward.model_path set; the ",
+                    "model's score would be ignored: give it a weight > 0");
+    }
     task.validate();
     auto gen = make_task_generator(task);
     const int64_t longest = gen->max_prompt_tokens() + 1 + max_new_tokens();

@@ -17,10 +17,12 @@
 #include <thread>
 #include <utility>
 
+#include "model_options.hpp"
 #include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/rl/grpo.hpp"
+#include "moerl/rl/reward_worker.hpp"
 #include "moerl/rl/rollout.hpp"
 
 namespace moerl::rl {
@@ -97,18 +99,22 @@ class InProcessPolicies {
     }
 };
 
-// The rollout model's device and dtype (rollout.device, rollout.dtype).
 model::ModelOptions rollout_model_options(const RunConfig& c) {
+    return role_model_options(c, c.rollout_device, c.rollout_dtype, "rollout.device");
+}
+}  // namespace
+
+model::ModelOptions role_model_options(const RunConfig& c, const std::string& device,
+                                       const std::string& dtype, const char* key) {
     model::ModelOptions o;
-    o.dtype = c.rollout_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    if (c.rollout_device == "cuda") {
-        MOERL_CHECK(at::hasCUDA(), c.source,
-                    ": rollout.device: cuda, but this LibTorch build or machine has no CUDA device");
+    o.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    if (device == "cuda") {
+        MOERL_CHECK(at::hasCUDA(), c.source, ": ", key,
+                    ": cuda, but this LibTorch build or machine has no CUDA device");
         o.device = at::Device(at::kCUDA, 0);
     }
     return o;
 }
-}  // namespace
 
 ControlPlane ControlPlane::connect(const RunConfig& c, const std::string& run_id) {
     ControlPlane cp;
@@ -116,6 +122,9 @@ ControlPlane ControlPlane::connect(const RunConfig& c, const std::string& run_id
     cp.experience = control::make_experience_buffer(c.buffer, run_id);
     cp.registry = control::make_registry(c.registry, run_id);
     cp.store = control::make_checkpoint_store(c.store_uri());
+    if (!c.reward_model_path.empty())
+        cp.scoring =
+            control::make_task_queue(c.queue, scoring_run_id(run_id), control::Millis(c.lease_timeout_ms));
     return cp;
 }
 
@@ -182,9 +191,6 @@ struct RolloutWorker::Impl {
         std::vector<double> weights;
         parts.push_back(make_verifier_rewarder(c.task));
         weights.push_back(c.verifier_weight);
-        MOERL_CHECK(
-            c.reward_model_path.empty(), cfg.source,
-            ": reward.model_path: reward models are not supported by this build's rollout worker yet");
         rewarder = make_mixed_rewarder(std::move(parts), std::move(weights));
     }
 
@@ -267,7 +273,10 @@ struct RolloutWorker::Impl {
             e.trajectory = std::move(done[i].trajectory);
             e.reward = rewards[i];
             control::Experience x{e.task_id, e.attempt, e.oldest_version(), to_json(e)};
-            if (cp.experience->push(x)) {
+            if (cp.scoring) {  // the reward model scores it next; a task id put twice is ignored
+                cp.scoring->put({e.task_id, 0, x.payload, ""});
+                ++stats.pushed;
+            } else if (cp.experience->push(x)) {
                 ++stats.pushed;
             } else {
                 ++stats.duplicates;

@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <memory>
 
 #include "moerl/core/error.hpp"
+#include "moerl/rl/reward_worker.hpp"
 
 namespace moerl::rl {
 
@@ -22,7 +24,8 @@ std::string unique_run_id(const std::string& name) {
     return name + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
-// The env and one rollout worker, run to completion before each training step.
+// The env, one rollout worker and, with a reward model, one reward worker, run to completion
+// before each training step.
 class LocalProducer final : public ExperienceProducer {
   public:
     LocalProducer(const RunConfig& cfg, ControlPlane& cp, std::string cache_dir)
@@ -31,6 +34,7 @@ class LocalProducer final : public ExperienceProducer {
     void start(int64_t env_next_step) override {
         env_next_ = env_next_step;
         worker_ = std::make_unique<RolloutWorker>(cfg_, cp_, "rollout-0", cache_dir_);
+        if (cp_.scoring) reward_ = std::make_unique<RewardWorker>(cfg_, cp_, "reward-0");
     }
 
     ProducedStep produce(int64_t step) override {
@@ -45,6 +49,11 @@ class LocalProducer final : public ExperienceProducer {
         p.generate_s = std::max(0.0, after.seconds - before.seconds - p.reward_s - p.sync_s);
         const double work_s = after.seconds - before.seconds;
         p.tokens_per_s = work_s > 0 ? static_cast<double>(after.tokens - before.tokens) / work_s : 0.0;
+        if (reward_) {  // the reward model's pass over what this step generated
+            const auto t0 = std::chrono::steady_clock::now();
+            reward_->work(control::Millis(0));
+            p.reward_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        }
         return p;
     }
 
@@ -54,6 +63,7 @@ class LocalProducer final : public ExperienceProducer {
     const std::string cache_dir_;
     int64_t env_next_ = 0;
     std::unique_ptr<RolloutWorker> worker_;
+    std::unique_ptr<RewardWorker> reward_;
 };
 }  // namespace
 

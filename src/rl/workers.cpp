@@ -1,4 +1,4 @@
-// The distributed mode's worker processes (run.hpp): env, rollout and train, one role each.
+// The distributed mode's worker processes (run.hpp): env, rollout, reward and train, one role each.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -10,6 +10,7 @@
 #include "moerl/control/run_lock.hpp"
 #include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/rl/reward_worker.hpp"
 #include "moerl/rl/run.hpp"
 #include "role_metrics.hpp"
 
@@ -165,6 +166,24 @@ void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerCont
                   static_cast<long long>(s.duplicates), static_cast<long long>(s.released),
                   static_cast<long long>(s.tokens), s.seconds > 0 ? s.tokens / s.seconds : 0.0,
                   static_cast<long long>(worker.policy_version()));
+    say(w, line);
+}
+
+void run_reward_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext& w) {
+    RewardWorker worker(cfg, cp, w.name);
+    DoneWatch done(*cp.store);
+    {
+        Heartbeat heartbeat(*cp.scoring, w, Millis(cfg.lease_timeout_ms));
+        while (!stopping(w) && !done.done()) worker.work(Millis(500), w.stop);
+    }
+    const auto& s = worker.stats();
+    char line[256];
+    std::snprintf(
+        line, sizeof line,
+        "%s: scored %lld duplicates %lld redone %lld released %lld in %lld batches (%.1f s in the model)",
+        stopping(w) ? "terminated" : "run finished", static_cast<long long>(s.scored),
+        static_cast<long long>(s.duplicates), static_cast<long long>(s.redone),
+        static_cast<long long>(s.released), static_cast<long long>(s.batches), s.seconds);
     say(w, line);
 }
 

@@ -1,18 +1,22 @@
 // Helpers of the rl tests: temporary directories (the control tests'), the small configuration,
-// metrics files.
+// metrics files, step 0 on the embedded control plane.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "../control/temp_dir.hpp"
 #include "moerl/rl/config.hpp"
+#include "moerl/rl/roles.hpp"
 
 namespace moerl::rl::test {
 
@@ -55,5 +59,29 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
 inline std::string unique(const char* tag) {
     return std::string(tag) + "-" + std::to_string(::getpid()) + "-" + std::to_string(std::rand());
 }
+
+// Step 0 on the embedded control plane: a started trainer and the step's tasks in the queue.
+// `setup` may change the small configuration first (it gets the test's directory).
+struct StepZero {
+    TempDir t;
+    RunConfig c;
+    std::unique_ptr<ControlPlane> cp;
+    std::unique_ptr<TrainerRole> trainer;
+    size_t num_tasks = 0;
+
+    StepZero(const char* tag, int64_t lease_timeout_ms = 0,
+             const std::function<void(RunConfig&, const std::filesystem::path&)>& setup = {})
+        : t(tag), c(small_config(t.path)) {
+        if (lease_timeout_ms > 0) c.lease_timeout_ms = lease_timeout_ms;
+        if (setup) setup(c, t.path);
+        c.validate();
+        cp = std::make_unique<ControlPlane>(ControlPlane::connect(c, unique(tag)));
+        trainer = std::make_unique<TrainerRole>(c, *cp, (t.path / "trainer").string());
+        EXPECT_EQ(trainer->start(false), 0);
+        put_step_tasks(c, *cp->tasks, 0);
+        num_tasks = static_cast<size_t>(c.prompts_per_step) * c.group_size;
+    }
+    std::string dir(const char* name) const { return (t.path / name).string(); }
+};
 
 }  // namespace moerl::rl::test

@@ -18,28 +18,7 @@ using namespace moerl::rl::test;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
-namespace {
-
-// Step 0 on the embedded control plane: a started trainer and the step's tasks in the queue.
-struct StepZero {
-    TempDir t;
-    RunConfig c;
-    std::unique_ptr<ControlPlane> cp;
-    std::unique_ptr<TrainerRole> trainer;
-    size_t num_tasks = 0;
-
-    StepZero(const char* tag, int64_t lease_timeout_ms = 0) : t(tag), c(small_config(t.path)) {
-        if (lease_timeout_ms > 0) c.lease_timeout_ms = lease_timeout_ms;
-        cp = std::make_unique<ControlPlane>(ControlPlane::connect(c, unique(tag)));
-        trainer = std::make_unique<TrainerRole>(c, *cp, (t.path / "trainer").string());
-        EXPECT_EQ(trainer->start(false), 0);
-        put_step_tasks(c, *cp->tasks, 0);
-        num_tasks = static_cast<size_t>(c.prompts_per_step) * c.group_size;
-    }
-    std::string dir(const char* name) const { return (t.path / name).string(); }
-};
-
-}  // namespace
+namespace {}  // namespace
 
 TEST(RlRun, RewardRises) {
     // Threshold: from random weights (~0.07), the mean reward of the last 10 of 80 steps reaches

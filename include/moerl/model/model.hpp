@@ -31,11 +31,15 @@ struct ModelOptions {
     // Expert parallelism: this rank holds experts [rank*L, rank*L + L) of the buffer's group and
     // every MoE layer dispatches through it (collective). nullptr: every expert lives here.
     ep::Buffer* ep = nullptr;
+    // false: the backbone only, as an HF *ForSequenceClassification checkpoint holds it (no
+    // lm_head.weight allocated, loaded or saved); forward() can then return hidden states only.
+    bool lm_head = true;
 };
 
 struct ForwardOptions {
     bool return_logits = true;  // [B, S, V] in the model dtype
     bool compute_logprobs = true;
+    bool return_hidden = false;  // [B, S, H] after the final norm (what a scalar head reads)
     bool record_routing = false;
     // Routing replay [B, S, num_moe_layers, K] (any integer dtype): rows without -1 force those
     // experts; rows with a -1 are routed by the router. Router weights stay differentiable.
@@ -52,6 +56,7 @@ struct ForwardOutput {
     at::Tensor token_logprobs;  // [B, S] fp32: [b, t] = log p(ids[b, t] | ids[b, <t]); column 0 is 0
     at::Tensor aux_loss;        // fp32 scalar, HF load-balancing loss before router_aux_loss_coef
     at::Tensor routing;         // [B, S, num_moe_layers, K] int16 experts used, -1 for padding
+    at::Tensor hidden;          // [B, S, H] model dtype, final-normed (when return_hidden)
 };
 
 struct KvCache {

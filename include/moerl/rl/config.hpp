@@ -73,6 +73,14 @@ struct RunConfig {
     double verifier_weight = 1.0;
     std::string reward_model_path;  // HF checkpoint + scalar head, optional
     double reward_model_weight = 0.0;
+    // reward_model_weight is > 0 exactly when reward_model_path is set. The reward model's
+    // settings (reward_worker.hpp). label: the row of score.weight that is the
+    // reward (-1: the head must have one row); batch_size: sequences per forward, >= 1 (larger
+    // batches use the device better, smaller ones pass experiences on sooner).
+    int reward_label = -1;
+    int reward_batch_size = 16;
+    std::string reward_device = "cpu";  // cpu | cuda (the first GPU)
+    std::string reward_dtype = "fp32";  // fp32 | bf16
     // ranks
     int ep_ranks = 2;  // training EP group size (threads, host transport), divides num_experts
     // control plane

@@ -5,6 +5,8 @@
 //   env:      put_step_tasks()        -> task queue (G tasks per prompt, deterministic seeds)
 //   rollout:  RolloutWorker::work()   lease -> generate -> score -> push experience -> ack;
 //             on stop: release leases with the partial trajectory
+//   reward:   RewardWorker::work()    with a reward model, between rollout and training
+//             (reward_worker.hpp)
 //   train:    TrainerRole::train_step() take -> GRPO -> publish version N+1 -> ack
 #pragma once
 
@@ -27,6 +29,8 @@ struct ControlPlane {
     std::unique_ptr<control::ExperienceBuffer> experience;
     std::unique_ptr<control::Registry> registry;
     std::unique_ptr<control::CheckpointStore> store;
+    // Experiences waiting for the reward model (reward_worker.hpp); null without reward.model_path.
+    std::unique_ptr<control::TaskQueue> scoring;
     // From config.queue / buffer / registry / store_uri(), namespaced by run_id.
     static ControlPlane connect(const RunConfig& config, const std::string& run_id);
 };
@@ -39,7 +43,7 @@ void put_step_tasks(const RunConfig& config, control::TaskQueue& tasks, int64_t 
 
 // ---- rollout ---------------------------------------------------------------------------------
 struct RolloutStats {
-    int64_t pushed = 0;         // experiences accepted by the buffer
+    int64_t pushed = 0;         // experiences accepted by the buffer (or put on the scoring stage)
     int64_t duplicates = 0;     // experiences the buffer already had (a redone task)
     int64_t released = 0;       // tasks given back with a partial trajectory
     int64_t tokens = 0;         // tokens sampled

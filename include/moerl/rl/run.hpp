@@ -1,7 +1,8 @@
 // The processes of a run. Local mode: run_local(), every role in this process. Distributed mode:
 // one role per process (`moerl worker --role ...`) against a shared control plane (Redis and a
-// store): run_env_worker(), run_rollout_worker(), run_train_worker(). Each worker returns when
-// the trainer wrote the run-done marker, or soon after `stop` became true (a termination notice).
+// store): run_env_worker(), run_rollout_worker(), run_reward_worker(), run_train_worker(). Each worker
+// returns when the trainer wrote the run-done marker, or soon after `stop` became true (a termination
+// notice).
 #pragma once
 
 #include <atomic>
@@ -50,6 +51,11 @@ void run_env_worker(const RunConfig& config, ControlPlane& control, const Worker
 // policies fetched from the store.
 void run_rollout_worker(const RunConfig& config, ControlPlane& control, const WorkerContext& worker,
                         const std::string& cache_dir);
+
+// Scores experiences with the reward model (reward_worker.hpp) between rollout and training,
+// keeping its leases alive by heartbeats; on a termination notice it finishes the batch in hand or
+// releases it. Needs reward.model_path.
+void run_reward_worker(const RunConfig& config, ControlPlane& control, const WorkerContext& worker);
 
 struct TrainWorkerOptions {
     int keep_policies = 4;   // policy versions kept in the store for the rollout workers
