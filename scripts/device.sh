@@ -61,7 +61,7 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test)
-for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test rl_run_test rl_gpu_test; do
+for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test rl_run_test rl_gpu_test moerl_ep_python; do
   grep -q "build $t:" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
@@ -201,6 +201,15 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >
   rm -rf "$RL_TMP"
 fi
 
+# The Python binding (moerl_ep) on CUDA tensors: 2 ranks sharing the GPU against the host transport,
+# and its per-call overhead against the C++ API.
+if ls "$BUILD"/python/moerl_ep/_C*.so >/dev/null 2>&1; then
+  (cd tests/python && PYTHONPATH=$PWD/../../$BUILD/python timeout 150 python3 gpu_smoke.py 2) >"$OUT/python-gpu.log" 2>&1
+  step python_gpu "rc=$? $(tail -1 "$OUT/python-gpu.log")"
+  PYTHONPATH=$BUILD/python timeout 90 python3 bench/python_overhead.py --device cuda >"$OUT/bench-python.log" 2>&1
+  step bench_python "rc=$?"
+fi
+
 # --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
 # MOERL_DEVICE_SANITIZE_CASES: other conformance cases (space-separated names after "MatchesHostReference/").
 TEST_BIN=$BUILD/tests/gpu/ep_cuda_test
@@ -242,13 +251,13 @@ echo
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"
 [ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
-for f in bench-rl.log bench-rl-big.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
+for f in bench-rl.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done
