@@ -199,7 +199,6 @@ struct RolloutWorker::Impl {
         if (!latest || latest->first <= version) return version;
         const auto t0 = Clock::now();
         const std::string& uri = latest->second;
-        const auto t0 = Clock::now();
         if (uri.rfind(kMemoryPrefix, 0) == 0) {
             if (weight_slots.empty())
                 for (auto& [name, t] : model.state_dict()) weight_slots.emplace(name, t);
