@@ -17,6 +17,7 @@
 #include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/rl/metrics.hpp"
+#include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/threads.hpp"
 
 namespace moerl::rl {
@@ -85,6 +86,9 @@ class Loop {
 
     RunSummary run() {
         pin_threads(cfg_.threads);
+        // Before any work: the data files parse (a bad line names file:line), the chat template
+        // renders and the first prompt fits. Rollout workers never read the data.
+        if (cfg_.use_data) make_prompt_source(cfg_)->train(0, 0);
         fs::create_directories(out_);
         auto deferred = std::make_unique<control::DeferredAckBuffer>(std::move(cp_.experience));
         acks_ = deferred.get();
@@ -129,7 +133,10 @@ class Loop {
             const double tokens_per_s = sampled_per_s >= 0 ? sampled_per_s
                                         : step_s > 0       ? static_cast<double>(r->response_tokens) / step_s
                                                            : 0.0;
-            metrics << metrics_row(*r, tokens_per_s, step_s).dump() << "\n";
+            nlohmann::json row = metrics_row(*r, tokens_per_s, step_s);
+            if (cfg_.eval.every > 0 && ((step + 1) % cfg_.eval.every == 0 || step + 1 == cfg_.steps))
+                evaluate(row);
+            metrics << row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
             metrics.flush();
             MOERL_CHECK(metrics.good(), metrics_path_, ": cannot append");
             steps_axis_.push_back(static_cast<double>(step));
@@ -164,7 +171,7 @@ class Loop {
         s.metrics_path = metrics_path_;
         s.svg_path = (out_ / "reward.svg").string();
         write_reward_svg(s.svg_path, steps_axis_, rewards_,
-                         cfg_.name + ": mean reward (" + cfg_.task.kind + ")");
+                         cfg_.name + ": mean reward (" + (cfg_.use_data ? "data" : cfg_.task.kind) + ")");
         if (stopped) {
             // The steps since the last checkpoint are not durable: their experiences stay
             // unacknowledged and a resumed trainer trains them again.
@@ -211,6 +218,23 @@ class Loop {
         return std::nullopt;
     }
 
+    // Greedy pass@1 and mean reward of the policy just published, into the step's metrics row.
+    void evaluate(nlohmann::json& row) {
+        if (!evaluator_) evaluator_ = std::make_unique<Evaluator>(cfg_, cp_, (out_ / "eval").string());
+        const EvalResult e = evaluator_->run();
+        row["eval_pass_at_1"] = e.pass_at_1;
+        row["eval_reward"] = e.reward;
+        row["eval_prompts"] = e.prompts;
+        row["eval_seconds"] = e.seconds;
+        row["eval_sample"] = e.sample;
+        if (!opt_.progress) return;
+        std::fprintf(
+            stderr, "%s%seval v%lld: pass@1 %.3f  reward %.3f  (%lld prompts, greedy, %.1fs)  first: %s\n",
+            inline_progress() ? "\n" : "", prefix().c_str(), static_cast<long long>(e.version), e.pass_at_1,
+            e.reward, static_cast<long long>(e.prompts), e.seconds,
+            nlohmann::json(e.sample).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    }
+
     // A checkpoint for `next_step`, then the acknowledgement of the experiences it holds.
     void checkpoint(int64_t next_step) {
         if (opt_.check) opt_.check();
@@ -243,7 +267,8 @@ class Loop {
     const Clock::time_point t0_ = Clock::now();
     control::DeferredAckBuffer* acks_ = nullptr;
     TrainerRole* trainer_ = nullptr;
-    int64_t saved_next_ = 0;  // next_step of the newest checkpoint (or of the start)
+    std::unique_ptr<Evaluator> evaluator_;  // made at the first eval (eval.every > 0)
+    int64_t saved_next_ = 0;                // next_step of the newest checkpoint (or of the start)
     std::string metrics_path_;
     std::vector<double> steps_axis_, rewards_;
 };

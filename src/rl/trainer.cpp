@@ -286,8 +286,7 @@ PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_di
     m.barrier = std::make_unique<std::barrier<>>(m.W);
     m.store_dir = (fs::path(work_dir) / ("ep-" + m.job)).string();
     fs::create_directories(m.store_dir);
-    auto task = make_task_generator(config.task);
-    const int64_t max_len = task->max_prompt_tokens() + 1 + config.max_new_tokens();
+    const int64_t max_len = config.max_sequence_tokens();
     const int64_t samples = (int64_t{config.prompts_per_step} * config.group_size + m.W - 1) / m.W;
     const int max_tokens = static_cast<int>(samples * max_len);
     m.on_ranks([&](int r) { m.init(r, max_tokens); });
