@@ -7,9 +7,11 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <string>
 
 #include "moerl/core/error.hpp"
+#include "moerl/model/config.hpp"
 #include "moerl/rl/experience.hpp"
 #include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/roles.hpp"
@@ -74,6 +76,11 @@ std::string error_of(const std::function<void()>& f) {
     return "";
 }
 
+// The error of parsing `yaml`'s config for a dataset in `dir`.
+std::string config_error(const DataYaml& yaml, const fs::path& dir) {
+    return error_of([&] { RunConfig::from_yaml_text(yaml.text(dir), "data.yaml"); });
+}
+
 // A Qwen3-MoE config.json of the test's shape with the given vocabulary.
 std::string model_config_json(int vocab_size) {
     return R"({"model_type": "qwen3_moe", "vocab_size": )" + std::to_string(vocab_size) +
@@ -124,18 +131,17 @@ TEST(RlData, ConfigErrorsNameTheKey) {
     }
     DataYaml stops;
     stops.rollout = "max_new_tokens: 4, stop_tokens: ['<|no_such_token|>']";
-    EXPECT_NE(error_of([&] {
-                  RunConfig::from_yaml_text(stops.text(t.path), "data.yaml");
-              }).find("data.yaml: rollout.stop_tokens: '<|no_such_token|>' is not a token of"),
+    EXPECT_NE(config_error(stops, t.path)
+                  .find("data.yaml: rollout.stop_tokens: '<|no_such_token|>' is not a token of"),
               std::string::npos);
     // A tokenizer larger than the embedding: random init and an HF checkpoint directory.
     DataYaml small;
     small.model =
         "{vocab_size: 1000, hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 2, head_dim: 16}";
-    EXPECT_NE(error_of([&] {
-                  RunConfig::from_yaml_text(small.text(t.path), "data.yaml");
-              }).find("data.yaml: model.vocab_size: 1000 is below the tokenizer's vocabulary (151669 tokens"),
-              std::string::npos);
+    EXPECT_NE(
+        config_error(small, t.path)
+            .find("data.yaml: model.vocab_size: 1000 is below the tokenizer's vocabulary (151669 tokens"),
+        std::string::npos);
     write(t.path / "ckpt" / "config.json", model_config_json(1000));
     DataYaml hf_yaml;
     hf_yaml.model = "{path: " + (t.path / "ckpt").string() + "}";
@@ -148,9 +154,7 @@ TEST(RlData, ConfigErrorsNameTheKey) {
     // Shape keys beside model.path would be ignored: an error.
     DataYaml both;
     both.model = "{hidden_size: 64, path: " + (t.path / "ckpt").string() + "}";
-    EXPECT_NE(error_of([&] {
-                  RunConfig::from_yaml_text(both.text(t.path), "data.yaml");
-              }).find("data.yaml: model.hidden_size: not with model.path"),
+    EXPECT_NE(config_error(both, t.path).find("data.yaml: model.hidden_size: not with model.path"),
               std::string::npos);
 }
 
@@ -165,7 +169,7 @@ TEST(RlData, MalformedLineNamesFileAndLine) {
     RunOptions o;
     o.progress = false;
     const std::string got = error_of([&] { run_local(c, o); });
-    EXPECT_FALSE(fs::exists(t.path / "out" / "checkpoints")) << "work started before the data was checked";
+    EXPECT_FALSE(fs::exists(t.path / "out" / "trainer")) << "work started before the data was checked";
     EXPECT_NE(got.find((t.path / "train.jsonl").string() + ":6"), std::string::npos) << got;
 }
 
@@ -278,4 +282,30 @@ TEST(RlData, ShortRunFromModelInitCheckpoint) {
     }
     EXPECT_EQ(checkpoints, 2);
     EXPECT_TRUE(fs::exists(t.path / "out" / "trainer" / "policy" / "v3" / "tokenizer.json"));
+}
+
+TEST(RlData, CheckpointConfigOfEitherTransformersVersion) {
+    // transformers 4.x: torch_dtype, rope_theta at the top, rope_scaling null; 5.x: dtype and
+    // rope_parameters. Dense Qwen3 has no experts.
+    const auto v4 = moerl::model::ModelConfig::from_json_text(model_config_json(151936), "v4.json");
+    EXPECT_EQ(v4.torch_dtype, "float32");
+    EXPECT_TRUE(v4.tie_word_embeddings);
+    const auto v5 = moerl::model::ModelConfig::from_json_text(
+        R"({"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
+            "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "tie_word_embeddings": true})",
+        "v5.json");
+    EXPECT_EQ(v5.num_experts, 0);
+    EXPECT_EQ(v5.num_moe_layers(), 0);
+    EXPECT_EQ(v5.torch_dtype, "bfloat16");
+    EXPECT_DOUBLE_EQ(v5.rope_theta, 1e6);
+    // A dense checkpoint cannot be split over expert-parallel ranks.
+    TempDir t("data-dense");
+    write(t.path / "dense" / "config.json", v5.to_json_text());
+    DataYaml y;
+    y.model = "{path: " + (t.path / "dense").string() + "}";
+    EXPECT_NE(
+        config_error(y, t.path).find("data.yaml: ranks.ep: 2 expert-parallel ranks, but the model is dense"),
+        std::string::npos);
 }
