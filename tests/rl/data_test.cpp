@@ -309,3 +309,25 @@ TEST(RlData, CheckpointConfigOfEitherTransformersVersion) {
         config_error(y, t.path).find("data.yaml: ranks.ep: 2 expert-parallel ranks, but the model is dense"),
         std::string::npos);
 }
+
+TEST(RlData, TaskRunsEvaluateToo) {
+    // The digit tasks have eval prompts of their own seeds: greedy pass@1 is an exact answer.
+    TempDir t("task-eval");
+    RunConfig c = small_config(t.path);
+    c.steps = 2;
+    c.eval.every = 1;
+    c.eval.prompts = 8;
+    RunOptions o;
+    o.progress = false;
+    const auto rows = read_metrics(run_local(c, o).metrics_path);
+    ASSERT_EQ(rows.size(), 2u);
+    for (const auto& r : rows) {
+        ASSERT_TRUE(r.contains("eval_pass_at_1")) << r.dump();
+        EXPECT_EQ(r["eval_prompts"], 8);
+        EXPECT_GE(r["eval_reward"].get<double>(), r["eval_pass_at_1"].get<double>());  // partial credit
+    }
+    // The same eval prompts at every eval.
+    auto source = make_prompt_source(c);
+    EXPECT_EQ(source->eval(3).problem.prompt, make_prompt_source(c)->eval(3).problem.prompt);
+    EXPECT_EQ(source->eval_size(), 8);
+}
