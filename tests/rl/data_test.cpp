@@ -331,3 +331,29 @@ TEST(RlData, TaskRunsEvaluateToo) {
     EXPECT_EQ(source->eval(3).problem.prompt, make_prompt_source(c)->eval(3).problem.prompt);
     EXPECT_EQ(source->eval_size(), 8);
 }
+
+TEST(RlData, CheckpointStateAndEpochsBoundTheData) {
+    TempDir t("data-state");
+    DataYaml y;
+    const RunConfig c = RunConfig::from_yaml_text(y.text(t.path), "data.yaml");
+    auto source = make_prompt_source(c);
+    // After 12 steps of 4 prompts over 40 lines: epoch 1, index 8.
+    const nlohmann::json st = source->state(12);
+    EXPECT_EQ(st.at("epoch"), 1);
+    EXPECT_EQ(st.at("index"), 8);
+    EXPECT_NO_THROW(source->check_state(st));
+    // A resumed run over another file (here: more lines) would read other prompts: refused.
+    nlohmann::json other = st;
+    other["train_size"] = 41;
+    EXPECT_THROW(source->check_state(other), moerl::Error);
+    // One epoch of 40 lines holds 10 steps of 4 prompts.
+    DataYaml one;
+    one.data = "max_prompt_tokens: 64, epochs: 1";
+    one.run = "steps: 11";
+    RunConfig c1 = RunConfig::from_yaml_text(one.text(t.path), "data.yaml");
+    const std::string got = error_of([&] { make_prompt_source(c1); });
+    EXPECT_NE(got.find("data.epochs: 1 epoch(s) of"), std::string::npos) << got;
+    EXPECT_NE(got.find("set run.steps <= 10"), std::string::npos) << got;
+    c1.steps = 10;
+    EXPECT_NO_THROW(make_prompt_source(c1)->train(9, 3));
+}
