@@ -249,7 +249,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
     m.torch_dtype = "float32";
     m.tie_word_embeddings = false;
 
-    std::vector<std::string> stop_token_names;
+    std::vector<std::string> stop_token_names, allowed_token_names;
     YAML::Node root;
     try {
         root = YAML::Load(text);
@@ -394,6 +394,20 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.choice("device", {"cpu", "cuda"}, c.rollout_device);
             s.choice("dtype", {"fp32", "bf16"}, c.rollout_dtype);
             s.integer("max_seq_len", 2, 1 << 20, c.rollout_max_seq_len);
+            const YAML::Node allowed = s.child("allowed_tokens");
+            if (allowed && !allowed.IsNull()) {
+                MOERL_CHECK(allowed.IsSequence() && allowed.size() > 0, s.where("allowed_tokens"),
+                            ": expected a list of token ids or token strings, e.g. [\"0\", \"1\"]");
+                for (const auto& t : allowed) {
+                    MOERL_CHECK(t.IsScalar(), s.where("allowed_tokens"), ": expected token ids or strings");
+                    const nlohmann::json v = to_json(t);
+                    if (v.is_number_integer() && t.Tag() != "!") {
+                        c.sampling.allowed_tokens.push_back(v.get<int>());
+                    } else {
+                        allowed_token_names.push_back(t.Scalar());
+                    }
+                }
+            }
             const YAML::Node stops = s.child("stop_tokens");
             if (stops && !stops.IsNull()) {
                 MOERL_CHECK(stops.IsSequence() && stops.size() > 0, s.where("stop_tokens"),
@@ -476,6 +490,8 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         if (c.sampling.max_new_tokens == 0) c.sampling.max_new_tokens = 256;
     }
     resolve_text_config(c, stop_token_names, vocab_size_given);
+    for (const auto& name : allowed_token_names)
+        c.sampling.allowed_tokens.push_back(token_id(c, name, "rollout.allowed_tokens"));
     if (c.model_path.empty() && !max_positions_given)
         m.max_position_embeddings = std::max<int64_t>(m.max_position_embeddings, c.max_sequence_tokens());
     c.validate();
@@ -526,6 +542,10 @@ void RunConfig::validate() const {
         " but there is no eval split: set data.eval_path or data.eval_fraction");
     for (int id : sampling.stop_tokens) {
         MOERL_CHECK(id >= 0 && id < m.vocab_size, s, ": rollout.stop_tokens: ", id,
+                    " is outside the vocabulary (", m.vocab_size, ")");
+    }
+    for (int id : sampling.allowed_tokens) {
+        MOERL_CHECK(id >= 0 && id < m.vocab_size, s, ": rollout.allowed_tokens: ", id,
                     " is outside the vocabulary (", m.vocab_size, ")");
     }
     const int64_t longest = max_sequence_tokens();

@@ -271,6 +271,14 @@ std::unique_ptr<Rewarder> make_prompt_rewarder(const RunConfig& c) {
     return std::make_unique<TextRewarder>(c);
 }
 
+int token_id(const RunConfig& c, const std::string& name, const std::string& key) {
+    MOERL_CHECK(!c.tokenizer_path.empty(), c.source, ": ", key,
+                ": token names need a tokenizer (tokenizer.path)");
+    auto id = shared_tokenizer(c.tokenizer_path)->token_to_id(name);
+    MOERL_CHECK(id.has_value(), c.source, ": ", key, ": '", name, "' is not a token of ", c.tokenizer_path);
+    return *id;
+}
+
 std::string decode_response(const RunConfig& c, const std::vector<int>& tokens) {
     if (!c.use_data) return Tokenizer::get().decode(tokens);
     const std::vector<int32_t> ids(tokens.begin(), tokens.end());
@@ -392,6 +400,10 @@ void copy_tokenizer_files(const RunConfig&, const std::string&) {}
 
 std::string decode_response(const RunConfig&, const std::vector<int>& tokens) {
     return Tokenizer::get().decode(tokens);
+}
+
+int token_id(const RunConfig& c, const std::string&, const std::string& key) {
+    MOERL_FAIL(c.source, ": ", key, ": token names need the text layer, which this build lacks");
 }
 
 #endif

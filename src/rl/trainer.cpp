@@ -21,6 +21,7 @@
 #include "moerl/model/model.hpp"
 #include "moerl/model/safetensors.hpp"
 #include "moerl/rl/grpo.hpp"
+#include "moerl/rl/rollout.hpp"
 
 namespace moerl::rl {
 
@@ -75,12 +76,17 @@ Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::ve
     return b;
 }
 
-// [b, t] = log p(ids[b, t] | ids[b, <t]) under softmax(logits / temperature); column 0 is 0.
-at::Tensor tempered_logprobs(const at::Tensor& logits, const at::Tensor& ids, double temperature) {
+// [b, t] = log p(ids[b, t] | ids[b, <t]) under softmax(logits / temperature) over the tokens the
+// sampler may draw (rollout.allowed_tokens); column 0 is 0.
+at::Tensor tempered_logprobs(const at::Tensor& logits, const at::Tensor& ids,
+                             const SamplingParams& sampling) {
     const int64_t B = logits.size(0), S = logits.size(1);
     at::Tensor zero = at::zeros({B, 1}, logits.options().dtype(at::kFloat));
     if (S <= 1) return zero;
-    at::Tensor lp = at::log_softmax(logits.narrow(1, 0, S - 1).to(at::kFloat) / temperature, -1);
+    at::Tensor z = logits.narrow(1, 0, S - 1).to(at::kFloat) / sampling.temperature;
+    if (at::Tensor bias = allowed_token_bias(sampling, logits.size(2), z.options()); bias.defined())
+        z = z + bias;
+    at::Tensor lp = at::log_softmax(z, -1);
     return at::cat({zero, lp.gather(2, ids.narrow(1, 1, S - 1).unsqueeze(-1)).squeeze(-1)}, 1);
 }
 
@@ -178,12 +184,11 @@ struct PolicyTrainer::Impl {
         if (cfg.routing_replay) fo.replay_routing = b.replay;
         if (k.ref) {
             c10::NoGradGuard g;
-            ref_lp =
-                tempered_logprobs(k.ref->forward(b.ids, b.attn, fo).logits, b.ids, cfg.sampling.temperature);
+            ref_lp = tempered_logprobs(k.ref->forward(b.ids, b.attn, fo).logits, b.ids, cfg.sampling);
         }
         for (int epoch = 0; epoch < cfg.ppo_epochs; ++epoch) {
             model::ForwardOutput out = k.model->forward(b.ids, b.attn, fo);
-            at::Tensor logp = tempered_logprobs(out.logits, b.ids, cfg.sampling.temperature);
+            at::Tensor logp = tempered_logprobs(out.logits, b.ids, cfg.sampling);
             if (epoch == 0) prox = logp.detach();
             GrpoInputs in{logp,
                           prox,

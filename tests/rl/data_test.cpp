@@ -1,6 +1,7 @@
 // Runs on a JSONL dataset with a Hugging Face tokenizer (the Qwen3 one from node_modules): config
 // errors, the task payload with the example's fields, prompts, rewards and a short run from a
 // checkpoint written by `moerl model init`.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "moerl/rl/experience.hpp"
 #include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/roles.hpp"
+#include "moerl/rl/rollout.hpp"
 #include "moerl/rl/run.hpp"
 #include "rl_test_util.hpp"
 
@@ -356,4 +358,26 @@ TEST(RlData, CheckpointStateAndEpochsBoundTheData) {
     EXPECT_NE(got.find("set run.steps <= 10"), std::string::npos) << got;
     c1.steps = 10;
     EXPECT_NO_THROW(make_prompt_source(c1)->train(9, 3));
+}
+
+TEST(RlData, AllowedTokensMaskTheSampler) {
+    SamplingParams p;
+    p.stop_tokens = {7};
+    p.allowed_tokens = {1, 3};
+    at::manual_seed(3);
+    const at::Tensor logits = at::randn({6, 10});
+    const auto drawn = sample_tokens(logits, p, {0.05, 0.2, 0.4, 0.6, 0.8, 0.99});
+    const at::Tensor lp = at::log_softmax(logits.index_select(1, at::tensor({1, 3, 7}, at::kLong)), 1);
+    std::set<int> seen;
+    for (size_t r = 0; r < drawn.size(); ++r) {
+        const auto [tok, logprob] = drawn[r];
+        ASSERT_TRUE(tok == 1 || tok == 3 || tok == 7) << tok;
+        seen.insert(tok);
+        const int col = tok == 1 ? 0 : tok == 3 ? 1 : 2;
+        EXPECT_NEAR(logprob, lp[static_cast<int64_t>(r)][col].item<float>(),
+                    1e-5);  // normalised over the allowed
+    }
+    EXPECT_GE(seen.size(), 2u);
+    const at::Tensor bias = allowed_token_bias(p, 10, at::TensorOptions().dtype(at::kFloat));
+    EXPECT_EQ((bias == 0).sum().item<int64_t>(), 3);
 }

@@ -21,6 +21,9 @@ struct SamplingParams {
     int top_k = 0;                       // 0 = off, else >= 1
     int max_new_tokens = 0;              // 0 = the task's longest answer + 1 (data: 256)
     std::vector<int> stop_tokens = {2};  // eos; with a tokenizer: its eos and end-of-turn tokens
+    // Constrained sampling: only these tokens (and the stop tokens) are drawn; rollout and trainer
+    // mask the same logits, so behaviour and trained log-probs agree. Empty = the whole vocabulary.
+    std::vector<int> allowed_tokens;
 };
 
 // data: prompts from a JSONL file instead of a built-in task (needs the text layer). Each line holds

@@ -49,6 +49,9 @@ std::unique_ptr<PromptSource> make_prompt_source(const RunConfig& config);
 // over the response decoded by the run's tokenizer.
 std::unique_ptr<Rewarder> make_prompt_rewarder(const RunConfig& config);
 
+// The id of the token `name` under config.tokenizer_path; throws naming `key` when it has none.
+int token_id(const RunConfig& config, const std::string& name, const std::string& key);
+
 // The text of response tokens under the run's tokenizer (for logs: special tokens kept).
 std::string decode_response(const RunConfig& config, const std::vector<int>& tokens);
 
