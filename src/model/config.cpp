@@ -71,10 +71,12 @@ ModelConfig ModelConfig::from_json_text(const std::string& text, const std::stri
     MOERL_CHECK(j.is_object(), source, ": expected a JSON object at the top level");
     Reader r{j, source};
 
+    bool dense = false;  // Qwen3 (dense): the same layers with a dense MLP each, no experts
     if (r.has("model_type")) {
         const json& mt = j.at("model_type");
-        MOERL_CHECK(mt.is_string() && mt.get<std::string>() == "qwen3_moe", source, ": model_type ",
-                    mt.dump(), " is not supported, expected \"qwen3_moe\"");
+        dense = mt == "qwen3";
+        MOERL_CHECK(mt == "qwen3_moe" || dense, source, ": model_type ", mt.dump(),
+                    " is not supported, expected \"qwen3_moe\" or \"qwen3\"");
     }
     if (r.has("hidden_act")) {
         MOERL_CHECK(j.at("hidden_act") == "silu", source, ": hidden_act ", j.at("hidden_act").dump(),
@@ -95,7 +97,7 @@ ModelConfig ModelConfig::from_json_text(const std::string& text, const std::stri
     c.head_dim =
         r.get_int("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0, false);
     c.intermediate_size = r.get_int("intermediate_size", 0, false);
-    c.num_experts = r.get_int("num_experts", 0, true);
+    c.num_experts = r.get_int("num_experts", 0, !dense);
     c.num_experts_per_tok = r.get_int("num_experts_per_tok", 0, c.num_experts > 0);
     c.moe_intermediate_size = r.get_int("moe_intermediate_size", 0, c.num_experts > 0);
     c.norm_topk_prob = r.get_bool("norm_topk_prob", false);

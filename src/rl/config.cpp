@@ -13,6 +13,7 @@
 #include <set>
 
 #include "moerl/core/error.hpp"
+#include "moerl/rl/prompt_source.hpp"
 
 namespace moerl::rl {
 
@@ -106,6 +107,10 @@ class Section {
         take(key);
         return node_[key];
     }
+    // Whether the key is present (and not null), without marking it read.
+    bool given(const std::string& key) const {
+        return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull();
+    }
     void finish() const {
         if (!node_ || !node_.IsMap()) return;
         std::string known;
@@ -136,6 +141,83 @@ class Section {
     const std::string& source_;
     std::set<std::string> used_;
 };
+
+// A YAML value as JSON (template variables): scalars become booleans, integers, numbers or strings.
+nlohmann::json to_json(const YAML::Node& n) {
+    if (!n || n.IsNull()) return nullptr;
+    if (n.IsSequence()) {
+        nlohmann::json a = nlohmann::json::array();
+        for (const auto& e : n) a.push_back(to_json(e));
+        return a;
+    }
+    if (n.IsMap()) {
+        nlohmann::json o = nlohmann::json::object();
+        for (const auto& kv : n) o[kv.first.Scalar()] = to_json(kv.second);
+        return o;
+    }
+    const std::string& v = n.Scalar();
+    if (n.Tag() == "!") return v;  // quoted
+    if (v == "true" || v == "True") return true;
+    if (v == "false" || v == "False") return false;
+    size_t used = 0;
+    try {
+        const long long i = std::stoll(v, &used);
+        if (used == v.size()) return i;
+        const double d = std::stod(v, &used);
+        if (used == v.size()) return d;
+    } catch (...) {
+    }
+    return v;
+}
+
+// One entry of reward.verifiers: kind and weight, then the options of that kind only.
+text::VerifierSpec parse_verifier(const YAML::Node& node, const std::string& path,
+                                  const std::string& source) {
+    MOERL_CHECK(node.IsMap(), source, ": ", path, ": expected a mapping like {kind: math, weight: 1.0}");
+    Section s(node, path, source);
+    text::VerifierSpec v;
+    MOERL_CHECK(s.given("kind"), s.where("kind"), ": required (math, countdown, exact, format or external)");
+    s.choice("kind", {"math", "countdown", "exact", "format", "external"}, v.kind);
+    s.number("weight", 0, 1e300, v.weight);
+    if (v.kind == "math") {
+        s.number("relative_tolerance", 0, 0.999999, v.math.relative_tolerance);
+    } else if (v.kind == "countdown") {
+        s.string("numbers_field", v.countdown.numbers_field);
+        s.string("target_field", v.countdown.target_field);
+        s.boolean("use_all", v.countdown.use_all);
+        s.boolean("integer_only", v.countdown.integer_only);
+    } else if (v.kind == "exact") {
+        s.string("extract", v.exact.extract);
+        s.boolean("ignore_case", v.exact.ignore_case);
+        s.boolean("normalize_whitespace", v.exact.normalize_whitespace);
+    } else if (v.kind == "format") {
+        s.string("pattern", v.format.pattern);
+        s.boolean("dotall", v.format.dotall);
+    } else {
+        const YAML::Node cmd = s.child("command");
+        MOERL_CHECK(cmd && !cmd.IsNull(), s.where("command"),
+                    ": required (a command line, or a list of program and arguments)");
+        if (cmd.IsScalar()) {
+            v.external.command = {cmd.Scalar()};
+        } else {
+            MOERL_CHECK(cmd.IsSequence() && cmd.size() > 0, s.where("command"),
+                        ": expected a string or a list of strings");
+            for (const auto& a : cmd) {
+                MOERL_CHECK(a.IsScalar(), s.where("command"), ": expected a list of strings");
+                v.external.command.push_back(a.Scalar());
+            }
+        }
+        int64_t timeout_ms = 30000, startup_ms = 60000;
+        s.integer("timeout_ms", 1, INT64_MAX, timeout_ms);
+        s.integer("startup_timeout_ms", 0, INT64_MAX, startup_ms);
+        v.external.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
+        v.external.startup_timeout_s = static_cast<double>(startup_ms) / 1000.0;
+        s.integer("max_restarts", 0, 1000, v.external.max_restarts);
+        s.string("working_dir", v.external.working_dir);
+    }
+    s.finish();
+    return v;
+}
 
 // Every key of a section must be read, even when the section is absent.
 void section(const std::string& name, const std::string& source, const std::function<void(Section&)>& body,
@@ -192,6 +274,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
 
     MOERL_CHECK(text.size() <= kMaxConfigBytes, source, ": ", text.size(), " bytes; a config is at most ",
                 kMaxConfigBytes, " bytes");
+    std::vector<std::string> stop_token_names, allowed_token_names;
     YAML::Node root;
     try {
         root = YAML::Load(text);
@@ -216,11 +299,31 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     c.steps = steps;
+    bool vocab_size_given = false, max_positions_given = false;
     section(
         "model", source,
         [&](Section& s) {
             s.string("path", c.model_path);
-            s.integer("vocab_size", Tokenizer::get().vocab_size(), 1 << 24, m.vocab_size);
+            if (!c.model_path.empty()) {
+                // The checkpoint's config.json gives the shape: a shape key here would be ignored.
+                for (const auto& kv : root["model"]) {
+                    const std::string k = kv.first.Scalar();
+                    MOERL_CHECK(k == "path", s.where(k), ": not with model.path (the shape comes from ",
+                                c.model_path, "/config.json)");
+                }
+                MOERL_CHECK(std::filesystem::exists(std::filesystem::path(c.model_path) / "config.json"),
+                            s.where("path"), ": ", c.model_path,
+                            " is not a Hugging Face checkpoint directory (no config.json)");
+                try {
+                    m = model::ModelConfig::load(c.model_path);
+                } catch (const Error& e) {
+                    MOERL_FAIL(s.where("path"), ": ", e.message());
+                }
+            }
+            vocab_size_given = s.given("vocab_size");
+            max_positions_given = s.given("max_position_embeddings");
+            s.integer("vocab_size", 1, 1 << 24, m.vocab_size);
+            s.integer("max_position_embeddings", 1, 1 << 24, m.max_position_embeddings);
             s.integer("hidden_size", 8, 65536, m.hidden_size);
             s.integer("num_layers", 1, 256, m.num_hidden_layers);
             s.integer("num_heads", 1, 1024, m.num_attention_heads);
@@ -228,7 +331,6 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.integer("head_dim", 2, 1024, m.head_dim);
             s.integer("moe_intermediate_size", 1, 1 << 20, m.moe_intermediate_size);
             s.integer("intermediate_size", 1, 1 << 20, m.intermediate_size);
-            s.integer("max_position_embeddings", 1, 1 << 24, m.max_position_embeddings);
             s.integer("num_experts", 1, 1024, m.num_experts);
             s.integer("top_k", 1, 32, m.num_experts_per_tok);
             s.integer("decoder_sparse_step", 1, 256, m.decoder_sparse_step);
@@ -237,6 +339,63 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.number("init_std", 0, 10, m.initializer_range, true);
             s.number("rope_theta", 0, 1e300, m.rope_theta, true);
             s.boolean("tie_word_embeddings", m.tie_word_embeddings);
+        },
+        top);
+    c.use_data = root["data"] && !root["data"].IsNull();
+    MOERL_CHECK(
+        !c.use_data || !root["task"] || root["task"].IsNull(), source,
+        ": task and data: give one of them (task: a built-in digit task, data: a JSONL file of prompts)");
+    section(
+        "tokenizer", source, [&](Section& s) { s.string("path", c.tokenizer_path); }, top);
+    bool data_seed_given = false;
+    section(
+        "data", source,
+        [&](Section& s) {
+            text::DatasetOptions& d = c.data.dataset;
+            MOERL_CHECK(!c.use_data || s.given("path"), s.where("path"),
+                        ": required (a JSONL file of prompts)");
+            s.string("path", d.path);
+            s.string("eval_path", d.eval_path);
+            s.number("eval_fraction", 0, 0.999999, d.eval_fraction);
+            s.string("prompt_field", d.format.prompt_field);
+            s.string("messages_field", d.format.messages_field);
+            s.string("answer_field", d.format.answer_field);
+            s.string("id_field", d.format.id_field);
+            s.boolean("require_answer", d.format.require_answer);
+            data_seed_given = s.given("seed");
+            s.unsigned_integer("seed", d.seed);
+            s.boolean("shuffle", d.shuffle);
+            s.unsigned_integer("epochs", d.epochs);
+            s.boolean("validate", d.validate);
+            if (s.given("chat_template")) {
+                bool on = true;
+                s.boolean("chat_template", on);
+                c.data.chat_template = on ? 1 : 0;
+            } else {
+                s.child("chat_template");
+            }
+            s.string("system_prompt", c.data.system_prompt);
+            const YAML::Node vars = s.child("template_vars");
+            if (vars && !vars.IsNull()) {
+                MOERL_CHECK(vars.IsMap(), s.where("template_vars"),
+                            ": expected a mapping of template variables");
+                c.data.template_vars = to_json(vars);
+            }
+            if (s.given("enable_thinking")) {
+                bool on = false;
+                s.boolean("enable_thinking", on);
+                c.data.template_vars["enable_thinking"] = on;
+            } else {
+                s.child("enable_thinking");
+            }
+            s.integer("max_prompt_tokens", 1, 65536, c.data.max_prompt_tokens);
+        },
+        top);
+    section(
+        "eval", source,
+        [&](Section& s) {
+            s.integer("every", 0, INT64_MAX, c.eval.every);
+            s.integer("prompts", 1, 1 << 20, c.eval.prompts);
         },
         top);
     section(
@@ -261,6 +420,38 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.choice("device", {"cpu", "cuda"}, c.rollout_device);
             s.choice("dtype", {"fp32", "bf16"}, c.rollout_dtype);
             s.integer("max_seq_len", 2, 1 << 20, c.rollout_max_seq_len);
+            const YAML::Node allowed = s.child("allowed_tokens");
+            if (allowed && !allowed.IsNull()) {
+                MOERL_CHECK(allowed.IsSequence() && allowed.size() > 0, s.where("allowed_tokens"),
+                            ": expected a list of token ids or token strings, e.g. [\"0\", \"1\"]");
+                for (const auto& t : allowed) {
+                    MOERL_CHECK(t.IsScalar(), s.where("allowed_tokens"), ": expected token ids or strings");
+                    const nlohmann::json v = to_json(t);
+                    if (v.is_number_integer() && t.Tag() != "!") {
+                        c.sampling.allowed_tokens.push_back(v.get<int>());
+                    } else {
+                        allowed_token_names.push_back(t.Scalar());
+                    }
+                }
+            }
+            const YAML::Node stops = s.child("stop_tokens");
+            if (stops && !stops.IsNull()) {
+                MOERL_CHECK(stops.IsSequence() && stops.size() > 0, s.where("stop_tokens"),
+                            ": expected a list of token ids or token strings, e.g. [\"<|im_end|>\"]");
+                c.sampling.stop_tokens.clear();
+                c.stop_tokens_given = true;
+                for (const auto& t : stops) {
+                    MOERL_CHECK(t.IsScalar(), s.where("stop_tokens"), ": expected token ids or strings");
+                    const nlohmann::json v = to_json(t);
+                    if (v.is_number_integer()) {
+                        MOERL_CHECK(v.get<int64_t>() >= 0 && v.get<int64_t>() < (1 << 24),
+                                    s.where("stop_tokens"), ": token id ", v.dump(), " is out of range");
+                        c.sampling.stop_tokens.push_back(v.get<int>());
+                    } else {
+                        stop_token_names.push_back(t.Scalar());
+                    }
+                }
+            }
         },
         top);
     section(
@@ -299,6 +490,16 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.integer("batch_size", 1, 1 << 16, c.reward_batch_size);
             s.choice("device", {"cpu", "cuda"}, c.reward_device);
             s.choice("dtype", {"fp32", "bf16"}, c.reward_dtype);
+            s.number("truncated_scale", 0, 1, c.truncated_scale);
+            const YAML::Node list = s.child("verifiers");
+            if (list && !list.IsNull()) {
+                MOERL_CHECK(
+                    list.IsSequence() && list.size() > 0, s.where("verifiers"),
+                    ": expected a list like [{kind: math, weight: 1.0}, {kind: format, weight: 0.2}]");
+                for (size_t i = 0; i < list.size(); ++i)
+                    c.verifiers.push_back(
+                        parse_verifier(list[i], "reward.verifiers[" + std::to_string(i) + "]", source));
+            }
         },
         top);
     section(
@@ -314,6 +515,18 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     top.finish();
+    MOERL_CHECK(c.use_data || c.verifiers.empty(), source,
+                ": reward.verifiers: only with data: (a built-in task scores with its own rule)");
+    if (c.use_data) {
+        if (!data_seed_given) c.data.dataset.seed = c.seed;
+        c.data.dataset.eval_every = static_cast<uint64_t>(c.eval.every);
+        if (c.sampling.max_new_tokens == 0) c.sampling.max_new_tokens = 256;
+    }
+    resolve_text_config(c, stop_token_names, vocab_size_given);
+    for (const auto& name : allowed_token_names)
+        c.sampling.allowed_tokens.push_back(token_id(c, name, "rollout.allowed_tokens"));
+    if (c.model_path.empty() && !max_positions_given)
+        m.max_position_embeddings = std::max<int64_t>(m.max_position_embeddings, c.max_sequence_tokens());
     c.validate();
     return c;
 }
@@ -363,9 +576,11 @@ void RunConfig::validate() const {
                     m.head_dim);
         MOERL_CHECK(m.num_experts_per_tok <= m.num_experts, s, ": model.top_k: ", m.num_experts_per_tok,
                     " exceeds model.num_experts = ", m.num_experts);
-        MOERL_CHECK(m.num_experts % ep_ranks == 0, s, ": ranks.ep: ", ep_ranks,
-                    " does not divide model.num_experts = ", m.num_experts);
     }
+    MOERL_CHECK(m.num_experts > 0 || ep_ranks == 1, s, ": ranks.ep: ", ep_ranks,
+                " expert-parallel ranks, but the model is dense (no experts): set ranks.ep: 1");
+    MOERL_CHECK(m.num_experts % ep_ranks == 0, s, ": ranks.ep: ", ep_ranks,
+                " does not divide model.num_experts = ", m.num_experts);
     MOERL_CHECK(int64_t{prompts_per_step} * group_size >= ep_ranks, s, ": ranks.ep: ", ep_ranks,
                 " ranks need at least one sample each, but train.prompts_per_step x train.group_size = ",
                 int64_t{prompts_per_step} * group_size);
@@ -387,14 +602,29 @@ void RunConfig::validate() const {
                     "model's score would be ignored: give it a weight > 0");
     }
     task.validate();
-    auto gen = make_task_generator(task);
-    const int64_t longest = gen->max_prompt_tokens() + 1 + max_new_tokens();
-    MOERL_CHECK(longest <= m.max_position_embeddings || !model_path.empty(), s, ": the longest sequence (",
-                longest, " tokens) exceeds the model's max_position_embeddings (", m.max_position_embeddings,
-                ")");
+    MOERL_CHECK(!use_data || !data.dataset.path.empty(), s,
+                ": data.path: required (a JSONL file of prompts)");
+    MOERL_CHECK(!use_data || !tokenizer_path.empty(), s, ": tokenizer.path: data needs a tokenizer");
+    MOERL_CHECK(
+        eval.every == 0 || !use_data || !data.dataset.eval_path.empty() || data.dataset.eval_fraction > 0, s,
+        ": eval.every: ", eval.every,
+        " but there is no eval split: set data.eval_path or data.eval_fraction");
+    for (int id : sampling.stop_tokens) {
+        MOERL_CHECK(id >= 0 && id < m.vocab_size, s, ": rollout.stop_tokens: ", id,
+                    " is outside the vocabulary (", m.vocab_size, ")");
+    }
+    for (int id : sampling.allowed_tokens) {
+        MOERL_CHECK(id >= 0 && id < m.vocab_size, s, ": rollout.allowed_tokens: ", id,
+                    " is outside the vocabulary (", m.vocab_size, ")");
+    }
+    const int64_t longest = max_sequence_tokens();
+    MOERL_CHECK(
+        longest <= m.max_position_embeddings, s, ": the longest sequence (", longest,
+        " tokens: the longest prompt + rollout.max_new_tokens) exceeds the model's max_position_embeddings (",
+        m.max_position_embeddings, ")");
     MOERL_CHECK(rollout_device != "cuda" || longest <= rollout_max_seq_len, s,
                 ": rollout.max_seq_len: ", rollout_max_seq_len, " is below the longest sequence (", longest,
-                " tokens: the task's longest prompt + rollout.max_new_tokens)");
+                " tokens: the longest prompt + rollout.max_new_tokens)");
 }
 
 double RunConfig::lr_at(int64_t step) const {
@@ -410,8 +640,16 @@ double RunConfig::lr_at(int64_t step) const {
 
 int RunConfig::max_new_tokens() const {
     if (sampling.max_new_tokens > 0) return sampling.max_new_tokens;
+    if (use_data) return 256;
     return make_task_generator(task)->max_answer_tokens() + 1;
 }
+
+int RunConfig::max_prompt_tokens() const {
+    if (use_data) return data.max_prompt_tokens;
+    return make_task_generator(task)->max_prompt_tokens() + 1;  // bos
+}
+
+int64_t RunConfig::max_sequence_tokens() const { return int64_t{max_prompt_tokens()} + max_new_tokens(); }
 
 std::string RunConfig::store_uri() const {
     if (!store.empty()) return store;

@@ -98,9 +98,15 @@ class MixedRewarder final : public Rewarder {
                     " rewarders but ", weights_.size(), " weights");
     }
     std::vector<double> score(const std::vector<Scored>& batch) override {
+        std::vector<bool> correct;
+        return score_and_check(batch, correct);
+    }
+    // Correctness is the first part's (the verifier; a reward model has no notion of it).
+    std::vector<double> score_and_check(const std::vector<Scored>& batch,
+                                        std::vector<bool>& correct) override {
         std::vector<double> total(batch.size(), 0.0);
         for (size_t p = 0; p < parts_.size(); ++p) {
-            auto s = parts_[p]->score(batch);
+            auto s = p == 0 ? parts_[p]->score_and_check(batch, correct) : parts_[p]->score(batch);
             for (size_t i = 0; i < s.size(); ++i) total[i] += weights_[p] * s[i];
         }
         return total;
@@ -112,6 +118,13 @@ class MixedRewarder final : public Rewarder {
 };
 
 }  // namespace
+
+std::vector<double> Rewarder::score_and_check(const std::vector<Scored>& batch, std::vector<bool>& correct) {
+    std::vector<double> r = score(batch);
+    correct.assign(r.size(), false);
+    for (size_t i = 0; i < r.size(); ++i) correct[i] = r[i] >= 1.0;
+    return r;
+}
 
 const Tokenizer& Tokenizer::get() {
     static const Tokenizer t;

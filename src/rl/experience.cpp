@@ -10,15 +10,19 @@ namespace moerl::rl {
 namespace {
 using nlohmann::json;
 
+// A dataset example's line travels as "fields" (with "where"); the built-in tasks have neither.
 json payload_json(const TaskPayload& p) {
-    return {{"step", p.step},
-            {"prompt_idx", p.prompt_idx},
-            {"sample_idx", p.sample_idx},
-            {"seed", p.seed},
-            {"kind", p.problem.kind},
-            {"prompt", p.problem.prompt},
-            {"answer", p.problem.answer},
-            {"prompt_tokens", p.prompt_tokens}};
+    json j = {{"step", p.step},
+              {"prompt_idx", p.prompt_idx},
+              {"sample_idx", p.sample_idx},
+              {"seed", p.seed},
+              {"kind", p.problem.kind},
+              {"prompt", p.problem.prompt},
+              {"answer", p.problem.answer},
+              {"prompt_tokens", p.prompt_tokens}};
+    if (!p.problem.where.empty()) j["where"] = p.problem.where;
+    if (!p.problem.fields.is_null()) j["fields"] = p.problem.fields;
+    return j;
 }
 TaskPayload payload_from(const json& j) {
     TaskPayload p;
@@ -29,6 +33,8 @@ TaskPayload payload_from(const json& j) {
     p.problem = {j.at("kind").get<std::string>(), j.at("prompt").get<std::string>(),
                  j.at("answer").get<std::string>()};
     p.prompt_tokens = j.at("prompt_tokens").get<std::vector<int>>();
+    p.problem.where = j.value("where", std::string());
+    if (j.contains("fields")) p.problem.fields = j.at("fields");
     return p;
 }
 json trajectory_json(const Trajectory& t) {

@@ -23,6 +23,7 @@
 #include "moerl/model/model.hpp"
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/reward_worker.hpp"
+#include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/rollout.hpp"
 
 namespace moerl::rl {
@@ -30,13 +31,6 @@ namespace moerl::rl {
 namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-uint64_t mix(uint64_t a, uint64_t b) {
-    uint64_t x = a * 0x9E3779B97F4A7C15ULL ^ (b + 0x632BE59BD9B4E019ULL + (a << 6) + (a >> 2));
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
 
 std::string checkpoint_name(int64_t next_step) {
     char buf[32];
@@ -115,6 +109,16 @@ model::ModelOptions role_model_options(const RunConfig& c, const std::string& de
     }
     return o;
 }
+// The local directory of a published policy: its own for file://, else fetched from the store.
+std::string policy_dir(ControlPlane& cp, const std::string& uri, const std::string& cache_dir) {
+    if (uri.rfind("file://", 0) == 0) return uri.substr(7);
+    MOERL_CHECK(uri.rfind(kStorePrefix, 0) == 0, "registry: unknown policy URI '", uri, "'");
+    const std::string ckpt = uri.substr(std::string(kStorePrefix).size());
+    const std::string dir = (fs::path(cache_dir) / "policy" / ckpt).string();
+    control::fetch_checkpoint(*cp.store, ckpt, dir, (fs::path(cache_dir) / "cache").string());
+    return dir;
+}
+}  // namespace
 
 ControlPlane ControlPlane::connect(const RunConfig& c, const std::string& run_id) {
     ControlPlane cp;
@@ -129,33 +133,76 @@ ControlPlane ControlPlane::connect(const RunConfig& c, const std::string& run_id
 }
 
 // ---- env -------------------------------------------------------------------------------------
-TaskPayload make_task_payload(const RunConfig& c, int64_t step, int prompt_idx, int sample_idx) {
-    static thread_local std::unique_ptr<TaskGenerator> gen;
-    static thread_local TaskSpec gen_spec;
-    if (!gen || gen_spec.kind != c.task.kind || gen_spec.digits != c.task.digits ||
-        gen_spec.length != c.task.length || gen_spec.max_value != c.task.max_value ||
-        gen_spec.partial_credit != c.task.partial_credit) {
-        gen = make_task_generator(c.task);
-        gen_spec = c.task;
+namespace {
+// What the prompt source of a config depends on: a changed key means another source.
+std::string prompt_source_key(const RunConfig& c) {
+    const auto& t = c.task;
+    const auto& d = c.data.dataset;
+    nlohmann::json k = {t.kind,
+                        t.digits,
+                        t.length,
+                        t.max_value,
+                        t.partial_credit,
+                        c.seed,
+                        c.steps,
+                        c.prompts_per_step,
+                        c.eval.prompts,
+                        c.use_data,
+                        c.tokenizer_path,
+                        d.path,
+                        d.eval_path,
+                        d.eval_fraction,
+                        d.seed,
+                        d.shuffle,
+                        d.epochs,
+                        d.format.prompt_field,
+                        d.format.messages_field,
+                        d.format.answer_field,
+                        d.format.id_field,
+                        c.data.chat_template,
+                        c.data.system_prompt,
+                        c.data.template_vars,
+                        c.data.max_prompt_tokens};
+    return k.dump();
+}
+
+// One source per thread, kept while the config's prompt keys stay the same.
+const PromptSource& prompt_source(const RunConfig& c) {
+    static thread_local std::unique_ptr<PromptSource> source;
+    static thread_local std::string key;
+    std::string k = prompt_source_key(c);
+    if (!source || k != key) {
+        source = make_prompt_source(c);
+        key = std::move(k);
     }
+    return *source;
+}
+
+TaskPayload payload_of(const RunConfig& c, const Prompt& prompt, int64_t step, int prompt_idx,
+                       int sample_idx) {
     TaskPayload p;
     p.step = step;
     p.prompt_idx = prompt_idx;
     p.sample_idx = sample_idx;
     const uint64_t prompt_seed =
-        mix(mix(c.seed, static_cast<uint64_t>(step)), static_cast<uint64_t>(prompt_idx));
-    p.seed = mix(prompt_seed, 1000003ULL + static_cast<uint64_t>(sample_idx));
-    p.problem = gen->make(prompt_seed);
-    p.prompt_tokens = {Tokenizer::kBos};
-    auto ids = Tokenizer::get().encode(p.problem.prompt);
-    p.prompt_tokens.insert(p.prompt_tokens.end(), ids.begin(), ids.end());
+        mix_seed(mix_seed(c.seed, static_cast<uint64_t>(step)), static_cast<uint64_t>(prompt_idx));
+    p.seed = mix_seed(prompt_seed, 1000003ULL + static_cast<uint64_t>(sample_idx));
+    p.problem = prompt.problem;
+    p.prompt_tokens = prompt.tokens;
     return p;
+}
+}  // namespace
+
+TaskPayload make_task_payload(const RunConfig& c, int64_t step, int prompt_idx, int sample_idx) {
+    return payload_of(c, prompt_source(c).train(step, prompt_idx), step, prompt_idx, sample_idx);
 }
 
 void put_step_tasks(const RunConfig& c, control::TaskQueue& tasks, int64_t step) {
+    const PromptSource& source = prompt_source(c);
     for (int p = 0; p < c.prompts_per_step; ++p) {
+        const Prompt prompt = source.train(step, p);
         for (int g = 0; g < c.group_size; ++g) {
-            tasks.put({task_id(step, p, g), 0, to_json(make_task_payload(c, step, p, g)), ""});
+            tasks.put({task_id(step, p, g), 0, to_json(payload_of(c, prompt, step, p, g)), ""});
         }
     }
 }
@@ -189,7 +236,7 @@ struct RolloutWorker::Impl {
                                                  c.rollout_max_seq_len);
         std::vector<std::unique_ptr<Rewarder>> parts;
         std::vector<double> weights;
-        parts.push_back(make_verifier_rewarder(c.task));
+        parts.push_back(make_prompt_rewarder(c));
         weights.push_back(c.verifier_weight);
         rewarder = make_mixed_rewarder(std::move(parts), std::move(weights));
     }
@@ -213,16 +260,7 @@ struct RolloutWorker::Impl {
             version = latest->first;
             return version;
         }
-        std::string dir;
-        if (uri.rfind("file://", 0) == 0) {
-            dir = uri.substr(7);
-        } else {
-            MOERL_CHECK(uri.rfind(kStorePrefix, 0) == 0, "registry: unknown policy URI '", uri, "'");
-            const std::string ckpt = uri.substr(std::string(kStorePrefix).size());
-            dir = (fs::path(cache_dir) / "policy" / ckpt).string();
-            control::fetch_checkpoint(*cp.store, ckpt, dir, (fs::path(cache_dir) / "cache").string());
-        }
-        model.load_weights(dir);
+        model.load_weights(policy_dir(cp, uri, cache_dir));
         engine->refresh_weights();
         version = latest->first;
         ++stats.syncs;
@@ -339,6 +377,72 @@ size_t RolloutWorker::release_all() { return impl_->release(); }
 const RolloutStats& RolloutWorker::stats() const { return impl_->stats; }
 int64_t RolloutWorker::policy_version() const { return impl_->version; }
 
+// ---- eval ------------------------------------------------------------------------------------
+struct Evaluator::Impl {
+    RunConfig cfg;
+    ControlPlane& cp;
+    std::string cache_dir;
+    std::unique_ptr<PromptSource> source;
+    std::unique_ptr<Rewarder> rewarder;
+    model::MoeModel model;
+    int64_t loaded = -1;
+
+    Impl(const RunConfig& c, ControlPlane& control, std::string cache)
+        : cfg(c),
+          cp(control),
+          cache_dir(std::move(cache)),
+          source(make_prompt_source(c)),
+          rewarder(make_prompt_rewarder(c)),
+          model(c.model, rollout_model_options(c)) {}
+
+    EvalResult run() {
+        const auto t0 = Clock::now();
+        auto latest = cp.registry->latest();
+        MOERL_CHECK(latest.has_value(), "eval: no policy published in the registry yet");
+        if (latest->first != loaded) model.load_weights(policy_dir(cp, latest->second, cache_dir));
+        loaded = latest->first;
+        SamplingParams greedy = cfg.sampling;
+        greedy.temperature = 1.0;
+        greedy.top_p = 1.0;
+        greedy.top_k = 1;
+        RolloutEngine engine(model, greedy, cfg.rollout_max_batch, /*record_routing=*/false,
+                             cfg.rollout_max_seq_len);
+        const int64_t n = source->eval_size();
+        std::vector<Prompt> prompts;
+        for (int64_t i = 0; i < n; ++i) {
+            prompts.push_back(source->eval(i));
+            engine.add({static_cast<uint64_t>(i), prompts.back().tokens, {}, 0, cfg.max_new_tokens()});
+        }
+        std::vector<GenResult> done = engine.run_to_completion(loaded);
+        std::vector<Scored> batch;
+        for (auto& d : done) {
+            const Prompt& p = prompts.at(d.id);
+            batch.push_back({p.problem, p.tokens, d.trajectory.tokens, d.trajectory.terminated});
+        }
+        std::vector<bool> correct;
+        const std::vector<double> rewards = rewarder->score_and_check(batch, correct);
+        EvalResult r;
+        r.version = loaded;
+        r.prompts = static_cast<int64_t>(batch.size());
+        for (size_t i = 0; i < batch.size(); ++i) {
+            r.reward += rewards[i];
+            r.pass_at_1 += correct[i] ? 1 : 0;
+            if (done[i].id == 0) r.sample = decode_response(cfg, batch[i].response_tokens);
+        }
+        if (r.prompts > 0) {
+            r.reward /= static_cast<double>(r.prompts);
+            r.pass_at_1 /= static_cast<double>(r.prompts);
+        }
+        r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+        return r;
+    }
+};
+
+Evaluator::Evaluator(const RunConfig& config, ControlPlane& control, std::string cache_dir)
+    : impl_(std::make_unique<Impl>(config, control, std::move(cache_dir))) {}
+Evaluator::~Evaluator() = default;
+EvalResult Evaluator::run() { return impl_->run(); }
+
 // ---- train -----------------------------------------------------------------------------------
 struct TrainerRole::Impl {
     RunConfig cfg;
@@ -389,6 +493,7 @@ struct TrainerRole::Impl {
         }
         const std::string dir = (fs::path(work_dir) / "policy" / ("v" + std::to_string(version))).string();
         trainer->save_weights(dir);
+        copy_tokenizer_files(cfg, dir);
         // A restarted trainer finds its version already registered (a persistent registry).
         auto latest = cp.registry->latest();
         if (!latest || latest->first < version)
@@ -479,6 +584,7 @@ struct TrainerRole::Impl {
         st["next_step"] = next_step;
         st["version"] = version;
         st["env_next_step"] = env_next_step;
+        st["data"] = prompt_source(cfg).state(env_next_step);
         st["seed"] = cfg.seed;
         // Compact: a watermark plus the ids it does not cover (none when steps are trained in order).
         st["consumed_below_step"] = consumed_below;
@@ -491,8 +597,10 @@ struct TrainerRole::Impl {
             for (auto& [id, e] : m) pending.push_back(to_json(e.first));
         st["pending"] = pending;
         fs::remove_all(dir);
+        st["data"] = prompt_source(cfg).state(env_next_step);
         try {
             trainer->save_weights(dir.string());
+            copy_tokenizer_files(cfg, dir.string());
             trainer->save_optimizer(dir.string());
             std::ofstream state(dir / "trainer_state.json");
             state << st.dump();
@@ -526,6 +634,11 @@ struct TrainerRole::Impl {
             next_step = st.at("next_step").get<int64_t>();
             version = st.at("version").get<int64_t>();
             env_next = st.at("env_next_step").get<int64_t>();
+            try {
+                prompt_source(cfg).check_state(st.value("data", nlohmann::json()));
+            } catch (const Error& e) {
+                MOERL_FAIL("--resume: ", e.message());
+            }
             consumed = st.at("consumed").get<std::set<std::string>>();
             // Every step before the checkpoint's was trained (older checkpoints list every id).
             consumed_below = std::max(st.value("consumed_below_step", int64_t{0}), next_step);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <numeric>
 
 #include "moerl/core/error.hpp"
@@ -71,6 +72,15 @@ double uniform_draw(uint64_t seed, uint64_t draw) {
            0x1.0p-53;
 }
 
+at::Tensor allowed_token_bias(const SamplingParams& p, int64_t V, const at::TensorOptions& options) {
+    if (p.allowed_tokens.empty()) return {};
+    std::vector<int64_t> ids(p.allowed_tokens.begin(), p.allowed_tokens.end());
+    ids.insert(ids.end(), p.stop_tokens.begin(), p.stop_tokens.end());
+    // Finite, so that the trainer's masked prompt positions stay 0 (not -inf x 0).
+    at::Tensor bias = at::full({V}, -1e9, options);
+    return bias.index_fill_(0, at::tensor(ids, at::kLong).to(options.device()), 0.0);
+}
+
 std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const SamplingParams& p,
                                                  const std::vector<double>& uniforms) {
     MOERL_CHECK(logits.dim() == 2, "sample_tokens: logits must be [rows, vocab], got ", logits.dim(),
@@ -82,7 +92,8 @@ std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const
     MOERL_CHECK(V >= 1, "sample_tokens: empty vocabulary");
     // In double on the logits' device: tempered log-probabilities, sorted (stable) most likely first.
     c10::NoGradGuard no_grad;
-    const at::Tensor z = logits.detach().to(at::kDouble) / p.temperature;
+    at::Tensor z = logits.detach().to(at::kDouble) / p.temperature;
+    if (at::Tensor bias = allowed_token_bias(p, V, z.options()); bias.defined()) z = z + bias;
     const at::Tensor log_norm = at::logsumexp(z, 1, /*keepdim=*/true);
     auto [sorted, order] = at::sort(z, /*stable=*/true, /*dim=*/1, /*descending=*/true);
     const at::Tensor mass = at::cumsum(at::exp(sorted - log_norm), 1);  // mass of the i most likely + 1

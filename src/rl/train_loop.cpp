@@ -21,6 +21,7 @@
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/rl/metrics.hpp"
+#include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/threads.hpp"
 #include "role_metrics.hpp"
 
@@ -147,6 +148,10 @@ class Loop {
 
     RunSummary run() {
         pin_threads(cfg_.threads);
+        // Before any work: the data files parse (a bad line names file:line), the chat template
+        // renders and the first prompt fits. Rollout workers never read the data.
+        if (cfg_.use_data) make_prompt_source(cfg_)->train(0, 0);
+        fs::create_directories(out_);
         // One process per output directory (metrics.jsonl, staging files): created here.
         dir_lock_ = control::lock_run_directory(out_.string());
         MOERL_CHECK(opt_.resume || control::published_checkpoints(*cp_.store, "ckpt-").empty(),
@@ -206,7 +211,10 @@ class Loop {
                                         : step_s > 0       ? static_cast<double>(r->response_tokens) / step_s
                                                            : 0.0;
             role_metrics_.step(*r, step_s);
-            metrics << metrics_row(*r, tokens_per_s, step_s, producer_ ? &produced : nullptr).dump() << "\n";
+            nlohmann::json row = metrics_row(*r, tokens_per_s, step_s, producer_ ? &produced : nullptr);
+            if (cfg_.eval.every > 0 && ((step + 1) % cfg_.eval.every == 0 || step + 1 == cfg_.steps))
+                evaluate(row);
+            metrics << row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
             metrics.flush();
             MOERL_CHECK(metrics.good(), metrics_path_, ": cannot append");
             steps_axis_.push_back(static_cast<double>(step));
@@ -242,7 +250,7 @@ class Loop {
         s.svg_path = (out_ / "reward.svg").string();
         s.checkpoints = cp_.store->uri();
         write_reward_svg(s.svg_path, steps_axis_, rewards_,
-                         cfg_.name + ": mean reward (" + cfg_.task.kind + ")");
+                         cfg_.name + ": mean reward (" + (cfg_.use_data ? "data" : cfg_.task.kind) + ")");
         if (stopped) {
             // The steps since the last checkpoint are not durable: their experiences stay
             // unacknowledged and a resumed trainer trains them again.
@@ -366,6 +374,21 @@ class Loop {
     void put_in_flight_steps(int64_t step) {
         const int64_t last = std::min(cfg_.steps, step + cfg_.max_staleness + 1);
         for (int64_t s = step; s < last; ++s) put_step_tasks(cfg_, *cp_.tasks, s);
+    // Greedy pass@1 and mean reward of the policy just published, into the step's metrics row.
+    void evaluate(nlohmann::json& row) {
+        if (!evaluator_) evaluator_ = std::make_unique<Evaluator>(cfg_, cp_, (out_ / "eval").string());
+        const EvalResult e = evaluator_->run();
+        row["eval_pass_at_1"] = e.pass_at_1;
+        row["eval_reward"] = e.reward;
+        row["eval_prompts"] = e.prompts;
+        row["eval_seconds"] = e.seconds;
+        row["eval_sample"] = e.sample;
+        if (!opt_.progress) return;
+        std::fprintf(
+            stderr, "%s%seval v%lld: pass@1 %.3f  reward %.3f  (%lld prompts, greedy, %.1fs)  first: %s\n",
+            inline_progress() ? "\n" : "", prefix().c_str(), static_cast<long long>(e.version), e.pass_at_1,
+            e.reward, static_cast<long long>(e.prompts), e.seconds,
+            nlohmann::json(e.sample).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     }
 
     // A checkpoint for `next_step`, then the acknowledgement of the experiences it holds.
@@ -432,6 +455,7 @@ class Loop {
     const Clock::time_point t0_ = Clock::now();
     control::DeferredAckBuffer* acks_ = nullptr;
     TrainerRole* trainer_ = nullptr;
+    std::unique_ptr<Evaluator> evaluator_;  // made at the first eval (eval.every > 0)
     int64_t saved_next_ = 0;                 // next_step of the newest checkpoint (or of the start)
     int64_t done_here_ = 0;                  // steps trained by this call
     mutable bool inline_line_open_ = false;  // the terminal's cursor is after a progress line

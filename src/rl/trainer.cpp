@@ -21,6 +21,7 @@
 #include "moerl/model/model.hpp"
 #include "moerl/model/safetensors.hpp"
 #include "moerl/rl/grpo.hpp"
+#include "moerl/rl/rollout.hpp"
 
 namespace moerl::rl {
 
@@ -132,12 +133,17 @@ std::vector<std::vector<size_t>> pack_balanced(const std::vector<int64_t>& lengt
     return bins;
 }
 
-// [b, t] = log p(ids[b, t] | ids[b, <t]) under softmax(logits / temperature); column 0 is 0.
-at::Tensor tempered_logprobs(const at::Tensor& logits, const at::Tensor& ids, double temperature) {
+// [b, t] = log p(ids[b, t] | ids[b, <t]) under softmax(logits / temperature) over the tokens the
+// sampler may draw (rollout.allowed_tokens); column 0 is 0.
+at::Tensor tempered_logprobs(const at::Tensor& logits, const at::Tensor& ids,
+                             const SamplingParams& sampling) {
     const int64_t B = logits.size(0), S = logits.size(1);
     at::Tensor zero = at::zeros({B, 1}, logits.options().dtype(at::kFloat));
     if (S <= 1) return zero;
-    at::Tensor lp = at::log_softmax(logits.narrow(1, 0, S - 1).to(at::kFloat) / temperature, -1);
+    at::Tensor z = logits.narrow(1, 0, S - 1).to(at::kFloat) / sampling.temperature;
+    if (at::Tensor bias = allowed_token_bias(sampling, logits.size(2), z.options()); bias.defined())
+        z = z + bias;
+    at::Tensor lp = at::log_softmax(z, -1);
     return at::cat({zero, lp.gather(2, ids.narrow(1, 1, S - 1).unsqueeze(-1)).squeeze(-1)}, 1);
 }
 
@@ -290,8 +296,7 @@ struct PolicyTrainer::Impl {
         if (k.ref) {
             c10::NoGradGuard g;
             for (size_t i = 0; i < n; ++i)
-                ref_lp[i] = tempered_logprobs(forward(*k.ref, batches[i]).logits, batches[i].ids,
-                                              cfg.sampling.temperature);
+                ref_lp[i] = tempered_logprobs(forward(*k.ref, batches[i]).logits, batches[i].ids, cfg.sampling);
         }
         RankSums sums;
         // The load-balancing loss is not a sum over tokens: each micro-batch's counts 1/n.
@@ -301,7 +306,7 @@ struct PolicyTrainer::Impl {
             for (size_t i = 0; i < n; ++i) {
                 const Batch& b = batches[i];
                 model::ForwardOutput out = forward(*k.model, b);
-                at::Tensor logp = tempered_logprobs(out.logits, b.ids, cfg.sampling.temperature);
+                at::Tensor logp = tempered_logprobs(out.logits, b.ids, cfg.sampling);
                 out.logits = at::Tensor();
                 if (epoch == 0) prox[i] = logp.detach();
                 GrpoInputs in{logp,
@@ -428,8 +433,7 @@ PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_di
     m.barrier = std::make_unique<std::barrier<>>(m.W);
     m.store_dir = (fs::path(work_dir) / ("ep-" + m.job)).string();
     fs::create_directories(m.store_dir);
-    auto task = make_task_generator(config.task);
-    const int64_t max_len = task->max_prompt_tokens() + 1 + config.max_new_tokens();
+    const int64_t max_len = config.max_sequence_tokens();
     const int64_t samples = (int64_t{config.prompts_per_step} * config.group_size + m.W - 1) / m.W;
     const int max_tokens = static_cast<int>(samples * max_len);
     m.on_ranks([&](int r) { m.init(r, max_tokens); });

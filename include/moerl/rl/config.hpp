@@ -9,6 +9,9 @@
 #include "moerl/model/config.hpp"
 #include "moerl/rl/env.hpp"
 #include "moerl/rl/grpo.hpp"
+// Plain option structs only: the text layer's library is needed where they are used (prompt_source).
+#include "moerl/text/dataset.hpp"
+#include "moerl/text/verifier.hpp"
 
 namespace moerl::rl {
 
@@ -16,8 +19,37 @@ struct SamplingParams {
     double temperature = 1.0;            // > 0
     double top_p = 1.0;                  // (0, 1]
     int top_k = 0;                       // 0 = off, else >= 1
-    int max_new_tokens = 0;              // 0 = the task's longest answer + 1
-    std::vector<int> stop_tokens = {2};  // eos
+    int max_new_tokens = 0;              // 0 = the task's longest answer + 1 (data: 256)
+    std::vector<int> stop_tokens = {2};  // eos; with a tokenizer: its eos and end-of-turn tokens
+    // Constrained sampling: only these tokens (and the stop tokens) are drawn; rollout and trainer
+    // mask the same logits, so behaviour and trained log-probs agree. Empty = the whole vocabulary.
+    std::vector<int> allowed_tokens;
+};
+
+// data: prompts from a JSONL file instead of a built-in task (needs the text layer). Each line holds
+// `prompt` (a string, formatted as one user turn) or `messages` (a chat), `answer`, and any other
+// fields the verifiers read; the prompt is rendered with the tokenizer's chat template and encoded.
+struct DataConfig {
+    // path, eval_path, eval_fraction, seed (default run.seed), shuffle, epochs, validate, the field
+    // names (prompt_field, messages_field, answer_field, id_field). eval_limit = eval.prompts.
+    text::DatasetOptions dataset;
+    // Apply tokenizer_config.json's chat_template with add_generation_prompt: -1 = when the tokenizer
+    // has one, else 0 (raw prompt text, or the messages' contents joined by newlines) or 1 (required).
+    int chat_template = -1;
+    std::string system_prompt;  // a system turn before each prompt (not when the line has one)
+    // Variables the template sees, e.g. {"enable_thinking": false} for Qwen3 (data.template_vars;
+    // data.enable_thinking is a shortcut for that one).
+    nlohmann::json template_vars = nlohmann::json::object();
+    // A prompt longer than this (in tokens, after the template) fails with an error naming its file
+    // and line: the trainer's buffers and the rollout KV cache are sized from it. 1..65536.
+    int max_prompt_tokens = 256;
+};
+
+// eval: greedy (argmax) pass@1 and mean reward on the eval split (data mode) or on held-out
+// generated tasks (task mode), logged in metrics.jsonl as eval_pass_at_1 / eval_reward.
+struct EvalConfig {
+    int64_t every = 0;  // training steps between evals (and one after the last step); 0 = off
+    int prompts = 64;   // eval prompts per eval (at most the eval split's size), >= 1
 };
 
 struct RunConfig {
@@ -34,12 +66,19 @@ struct RunConfig {
     // model: built from these unless model_path names an HF checkpoint to start from
     model::ModelConfig model;
     std::string model_path;
-    // task
+    // prompts: a built-in digit task (`task:`, the default) or a JSONL dataset (`data:`)
     TaskSpec task;
+    bool use_data = false;  // a data: section was given (task: and data: exclude each other)
+    DataConfig data;
+    // tokenizer.json (a file or a directory with tokenizer_config.json); default: model_path when it
+    // holds one. Required with data. Sets model.vocab_size for random init and the stop tokens.
+    std::string tokenizer_path;
+    EvalConfig eval;
     // rollout
     SamplingParams sampling;
     int rollout_max_batch = 64;  // sequences decoded together, >= 1
     bool record_routing = true;
+    bool stop_tokens_given = false;  // rollout.stop_tokens was set (else the tokenizer decides)
     // Where the rollout worker's model lives: cpu, or cuda (the first GPU, where sequences decode
     // through model::Generator, the fused CUDA engine, routing records included), in fp32 or bf16.
     std::string rollout_device = "cpu";
@@ -71,6 +110,12 @@ struct RunConfig {
     int64_t micro_batch_tokens = 0;
     // reward
     double verifier_weight = 1.0;
+    // data: the verifier mix, e.g. [{kind: math, weight: 1.0}, {kind: format, weight: 0.2, pattern:
+    // ...}]; default [{kind: math}]. Kinds: math, countdown, exact, format, external (text/verifier.hpp).
+    // The first one decides pass@1 in eval (list the correctness check first).
+    std::vector<text::VerifierSpec> verifiers;
+    // data: reward scale of a response that hit max_new_tokens without a stop token, in [0, 1].
+    double truncated_scale = 1.0;
     std::string reward_model_path;  // HF checkpoint + scalar head, optional
     double reward_model_weight = 0.0;
     // reward_model_weight is > 0 exactly when reward_model_path is set. The reward model's
@@ -96,6 +141,10 @@ struct RunConfig {
     // Cross-field checks (sizes that cannot work together); throws naming the key.
     void validate() const;
     int max_new_tokens() const;
+    // Longest prompt in tokens (the task's, or data.max_prompt_tokens).
+    int max_prompt_tokens() const;
+    // Longest sequence: prompt + response (sizes the trainer's buffers and the KV cache).
+    int64_t max_sequence_tokens() const;
     // The learning rate of training step `step` (0-based) under the schedule.
     double lr_at(int64_t step) const;
     std::string store_uri() const;

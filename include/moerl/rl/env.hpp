@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -25,9 +26,13 @@ class Tokenizer {
 
 // One prompt and its reference answer.
 struct Problem {
-    std::string kind;    // "add" | "sort"
-    std::string prompt;  // e.g. "s3142="
+    std::string kind;    // "add" | "sort" | "data"
+    std::string prompt;  // e.g. "s3142=", or the dataset line's prompt (the rendered chat for messages)
     std::string answer;  // e.g. "1234"
+    // data: "file:line" and the whole JSON line (what verifiers read: answer, nums, target, ...),
+    // carried in the task payload so that a rollout worker elsewhere scores without the dataset.
+    std::string where;
+    nlohmann::json fields;  // null for the built-in tasks
 };
 
 // Task family and difficulty. Limits are checked by validate().
@@ -68,6 +73,9 @@ class Rewarder {
   public:
     virtual ~Rewarder() = default;
     virtual std::vector<double> score(const std::vector<Scored>& batch) = 0;
+    // The rewards and whether each response is correct (eval's pass@1): by default a reward of at
+    // least 1; the dataset's verifier mix asks its first verifier.
+    virtual std::vector<double> score_and_check(const std::vector<Scored>& batch, std::vector<bool>& correct);
 };
 
 // Rewards from the task's verifier.

@@ -124,6 +124,31 @@ class TrainerRole {
     std::unique_ptr<Impl> impl_;
 };
 
+// ---- eval ------------------------------------------------------------------------------------
+// Greedy (argmax) responses to the prompt source's eval prompts under the registry's latest policy,
+// scored by the run's verifiers (no reward model): pass@1 is the share the first verifier (a task:
+// an exact answer) calls correct.
+struct EvalResult {
+    int64_t version = -1;  // the policy evaluated
+    int64_t prompts = 0;
+    double pass_at_1 = 0;
+    double reward = 0;  // mean
+    double seconds = 0;
+    std::string sample;  // the response to the first eval prompt, decoded
+};
+
+class Evaluator {
+  public:
+    // cache_dir: where policies fetched from a store are kept.
+    Evaluator(const RunConfig& config, ControlPlane& control, std::string cache_dir);
+    ~Evaluator();
+    EvalResult run();
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
 // ---- benchmark -------------------------------------------------------------------------------
 // Generation throughput of the rollout engine with a randomly initialised model of `config`.
 struct RolloutBench {

@@ -32,6 +32,11 @@ struct GenResult {
     Trajectory trajectory;
 };
 
+// [V] additive mask of params.allowed_tokens (0 where allowed, -1e9 elsewhere) in `options`;
+// undefined when every token is allowed.
+at::Tensor allowed_token_bias(const SamplingParams& params, int64_t vocab_size,
+                              const at::TensorOptions& options);
+
 // Samples one token per row of logits [rows, V] (any float dtype, CPU or CUDA; computed in double
 // there): temperature, then top-k, then top-p, then the inverse CDF of the kept mass at uniforms[row]
 // (in [0, 1)). Returns each row's token and its log-probability under the tempered (untruncated)

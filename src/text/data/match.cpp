@@ -50,7 +50,7 @@ class ExactVerifier final : public Verifier {
     explicit ExactVerifier(const ExactOptions& o) : o_(o) {
         o_.validate();
         if (!o_.extract.empty()) {
-            extract_ = std::make_unique<detail::Regex>(o_.extract, true, "verifier exact.extract");
+            extract_ = std::make_unique<detail::PatternRegex>(o_.extract, true, "verifier exact.extract");
             MOERL_CHECK(extract_->num_groups() >= 1, "verifier exact.extract: the pattern '", o_.extract,
                         "' needs a capture group around the answer");
         }
@@ -61,10 +61,10 @@ class ExactVerifier final : public Verifier {
         Verdict v;
         std::string_view got = response;
         if (extract_) {
-            detail::Regex::Match m;
+            detail::PatternRegex::Match m;
             const auto r = extract_->search_last(response, m);
-            if (r != detail::Regex::Result::kMatch || !m.groups[1]) {
-                v.details["error"] = r == detail::Regex::Result::kLimit
+            if (r != detail::PatternRegex::Result::kMatch || !m.groups[1]) {
+                v.details["error"] = r == detail::PatternRegex::Result::kLimit
                                          ? "extract pattern hit the match limit"
                                          : "extract pattern did not match";
                 return v;
@@ -84,7 +84,7 @@ class ExactVerifier final : public Verifier {
         return o_.normalize_whitespace ? collapse_whitespace(t) : t;
     }
     ExactOptions o_;
-    std::unique_ptr<detail::Regex> extract_;
+    std::unique_ptr<detail::PatternRegex> extract_;
 };
 
 class FormatVerifier final : public Verifier {
@@ -95,17 +95,17 @@ class FormatVerifier final : public Verifier {
 
     Verdict score(std::string_view response, const Example&) override {
         Verdict v;
-        detail::Regex::Match m;
+        detail::PatternRegex::Match m;
         const auto r = re_.search(response, 0, m);
-        v.reward = r == detail::Regex::Result::kMatch ? 1.0 : 0.0;
-        if (r == detail::Regex::Result::kLimit) v.details["error"] = "the pattern hit the match limit";
-        v.details["matched"] = r == detail::Regex::Result::kMatch;
+        v.reward = r == detail::PatternRegex::Result::kMatch ? 1.0 : 0.0;
+        if (r == detail::PatternRegex::Result::kLimit) v.details["error"] = "the pattern hit the match limit";
+        v.details["matched"] = r == detail::PatternRegex::Result::kMatch;
         return v;
     }
 
   private:
     FormatOptions o_;
-    detail::Regex re_;
+    detail::PatternRegex re_;
 };
 
 }  // namespace

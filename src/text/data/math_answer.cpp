@@ -209,10 +209,10 @@ bool is_unit_char(char c) {
            c == '-';
 }
 
-const detail::Regex& number_regex() {
+const detail::PatternRegex& number_regex() {
     // A number as it appears in text: an optional sign (not after a word or bracket), then \frac{a}{b},
     // \frac12, digits with thousands separators, decimals, or a/b; an optional percent sign.
-    static const detail::Regex re(
+    static const detail::PatternRegex re(
         R"((?:(?<![\w)\]}])[-\x{2212}]\s?)?(?<![\d.])(?:\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|\\[dt]?frac\d\d|)"
         R"((?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+(?![.\d]))?|\.\d+)(?:\s?\\?%)?)",
         false, "math verifier: number pattern");
@@ -256,8 +256,8 @@ std::optional<FinalAnswer> extract_final_answer(std::string_view text) {
         rest = trim(rest.substr(0, rest.find('\n')));
         if (!rest.empty()) return FinalAnswer{std::string(rest), "####"};
     }
-    detail::Regex::Match m;
-    if (number_regex().search_last(text, m) == detail::Regex::Result::kMatch)
+    detail::PatternRegex::Match m;
+    if (number_regex().search_last(text, m) == detail::PatternRegex::Result::kMatch)
         return FinalAnswer{std::string(*m.groups[0]), "last_number"};
     return std::nullopt;
 }

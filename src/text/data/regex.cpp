@@ -20,7 +20,7 @@ std::string error_text(int code) {
 
 }  // namespace
 
-Regex::Regex(const std::string& pattern, bool dotall, const std::string& what) : what_(what) {
+PatternRegex::PatternRegex(const std::string& pattern, bool dotall, const std::string& what) : what_(what) {
     int err = 0;
     PCRE2_SIZE offset = 0;
     uint32_t flags = PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | (dotall ? PCRE2_DOTALL : 0);
@@ -34,7 +34,7 @@ Regex::Regex(const std::string& pattern, bool dotall, const std::string& what) :
     num_groups_ = static_cast<int>(count);
 }
 
-Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
+PatternRegex::~PatternRegex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
 
 namespace {
 
@@ -53,13 +53,14 @@ struct Scratch {
     }
 };
 
-Regex::Result search_once(const pcre2_code* code, int num_groups, const std::string& what, Scratch& scratch,
-                          std::string_view subject, size_t start, Regex::Match& out) {
+PatternRegex::Result search_once(const pcre2_code* code, int num_groups, const std::string& what,
+                                 Scratch& scratch, std::string_view subject, size_t start,
+                                 PatternRegex::Match& out) {
     const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), start, 0,
                                scratch.md, scratch.ctx);
-    if (rc == PCRE2_ERROR_NOMATCH) return Regex::Result::kNoMatch;
+    if (rc == PCRE2_ERROR_NOMATCH) return PatternRegex::Result::kNoMatch;
     if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT)
-        return Regex::Result::kLimit;
+        return PatternRegex::Result::kLimit;
     MOERL_CHECK(rc >= 0, what, ": matching failed: ", error_text(rc));
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(scratch.md);
     out.groups.assign(static_cast<size_t>(num_groups) + 1, std::nullopt);
@@ -67,18 +68,18 @@ Regex::Result search_once(const pcre2_code* code, int num_groups, const std::str
         if (ov[2 * g] == PCRE2_UNSET) continue;
         out.groups[static_cast<size_t>(g)] = subject.substr(ov[2 * g], ov[2 * g + 1] - ov[2 * g]);
     }
-    return Regex::Result::kMatch;
+    return PatternRegex::Result::kMatch;
 }
 
 }  // namespace
 
-Regex::Result Regex::search(std::string_view subject, size_t start, Match& out) const {
+PatternRegex::Result PatternRegex::search(std::string_view subject, size_t start, Match& out) const {
     const auto* code = static_cast<const pcre2_code*>(code_);
     Scratch scratch(code);
     return search_once(code, num_groups_, what_, scratch, subject, start, out);
 }
 
-Regex::Result Regex::search_last(std::string_view subject, Match& out) const {
+PatternRegex::Result PatternRegex::search_last(std::string_view subject, Match& out) const {
     const auto* code = static_cast<const pcre2_code*>(code_);
     Scratch scratch(code);
     Match m;

@@ -9,13 +9,15 @@
 
 namespace moerl::text::detail {
 
-class Regex {
+// Named apart from the tokenizer's detail::Regex (src/text/tokenizer/internal.hpp): one program may link
+// both.
+class PatternRegex {
   public:
     // Throws moerl::Error naming `what`, the pattern and the offset of a compile error.
-    Regex(const std::string& pattern, bool dotall, const std::string& what);
-    ~Regex();
-    Regex(const Regex&) = delete;
-    Regex& operator=(const Regex&) = delete;
+    PatternRegex(const std::string& pattern, bool dotall, const std::string& what);
+    ~PatternRegex();
+    PatternRegex(const PatternRegex&) = delete;
+    PatternRegex& operator=(const PatternRegex&) = delete;
 
     struct Match {
         std::vector<std::optional<std::string_view>> groups;  // [0] the whole match, then the groups
