@@ -175,7 +175,7 @@ fi
 
 # --- the model layer on CUDA (bf16 against CPU fp32) and its parity with Hugging Face transformers ----
 if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/model/model_test" ]; then
-  (cd "$BUILD" && timeout 100 ctest -L model -R "Cuda|hf_parity" --output-on-failure --timeout 90) >"$OUT/ctest-model.log" 2>&1
+  (cd "$BUILD" && timeout 100 ctest -L model -R "Cuda|hf_parity|hf_reward_parity" --output-on-failure --timeout 90) >"$OUT/ctest-model.log" 2>&1
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-model.log" | tail -12
   step ctest_model_cuda "$(grep -E 'tests passed' "$OUT/ctest-model.log" | tail -1)"
 fi

@@ -109,6 +109,7 @@ model::ModelOptions role_model_options(const RunConfig& c, const std::string& de
     }
     return o;
 }
+namespace {
 // The local directory of a published policy: its own for file://, else fetched from the store.
 std::string policy_dir(ControlPlane& cp, const std::string& uri, const std::string& cache_dir) {
     if (uri.rfind("file://", 0) == 0) return uri.substr(7);

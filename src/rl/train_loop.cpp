@@ -374,6 +374,8 @@ class Loop {
     void put_in_flight_steps(int64_t step) {
         const int64_t last = std::min(cfg_.steps, step + cfg_.max_staleness + 1);
         for (int64_t s = step; s < last; ++s) put_step_tasks(cfg_, *cp_.tasks, s);
+    }
+
     // Greedy pass@1 and mean reward of the policy just published, into the step's metrics row.
     void evaluate(nlohmann::json& row) {
         if (!evaluator_) evaluator_ = std::make_unique<Evaluator>(cfg_, cp_, (out_ / "eval").string());
