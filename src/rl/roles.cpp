@@ -22,8 +22,8 @@
 #include "moerl/core/error.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/rl/grpo.hpp"
-#include "moerl/rl/reward_worker.hpp"
 #include "moerl/rl/prompt_source.hpp"
+#include "moerl/rl/reward_worker.hpp"
 #include "moerl/rl/rollout.hpp"
 
 namespace moerl::rl {

@@ -457,7 +457,7 @@ class Loop {
     const Clock::time_point t0_ = Clock::now();
     control::DeferredAckBuffer* acks_ = nullptr;
     TrainerRole* trainer_ = nullptr;
-    std::unique_ptr<Evaluator> evaluator_;  // made at the first eval (eval.every > 0)
+    std::unique_ptr<Evaluator> evaluator_;   // made at the first eval (eval.every > 0)
     int64_t saved_next_ = 0;                 // next_step of the newest checkpoint (or of the start)
     int64_t done_here_ = 0;                  // steps trained by this call
     mutable bool inline_line_open_ = false;  // the terminal's cursor is after a progress line

@@ -296,7 +296,8 @@ struct PolicyTrainer::Impl {
         if (k.ref) {
             c10::NoGradGuard g;
             for (size_t i = 0; i < n; ++i)
-                ref_lp[i] = tempered_logprobs(forward(*k.ref, batches[i]).logits, batches[i].ids, cfg.sampling);
+                ref_lp[i] =
+                    tempered_logprobs(forward(*k.ref, batches[i]).logits, batches[i].ids, cfg.sampling);
         }
         RankSums sums;
         // The load-balancing loss is not a sum over tokens: each micro-batch's counts 1/n.
