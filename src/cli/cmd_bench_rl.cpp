@@ -73,6 +73,7 @@ void bench_rl(const RlBenchArgs& a) {
     rl::RunOptions opt;
     opt.output_dir = out.string();
     opt.progress = false;
+    opt.final_checkpoint = false;  // a real-size model's weights and moments are tens of GB
     rl::RunSummary s = rl::run_local(cfg, opt);
 
     std::vector<nlohmann::json> rows;

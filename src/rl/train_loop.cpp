@@ -260,7 +260,7 @@ class Loop {
                      "; a resume restarts from the newest checkpoint (at step " +
                      std::to_string(saved_next_) + ")");
         } else {
-            if (saved_next_ != step) checkpoint(step);
+            if (saved_next_ != step && opt_.final_checkpoint) checkpoint(step);
             if (reached || step >= cfg_.steps) {
                 nlohmann::json done = {
                     {"next_step", step}, {"version", trainer.version()}, {"reached_reward", reached}};
