@@ -25,7 +25,7 @@ struct RunOptions {
     std::string output_dir;   // overrides config.output_dir when set
     bool progress = true;     // the live progress line on stderr
     const std::atomic<bool>* stop = nullptr;  // Ctrl-C: stop before the next step (RunSummary::stopped)
-    bool final_checkpoint = true;  // false: no checkpoint at the end (a benchmark's throwaway run)
+    bool final_checkpoint = true;             // false: no checkpoint at the end (a benchmark's throwaway run)
 };
 
 // env, one rollout worker and the trainer (EP over config.ep_ranks threads) in this process,
