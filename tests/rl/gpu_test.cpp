@@ -32,22 +32,10 @@ namespace {
     } while (0)
 
 std::vector<ExperienceRecord> batch_of(const RunConfig& c) {
-    std::vector<ExperienceRecord> batch;
-    for (int p = 0; p < c.prompts_per_step; ++p) {
-        for (int g = 0; g < c.group_size; ++g) {
-            ExperienceRecord e;
-            e.task_id = task_id(0, p, g);
-            e.task = make_task_payload(c, 0, p, g);
-            for (int j = 0; j <= (p + g) % 4; ++j) {
-                e.trajectory.tokens.push_back(3 + (p * 5 + g + j) % 12);
-                e.trajectory.logprobs.push_back(-1.2f);
-                e.trajectory.versions.push_back(0);
-            }
-            e.reward = ((p * 3 + g) % 4) / 3.0;
-            batch.push_back(std::move(e));
-        }
-    }
-    return batch;
+    return synthetic_batch(
+        c, [](int p, int g) { return 1 + (p + g) % 4; },
+        [](const ExperienceRecord&, int p, int g, int j) { return 3 + (p * 5 + g + j) % 12; },
+        [](int) { return -1.2f; }, [](int p, int g) { return ((p * 3 + g) % 4) / 3.0; });
 }
 
 std::map<std::string, std::vector<float>> moments(const fs::path& dir) {

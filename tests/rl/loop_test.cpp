@@ -21,26 +21,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A batch of one step as the rollout workers would deliver it: the step's prompts, each answered
-// by a few tokens of the prompt itself, with varied rewards.
+// A batch of one step: each prompt answered by a few tokens of the prompt itself, varied rewards.
 std::vector<ExperienceRecord> fake_batch(const RunConfig& c) {
-    std::vector<ExperienceRecord> batch;
-    for (int p = 0; p < c.prompts_per_step; ++p) {
-        for (int g = 0; g < c.group_size; ++g) {
-            ExperienceRecord e;
-            e.task_id = task_id(0, p, g);
-            e.task = make_task_payload(c, 0, p, g);
-            for (int j = 0; j <= g % 3; ++j) {
-                e.trajectory.tokens.push_back(
-                    e.task.prompt_tokens[1 + (j % (e.task.prompt_tokens.size() - 1))]);
-                e.trajectory.logprobs.push_back(-1.5f);
-                e.trajectory.versions.push_back(0);
-            }
-            e.reward = ((p + g) % 4) / 3.0;
-            batch.push_back(std::move(e));
-        }
-    }
-    return batch;
+    return synthetic_batch(
+        c, [](int, int g) { return 1 + g % 3; },
+        [](const ExperienceRecord& e, int, int, int j) {
+            return e.task.prompt_tokens[1 + (j % (e.task.prompt_tokens.size() - 1))];
+        },
+        [](int) { return -1.5f; }, [](int p, int g) { return ((p + g) % 4) / 3.0; });
 }
 
 // The norm of the first update's gradient, from the AdamW first moments the trainer saved:

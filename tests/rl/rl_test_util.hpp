@@ -16,6 +16,7 @@
 
 #include "../control/temp_dir.hpp"
 #include "moerl/rl/config.hpp"
+#include "moerl/rl/experience.hpp"
 #include "moerl/rl/roles.hpp"
 
 namespace moerl::rl::test {
@@ -53,6 +54,29 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
         out.push_back(j);
     }
     return out;
+}
+
+// One step's samples as the rollout workers would deliver them: sample g of prompt p answers with
+// length(p, g) tokens token(p, g, j) of log-prob logprob(j), sampled by version 0, and gets reward(p, g).
+template <class Length, class Token, class Logprob, class Reward>
+std::vector<ExperienceRecord> synthetic_batch(const RunConfig& c, Length length, Token token, Logprob logprob,
+                                              Reward reward) {
+    std::vector<ExperienceRecord> batch;
+    for (int p = 0; p < c.prompts_per_step; ++p) {
+        for (int g = 0; g < c.group_size; ++g) {
+            ExperienceRecord e;
+            e.task_id = task_id(0, p, g);
+            e.task = make_task_payload(c, 0, p, g);
+            for (int j = 0; j < length(p, g); ++j) {
+                e.trajectory.tokens.push_back(token(e, p, g, j));
+                e.trajectory.logprobs.push_back(logprob(j));
+                e.trajectory.versions.push_back(0);
+            }
+            e.reward = reward(p, g);
+            batch.push_back(std::move(e));
+        }
+    }
+    return batch;
 }
 
 // A run id no other test of this process uses.

@@ -26,22 +26,11 @@ namespace {
 
 // One step's samples with responses of 1 to 5 tokens and varied rewards.
 std::vector<ExperienceRecord> varied_batch(const RunConfig& c) {
-    std::vector<ExperienceRecord> batch;
-    for (int p = 0; p < c.prompts_per_step; ++p) {
-        for (int g = 0; g < c.group_size; ++g) {
-            ExperienceRecord e;
-            e.task_id = task_id(0, p, g);
-            e.task = make_task_payload(c, 0, p, g);
-            for (int j = 0; j <= (p + 2 * g) % 5; ++j) {
-                e.trajectory.tokens.push_back(3 + (p * 7 + g * 3 + j) % 12);
-                e.trajectory.logprobs.push_back(-1.0f - 0.1f * static_cast<float>(j));
-                e.trajectory.versions.push_back(0);
-            }
-            e.reward = ((p + g) % 4) / 3.0;
-            batch.push_back(std::move(e));
-        }
-    }
-    return batch;
+    return synthetic_batch(
+        c, [](int p, int g) { return 1 + (p + 2 * g) % 5; },
+        [](const ExperienceRecord&, int p, int g, int j) { return 3 + (p * 7 + g * 3 + j) % 12; },
+        [](int j) { return -1.0f - 0.1f * static_cast<float>(j); },
+        [](int p, int g) { return ((p + g) % 4) / 3.0; });
 }
 
 std::vector<double> advantages_of(const std::vector<ExperienceRecord>& batch, int group_size) {
