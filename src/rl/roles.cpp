@@ -119,6 +119,22 @@ std::string policy_dir(ControlPlane& cp, const std::string& uri, const std::stri
     control::fetch_checkpoint(*cp.store, ckpt, dir, (fs::path(cache_dir) / "cache").string());
     return dir;
 }
+
+// Loads the published policy `uri` into `model`: copied from the trainer's memory for mem://
+// (slots: the model's weights by name, filled on first use), else read from its files. Returns
+// the bytes copied in memory (0 for files).
+int64_t load_policy(ControlPlane& cp, const std::string& uri, const std::string& cache_dir,
+                    model::MoeModel& model, std::map<std::string, at::Tensor>& slots) {
+    if (uri.rfind(kMemoryPrefix, 0) != 0) {
+        model.load_weights(policy_dir(cp, uri, cache_dir));
+        return 0;
+    }
+    if (slots.empty())
+        for (auto& [name, t] : model.state_dict()) slots.emplace(name, t);
+    const int64_t bytes = InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), slots);
+    if (model.options().device.is_cuda()) at::zeros({1}, model.options().device).item();  // copies done
+    return bytes;
+}
 }  // namespace
 
 ControlPlane ControlPlane::connect(const RunConfig& c, const std::string& run_id) {
@@ -247,21 +263,7 @@ struct RolloutWorker::Impl {
         if (!latest || latest->first <= version) return version;
         const auto t0 = Clock::now();
         const std::string& uri = latest->second;
-        if (uri.rfind(kMemoryPrefix, 0) == 0) {
-            if (weight_slots.empty())
-                for (auto& [name, t] : model.state_dict()) weight_slots.emplace(name, t);
-            stats.sync_bytes +=
-                InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), weight_slots);
-            engine->refresh_weights();
-            if (model.options().device.is_cuda())
-                at::zeros({1}, model.options().device).item();  // copies done
-            ++stats.syncs;
-            stats.last_sync_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-            stats.sync_seconds += stats.last_sync_seconds;
-            version = latest->first;
-            return version;
-        }
-        model.load_weights(policy_dir(cp, uri, cache_dir));
+        stats.sync_bytes += load_policy(cp, uri, cache_dir, model, weight_slots);
         engine->refresh_weights();
         version = latest->first;
         ++stats.syncs;
@@ -386,6 +388,7 @@ struct Evaluator::Impl {
     std::unique_ptr<PromptSource> source;
     std::unique_ptr<Rewarder> rewarder;
     model::MoeModel model;
+    std::map<std::string, at::Tensor> weight_slots;  // the model's weights by HF name
     int64_t loaded = -1;
 
     Impl(const RunConfig& c, ControlPlane& control, std::string cache)
@@ -400,7 +403,7 @@ struct Evaluator::Impl {
         const auto t0 = Clock::now();
         auto latest = cp.registry->latest();
         MOERL_CHECK(latest.has_value(), "eval: no policy published in the registry yet");
-        if (latest->first != loaded) model.load_weights(policy_dir(cp, latest->second, cache_dir));
+        if (latest->first != loaded) load_policy(cp, latest->second, cache_dir, model, weight_slots);
         loaded = latest->first;
         SamplingParams greedy = cfg.sampling;
         greedy.temperature = 1.0;
@@ -464,12 +467,11 @@ struct TrainerRole::Impl {
     std::string in_process_id;   // set when rollout workers here copy the weights from memory
     double publish_seconds = 0;  // of the last publish_policy()
 
-    Impl(const RunConfig& c, ControlPlane& control, std::string dir)
+    Impl(const RunConfig& c, ControlPlane& control, std::string dir, bool in_process_weights)
         : cfg(c), cp(control), work_dir(std::move(dir)) {
         fs::create_directories(work_dir);
         trainer = std::make_unique<PolicyTrainer>(cfg, work_dir);
-        if (cfg.registry == "embedded")
-            in_process_id = InProcessPolicies::add(cp.store->uri(), trainer.get());
+        if (in_process_weights) in_process_id = InProcessPolicies::add(cp.store->uri(), trainer.get());
     }
     ~Impl() {
         if (!in_process_id.empty()) InProcessPolicies::remove(in_process_id, trainer.get());
@@ -655,8 +657,9 @@ struct TrainerRole::Impl {
     }
 };
 
-TrainerRole::TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir)
-    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir))) {}
+TrainerRole::TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
+                         bool in_process_weights)
+    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir), in_process_weights)) {}
 TrainerRole::~TrainerRole() = default;
 int64_t TrainerRole::start(bool resume) { return impl_->start(resume); }
 std::optional<StepResult> TrainerRole::train_step(int64_t step, control::Millis wait) {

@@ -82,7 +82,8 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     loop.resume = opt.resume;
     loop.stop_after = opt.stop_after;
     loop.final_checkpoint = opt.final_checkpoint;
-    loop.step_timeout_s = 60;  // everything was generated before the step: only a bug waits
+    loop.in_process_weights = embedded;  // the producer's worker is in this process
+    loop.step_timeout_s = 60;            // everything was generated before the step: only a bug waits
     loop.progress = opt.progress;
     loop.stop = opt.stop;
     return train_loop(cfg, cp, loop, &producer);

@@ -100,7 +100,10 @@ struct StepResult {
 
 class TrainerRole {
   public:
-    TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir);
+    // in_process_weights: the rollout workers live in this process (and outlive no trainer): new
+    // versions are published as mem:// and the workers copy the weights from memory, no files.
+    TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
+                bool in_process_weights = false);
     ~TrainerRole();
     // Fresh start: publishes version 0. Resume: restores the newest checkpoint in the store
     // (weights, optimizer, consumed data, experiences taken but not yet trained on) and publishes

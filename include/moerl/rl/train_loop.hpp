@@ -42,9 +42,11 @@ class ExperienceProducer {
 
 struct TrainLoopOptions {
     bool final_checkpoint = true;  // false: the end of the run writes no checkpoint (benchmarks)
-    bool resume = false;           // start from the newest checkpoint in the store
-    int64_t stop_after = -1;       // stop (with a checkpoint) after this many steps of this call
-    double step_timeout_s = 0;     // fail when a step's experiences take longer (0: wait, saying so)
+    // The producer's rollout worker copies new weights from the trainer's memory (TrainerRole).
+    bool in_process_weights = false;
+    bool resume = false;        // start from the newest checkpoint in the store
+    int64_t stop_after = -1;    // stop (with a checkpoint) after this many steps of this call
+    double step_timeout_s = 0;  // fail when a step's experiences take longer (0: wait, saying so)
     const std::atomic<bool>* stop = nullptr;  // termination notice: stop before the next step,
                                               // without a checkpoint (the steps since the last
                                               // one are trained again after a resume)
