@@ -99,15 +99,20 @@ Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::ve
     return b;
 }
 
-// Splits samples of lengths `lengths` into micro-batches of at most `budget` tokens, longest
-// first into the first that has room (a sample longer than the budget gets one of its own).
-std::vector<std::vector<size_t>> pack_first_fit(const std::vector<int64_t>& lengths, int64_t budget) {
+// Sample indices, longest first (ties in input order).
+std::vector<size_t> longest_first(const std::vector<int64_t>& lengths) {
     std::vector<size_t> order(lengths.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lengths[a] > lengths[b]; });
+    return order;
+}
+
+// Splits samples of lengths `lengths` into micro-batches of at most `budget` tokens, longest
+// first into the first that has room (a sample longer than the budget gets one of its own).
+std::vector<std::vector<size_t>> pack_first_fit(const std::vector<int64_t>& lengths, int64_t budget) {
     std::vector<std::vector<size_t>> bins;
     std::vector<int64_t> used;
-    for (size_t i : order) {
+    for (size_t i : longest_first(lengths)) {
         size_t k = 0;
         while (k < bins.size() && used[k] + lengths[i] > budget) ++k;
         if (k == bins.size()) bins.emplace_back(), used.push_back(0);
@@ -120,12 +125,9 @@ std::vector<std::vector<size_t>> pack_first_fit(const std::vector<int64_t>& leng
 // Splits samples into exactly `count` micro-batches (count <= samples), longest first into the
 // one with the fewest tokens.
 std::vector<std::vector<size_t>> pack_balanced(const std::vector<int64_t>& lengths, size_t count) {
-    std::vector<size_t> order(lengths.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lengths[a] > lengths[b]; });
     std::vector<std::vector<size_t>> bins(count);
     std::vector<int64_t> used(count, 0);
-    for (size_t i : order) {
+    for (size_t i : longest_first(lengths)) {
         const size_t k = std::min_element(used.begin(), used.end()) - used.begin();
         bins[k].push_back(i);
         used[k] += lengths[i];
@@ -334,9 +336,13 @@ struct PolicyTrainer::Impl {
                 c10::NoGradGuard no_grad;
                 at::Tensor d = (prox[i] - b.behaviour) * b.resp_mask;
                 at::Tensor ratio = at::exp(prox[i] - b.behaviour) * b.resp_mask;
-                sums.diff_sum += d.abs().sum().item<double>();
-                sums.ratio_sum += ratio.sum().item<double>();
-                sums.ratio_sq_sum += (ratio * ratio).sum().item<double>();
+                // One copy to the host for the three sums.
+                at::Tensor m =
+                    at::stack({d.abs().sum(), ratio.sum(), (ratio * ratio).sum()}).to(at::kCPU, at::kDouble);
+                const double* v = m.data_ptr<double>();
+                sums.diff_sum += v[0];
+                sums.ratio_sum += v[1];
+                sums.ratio_sq_sum += v[2];
             }
             const double grad_norm = step_optimizer(r, epoch);
             if (epoch == 0) {
