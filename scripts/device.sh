@@ -198,6 +198,15 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >
     timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
     step bench_rl_big "rc=$?"
   fi
+  # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro" each).
+  : >"$OUT/bench-train.log"
+  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 8:16:512:512:8192}; do
+    IFS=: read -r tl ts tp tr tm <<<"$case"
+    timeout 240 "$MOERL" bench train examples/gpu-qwen3-30b-a3b.yaml --layers "$tl" --samples "$ts" --prompt "$tp" \
+      --response "$tr" --micro-batch-tokens "$tm" --steps 5 --warmup 2 >>"$OUT/bench-train.log" 2>&1
+    step bench_train "rc=$? $(grep -E '^median' "$OUT/bench-train.log" | tail -1 | grep -oE 'MFU [0-9.]+%')"
+    echo >>"$OUT/bench-train.log"
+  done
   rm -rf "$RL_TMP"
 fi
 
@@ -251,13 +260,14 @@ echo
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"
 [ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
+grep -E "^bench train|^median" "$OUT/bench-train.log" 2>/dev/null
 for f in bench-rl.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big bench_train python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -16,8 +17,10 @@
 #include "bench_util.hpp"
 #include "commands.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/model/device_memory.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/run.hpp"
+#include "moerl/rl/trainer.hpp"
 
 namespace moerl::cli {
 namespace {
@@ -35,11 +38,12 @@ struct RlBenchArgs {
 };
 
 // Parameters a token passes through in training (6 x this x tokens = forward + backward FLOPs,
-// attention scores left out): everything but the input embedding lookup, top_k of the experts.
-double active_parameters(const model::ModelConfig& c) {
-    const double H = c.hidden_size, D = c.head_dim, V = c.vocab_size;
+// attention scores left out): the layers, top_k of the experts. The output projection is counted
+// apart: the trainer computes it for response tokens only (output_parameters).
+double trunk_parameters(const model::ModelConfig& c) {
+    const double H = c.hidden_size, D = c.head_dim;
     const double attention = H * D * (2.0 * c.num_attention_heads + 2.0 * c.num_key_value_heads);
-    double total = V * H;  // the output projection
+    double total = 0;
     for (int l = 0; l < c.num_hidden_layers; ++l) {
         total += attention;
         if (c.is_moe_layer(l))
@@ -48,6 +52,13 @@ double active_parameters(const model::ModelConfig& c) {
             total += 3.0 * H * c.intermediate_size;
     }
     return total;
+}
+
+double output_parameters(const model::ModelConfig& c) { return double{1} * c.vocab_size * c.hidden_size; }
+
+// Training FLOPs of a step: every token through the layers, response tokens through the head.
+double training_flops(const model::ModelConfig& c, double all_tokens, double response_tokens) {
+    return 6 * (trunk_parameters(c) * all_tokens + output_parameters(c) * response_tokens);
 }
 
 double number(const nlohmann::json& row, const char* key) {
@@ -80,13 +91,14 @@ void bench_rl(const RlBenchArgs& a) {
     std::ifstream in(s.metrics_path);
     for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
     const bool gpu = cfg.train_device == "cuda";
-    const double flops_per_token = 6 * active_parameters(cfg.model);
     std::printf("bench rl: %s, rollout %s %s, train %s %s, %lld prompts x %d samples a step, ep %d\n",
                 a.config.c_str(), cfg.rollout_device.c_str(), cfg.rollout_dtype.c_str(),
                 cfg.train_device.c_str(), cfg.train_dtype.c_str(),
                 static_cast<long long>(cfg.prompts_per_step), cfg.group_size, cfg.ep_ranks);
-    std::printf("active parameters %s (6 x that x trained tokens = training FLOPs)\n\n",
-                human_count(flops_per_token / 6).c_str());
+    std::printf(
+        "active parameters %s in the layers + %s in the output projection (training FLOPs: 6 x "
+        "layers x all tokens + 6 x output x response tokens)\n\n",
+        human_count(trunk_parameters(cfg.model)).c_str(), human_count(output_parameters(cfg.model)).c_str());
     std::printf("%5s %9s %9s %9s %9s %9s %9s %9s %11s %11s %7s\n", "step", "rollout_s", "reward_s", "sync_s",
                 "train_s", "publish_s", "other_s", "step_s", "gen_tok/s", "train_tok/s", "mfu");
     std::vector<double> share_other, rollout, train, sync, step_s, gen_rate, train_rate, mfu;
@@ -96,7 +108,9 @@ void bench_rl(const RlBenchArgs& a) {
         const double other = std::max(0.0, st - ro - rw - sy - tr - pu);
         const double gen = ro > 0 ? number(r, "response_tokens") / ro : 0;
         const double trained = tr > 0 ? number(r, "train_tokens") / tr : 0;
-        const double util = gpu ? trained * flops_per_token / (a.peak_tflops * 1e12) : 0;
+        const double flops =
+            training_flops(cfg.model, number(r, "train_tokens"), number(r, "response_tokens"));
+        const double util = gpu && tr > 0 ? flops / tr / (a.peak_tflops * 1e12) : 0;
         char mfu_text[16] = "-";
         if (gpu) std::snprintf(mfu_text, sizeof mfu_text, "%.1f%%", 100 * util);
         std::printf("%5lld %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f %11.0f %11.0f %7s\n",
@@ -126,9 +140,145 @@ void bench_rl(const RlBenchArgs& a) {
     std::printf("metrics: %s\n", s.metrics_path.c_str());
 }
 
+struct TrainBenchArgs {
+    std::string config;
+    int64_t samples = 16;  // sequences a step
+    int64_t prompt = 1024;
+    int64_t response = 1024;
+    int64_t steps = 6;
+    int64_t warmup = 2;
+    int64_t micro_batch_tokens = -1;  // -1: the config's train.micro_batch_tokens
+    int layers = 0;                   // 0: the config's model.num_layers
+    std::string device, dtype;
+    double peak_tflops = 989;
+};
+
+// `moerl bench train`: the trainer alone on synthetic samples of a chosen length (random tokens,
+// behaviour log-probs equal to the uniform policy's, advantages of alternating sign), so training
+// speed is measured at RL lengths without a rollout.
+void bench_train(const TrainBenchArgs& a) {
+    rl::RunConfig cfg = rl::RunConfig::load(a.config);
+    if (!a.device.empty()) cfg.train_device = a.device;
+    if (!a.dtype.empty()) cfg.train_dtype = a.dtype;
+    cfg.ep_ranks = 1;  // one rank: the figure of one device
+    if (a.layers > 0) {
+        cfg.model.num_hidden_layers = a.layers;
+        cfg.model.validate();
+    }
+    if (a.micro_batch_tokens >= 0) cfg.micro_batch_tokens = a.micro_batch_tokens;
+    MOERL_CHECK(a.samples >= 1 && a.prompt >= 1 && a.response >= 1,
+                "bench train: --samples, --prompt and "
+                "--response must be at least 1");
+    MOERL_CHECK(a.warmup >= 0 && a.warmup < a.steps, "bench train: --warmup ", a.warmup,
+                " must be below --steps ", a.steps);
+    cfg.group_size = 1;
+    cfg.prompts_per_step = a.samples;
+    cfg.sampling.max_new_tokens = static_cast<int>(a.response);
+    const at::Device device = cfg.train_device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+    const bool gpu = device.is_cuda();
+    const fs::path work = fs::temp_directory_path() / ("moerl-bench-train-" + std::to_string(::getpid()));
+    fs::create_directories(work);
+    model::reset_peak_allocated_bytes(device);
+    rl::PolicyTrainer trainer(cfg, work.string());
+    const int64_t setup_peak = model::peak_allocated_bytes(device);
+
+    std::vector<rl::ExperienceRecord> batch(a.samples);
+    std::vector<double> adv(a.samples);
+    uint64_t state = 0x9e3779b97f4a7c15ull;
+    auto next_token = [&] {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        return static_cast<int>((state >> 33) % static_cast<uint64_t>(cfg.model.vocab_size));
+    };
+    const float uniform_lp = -static_cast<float>(std::log(static_cast<double>(cfg.model.vocab_size)));
+    for (int64_t i = 0; i < a.samples; ++i) {
+        auto& r = batch[i];
+        r.task_id = "bench-" + std::to_string(i);
+        r.task.prompt_idx = static_cast<int>(i);
+        for (int64_t j = 0; j < a.prompt; ++j) r.task.prompt_tokens.push_back(next_token());
+        for (int64_t j = 0; j < a.response; ++j) {
+            r.trajectory.tokens.push_back(next_token());
+            r.trajectory.logprobs.push_back(uniform_lp);
+            r.trajectory.versions.push_back(0);
+        }
+        adv[i] = i % 2 == 0 ? 1.0 : -1.0;
+    }
+    const double all_tokens = static_cast<double>(a.samples * (a.prompt + a.response));
+    const double response_tokens = static_cast<double>(a.samples * a.response);
+    const double flops = training_flops(cfg.model, all_tokens, response_tokens);
+    const std::string micro =
+        cfg.micro_batch_tokens > 0
+            ? "packed micro-batches of " + std::to_string(cfg.micro_batch_tokens) + " tokens"
+            : std::string("one padded batch");
+    std::printf(
+        "bench train: %s, %s %s, %d layers, %lld samples x (%lld prompt + %lld response) = %.0f tokens "
+        "a step, %s, %d ppo epoch(s)\n",
+        a.config.c_str(), cfg.train_device.c_str(), cfg.train_dtype.c_str(), cfg.model.num_hidden_layers,
+        static_cast<long long>(a.samples), static_cast<long long>(a.prompt),
+        static_cast<long long>(a.response), all_tokens, micro.c_str(), cfg.ppo_epochs);
+    std::printf("active parameters: layers %s + output %s; %.2f TFLOP a step",
+                human_count(trunk_parameters(cfg.model)).c_str(),
+                human_count(output_parameters(cfg.model)).c_str(), flops / 1e12);
+    if (gpu)
+        std::printf("; weights, masters and moments %s",
+                    human_bytes(static_cast<double>(setup_peak)).c_str());
+    std::printf("\n\n");
+    std::printf("%5s %9s %11s %7s %12s %9s\n", "step", "train_s", "tok/s", "mfu", "peak_mem", "loss");
+    std::vector<double> times, rates, mfus;
+    int64_t peak = 0;
+    at::Tensor fence = at::zeros({1}, at::TensorOptions().device(device));
+    for (int64_t step = 0; step < a.steps; ++step) {
+        model::reset_peak_allocated_bytes(device);
+        fence.item<float>();
+        const auto t0 = Clock::now();
+        rl::TrainStats st = trainer.update(batch, adv);
+        fence.item<float>();  // everything the step queued on the device has run
+        const double t = seconds_since(t0);
+        const int64_t step_peak = model::peak_allocated_bytes(device);
+        const double util = gpu ? flops / t / (a.peak_tflops * 1e12) : 0;
+        char mfu_text[16] = "-";
+        if (gpu) std::snprintf(mfu_text, sizeof mfu_text, "%.1f%%", 100 * util);
+        std::printf("%5lld %9.4f %11.0f %7s %12s %9.4f\n", static_cast<long long>(step), t, all_tokens / t,
+                    mfu_text, gpu ? human_bytes(static_cast<double>(step_peak)).c_str() : "-", st.loss);
+        if (step < a.warmup) continue;
+        times.push_back(t);
+        rates.push_back(all_tokens / t);
+        mfus.push_back(util);
+        peak = std::max(peak, step_peak);
+    }
+    std::printf("\nmedian over steps %lld..%lld: %.4f s a step, %.0f trained tok/s",
+                static_cast<long long>(a.warmup), static_cast<long long>(a.steps - 1), median(times),
+                median(rates));
+    if (gpu)
+        std::printf(", training MFU %.1f%% of %.0f TFLOP/s, peak GPU memory %s", 100 * median(mfus),
+                    a.peak_tflops, human_bytes(static_cast<double>(peak)).c_str());
+    std::printf("\n");
+    std::error_code ec;
+    fs::remove_all(work, ec);
+}
+
 }  // namespace
 
 void register_bench_rl(CLI::App& bench) {
+    {
+        auto a = std::make_shared<TrainBenchArgs>();
+        CLI::App* cmd = bench.add_subcommand(
+            "train", "The GRPO trainer alone on synthetic samples: time, tokens/s, MFU and memory a step");
+        cmd->add_option("config", a->config, "Run configuration (YAML): model and train sections")
+            ->required();
+        cmd->add_option("--samples", a->samples, "Sequences a step (default 16)");
+        cmd->add_option("--prompt", a->prompt, "Prompt tokens a sequence (default 1024)");
+        cmd->add_option("--response", a->response, "Response tokens a sequence (default 1024)");
+        cmd->add_option("--steps", a->steps, "Updates to run (default 6)");
+        cmd->add_option("--warmup", a->warmup, "First updates left out of the summary (default 2)");
+        cmd->add_option("--micro-batch-tokens", a->micro_batch_tokens,
+                        "Overrides train.micro_batch_tokens (0 = one padded batch)");
+        cmd->add_option("--layers", a->layers, "Overrides model.num_layers");
+        cmd->add_option("--device", a->device, "cpu or cuda: overrides train.device");
+        cmd->add_option("--dtype", a->dtype, "fp32 or bf16: overrides train.dtype");
+        cmd->add_option("--peak-tflops", a->peak_tflops,
+                        "The GPU's dense bf16 peak for MFU (default 989, H200)");
+        cmd->callback([a] { bench_train(*a); });
+    }
     auto a = std::make_shared<RlBenchArgs>();
     CLI::App* cmd =
         bench.add_subcommand("rl", "The whole RL loop of a run configuration: time per phase a step");

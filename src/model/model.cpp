@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <optional>
+
 #include "model_impl.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
@@ -30,17 +32,43 @@ void check_token_ids(const at::Tensor& ids, int vocab_size, const char* what) {
                 "], but vocab_size = ", vocab_size);
 }
 
+// valid [B, S] cut into sequences: every run of real tokens (with segment ids, every run of one
+// id), and every padding position alone. A mask with a hole in a row starts a new sequence after
+// it (forward's mask rows are left- or right-padded). Two small host syncs (starts, longest).
+VarlenLayout varlen_layout(const at::Tensor& valid, const at::Tensor& segments) {
+    const int64_t B = valid.size(0), S = valid.size(1);
+    at::Tensor starts = valid.logical_not();
+    starts.select(1, 0).fill_(true);
+    if (S > 1) {
+        at::Tensor rest = starts.narrow(1, 1, S - 1);
+        rest.logical_or_(valid.narrow(1, 0, S - 1).logical_not());
+        if (segments.defined())
+            rest.logical_or_(segments.narrow(1, 1, S - 1) != segments.narrow(1, 0, S - 1));
+    }
+    at::Tensor first = starts.reshape({B * S}).nonzero().squeeze(1);
+    at::Tensor cu = at::cat({first, at::full({1}, B * S, first.options())});
+    VarlenLayout layout;
+    layout.max_len =
+        (cu.narrow(0, 1, cu.size(0) - 1) - cu.narrow(0, 0, cu.size(0) - 1)).max().item<int64_t>();
+    layout.cu_seqlens = cu.to(at::kInt).contiguous();
+    return layout;
+}
+
 at::Tensor make_param(at::IntArrayRef shape, const ModelOptions& o) {
     return at::zeros(shape, at::TensorOptions().device(o.device).dtype(o.dtype)).requires_grad_(true);
 }
 
 }  // namespace
 
-at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& input_ids) {
+at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& input_ids, double temperature,
+                          const at::Tensor& bias) {
     const int64_t B = logits.size(0), S = logits.size(1);
     at::Tensor zero = at::zeros({B, 1}, logits.options().dtype(at::kFloat));
     if (S <= 1) return zero.narrow(1, 0, S);
-    at::Tensor lp = at::log_softmax(logits.narrow(1, 0, S - 1).to(at::kFloat), -1);
+    at::Tensor z = logits.narrow(1, 0, S - 1).to(at::kFloat);
+    if (temperature != 1.0) z = z / temperature;
+    if (bias.defined()) z = z + bias.to(z.device(), at::kFloat);
+    at::Tensor lp = at::log_softmax(z, -1);
     at::Tensor next = input_ids.narrow(1, 1, S - 1).to(logits.device(), at::kLong).unsqueeze(-1);
     return at::cat({zero, lp.gather(2, next).squeeze(-1)}, 1);
 }
@@ -134,13 +162,17 @@ int64_t MoeModel::weight_bytes() const {
 MoeModel::Impl::Trunk MoeModel::Impl::run(const at::Tensor& ids, const at::Tensor& positions,
                                           const at::Tensor& allowed, const at::Tensor& token_valid,
                                           KvCache* cache, int64_t col0, const at::Tensor& replay,
-                                          bool record_routing, bool want_aux) const {
+                                          bool record_routing, bool want_aux,
+                                          const VarlenLayout* varlen) const {
     const ModelConfig& c = config;
     const int64_t B = ids.size(0), S = ids.size(1), H = c.hidden_size, D = c.head_dim;
     const int64_t K = c.num_experts_per_tok, M = c.num_moe_layers();
     const double eps = c.rms_norm_eps;
     at::Tensor x = at::embedding(embed, ids);
     auto [cos, sin] = rope_tables(positions, D, c.rope_theta, options.dtype);
+    // The varlen path keeps q/k/v as [B, S, heads, D]: the tables broadcast over heads there.
+    at::Tensor cos_bshd = varlen != nullptr ? cos.transpose(1, 2) : at::Tensor();
+    at::Tensor sin_bshd = varlen != nullptr ? sin.transpose(1, 2) : at::Tensor();
     at::Tensor valid_flat = token_valid.reshape({B * S});
     LoadBalanceLoss balance;
     std::vector<at::Tensor> records;
@@ -148,20 +180,25 @@ MoeModel::Impl::Trunk MoeModel::Impl::run(const at::Tensor& ids, const at::Tenso
     for (size_t l = 0; l < layers.size(); ++l) {
         const LayerWeights& w = layers[l];
         at::Tensor h = rms_norm(x, w.input_norm, eps);
-        at::Tensor q =
-            rms_norm(at::matmul(h, w.q_proj.t()).view({B, S, -1, D}), w.q_norm, eps).transpose(1, 2);
-        at::Tensor k =
-            rms_norm(at::matmul(h, w.k_proj.t()).view({B, S, -1, D}), w.k_norm, eps).transpose(1, 2);
-        at::Tensor v = at::matmul(h, w.v_proj.t()).view({B, S, -1, D}).transpose(1, 2);
-        q = apply_rope(q, cos, sin);
-        k = apply_rope(k, cos, sin);
-        if (cache != nullptr) {
-            cache->keys[l].narrow(2, col0, S).copy_(k);
-            cache->values[l].narrow(2, col0, S).copy_(v);
-            k = cache->keys[l].narrow(2, 0, col0 + S);
-            v = cache->values[l].narrow(2, 0, col0 + S);
+        at::Tensor q = rms_norm(at::matmul(h, w.q_proj.t()).view({B, S, -1, D}), w.q_norm, eps);
+        at::Tensor k = rms_norm(at::matmul(h, w.k_proj.t()).view({B, S, -1, D}), w.k_norm, eps);
+        at::Tensor v = at::matmul(h, w.v_proj.t()).view({B, S, -1, D});
+        if (varlen != nullptr) {
+            q = apply_rope(q, cos_bshd, sin_bshd);
+            k = apply_rope(k, cos_bshd, sin_bshd);
+            x = x + at::matmul(varlen_attention(q, k, v, *varlen), w.o_proj.t());
+        } else {
+            q = apply_rope(q.transpose(1, 2), cos, sin);
+            k = apply_rope(k.transpose(1, 2), cos, sin);
+            v = v.transpose(1, 2);
+            if (cache != nullptr) {
+                cache->keys[l].narrow(2, col0, S).copy_(k);
+                cache->values[l].narrow(2, col0, S).copy_(v);
+                k = cache->keys[l].narrow(2, 0, col0 + S);
+                v = cache->values[l].narrow(2, 0, col0 + S);
+            }
+            x = x + at::matmul(attention(q, k, v, allowed), w.o_proj.t());
         }
-        x = x + at::matmul(attention(q, k, v, allowed), w.o_proj.t());
         h = rms_norm(x, w.post_norm, eps);
         if (w.moe_index >= 0) {
             at::Tensor flat = h.reshape({B * S, H});
@@ -217,6 +254,11 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
                     ", ", M, ", ", K, "] (batch, seq, MoE layers, top-k)");
         replay = options.replay_routing.to(m.options.device, at::kLong);
     }
+    const ModelConfig& c = m.config;
+    std::optional<VarlenLayout> varlen;
+    if (B * S > 0 && varlen_attention_available(m.embed.options(), c.num_attention_heads,
+                                                c.num_key_value_heads, c.head_dim))
+        varlen = varlen_layout(valid, segments);
     at::Tensor positions, allowed;
     if (segments.defined()) {
         // Each column's distance from the first column of its run.
@@ -226,21 +268,40 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
             starts.narrow(1, 1, S - 1).copy_(segments.narrow(1, 1, S - 1) != segments.narrow(1, 0, S - 1));
         at::Tensor first = std::get<0>(at::where(starts, col, at::zeros_like(col)).cummax(1));
         positions = col - first;
-        at::Tensor same = segments.unsqueeze(2) == segments.unsqueeze(1);
-        allowed = allowed_keys(valid, S, 0).logical_and(same.logical_or(valid.logical_not().unsqueeze(2)));
+        if (!varlen) {
+            at::Tensor same = segments.unsqueeze(2) == segments.unsqueeze(1);
+            allowed =
+                allowed_keys(valid, S, 0).logical_and(same.logical_or(valid.logical_not().unsqueeze(2)));
+        }
     } else {
         positions = (valid.to(at::kLong).cumsum(1) - 1).clamp_min(0);
-        allowed = allowed_keys(valid, S, 0);
+        if (!varlen) allowed = allowed_keys(valid, S, 0);
     }
-    Impl::Trunk t =
-        m.run(ids, positions, allowed, valid, nullptr, 0, replay, options.record_routing, /*want_aux=*/true);
+    Impl::Trunk t = m.run(ids, positions, allowed, valid, nullptr, 0, replay, options.record_routing,
+                          /*want_aux=*/true, varlen ? &*varlen : nullptr);
     ForwardOutput out;
+    const bool selected = options.compute_logprobs && options.logprob_mask.defined();
     if (options.return_logits || options.compute_logprobs) {
         MOERL_CHECK(m.output_weight().defined(),
                     "forward: this model was built without lm_head (ModelOptions::lm_head = false); "
                     "ask for return_hidden only");
+    }
+    if (selected) {
+        MOERL_CHECK(options.logprob_mask.sizes() == input_ids.sizes(), "logprob_mask has shape ",
+                    options.logprob_mask.sizes(), ", expected the shape of input_ids ", input_ids.sizes());
+        at::Tensor mask = options.logprob_mask.to(m.options.device, at::kBool).clone();
+        mask.select(1, 0).fill_(false);  // column 0 has no predecessor
+        at::Tensor where = mask.reshape({B * S}).nonzero().squeeze(1);
+        at::Tensor h = t.hidden.reshape({B * S, t.hidden.size(2)}).index_select(0, where - 1);
+        at::Tensor lp = selected_logprobs(h, m.output_weight(), ids.reshape({B * S}).index_select(0, where),
+                                          options.logprob_temperature, options.logprob_bias);
+        out.token_logprobs = at::zeros({B * S}, lp.options()).index_copy(0, where, lp).view({B, S});
+    }
+    if (options.return_logits || (options.compute_logprobs && !selected)) {
         at::Tensor logits = at::matmul(t.hidden, m.output_weight().t());
-        if (options.compute_logprobs) out.token_logprobs = token_logprobs(logits, ids);
+        if (options.compute_logprobs && !selected)
+            out.token_logprobs =
+                token_logprobs(logits, ids, options.logprob_temperature, options.logprob_bias);
         if (options.return_logits) out.logits = logits;
     }
     if (options.return_hidden) out.hidden = t.hidden;

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "moerl/model/layers.hpp"
 #include "moerl/model/model.hpp"
 
 namespace moerl::model {
@@ -32,9 +33,10 @@ struct MoeModel::Impl {
     };
     // ids/positions [B, S]; allowed [B, S, L]; token_valid [B, S] bool. With a cache the new keys
     // and values are written at columns [col0, col0 + S) and attention reads columns [0, col0 + S).
+    // With `varlen` (no cache) attention runs over its sequences and `allowed` is not read.
     Trunk run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& allowed,
               const at::Tensor& token_valid, KvCache* cache, int64_t col0, const at::Tensor& replay,
-              bool record_routing, bool want_aux) const;
+              bool record_routing, bool want_aux, const VarlenLayout* varlen = nullptr) const;
 };
 
 }  // namespace moerl::model

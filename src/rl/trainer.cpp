@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -22,6 +23,11 @@
 #include "moerl/model/safetensors.hpp"
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/rollout.hpp"
+
+// AdamW as one fused CUDA kernel from LibTorch 2.1 on.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define MOERL_HAVE_FUSED_ADAMW 1
+#endif
 
 namespace moerl::rl {
 
@@ -133,20 +139,6 @@ std::vector<std::vector<size_t>> pack_balanced(const std::vector<int64_t>& lengt
         used[k] += lengths[i];
     }
     return bins;
-}
-
-// [b, t] = log p(ids[b, t] | ids[b, <t]) under softmax(logits / temperature) over the tokens the
-// sampler may draw (rollout.allowed_tokens); column 0 is 0.
-at::Tensor tempered_logprobs(const at::Tensor& logits, const at::Tensor& ids,
-                             const SamplingParams& sampling) {
-    const int64_t B = logits.size(0), S = logits.size(1);
-    at::Tensor zero = at::zeros({B, 1}, logits.options().dtype(at::kFloat));
-    if (S <= 1) return zero;
-    at::Tensor z = logits.narrow(1, 0, S - 1).to(at::kFloat) / sampling.temperature;
-    if (at::Tensor bias = allowed_token_bias(sampling, logits.size(2), z.options()); bias.defined())
-        z = z + bias;
-    at::Tensor lp = at::log_softmax(z, -1);
-    return at::cat({zero, lp.gather(2, ids.narrow(1, 1, S - 1).unsqueeze(-1)).squeeze(-1)}, 1);
 }
 
 }  // namespace
@@ -269,14 +261,20 @@ struct PolicyTrainer::Impl {
     }
     std::string job = unique_job();
 
+    // The sampler's log-probabilities (temperature, allowed tokens) of the response tokens only:
+    // no [B, S, V] logits are made.
     model::ForwardOutput forward(const model::MoeModel& net, const Batch& b) const {
         model::ForwardOptions fo;
-        fo.return_logits = true;
-        fo.compute_logprobs = false;
+        fo.return_logits = false;
+        fo.compute_logprobs = true;
+        fo.logprob_mask = b.resp_mask > 0;
+        fo.logprob_temperature = cfg.sampling.temperature;
+        fo.logprob_bias = token_bias;
         if (cfg.routing_replay) fo.replay_routing = b.replay;
         if (b.segments.defined()) fo.segment_ids = b.segments;
         return net.forward(b.ids, b.attn, fo);
     }
+    at::Tensor token_bias;  // allowed_token_bias of the sampling config, on the device
 
     // One update of rank r: ppo_epochs passes over its micro-batches, each a forward and backward
     // (gradients accumulate), then one optimizer step per pass.
@@ -297,9 +295,7 @@ struct PolicyTrainer::Impl {
         std::vector<at::Tensor> prox(n), ref_lp(n);
         if (k.ref) {
             c10::NoGradGuard g;
-            for (size_t i = 0; i < n; ++i)
-                ref_lp[i] =
-                    tempered_logprobs(forward(*k.ref, batches[i]).logits, batches[i].ids, cfg.sampling);
+            for (size_t i = 0; i < n; ++i) ref_lp[i] = forward(*k.ref, batches[i]).token_logprobs;
         }
         RankSums sums;
         // The load-balancing loss is not a sum over tokens: each micro-batch's counts 1/n.
@@ -309,8 +305,7 @@ struct PolicyTrainer::Impl {
             for (size_t i = 0; i < n; ++i) {
                 const Batch& b = batches[i];
                 model::ForwardOutput out = forward(*k.model, b);
-                at::Tensor logp = tempered_logprobs(out.logits, b.ids, cfg.sampling);
-                out.logits = at::Tensor();
+                at::Tensor logp = out.token_logprobs;
                 if (epoch == 0) prox[i] = logp.detach();
                 GrpoInputs in{logp,
                               prox[i],
@@ -376,7 +371,11 @@ struct PolicyTrainer::Impl {
             return v;
         }());
         double expert_sq = 0;
-        for (auto& e : expert) expert_sq += e.pow(2).sum().item<double>();
+        if (!expert.empty()) {
+            std::vector<at::Tensor> norms;
+            for (auto& e : expert) norms.push_back(e.norm());
+            expert_sq = at::stack(norms).pow(2).sum().item<double>();  // one sync for all
+        }
         if (W > 1) {
             grad_slots[r] = flat;
             sq_slots[r] = expert_sq;
@@ -394,18 +393,36 @@ struct PolicyTrainer::Impl {
         const int64_t t = step_count_for_update + epoch + 1;
         const double bc1 = 1 - std::pow(cfg.beta1, static_cast<double>(t));
         const double bc2 = 1 - std::pow(cfg.beta2, static_cast<double>(t));
+        std::vector<at::Tensor> grads;
         int64_t offset = 0;
         size_t ei = 0;
         for (size_t i = 0; i < k.params.size(); ++i) {
-            at::Tensor p = k.weights[i];
-            at::Tensor grad;
+            const at::Tensor& p = k.weights[i];
             if (k.params[i].expert) {
-                grad = expert[ei++];
+                grads.push_back(expert[ei++]);
             } else {
-                grad = flat.narrow(0, offset, p.numel()).view(p.sizes());
+                grads.push_back(flat.narrow(0, offset, p.numel()).view(p.sizes()));
                 offset += p.numel();
             }
-            grad = grad * scale;
+        }
+#ifdef MOERL_HAVE_FUSED_ADAMW
+        if (k.weights.front().is_cuda()) {
+            // One fused kernel over every tensor (PyTorch's AdamW(fused=True) step); the step count
+            // is the one after this step, as torch.optim passes it.
+            if (scale != 1.0) at::_foreach_mul_(grads, scale);
+            std::vector<at::Tensor> steps(grads.size(),
+                                          at::full({}, static_cast<double>(t), grads.front().options()));
+            at::_fused_adamw_(k.weights, grads, k.m, k.v, {}, steps, lr, cfg.beta1, cfg.beta2,
+                              cfg.weight_decay, cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false);
+            k.model->zero_grad();
+            copy_master(k);
+            if (W > 1) barrier->arrive_and_wait();
+            return norm;
+        }
+#endif
+        for (size_t i = 0; i < k.params.size(); ++i) {
+            at::Tensor p = k.weights[i];
+            at::Tensor grad = grads[i] * scale;
             k.m[i].mul_(cfg.beta1).add_(grad, 1 - cfg.beta1);
             k.v[i].mul_(cfg.beta2).addcmul_(grad, grad, 1 - cfg.beta2);
             if (cfg.weight_decay > 0) p.mul_(1 - lr * cfg.weight_decay);
@@ -432,6 +449,8 @@ PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_di
         m.device = at::Device(at::kCUDA, 0);
     }
     m.dtype = config.train_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    m.token_bias = allowed_token_bias(config.sampling, config.model.vocab_size,
+                                      at::TensorOptions().device(m.device).dtype(at::kFloat));
     m.ranks.resize(m.W);
     m.grad_slots.resize(m.W);
     m.sq_slots.resize(m.W);

@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#include <torch/version.h>
 
 #include "ep_ranks.hpp"
 #include "model_test_util.hpp"
@@ -78,6 +79,49 @@ TEST(Cuda, Bf16ForwardAndGradientsMatchCpuFp32) {
 
     (out.token_logprobs * mask.to(at::kCUDA)).sum().backward();
     (ref.token_logprobs * mask).sum().backward();
+    auto gp = gpu.named_parameters(), cp = cpu.named_parameters();
+    for (size_t i = 0; i < gp.size(); ++i) {
+        at::Tensor a = gp[i].tensor.grad().to(at::kCPU, at::kDouble).flatten();
+        at::Tensor b = cp[i].tensor.grad().to(at::kDouble).flatten();
+        ASSERT_TRUE(at::isfinite(a).all().item<bool>()) << gp[i].name;
+        const double cos =
+            (a * b).sum().item<double>() / (a.norm().item<double>() * b.norm().item<double>() + 1e-30);
+        EXPECT_GT(cos, 0.95) << gp[i].name;
+    }
+}
+
+// Packed rows (segment ids, trailing padding) take the varlen flash path on the GPU; it must give
+// what the dense-mask path of the fp32 CPU model gives, in log-probs (the trainer's selected path)
+// and in gradients.
+TEST(Cuda, PackedVarlenForwardAndGradientsMatchCpuFp32) {
+    SKIP_WITHOUT_CUDA();
+    ModelConfig c = gpu_config();
+    MoeModel gpu(c, {at::Device(at::kCUDA, 0), at::kBFloat16});
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    ASSERT_TRUE(varlen_attention_available(at::TensorOptions().device(at::kCUDA, 0).dtype(at::kBFloat16),
+                                           c.num_attention_heads, c.num_key_value_heads, c.head_dim));
+#endif
+    gpu.init_random(7);
+    MoeModel cpu = cpu_twin(gpu);
+    at::manual_seed(8);
+    const int64_t S = 24;
+    at::Tensor ids = at::randint(1, c.vocab_size, {2, S}, at::kLong);
+    at::Tensor seg = at::zeros({2, S}, at::kLong);
+    seg[0].narrow(0, 0, 7).fill_(1), seg[0].narrow(0, 7, 11).fill_(2), seg[0].narrow(0, 18, 6).fill_(3);
+    seg[1].narrow(0, 0, 13).fill_(1), seg[1].narrow(0, 13, 5).fill_(2);  // 6 padding columns
+    at::Tensor chosen = seg > 0;
+    ForwardOptions o = test::recording();
+    o.segment_ids = seg;
+    ForwardOutput ref = cpu.forward(ids, at::Tensor(), o);
+    o.replay_routing = ref.routing;
+    o.return_logits = false;
+    o.logprob_mask = chosen;
+    ForwardOutput out = gpu.forward(ids, at::Tensor(), o);
+    at::Tensor keep = chosen.clone();
+    keep.select(1, 0).fill_(false);
+    EXPECT_CLOSE(out.token_logprobs.cpu(), ref.token_logprobs * keep, 10 * kBf16Tol);
+    out.token_logprobs.sum().backward();
+    (ref.token_logprobs * keep).sum().backward();
     auto gp = gpu.named_parameters(), cp = cpu.named_parameters();
     for (size_t i = 0; i < gp.size(); ++i) {
         at::Tensor a = gp[i].tensor.grad().to(at::kCPU, at::kDouble).flatten();

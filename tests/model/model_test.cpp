@@ -161,6 +161,93 @@ TEST(Model, TokenLogprobsAreShiftedLogSoftmax) {
     EXPECT_LT(out.token_logprobs.narrow(1, 1, 5).max().item<float>(), 0.f);
 }
 
+// selected_logprobs against log_softmax + gather over the full logits: values and gradients, with
+// a temperature and an allowed-token bias, in one chunk and in chunks of 1 and 3 rows.
+TEST(Layers, SelectedLogprobsMatchFullLogSoftmax) {
+    at::manual_seed(11);
+    const int64_t N = 13, H = 8, V = 29;
+    at::Tensor hidden0 = at::randn({N, H}), weight0 = at::randn({V, H});
+    at::Tensor targets = at::randint(0, V, {N}, at::kLong);
+    at::Tensor bias = at::zeros({V});
+    bias.narrow(0, 20, 9).fill_(-1e9);
+    targets = targets.remainder(20);  // drawn from the allowed tokens only
+    at::Tensor g = at::randn({N});
+    for (const double temperature : {1.0, 0.7}) {
+        for (const bool biased : {false, true}) {
+            at::Tensor b = biased ? bias : at::Tensor();
+            at::Tensor h_ref = hidden0.clone().requires_grad_(true),
+                       w_ref = weight0.clone().requires_grad_(true);
+            at::Tensor z = at::matmul(h_ref, w_ref.t()) / temperature;
+            if (biased) z = z + b;
+            at::Tensor ref = at::log_softmax(z, 1).gather(1, targets.unsqueeze(1)).squeeze(1);
+            (ref * g).sum().backward();
+            for (const int64_t rows : {int64_t{1}, int64_t{3}, N}) {
+                at::Tensor h = hidden0.clone().requires_grad_(true), w = weight0.clone().requires_grad_(true);
+                at::Tensor lp = selected_logprobs(h, w, targets, temperature, b, rows * V * 4);
+                EXPECT_CLOSE(lp, ref, 1e-5) << "T " << temperature << " bias " << biased << " rows " << rows;
+                (lp * g).sum().backward();
+                EXPECT_CLOSE(h.grad(), h_ref.grad(), 1e-5) << "rows " << rows;
+                EXPECT_CLOSE(w.grad(), w_ref.grad(), 1e-5) << "rows " << rows;
+            }
+            c10::NoGradGuard no_grad;  // the no-grad path keeps no softmax
+            EXPECT_CLOSE(selected_logprobs(hidden0, weight0, targets, temperature, b, 2 * V * 4), ref, 1e-5);
+        }
+    }
+    {
+        // bf16: the softmax is kept in bf16 (fp32 log_softmax, one rounding), the log-probs in fp32.
+        at::Tensor h = hidden0.to(at::kBFloat16).requires_grad_(true),
+                   w = weight0.to(at::kBFloat16).requires_grad_(true);
+        at::Tensor h_ref = h.detach().to(at::kFloat).requires_grad_(true),
+                   w_ref = w.detach().to(at::kFloat).requires_grad_(true);
+        at::Tensor ref =
+            at::log_softmax(at::matmul(h_ref, w_ref.t()), 1).gather(1, targets.unsqueeze(1)).squeeze(1);
+        (ref * g).sum().backward();
+        at::Tensor lp = selected_logprobs(h, w, targets, 1.0, {}, 4 * V * 4);
+        EXPECT_EQ(lp.scalar_type(), at::kFloat);
+        EXPECT_CLOSE(lp, ref, 5e-2);
+        (lp * g).sum().backward();
+        EXPECT_CLOSE(h.grad().to(at::kFloat), h_ref.grad(), 5e-2);
+        EXPECT_CLOSE(w.grad().to(at::kFloat), w_ref.grad(), 5e-2);
+    }
+    EXPECT_THAT(error_of([&] { selected_logprobs(hidden0, weight0, at::full({N}, V, at::kLong)); }),
+                HasSubstr("target ids outside [0, 29)"));
+}
+
+// forward with logprob_mask: the chosen positions' log-probs (and their gradients) equal the full
+// path's under the same temperature and bias; everything else is 0.
+TEST(Model, LogprobMaskMatchesFullLogprobs) {
+    ModelConfig c = tiny_config(2, false);
+    MoeModel model(c, {});
+    model.init_random(12);
+    Batch b = make_batch({9, 6, 7}, false, c.vocab_size, 13);
+    b.ids = at::where((b.ids >= 50).logical_and(b.ids < 60), b.ids - 40, b.ids);  // none is masked out
+    at::Tensor chosen = (at::arange(9).remainder(3) != 1).unsqueeze(0).expand({3, 9}).logical_and(b.mask > 0);
+    at::Tensor bias = at::zeros({c.vocab_size});
+    bias.narrow(0, 50, 10).fill_(-1e9);
+    ForwardOptions full;
+    full.logprob_temperature = 0.8;
+    full.logprob_bias = bias;
+    ForwardOptions selected = full;
+    selected.return_logits = false;
+    selected.logprob_mask = chosen;
+    ForwardOutput ref = model.forward(b.ids, b.mask, full);
+    at::Tensor keep = chosen.clone();
+    keep.select(1, 0).fill_(false);
+    at::Tensor want = ref.token_logprobs * keep;
+    (want.sum() + ref.aux_loss).backward();
+    std::vector<at::Tensor> ref_grads;
+    for (auto& p : model.parameters()) ref_grads.push_back(p.grad().clone());
+    model.zero_grad();
+    ForwardOutput out = model.forward(b.ids, b.mask, selected);
+    EXPECT_FALSE(out.logits.defined());
+    EXPECT_CLOSE(out.token_logprobs, want, 1e-5);
+    EXPECT_EQ(out.token_logprobs.masked_select(keep.logical_not()).abs().max().item<float>(), 0.f);
+    (out.token_logprobs.sum() + out.aux_loss).backward();
+    auto params = model.named_parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+        EXPECT_CLOSE(params[i].tensor.grad(), ref_grads[i], 1e-4) << params[i].name;
+}
+
 TEST(Model, DecodeWithKvCacheMatchesFullRecompute) {
     MoeModel model(tiny_config(3, true), {});
     model.init_random(3);

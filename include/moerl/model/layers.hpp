@@ -28,6 +28,35 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& allowed);
 
+// The positions of a [B, S] batch, flattened row-major, cut into sequences by cumulative lengths
+// (what FlashAttention's varlen kernel reads): each run of real tokens is a sequence, each padding
+// position a sequence of its own (it sees itself, as under the dense mask with left padding). No
+// [B, S, L] mask exists and no attention crosses sequences.
+struct VarlenLayout {
+    at::Tensor cu_seqlens;  // [n + 1] int32 on the device: sequence i is positions [cu[i], cu[i+1])
+    int64_t max_len = 0;    // the longest sequence
+};
+
+// Whether varlen_attention() runs for q/k/v of these options and shapes (CUDA, bf16 or fp16, a
+// LibTorch with the flash kernel, head_dim a multiple of 8 up to 256): tried once on a tiny problem
+// per device, dtype and shape, with gradients, against the dense reference.
+bool varlen_attention_available(const at::TensorOptions& options, int64_t q_heads, int64_t kv_heads,
+                                int64_t head_dim);
+
+// Causal attention inside each sequence of `layout`. q [B, S, Hq, D], k and v [B, S, Hkv, D] with
+// Hq a multiple of Hkv. Returns [B, S, Hq * D]. Differentiable. Call only where varlen_attention_available().
+at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const VarlenLayout& layout);
+
+// log softmax(hidden[n] . weight^T / temperature + bias)[targets[n]] for hidden [N, H], weight
+// [V, H], targets [N] int64 (in [0, V)), bias [V] fp32 (optional, -inf = never sampled). Returns
+// [N] fp32, differentiable w.r.t. hidden and weight. The [N, V] logits never exist in fp32:
+// they are made in chunks of at most `chunk_bytes` of fp32 work space, and the softmax is kept
+// in the compute dtype for backward (two GEMMs, no recomputation of the logits).
+at::Tensor selected_logprobs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                             double temperature = 1.0, const at::Tensor& bias = {},
+                             int64_t chunk_bytes = int64_t{1} << 30);
+
 // down(silu(gate(x)) * up(x)) with HF weight layouts gate/up [I, H], down [H, I].
 at::Tensor swiglu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down);
 

@@ -49,6 +49,14 @@ struct ForwardOptions {
     // its own run and its position restarts at 0 there, so a packed row computes exactly what the
     // sequences would alone.
     at::Tensor segment_ids;
+    // token_logprobs under softmax(logits / temperature + bias): what a sampler with that
+    // temperature and an allowed-token mask (bias [V] fp32, -1e9 = never drawn) draws from.
+    double logprob_temperature = 1.0;
+    at::Tensor logprob_bias;
+    // [B, S] bool: token_logprobs only where true (0 elsewhere, column 0 always 0), computed in
+    // chunks from the hidden states without a [B, S, V] logit tensor. The trainer's path at a large
+    // vocabulary: it asks for the response tokens only.
+    at::Tensor logprob_mask;
 };
 
 struct ForwardOutput {
@@ -141,7 +149,9 @@ class MoeModel {
     std::unique_ptr<Impl> impl_;
 };
 
-// Per-token log-probabilities: [b, t] = log_softmax(logits[b, t-1])[ids[b, t]], column 0 = 0.
-at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& input_ids);
+// Per-token log-probabilities: [b, t] = log_softmax(logits[b, t-1] / temperature + bias)[ids[b, t]],
+// column 0 = 0.
+at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& input_ids, double temperature = 1.0,
+                          const at::Tensor& bias = {});
 
 }  // namespace moerl::model
