@@ -1,16 +1,30 @@
 #include "moerl/model/device_memory.hpp"
 
 #ifdef MOERL_CUDA_ALLOCATOR_STATS
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
 namespace moerl::model {
 
+#ifdef MOERL_CUDA_ALLOCATOR_STATS
+namespace {
+
+// The caching allocator sets up its per-device state on the first allocation; its statistics calls
+// refuse a device it has not seen ("Invalid device argument"). One byte makes sure it has.
+c10::DeviceIndex allocator_index(const c10::Device& device) {
+    const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
+    (void)at::empty({1}, at::TensorOptions().device(at::kCUDA, index).dtype(at::kByte));
+    return index;
+}
+
+}  // namespace
+#endif
+
 int64_t peak_allocated_bytes(const c10::Device& device) {
 #ifdef MOERL_CUDA_ALLOCATOR_STATS
     if (device.is_cuda()) {
-        const auto stats =
-            c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index() : 0);
+        const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(allocator_index(device));
         return stats.allocated_bytes[0].peak;  // [0]: all pools together
     }
 #endif
@@ -20,8 +34,7 @@ int64_t peak_allocated_bytes(const c10::Device& device) {
 
 void reset_peak_allocated_bytes(const c10::Device& device) {
 #ifdef MOERL_CUDA_ALLOCATOR_STATS
-    if (device.is_cuda())
-        c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : 0);
+    if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(allocator_index(device));
 #endif
     (void)device;
 }

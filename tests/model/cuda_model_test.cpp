@@ -133,6 +133,36 @@ TEST(Cuda, PackedVarlenForwardAndGradientsMatchCpuFp32) {
     }
 }
 
+// The response log-probs of training on the GPU, in fp32 and bf16, against the CPU's full
+// log_softmax in fp32: values and both gradients, with temperature and an allowed-token bias.
+TEST(Cuda, SelectedLogprobsMatchCpuFp32) {
+    SKIP_WITHOUT_CUDA();
+    at::manual_seed(5);
+    const int64_t N = 300, H = 64, V = 1000;
+    at::Tensor hidden0 = at::randn({N, H}) * 0.5, weight0 = at::randn({V, H}) * 0.5;
+    at::Tensor bias = at::zeros({V});
+    bias.narrow(0, 900, 100).fill_(-1e9);
+    at::Tensor targets = at::randint(0, 900, {N}, at::kLong);
+    at::Tensor g = at::randn({N});
+    const double T = 0.7;
+    at::Tensor h_ref = hidden0.clone().requires_grad_(true), w_ref = weight0.clone().requires_grad_(true);
+    at::Tensor ref = at::log_softmax(at::matmul(h_ref, w_ref.t()) / T + bias, 1)
+                         .gather(1, targets.unsqueeze(1))
+                         .squeeze(1);
+    (ref * g).sum().backward();
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+        const double tol = dtype == at::kFloat ? 1e-4 : kBf16Tol;
+        auto on_gpu = [&](const at::Tensor& t) { return t.to(at::kCUDA, dtype).requires_grad_(true); };
+        at::Tensor h = on_gpu(hidden0), w = on_gpu(weight0);
+        // Chunks of 64 rows: several chunks and a partial last one.
+        at::Tensor lp = selected_logprobs(h, w, targets.cuda(), T, bias.cuda(), 64 * V * 4);
+        EXPECT_CLOSE(lp.cpu(), ref, tol) << dtype;
+        (lp * g.cuda()).sum().backward();
+        EXPECT_CLOSE(h.grad().cpu().to(at::kFloat), h_ref.grad(), tol) << dtype;
+        EXPECT_CLOSE(w.grad().cpu().to(at::kFloat), w_ref.grad(), tol) << dtype;
+    }
+}
+
 TEST(Cuda, Bf16DecodeMatchesRecompute) {
     SKIP_WITHOUT_CUDA();
     ModelConfig c = gpu_config();

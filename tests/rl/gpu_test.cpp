@@ -89,6 +89,55 @@ TEST(RlGpu, CudaTrainerMatchesTheCpuTrainer) {
     EXPECT_LT(diff, 1e-3 * scale);
 }
 
+// The optimizer step on the GPU (LibTorch's fused AdamW where it has one) against the CPU's loop:
+// three updates with clipping and weight decay leave the same fp32 weights.
+TEST(RlGpu, CudaOptimizerStepsMatchTheCpuSteps) {
+    SKIP_WITHOUT_CUDA();
+    TempDir t("gpuadam");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.grad_clip = 0.05;  // small enough that every update is clipped
+    c.weight_decay = 0.1;
+    c.model.router_aux_loss_coef = 0;
+    const auto batch = batch_of(c);
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    const auto adv = group_advantages(rewards, c.group_size);
+    std::map<std::string, std::vector<float>> weights[2];
+    double norms[2] = {0, 0};
+    for (int gpu = 0; gpu < 2; ++gpu) {
+        RunConfig run = c;
+        run.train_device = gpu ? "cuda" : "cpu";
+        PolicyTrainer trainer(run, (t.path / ("w" + std::to_string(gpu))).string());
+        for (int s = 0; s < 3; ++s) norms[gpu] = trainer.update(batch, adv).grad_norm;
+        const fs::path dir = t.path / ("s" + std::to_string(gpu));
+        trainer.save_weights(dir.string());
+        for (const auto& entry : fs::directory_iterator(dir)) {
+            if (entry.path().extension() != ".safetensors") continue;
+            moerl::model::SafetensorsFile f(entry.path().string());
+            for (const auto& info : f.tensors()) {
+                const float* p = reinterpret_cast<const float*>(f.data(info));
+                weights[gpu][info.name].assign(p, p + info.numel());
+            }
+        }
+    }
+    EXPECT_GT(norms[0], c.grad_clip);
+    EXPECT_NEAR(norms[1], norms[0], 1e-3 * norms[0]);
+    ASSERT_EQ(weights[0].size(), weights[1].size());
+    ASSERT_GT(weights[0].size(), 0u);
+    // Each step moves a weight by up to lr: a wrong step size, decay or clip puts most weights off
+    // by a fraction of lr. Adam's division lets reduction-order noise move the few weights whose
+    // gradient is a near-cancellation, so a small share may differ.
+    int64_t total = 0, off = 0;
+    for (const auto& [name, a] : weights[0]) {
+        const auto& b = weights[1].at(name);
+        ASSERT_EQ(a.size(), b.size()) << name;
+        for (size_t i = 0; i < a.size(); ++i, ++total)
+            off += std::abs(static_cast<double>(a[i]) - b[i]) > 0.1 * c.lr;
+    }
+    EXPECT_LT(off, total / 200) << off << " of " << total << " weights differ by more than lr/10";
+}
+
 // Greedy rollouts with routing records: on the GPU (the fused engine) the tokens and the experts
 // recorded for every position and MoE layer are the CPU eager path's (as sets: the order of a
 // position's K experts is free).
