@@ -66,6 +66,21 @@ double number(const nlohmann::json& row, const char* key) {
     return it == row.end() || !it->is_number() ? 0.0 : it->get<double>();
 }
 
+// Median seconds of one device-to-device copy of `bytes` on the first GPU.
+double device_copy_seconds(int64_t bytes) {
+    const auto opts = at::TensorOptions().device(at::kCUDA, 0).dtype(at::kByte);
+    at::Tensor src = at::ones({bytes}, opts), dst = at::empty({bytes}, opts);
+    std::vector<double> times;
+    for (int i = 0; i < 6; ++i) {
+        src.sum(at::kLong).item<int64_t>();  // a sync, so each copy is timed alone
+        const auto t0 = Clock::now();
+        dst.copy_(src);
+        dst.select(0, 0).item<uint8_t>();
+        if (i > 0) times.push_back(seconds_since(t0));
+    }
+    return median(times);
+}
+
 void bench_rl(const RlBenchArgs& a) {
     rl::RunConfig cfg = rl::RunConfig::load(a.config);
     if (!a.device.empty()) cfg.rollout_device = cfg.train_device = a.device;
@@ -137,6 +152,15 @@ void bench_rl(const RlBenchArgs& a) {
                        std::to_string(static_cast<int>(a.peak_tflops)) + " TFLOP/s")
                           .c_str()
                     : "");
+    if (cfg.rollout_device == "cuda" && cfg.train_device == "cuda") {
+        // The in-memory sync copies the trainer's weights into the rollout model: its floor is a
+        // device copy of the same bytes, timed here in the same process.
+        const double bytes = static_cast<double>(cfg.model.num_parameters()) *
+                             (cfg.rollout_dtype == "bf16" || cfg.rollout_dtype == "fp16" ? 2 : 4);
+        const double copy = device_copy_seconds(static_cast<int64_t>(bytes));
+        std::printf("weight sync %.2f ms against a device copy of the same %s: %.2f ms (%.2fx)\n",
+                    1e3 * median(sync), human_bytes(bytes).c_str(), 1e3 * copy, median(sync) / copy);
+    }
     std::printf("metrics: %s\n", s.metrics_path.c_str());
 }
 
