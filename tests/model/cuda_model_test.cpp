@@ -41,6 +41,20 @@ MoeModel cpu_twin(const MoeModel& gpu) {
     return cpu;
 }
 
+// Every parameter's gradient on the GPU points where the CPU twin's does (cosine > 0.95: bf16).
+void expect_same_gradient_directions(const MoeModel& gpu, const MoeModel& cpu) {
+    auto gp = gpu.named_parameters(), cp = cpu.named_parameters();
+    ASSERT_EQ(gp.size(), cp.size());
+    for (size_t i = 0; i < gp.size(); ++i) {
+        at::Tensor a = gp[i].tensor.grad().to(at::kCPU, at::kDouble).flatten();
+        at::Tensor b = cp[i].tensor.grad().to(at::kDouble).flatten();
+        ASSERT_TRUE(at::isfinite(a).all().item<bool>()) << gp[i].name;
+        const double cos =
+            (a * b).sum().item<double>() / (a.norm().item<double>() * b.norm().item<double>() + 1e-30);
+        EXPECT_GT(cos, 0.95) << gp[i].name;
+    }
+}
+
 at::Tensor left_padded_mask(const std::vector<int64_t>& lengths, int64_t S) {
     at::Tensor mask = at::zeros({static_cast<int64_t>(lengths.size()), S}, at::kLong);
     for (size_t i = 0; i < lengths.size(); ++i) mask[i].narrow(0, S - lengths[i], lengths[i]).fill_(1);
@@ -79,15 +93,7 @@ TEST(Cuda, Bf16ForwardAndGradientsMatchCpuFp32) {
 
     (out.token_logprobs * mask.to(at::kCUDA)).sum().backward();
     (ref.token_logprobs * mask).sum().backward();
-    auto gp = gpu.named_parameters(), cp = cpu.named_parameters();
-    for (size_t i = 0; i < gp.size(); ++i) {
-        at::Tensor a = gp[i].tensor.grad().to(at::kCPU, at::kDouble).flatten();
-        at::Tensor b = cp[i].tensor.grad().to(at::kDouble).flatten();
-        ASSERT_TRUE(at::isfinite(a).all().item<bool>()) << gp[i].name;
-        const double cos =
-            (a * b).sum().item<double>() / (a.norm().item<double>() * b.norm().item<double>() + 1e-30);
-        EXPECT_GT(cos, 0.95) << gp[i].name;
-    }
+    expect_same_gradient_directions(gpu, cpu);
 }
 
 // Packed rows (segment ids, trailing padding) take the varlen flash path on the GPU; it must give
@@ -122,15 +128,7 @@ TEST(Cuda, PackedVarlenForwardAndGradientsMatchCpuFp32) {
     EXPECT_CLOSE(out.token_logprobs.cpu(), ref.token_logprobs * keep, 10 * kBf16Tol);
     out.token_logprobs.sum().backward();
     (ref.token_logprobs * keep).sum().backward();
-    auto gp = gpu.named_parameters(), cp = cpu.named_parameters();
-    for (size_t i = 0; i < gp.size(); ++i) {
-        at::Tensor a = gp[i].tensor.grad().to(at::kCPU, at::kDouble).flatten();
-        at::Tensor b = cp[i].tensor.grad().to(at::kDouble).flatten();
-        ASSERT_TRUE(at::isfinite(a).all().item<bool>()) << gp[i].name;
-        const double cos =
-            (a * b).sum().item<double>() / (a.norm().item<double>() * b.norm().item<double>() + 1e-30);
-        EXPECT_GT(cos, 0.95) << gp[i].name;
-    }
+    expect_same_gradient_directions(gpu, cpu);
 }
 
 // The response log-probs of training on the GPU, in fp32 and bf16, against the CPU's full
