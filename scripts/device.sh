@@ -202,14 +202,21 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >
     step bench_rl_big "rc=$?"
   fi
   # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro" each).
+  # The first case also traces one more update; bench/trace_kernels.py sums its kernels by kind.
   : >"$OUT/bench-train.log"
+  trace=(--trace "$RL_TMP/train-trace.json")
   for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 8:16:512:512:8192}; do
     IFS=: read -r tl ts tp tr tm <<<"$case"
     timeout 240 "$MOERL" bench train examples/gpu-qwen3-30b-a3b.yaml --layers "$tl" --samples "$ts" --prompt "$tp" \
-      --response "$tr" --micro-batch-tokens "$tm" --steps 5 --warmup 2 >>"$OUT/bench-train.log" 2>&1
+      --response "$tr" --micro-batch-tokens "$tm" --steps 5 --warmup 2 "${trace[@]}" >>"$OUT/bench-train.log" 2>&1
     rc=$?; [ $rc != 0 ] && tail -n 4 "$OUT/bench-train.log"
     step bench_train "rc=$rc $(grep -E '^median' "$OUT/bench-train.log" | tail -1 | grep -oE 'MFU [0-9.]+%')"
     echo >>"$OUT/bench-train.log"
+    if [ ${#trace[@]} -gt 0 ] && [ -f "$RL_TMP/train-trace.json" ]; then
+      python3 bench/trace_kernels.py "$RL_TMP/train-trace.json" --top 30 >"$OUT/train-kernels.log" 2>&1
+      step train_kernels "rc=$? $(head -1 "$OUT/train-kernels.log")"
+    fi
+    trace=()
   done
   rm -rf "$RL_TMP"
 fi
@@ -265,13 +272,14 @@ echo
 [ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
 grep -E "^bench train|^median" "$OUT/bench-train.log" 2>/dev/null
+[ -f "$OUT/train-kernels.log" ] && head -n 24 "$OUT/train-kernels.log"
 for f in bench-rl.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big bench_train python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

@@ -3,14 +3,17 @@
 // the rollout model, training, publishing the new version, and the rest (the env, batching,
 // bookkeeping); generated and trained tokens per second; training MFU on a GPU.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -175,7 +178,38 @@ struct TrainBenchArgs {
     int layers = 0;                   // 0: the config's model.num_layers
     std::string device, dtype;
     double peak_tflops = 989;
+    std::string trace;  // a Chrome trace of the last step (LibTorch's profiler)
 };
+
+// Runs fn under LibTorch's profiler (operators, and the kernels on a GPU) and writes what it
+// recorded to `path` as a Chrome trace (chrome://tracing, Perfetto; bench/trace_kernels.py sums
+// the kernels by kind).
+void write_trace(const std::string& path, bool gpu, const std::function<void()>& fn) {
+    namespace prof = torch::autograd::profiler;
+    using torch::profiler::impl::ActivityType;
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (gpu) activities.insert(ActivityType::CUDA);
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO,
+                                                       /*report_input_shapes=*/true);
+    auto fail = [](const c10::Error& e) {
+        MOERL_FAIL("bench train: --trace needs LibTorch built with Kineto (PyTorch's are; Debian's is not): ",
+                   e.what_without_backtrace());
+    };
+    try {
+        prof::prepareProfiler(config, activities);
+        prof::enableProfiler(config, activities);
+    } catch (const c10::Error& e) {
+        fail(e);
+    }
+    fn();
+    std::unique_ptr<prof::ProfilerResult> result = prof::disableProfiler();
+    MOERL_CHECK(result != nullptr, "bench train: the profiler returned no result");
+    try {
+        result->save(path);
+    } catch (const c10::Error& e) {
+        fail(e);
+    }
+}
 
 // `moerl bench train`: the trainer alone on synthetic samples of a chosen length (random tokens,
 // behaviour log-probs equal to the uniform policy's, advantages of alternating sign), so training
@@ -276,6 +310,14 @@ void bench_train(const TrainBenchArgs& a) {
         std::printf(", training MFU %.1f%% of %.0f TFLOP/s, peak GPU memory %s", 100 * median(mfus),
                     a.peak_tflops, human_bytes(static_cast<double>(peak)).c_str());
     std::printf("\n");
+    if (!a.trace.empty()) {
+        // One more update, outside the figures above (the profiler slows it down).
+        write_trace(a.trace, gpu, [&] {
+            trainer.update(batch, adv);
+            fence.item<float>();
+        });
+        std::printf("trace of one more update: %s\n", a.trace.c_str());
+    }
     std::error_code ec;
     fs::remove_all(work, ec);
 }
@@ -301,6 +343,8 @@ void register_bench_rl(CLI::App& bench) {
         cmd->add_option("--dtype", a->dtype, "fp32 or bf16: overrides train.dtype");
         cmd->add_option("--peak-tflops", a->peak_tflops,
                         "The GPU's dense bf16 peak for MFU (default 989, H200)");
+        cmd->add_option("--trace", a->trace,
+                        "After the steps, one more update traced by LibTorch's profiler into this Chrome trace");
         cmd->callback([a] { bench_train(*a); });
     }
     auto a = std::make_shared<RlBenchArgs>();

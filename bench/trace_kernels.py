@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Where a traced step's GPU time goes: sums the kernels of a Chrome trace written by
+`moerl bench train --trace FILE` by kind (GEMM, attention, elementwise, ...) and by name, and
+compares the GPU's busy time with the step's wall time (idle time = launch or host bound).
+
+    python3 bench/trace_kernels.py TRACE.json [--top 25]
+"""
+import argparse
+import json
+import re
+import sys
+
+# First match wins; a kernel's name is matched in lower case.
+KINDS = [
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|wgmma|matmul"),
+    ("optimizer", r"adam|multi_tensor|fused_adamw"),
+    ("index/scatter/gather", r"index|scatter|gather|embedding|take"),
+    ("sort/topk", r"sort|topk|radix|cub::"),
+    ("reduce", r"reduce|norm|softmax|sum|mean|max"),
+    ("copy/cast", r"copy|memcpy|cast|convert|fill|memset|cat"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
+]
+
+
+def kind_of(name):
+    n = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, n):
+            return kind
+    return "other"
+
+
+def busy_us(spans):
+    """Length of the union of [start, end) spans."""
+    total, end = 0.0, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    try:
+        with open(args.trace) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"trace_kernels: cannot read {args.trace}: {e}")
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        sys.exit(f"trace_kernels: {args.trace} holds no GPU kernels (a CPU run, or no CUPTI)")
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu]
+    first, last = min(s for s, _ in spans), max(e for _, e in spans)
+    if host:
+        first = min(first, min(float(e["ts"]) for e in host))
+    wall = last - first
+    busy = busy_us(spans)
+    by_kind, by_name = {}, {}
+    for e in gpu:
+        d = float(e.get("dur", 0))
+        k = kind_of(e["name"]) if e["cat"] == "kernel" else "copy/cast"
+        by_kind.setdefault(k, [0.0, 0])
+        by_kind[k][0] += d
+        by_kind[k][1] += 1
+        by_name.setdefault(e["name"], [0.0, 0, k])
+        by_name[e["name"]][0] += d
+        by_name[e["name"]][1] += 1
+    total = sum(v[0] for v in by_kind.values())
+    print(f"traced update: {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms "
+          f"({100 * busy / wall:.0f}%), {len(gpu)} kernels and copies")
+    print()
+    print(f"{'kind':<22} {'ms':>9} {'share':>7} {'count':>7}")
+    for k, (d, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        print(f"{k:<22} {d / 1e3:9.1f} {100 * d / total:6.1f}% {n:7d}")
+    print()
+    print(f"{'top kernels':<72} {'ms':>8} {'share':>7} {'count':>6}")
+    for name, (d, n, k) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        short = name if len(name) <= 70 else name[:67] + "..."
+        print(f"{short:<72} {d / 1e3:8.1f} {100 * d / total:6.1f}% {n:6d}")
+
+
+if __name__ == "__main__":
+    main()
