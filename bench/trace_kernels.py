@@ -75,6 +75,18 @@ def main():
         by_name.setdefault(e["name"], [0.0, 0, k])
         by_name[e["name"]][0] += d
         by_name[e["name"]][1] += 1
+    # The operator that launched each kernel: the innermost one, by the trace's "External id".
+    op_of = {}
+    for e in host:
+        ext = (e.get("args") or {}).get("External id")
+        if ext is not None:
+            op_of[ext] = e["name"]
+    by_op = {}
+    for e in gpu:
+        op = op_of.get((e.get("args") or {}).get("External id"), "(no operator)")
+        by_op.setdefault(op, [0.0, 0])
+        by_op[op][0] += float(e.get("dur", 0))
+        by_op[op][1] += 1
     total = sum(v[0] for v in by_kind.values())
     print(f"traced update: {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms "
           f"({100 * busy / wall:.0f}%), {len(gpu)} kernels and copies")
@@ -83,9 +95,14 @@ def main():
     for k, (d, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
         print(f"{k:<22} {d / 1e3:9.1f} {100 * d / total:6.1f}% {n:7d}")
     print()
+    print(f"{'top operators (GPU time of their kernels)':<52} {'ms':>9} {'share':>7} {'kernels':>8}")
+    for op, (d, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"{op[:52]:<52} {d / 1e3:9.1f} {100 * d / total:6.1f}% {n:8d}")
+    print()
     print(f"{'top kernels':<72} {'ms':>8} {'share':>7} {'count':>6}")
     for name, (d, n, k) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
-        short = name if len(name) <= 70 else name[:67] + "..."
+        short = re.sub(r"^void ", "", name).replace("at::native::", "").replace("(anonymous namespace)::", "")
+        short = short if len(short) <= 70 else short[:67] + "..."
         print(f"{short:<72} {d / 1e3:8.1f} {100 * d / total:6.1f}% {n:6d}")
 
 

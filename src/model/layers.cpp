@@ -28,12 +28,15 @@ bool grouped_mm_has_backward(const at::Device& device) {
         try {
             c10::AutoGradMode grad(true);
             auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
-            at::Tensor a = at::ones({16, 16}, opts).requires_grad_(true);
+            // The layout of the real call: weights stored [groups, out, in], passed transposed.
+            at::Tensor a = at::ones({32, 16}, opts).requires_grad_(true);
             at::Tensor b = at::ones({2, 16, 16}, opts).requires_grad_(true);
-            at::Tensor offsets = at::tensor({8, 16}, at::TensorOptions().device(device).dtype(at::kInt));
-            at::_grouped_mm(a, b, offsets).sum().backward();
+            at::Tensor offsets = at::tensor({16, 32}, at::TensorOptions().device(device).dtype(at::kInt));
+            at::_grouped_mm(a, b.transpose(-2, -1), offsets).sum().backward();
             return a.grad().defined() && b.grad().defined();
-        } catch (const c10::Error&) {
+        } catch (const c10::Error& e) {
+            std::fprintf(stderr, "moerl: the grouped GEMM has no backward here, training uses the per-expert loop: %s\n",
+                         e.what_without_backtrace());
             return false;
         }
     }();
@@ -191,14 +194,13 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at:
     at::Tensor xs = x.index_select(0, rows);
 
     std::vector<at::Tensor> gates = gate.unbind(0), ups = up.unbind(0), downs = down.unbind(0);
+    // One split (its backward is one cat): a narrow per expert would give each a backward that
+    // writes a zero gradient the size of all of xs, L times over.
+    std::vector<int64_t> sizes(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + L);
+    std::vector<at::Tensor> parts = at::split_with_sizes(xs, sizes, 0);
     std::vector<at::Tensor> outs;
-    const int64_t* count = counts.data_ptr<int64_t>();
-    int64_t offset = 0;
-    for (int64_t e = 0; e < L; ++e) {
-        if (count[e] == 0) continue;
-        outs.push_back(swiglu(xs.narrow(0, offset, count[e]), gates[e], ups[e], downs[e]));
-        offset += count[e];
-    }
+    for (int64_t e = 0; e < L; ++e)
+        if (sizes[e] > 0) outs.push_back(swiglu(parts[e], gates[e], ups[e], downs[e]));
     at::Tensor weights = w.reshape({-1}).index_select(0, slots).to(x.scalar_type()).unsqueeze(1);
     return y.index_add(0, rows, at::cat(outs, 0) * weights);
 }
