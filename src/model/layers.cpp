@@ -32,7 +32,10 @@ bool grouped_mm_has_backward(const at::Device& device) {
             at::Tensor a = at::ones({32, 16}, opts).requires_grad_(true);
             at::Tensor b = at::ones({2, 16, 16}, opts).requires_grad_(true);
             at::Tensor offsets = at::tensor({16, 32}, at::TensorOptions().device(device).dtype(at::kInt));
-            at::_grouped_mm(a, b.transpose(-2, -1), offsets).sum().backward();
+            // A dense output gradient, as the real backward gets (sum()'s is a zero-stride view
+            // the grouped kernel rejects).
+            at::Tensor out = at::_grouped_mm(a, b.transpose(-2, -1), offsets);
+            (out * at::ones_like(out)).sum().backward();
             return a.grad().defined() && b.grad().defined();
         } catch (const c10::Error& e) {
             std::fprintf(stderr, "moerl: the grouped GEMM has no backward here, training uses the per-expert loop: %s\n",
