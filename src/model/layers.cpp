@@ -67,13 +67,16 @@ at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at:
     at::Tensor keys = std::get<0>(sorted), order = std::get<1>(sorted);
     at::Tensor offsets = at::bincount(keys, {}, L + 1).narrow(0, 0, L).cumsum(0).to(at::kInt);
     at::Tensor rows = at::div(order, K, "floor");
-    at::Tensor xs = x.index_select(0, rows);
+    // The grouped GEMM leaves rows past the last offset unwritten, in its output and in its
+    // backward's input gradient: the two where()s keep them out of y and out of x's gradient.
+    at::Tensor with_expert = (keys < L).unsqueeze(1);
+    at::Tensor zero = at::zeros({}, x.options());
+    at::Tensor xs = at::where(with_expert, x.index_select(0, rows), zero);
     at::Tensor g = at::_grouped_mm(xs, gate.transpose(-2, -1), offsets);
     at::Tensor u = at::_grouped_mm(xs, up.transpose(-2, -1), offsets);
-    at::Tensor o = at::_grouped_mm(at::silu(g) * u, down.transpose(-2, -1), offsets);
+    at::Tensor o = at::where(with_expert, at::_grouped_mm(at::silu(g) * u, down.transpose(-2, -1), offsets), zero);
     at::Tensor weights = w.reshape({-1}).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
-    at::Tensor contrib = at::where((keys < L).unsqueeze(1), o * weights, at::zeros({}, o.options()));
-    return at::zeros_like(x).index_add(0, rows, contrib);
+    return at::zeros_like(x).index_add(0, rows, o * weights);
 }
 #endif
 
