@@ -6,6 +6,7 @@ compares the GPU's busy time with the step's wall time (idle time = launch or ho
     python3 bench/trace_kernels.py TRACE.json [--top 25]
 """
 import argparse
+import bisect
 import json
 import re
 import sys
@@ -76,17 +77,38 @@ def main():
         by_name[e["name"]][0] += d
         by_name[e["name"]][1] += 1
     # The operator that launched each kernel: the innermost one, by the trace's "External id".
-    op_of = {}
+    # Operators inside an autograd node's evaluation are the backward's: marked "(bwd)".
+    backward = {}
     for e in host:
-        ext = (e.get("args") or {}).get("External id")
-        if ext is not None:
-            op_of[ext] = e["name"]
-    by_op = {}
+        if e["name"].startswith("autograd::engine::evaluate_function"):
+            backward.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
+    for spans_of_thread in backward.values():
+        spans_of_thread.sort()
+
+    def in_backward(e):
+        spans_of_thread = backward.get(e.get("tid"), [])
+        i = bisect.bisect_right(spans_of_thread, (float(e["ts"]), float("inf"))) - 1
+        return i >= 0 and spans_of_thread[i][1] >= float(e["ts"]) + float(e.get("dur", 0))
+
+    op_of, dims_of = {}, {}
+    for e in host:
+        a = e.get("args") or {}
+        ext = a.get("External id")
+        if ext is not None and not e["name"].startswith("autograd::"):
+            op_of[ext] = e["name"] + (" (bwd)" if in_backward(e) else "")
+            dims_of[ext] = str([d for d in a.get("Input Dims", []) if d])
+    by_op, by_shape = {}, {}
     for e in gpu:
-        op = op_of.get((e.get("args") or {}).get("External id"), "(no operator)")
+        ext = (e.get("args") or {}).get("External id")
+        op = op_of.get(ext, "(no operator)")
+        d = float(e.get("dur", 0))
         by_op.setdefault(op, [0.0, 0])
-        by_op[op][0] += float(e.get("dur", 0))
+        by_op[op][0] += d
         by_op[op][1] += 1
+        key = (op, dims_of.get(ext, ""))
+        by_shape.setdefault(key, [0.0, 0])
+        by_shape[key][0] += d
+        by_shape[key][1] += 1
     total = sum(v[0] for v in by_kind.values())
     print(f"traced update: {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms "
           f"({100 * busy / wall:.0f}%), {len(gpu)} kernels and copies")
@@ -98,6 +120,11 @@ def main():
     print(f"{'top operators (GPU time of their kernels)':<52} {'ms':>9} {'share':>7} {'kernels':>8}")
     for op, (d, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{op[:52]:<52} {d / 1e3:9.1f} {100 * d / total:6.1f}% {n:8d}")
+    print()
+    print(f"{'top operators by input shapes':<88} {'ms':>8} {'kernels':>8}")
+    for (op, dims), (d, n) in sorted(by_shape.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        label = f"{op} {dims}"
+        print(f"{label[:88]:<88} {d / 1e3:8.1f} {n:8d}")
     print()
     print(f"{'top kernels':<72} {'ms':>8} {'share':>7} {'count':>6}")
     for name, (d, n, k) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
