@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
 #include <atomic>
@@ -18,6 +19,76 @@
 
 namespace moerl::model {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The (token, slot) pairs of a routing, T tokens x K slots, in expert order: position j holds slot
+// order[j], whose token is rows[j] = order[j] / K; inverse[s] is the position of slot s. The two
+// moves between token rows and expert-ordered slot rows are each other's backward, and both are
+// gathers: no atomic scatter-add (index_add) in either direction.
+struct SlotOrder {
+    at::Tensor order, rows, inverse;
+    int64_t K = 1;
+};
+
+// Sort keys of the slots of idx [T, K]: the expert id, L for a slot without one (-1), L + 1 for
+// an id out of range (checked by the caller).
+at::Tensor expert_keys(const at::Tensor& idx, int64_t L) {
+    at::Tensor flat = idx.reshape({-1});
+    at::Tensor key = at::where(flat >= L, at::full({}, L + 1, flat.options()), flat);
+    return at::where(flat < 0, at::full({}, L, flat.options()), key);
+}
+
+SlotOrder slot_order(const at::Tensor& order, int64_t K) {
+    SlotOrder o;
+    o.order = order;
+    o.rows = at::div(order, K, "floor");
+    o.inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
+    o.K = K;
+    return o;
+}
+
+at::Tensor sum_over_slots(const at::Tensor& slot_rows, const SlotOrder& o) {
+    const int64_t H = slot_rows.size(1);
+    return slot_rows.index_select(0, o.inverse).view({-1, o.K, H}).sum(1);
+}
+
+void save(AutogradContext* ctx, const SlotOrder& o) {
+    ctx->saved_data["rows"] = o.rows;
+    ctx->saved_data["inverse"] = o.inverse;
+    ctx->saved_data["K"] = o.K;
+}
+
+SlotOrder saved(AutogradContext* ctx) {
+    SlotOrder o;
+    o.rows = ctx->saved_data["rows"].toTensor();
+    o.inverse = ctx->saved_data["inverse"].toTensor();
+    o.K = ctx->saved_data["K"].toInt();
+    return o;
+}
+
+// x [T, H] -> [T*K, H]: each slot's token row, in expert order.
+struct ToSlots : torch::autograd::Function<ToSlots> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const SlotOrder& o) {
+        save(ctx, o);
+        return x.index_select(0, o.rows);
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grad) {
+        return {sum_over_slots(grad[0], saved(ctx)), at::Tensor()};
+    }
+};
+
+// [T*K, H] in expert order -> [T, H]: each token's K slot rows summed.
+struct FromSlots : torch::autograd::Function<FromSlots> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& slot_rows, const SlotOrder& o) {
+        save(ctx, o);
+        return sum_over_slots(slot_rows, o);
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grad) {
+        return {grad[0].index_select(0, saved(ctx).rows), at::Tensor()};
+    }
+};
 
 #ifdef MOERL_HAVE_GROUPED_MM
 std::atomic<bool> grouped_mm_failed{false};
@@ -57,26 +128,30 @@ bool use_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 // Slots sorted by expert (slots without one last, past the final offset); all experts in one
-// grouped GEMM per projection; rows past the offsets are dropped by the final where().
+// grouped GEMM per projection.
 at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                            const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
     const int64_t K = idx.size(1), L = gate.size(0);
-    at::Tensor flat = idx.reshape({-1});
-    at::Tensor key = at::where(flat < 0, at::full({}, L, flat.options()), flat);
-    auto sorted = at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    at::Tensor keys = std::get<0>(sorted), order = std::get<1>(sorted);
+    auto sorted = at::sort(expert_keys(idx, L), /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    at::Tensor keys = std::get<0>(sorted);
+    const SlotOrder slots = slot_order(std::get<1>(sorted), K);
     at::Tensor offsets = at::bincount(keys, {}, L + 1).narrow(0, 0, L).cumsum(0).to(at::kInt);
-    at::Tensor rows = at::div(order, K, "floor");
-    // The grouped GEMM leaves rows past the last offset unwritten, in its output and in its
-    // backward's input gradient: the two where()s keep them out of y and out of x's gradient.
-    at::Tensor with_expert = (keys < L).unsqueeze(1);
-    at::Tensor zero = at::zeros({}, x.options());
-    at::Tensor xs = at::where(with_expert, x.index_select(0, rows), zero);
+    // Whether every slot has an expert here (sorted: the last key is the largest). Otherwise the
+    // grouped GEMM leaves the rows past the last offset unwritten, in its output and in its
+    // backward's input gradient, and two where()s keep them out of y and of x's gradient.
+    const int64_t last_key = keys.numel() == 0 ? 0 : keys[keys.numel() - 1].item<int64_t>();
+    MOERL_CHECK(last_key <= L, "experts_forward: an expert id is >= the ", L, " local experts");
+    const bool all_routed = last_key < L;
+    at::Tensor with_expert, zero;
+    if (!all_routed) with_expert = (keys < L).unsqueeze(1), zero = at::zeros({}, x.options());
+    at::Tensor xs = ToSlots::apply(x, slots);
+    if (!all_routed) xs = at::where(with_expert, xs, zero);
     at::Tensor g = at::_grouped_mm(xs, gate.transpose(-2, -1), offsets);
     at::Tensor u = at::_grouped_mm(xs, up.transpose(-2, -1), offsets);
-    at::Tensor o = at::where(with_expert, at::_grouped_mm(at::silu(g) * u, down.transpose(-2, -1), offsets), zero);
-    at::Tensor weights = w.reshape({-1}).index_select(0, order).to(x.scalar_type()).unsqueeze(1);
-    return at::zeros_like(x).index_add(0, rows, o * weights);
+    at::Tensor o = at::_grouped_mm(at::silu(g) * u, down.transpose(-2, -1), offsets);
+    if (!all_routed) o = at::where(with_expert, o, zero);
+    at::Tensor weights = w.reshape({-1}).index_select(0, slots.order).to(x.scalar_type()).unsqueeze(1);
+    return FromSlots::apply(o * weights, slots);
 }
 #endif
 
@@ -173,8 +248,7 @@ Routing route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_
 at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                            const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
     const int64_t N = x.size(0), K = idx.size(1), L = gate.size(0);
-    at::Tensor y = at::zeros_like(x);
-    if (N == 0 || L == 0) return y;
+    if (N == 0 || L == 0) return at::zeros_like(x);
 #ifdef MOERL_HAVE_GROUPED_MM
     if (use_grouped_mm(x, w, gate)) {
         try {
@@ -186,29 +260,24 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at:
         }
     }
 #endif
-    // Every (token, slot) with an expert, grouped by expert: slot s is token s / K.
-    at::Tensor flat = idx.reshape({-1});
-    at::Tensor slots = (flat >= 0).nonzero().squeeze(1);
-    if (slots.numel() == 0) return y;
-    auto sorted = at::sort(flat.index_select(0, slots), /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    at::Tensor experts = std::get<0>(sorted);
-    slots = slots.index_select(0, std::get<1>(sorted));
-    at::Tensor counts = at::bincount(experts, {}, L).cpu();
-    MOERL_CHECK(counts.size(0) == L, "experts_forward: expert id ", counts.size(0) - 1, " >= local experts ",
-                L);
-    at::Tensor rows = at::div(slots, K, "floor");
-    at::Tensor xs = x.index_select(0, rows);
-
-    std::vector<at::Tensor> gates = gate.unbind(0), ups = up.unbind(0), downs = down.unbind(0);
+    // Every (token, slot) grouped by expert, slots without one last; counts go to the host.
+    auto sorted = at::sort(expert_keys(idx, L), /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    at::Tensor counts = at::bincount(std::get<0>(sorted), {}, L + 2).cpu();
+    MOERL_CHECK(counts[L + 1].item<int64_t>() == 0, "experts_forward: an expert id is >= the ", L,
+                " local experts");
+    std::vector<int64_t> sizes(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + L + 1);
+    if (sizes[L] == N * K) return at::zeros_like(x);
+    const SlotOrder slots = slot_order(std::get<1>(sorted), K);
     // One split (its backward is one cat): a narrow per expert would give each a backward that
-    // writes a zero gradient the size of all of xs, L times over.
-    std::vector<int64_t> sizes(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + L);
-    std::vector<at::Tensor> parts = at::split_with_sizes(xs, sizes, 0);
+    // writes a zero gradient the size of all slots, L times over.
+    std::vector<at::Tensor> parts = at::split_with_sizes(ToSlots::apply(x, slots), sizes, 0);
+    std::vector<at::Tensor> gates = gate.unbind(0), ups = up.unbind(0), downs = down.unbind(0);
     std::vector<at::Tensor> outs;
     for (int64_t e = 0; e < L; ++e)
         if (sizes[e] > 0) outs.push_back(swiglu(parts[e], gates[e], ups[e], downs[e]));
-    at::Tensor weights = w.reshape({-1}).index_select(0, slots).to(x.scalar_type()).unsqueeze(1);
-    return y.index_add(0, rows, at::cat(outs, 0) * weights);
+    if (sizes[L] > 0) outs.push_back(at::zeros({sizes[L], x.size(1)}, x.options()));  // no expert
+    at::Tensor weights = w.reshape({-1}).index_select(0, slots.order).to(x.scalar_type()).unsqueeze(1);
+    return FromSlots::apply(at::cat(outs, 0) * weights, slots);
 }
 
 void LoadBalanceLoss::add_layer(const Routing& routing) {

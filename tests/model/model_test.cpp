@@ -78,6 +78,36 @@ TEST(Layers, MaskedTokensUseNoExpert) {
     EXPECT_GT(y[0].abs().sum().item<double>(), 0.0);
 }
 
+TEST(Layers, MaskedTokensGetNoGradientAndLeaveTheRestAlone) {
+    at::manual_seed(5);
+    const int64_t H = 8, I = 6, E = 4;
+    at::Tensor x = randn({5, H}).requires_grad_(true), router = randn({E, H});
+    at::Tensor gate = randn({E, I, H}, 0.3).requires_grad_(true);
+    at::Tensor up = randn({E, I, H}, 0.3), down = randn({E, H, I}, 0.3);
+    at::Tensor probe = randn({5, H});
+    at::Tensor valid = at::tensor({1, 0, 1, 1, 0}).to(at::kBool);
+    at::Tensor y = moe_forward(x, route(x, router, 2, false, valid), gate, up, down, nullptr);
+    auto g = torch::autograd::grad({(y * probe).sum()}, {x, gate});
+    EXPECT_EQ(g[0][1].abs().sum().item<double>(), 0.0);
+    EXPECT_EQ(g[0][4].abs().sum().item<double>(), 0.0);
+    // The valid tokens alone give the same output and expert gradient.
+    at::Tensor keep = at::tensor({0, 2, 3});
+    at::Tensor xs = x.detach().index_select(0, keep).requires_grad_(true);
+    at::Tensor ys = moe_forward(xs, route(xs, router, 2, false), gate, up, down, nullptr);
+    EXPECT_CLOSE(y.index_select(0, keep), ys, kTol);
+    auto gs = torch::autograd::grad({(ys * probe.index_select(0, keep)).sum()}, {xs, gate});
+    EXPECT_CLOSE(g[0].index_select(0, keep), gs[0], kTol);
+    EXPECT_CLOSE(g[1], gs[1], kTol);
+}
+
+TEST(Layers, ExpertIdOutOfRangeIsAnError) {
+    at::Tensor x = randn({3, 8});
+    at::Tensor idx = at::tensor({0, 1, 2, 4, -1, 3}).view({3, 2});  // 4 experts: id 4 is out of range
+    at::Tensor w = at::full({3, 2}, 0.5);
+    EXPECT_THAT(error_of([&] { experts_forward(x, idx, w, randn({4, 6, 8}), randn({4, 6, 8}), randn({4, 8, 6})); }),
+                HasSubstr("expert id is >= the 4 local experts"));
+}
+
 TEST(Layers, LoadBalanceLossMatchesHfFormula) {
     at::manual_seed(5);
     const int64_t T = 10, E = 4, K = 2;
