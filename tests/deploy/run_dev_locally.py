@@ -363,6 +363,23 @@ def main():
             stdout=open(os.path.join(work, "s3rver.log"), "w"), stderr=subprocess.STDOUT))
         wait_until("s3rver answering", 30, lambda: get(f"http://127.0.0.1:{s3_port}/")[0] is not None)
 
+        # A rollout pod before any policy is published: alive, not ready (503), and it drains on SIGTERM.
+        early = cluster.start("Deployment", "rollout", "rollout-local-0")
+        early_port = cluster.procs["rollout-local-0"][4]["MOERL_HEALTH_PORT"]
+        rc = cluster.procs["rollout-local-0"][2]
+        wait_until("rollout-local-0 serving its probes", 30,
+                   lambda: get(f"http://127.0.0.1:{early_port}{rc['livenessProbe']['httpGet']['path']}")[0] == 200)
+        for _ in range(10):
+            status, body = get(f"http://127.0.0.1:{early_port}{rc['readinessProbe']['httpGet']['path']}")
+            if status != 503:
+                fail(f"rollout-local-0 has no policy to load, but its readiness probe answered {status}: {body}")
+            time.sleep(0.1)
+        code, _ = cluster.interrupt("rollout-local-0")
+        if code != 0:
+            fail(f"rollout-local-0, never ready, exited with {code} on SIGTERM")
+        del cluster.procs["rollout-local-0"]
+        print("readiness: a rollout pod without a policy answers 503 for 1 s, and exits 0 on SIGTERM")
+
         audit = os.path.join(work, "audit.jsonl")
         cluster.start("StatefulSet", "trainer", "trainer-0", extra_args=(), patch=lambda argv: argv[:-1] + ["--audit", audit, argv[-1]])
         cluster.start("Deployment", "env", "env-local-1")
@@ -385,6 +402,20 @@ def main():
         # Two rollout pods (the desired count), as KEDA would scale the Deployment.
         cluster.start("Deployment", "rollout", "rollout-local-1")
         cluster.start("Deployment", "rollout", "rollout-local-2")
+        # rollout-local-2's readiness from its start: no answer or 503 until it holds a policy, then 200.
+        ready_port = cluster.procs["rollout-local-2"][4]["MOERL_HEALTH_PORT"]
+        ready_path = cluster.procs["rollout-local-2"][2]["readinessProbe"]["httpGet"]["path"]
+        seen = []
+
+        def ready():
+            status, _ = get(f"http://127.0.0.1:{ready_port}{ready_path}")
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            return status == 200
+        wait_until("rollout-local-2 ready", 120, lambda: cluster.alive("rollout-local-2") and ready(), interval=0.02)
+        if any(st not in (None, 503) for st in seen[:-1]):
+            fail(f"rollout-local-2's readiness went {seen} before it was ready")
+        print(f"readiness: rollout-local-2 went {' -> '.join(str(st or 'no answer') for st in seen)}")
 
         def steps_done():
             if not os.path.exists(audit):
