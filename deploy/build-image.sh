@@ -90,8 +90,13 @@ if [[ -n $ccache_dir ]]; then
 fi
 
 start=$SECONDS
-$engine build "${run_flags[@]}" "${build_args[@]}" -f "$file" -t "$tag" . 2>&1 | tee "$work/build.log" | grep -E '^(STEP|\[[0-9]|#[0-9]+ \[)' || true
-[[ ${PIPESTATUS[0]} -eq 0 ]] || { tail -30 "$work/build.log"; echo "build-image: build failed (log: $work/build.log)" >&2; exit 1; }
+# pipefail: the pipeline fails with the build (the step filter alone never fails it).
+if ! $engine build "${run_flags[@]}" "${build_args[@]}" -f "$file" -t "$tag" . 2>&1 | tee "$work/build.log" |
+    { grep -E '^(STEP|\[[0-9]|#[0-9]+ \[)' || true; }; then
+    tail -30 "$work/build.log"
+    echo "build-image: build failed (log: $work/build.log)" >&2
+    exit 1
+fi
 echo "build-image: $tag built in $((SECONDS - start)) s"
 $engine image inspect "$tag" --format '{{.Size}}' 2>/dev/null | awk '{printf "build-image: image size %.0f MB\n", $1 / 1e6}' || true
 
