@@ -343,8 +343,9 @@ void register_bench_rl(CLI::App& bench) {
         cmd->add_option("--dtype", a->dtype, "fp32 or bf16: overrides train.dtype");
         cmd->add_option("--peak-tflops", a->peak_tflops,
                         "The GPU's dense bf16 peak for MFU (default 989, H200)");
-        cmd->add_option("--trace", a->trace,
-                        "After the steps, one more update traced by LibTorch's profiler into this Chrome trace");
+        cmd->add_option(
+            "--trace", a->trace,
+            "After the steps, one more update traced by LibTorch's profiler into this Chrome trace");
         cmd->callback([a] { bench_train(*a); });
     }
     auto a = std::make_shared<RlBenchArgs>();

@@ -20,6 +20,7 @@
 #include "moerl/control/control.hpp"
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/log.hpp"
 #include "moerl/model/reward_model.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/run.hpp"
@@ -125,6 +126,8 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
         log_line(who, "health server on port " + std::to_string(health->port()));
     }
 #endif
+    // The libraries' own lines (e.g. the Redis client reconnecting) get the timestamp and role too.
+    moerl::set_log_sink([who](const std::string& text) { log_line(who, text); });
     log_line(who, "role " + a.role + ", run " + run_id + ", store " + cfg.store_uri() + ", pid " +
                       std::to_string(::getpid()));
     log_line(who, "connecting to the control plane (Redis; the URL's retry_ms bounds the wait)");

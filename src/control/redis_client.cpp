@@ -4,12 +4,12 @@
 
 #include <algorithm>
 #include <charconv>
-#include <cstdio>
 #include <fstream>
 #include <thread>
 
 #include "digest.hpp"
 #include "moerl/core/env.hpp"
+#include "moerl/core/log.hpp"
 #include "uri_settings.hpp"
 
 namespace moerl::control::redis {
@@ -248,8 +248,8 @@ void Client::connect_locked() {
                 }
                 ++generation_;
                 if (attempts > 1)
-                    std::fprintf(stderr, "moerl: redis %s reachable again after %d connection attempts\n",
-                                 url_.c_str(), attempts);
+                    log_line("redis " + url_ + " reachable again after " + std::to_string(attempts) +
+                             " connection attempts");
                 if (on_connect_ && !in_on_connect_) run_on_connect_locked();
                 return;
             } catch (const moerl::Error&) {
@@ -261,9 +261,8 @@ void Client::connect_locked() {
         }
         disconnect_locked();
         if (attempts == 1)
-            std::fprintf(stderr, "moerl: redis %s unreachable (%s); retrying for up to %lld ms (retry_ms)\n",
-                         url_.c_str(), last_error.c_str(),
-                         static_cast<long long>(options_.retry_budget.count()));
+            log_line("redis " + url_ + " unreachable (" + last_error + "); retrying for up to " +
+                     std::to_string(options_.retry_budget.count()) + " ms (retry_ms)");
         auto now = Clock::now();
         MOERL_CHECK(now < deadline, "redis server ", address_.host, ":", address_.port, " (", url_,
                     ") is unreachable: ", last_error, " after ", attempts, " connection attempts in ",

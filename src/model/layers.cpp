@@ -8,9 +8,9 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdio>
 
 #include "moerl/core/error.hpp"
+#include "moerl/core/log.hpp"
 
 // Grouped GEMM (one kernel per projection for all experts, no host sync) from LibTorch 2.8 on.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
@@ -109,8 +109,9 @@ bool grouped_mm_has_backward(const at::Device& device) {
             (out * at::ones_like(out)).sum().backward();
             return a.grad().defined() && b.grad().defined();
         } catch (const c10::Error& e) {
-            std::fprintf(stderr, "moerl: the grouped GEMM has no backward here, training uses the per-expert loop: %s\n",
-                         e.what_without_backtrace());
+            log_line(
+                std::string("the grouped GEMM has no backward here, training uses the per-expert loop: ") +
+                e.what_without_backtrace());
             return false;
         }
     }();
@@ -255,8 +256,8 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at:
             return experts_grouped(x, idx, w, gate, up, down);
         } catch (const c10::Error& e) {
             grouped_mm_failed = true;  // e.g. an architecture the kernel does not support
-            std::fprintf(stderr, "moerl: grouped GEMM unavailable, using the per-expert loop: %s\n",
-                         e.what_without_backtrace());
+            log_line(std::string("grouped GEMM unavailable, using the per-expert loop: ") +
+                     e.what_without_backtrace());
         }
     }
 #endif

@@ -12,6 +12,7 @@
 #include "dist_util.hpp"
 #include "moerl/control/control.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/log.hpp"
 #ifdef MOERL_HAVE_REDIS
 #include "redis_client.hpp"
 #endif
@@ -395,13 +396,25 @@ TEST(RedisClient, ReconnectsAfterARestartAndFailsClearlyWhenTheServerStaysAway) 
     r->publish(1, "u1");
 
     server.stop();
-    // Restarted within the retry budget: the command goes through.
+    // Restarted within the retry budget: the command goes through, and the client says so through
+    // the program's log sink (the password masked).
+    std::vector<std::string> lines;
+    std::mutex lines_mutex;
+    moerl::set_log_sink([&](const std::string& text) {
+        std::lock_guard lock(lines_mutex);
+        lines.push_back(text);
+    });
     std::thread restart([&] {
         std::this_thread::sleep_for(700ms);
         server.start(argv, port, dir / "redis.log");
     });
     EXPECT_FALSE(r->latest());  // waited for the server; it lost its data again
     restart.join();
+    moerl::set_log_sink({});
+    ASSERT_EQ(lines.size(), 2u) << ::testing::PrintToString(lines);
+    EXPECT_NE(lines[0].find("unreachable"), std::string::npos) << lines[0];
+    EXPECT_NE(lines[1].find("reachable again after"), std::string::npos) << lines[1];
+    for (const auto& l : lines) EXPECT_EQ(l.find("secret"), std::string::npos) << l;
 
     server.stop();
     auto start = std::chrono::steady_clock::now();

@@ -104,7 +104,9 @@ TEST(Layers, ExpertIdOutOfRangeIsAnError) {
     at::Tensor x = randn({3, 8});
     at::Tensor idx = at::tensor({0, 1, 2, 4, -1, 3}).view({3, 2});  // 4 experts: id 4 is out of range
     at::Tensor w = at::full({3, 2}, 0.5);
-    EXPECT_THAT(error_of([&] { experts_forward(x, idx, w, randn({4, 6, 8}), randn({4, 6, 8}), randn({4, 8, 6})); }),
+    EXPECT_THAT(error_of([&] {
+                    experts_forward(x, idx, w, randn({4, 6, 8}), randn({4, 6, 8}), randn({4, 8, 6}));
+                }),
                 HasSubstr("expert id is >= the 4 local experts"));
 }
 
