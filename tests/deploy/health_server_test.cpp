@@ -144,6 +144,8 @@ TEST(HealthServer, ScrapesWhileTheRoleCounts) {
     std::thread worker([&] {
         while (!quit.load()) steps.add();
     });
+    // Scrapes start once the worker has run (on a loaded machine it may start late).
+    while (metrics.value("moerl_train_steps_total").value_or(0) == 0) std::this_thread::yield();
     double last = -1;
     for (int i = 0; i < 20; ++i) {
         auto r = get(server.port(), "/metrics");
