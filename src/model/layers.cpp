@@ -27,25 +27,25 @@ using torch::autograd::variable_list;
 // order[j], whose token is rows[j] = order[j] / K; inverse[s] is the position of slot s. The two
 // moves between token rows and expert-ordered slot rows are each other's backward, and both are
 // gathers: no atomic scatter-add (index_add) in either direction.
+// keys[j] is slot order[j]'s sort key: its expert id, L for a slot without one (-1), L + 1 for an
+// id out of range (the callers check for it).
 struct SlotOrder {
-    at::Tensor order, rows, inverse;
+    at::Tensor keys, order, rows, inverse;
     int64_t K = 1;
 };
 
-// Sort keys of the slots of idx [T, K]: the expert id, L for a slot without one (-1), L + 1 for
-// an id out of range (checked by the caller).
-at::Tensor expert_keys(const at::Tensor& idx, int64_t L) {
+// The slots of idx [T, K] (ids of L local experts or -1) sorted by expert, stable.
+SlotOrder sort_slots(const at::Tensor& idx, int64_t L) {
     at::Tensor flat = idx.reshape({-1});
     at::Tensor key = at::where(flat >= L, at::full({}, L + 1, flat.options()), flat);
-    return at::where(flat < 0, at::full({}, L, flat.options()), key);
-}
-
-SlotOrder slot_order(const at::Tensor& order, int64_t K) {
+    key = at::where(flat < 0, at::full({}, L, flat.options()), key);
+    auto sorted = at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     SlotOrder o;
-    o.order = order;
-    o.rows = at::div(order, K, "floor");
-    o.inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
-    o.K = K;
+    o.keys = std::get<0>(sorted);
+    o.order = std::get<1>(sorted);
+    o.rows = at::div(o.order, idx.size(1), "floor");
+    o.inverse = at::empty_like(o.order).scatter_(0, o.order, at::arange(o.order.numel(), o.order.options()));
+    o.K = idx.size(1);
     return o;
 }
 
@@ -90,6 +90,13 @@ struct FromSlots : torch::autograd::Function<FromSlots> {
     }
 };
 
+// y[t] = sum over t's slots s of w[s] * out[s], for the expert outputs `out` [T*K, H] in expert
+// order and the routing weights w [T, K] fp32.
+at::Tensor combine_slots(const at::Tensor& out, const at::Tensor& w, const SlotOrder& o) {
+    at::Tensor weights = w.reshape({-1}).index_select(0, o.order).to(out.scalar_type()).unsqueeze(1);
+    return FromSlots::apply(out * weights, o);
+}
+
 #ifdef MOERL_HAVE_GROUPED_MM
 std::atomic<bool> grouped_mm_failed{false};
 
@@ -132,10 +139,9 @@ bool use_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 // grouped GEMM per projection.
 at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                            const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
-    const int64_t K = idx.size(1), L = gate.size(0);
-    auto sorted = at::sort(expert_keys(idx, L), /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    at::Tensor keys = std::get<0>(sorted);
-    const SlotOrder slots = slot_order(std::get<1>(sorted), K);
+    const int64_t L = gate.size(0);
+    const SlotOrder slots = sort_slots(idx, L);
+    const at::Tensor& keys = slots.keys;
     at::Tensor offsets = at::bincount(keys, {}, L + 1).narrow(0, 0, L).cumsum(0).to(at::kInt);
     // Whether every slot has an expert here (sorted: the last key is the largest). Otherwise the
     // grouped GEMM leaves the rows past the last offset unwritten, in its output and in its
@@ -151,8 +157,7 @@ at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at:
     at::Tensor u = at::_grouped_mm(xs, up.transpose(-2, -1), offsets);
     at::Tensor o = at::_grouped_mm(at::silu(g) * u, down.transpose(-2, -1), offsets);
     if (!all_routed) o = at::where(with_expert, o, zero);
-    at::Tensor weights = w.reshape({-1}).index_select(0, slots.order).to(x.scalar_type()).unsqueeze(1);
-    return FromSlots::apply(o * weights, slots);
+    return combine_slots(o, w, slots);
 }
 #endif
 
@@ -262,13 +267,12 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at:
     }
 #endif
     // Every (token, slot) grouped by expert, slots without one last; counts go to the host.
-    auto sorted = at::sort(expert_keys(idx, L), /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    at::Tensor counts = at::bincount(std::get<0>(sorted), {}, L + 2).cpu();
-    MOERL_CHECK(counts[L + 1].item<int64_t>() == 0, "experts_forward: an expert id is >= the ", L,
-                " local experts");
-    std::vector<int64_t> sizes(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + L + 1);
+    const SlotOrder slots = sort_slots(idx, L);
+    at::Tensor counts = at::bincount(slots.keys, {}, L + 2).cpu();
+    std::vector<int64_t> sizes(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + L + 2);
+    MOERL_CHECK(sizes[L + 1] == 0, "experts_forward: an expert id is >= the ", L, " local experts");
+    sizes.pop_back();
     if (sizes[L] == N * K) return at::zeros_like(x);
-    const SlotOrder slots = slot_order(std::get<1>(sorted), K);
     // One split (its backward is one cat): a narrow per expert would give each a backward that
     // writes a zero gradient the size of all slots, L times over.
     std::vector<at::Tensor> parts = at::split_with_sizes(ToSlots::apply(x, slots), sizes, 0);
@@ -277,8 +281,7 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at:
     for (int64_t e = 0; e < L; ++e)
         if (sizes[e] > 0) outs.push_back(swiglu(parts[e], gates[e], ups[e], downs[e]));
     if (sizes[L] > 0) outs.push_back(at::zeros({sizes[L], x.size(1)}, x.options()));  // no expert
-    at::Tensor weights = w.reshape({-1}).index_select(0, slots.order).to(x.scalar_type()).unsqueeze(1);
-    return FromSlots::apply(at::cat(outs, 0) * weights, slots);
+    return combine_slots(at::cat(outs, 0), w, slots);
 }
 
 void LoadBalanceLoss::add_layer(const Routing& routing) {
