@@ -19,11 +19,11 @@
 #include <cuda_runtime.h>
 #endif
 
-#include "c10d_store.hpp"
 #include "commands.hpp"
 #include "launch.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
+#include "moerl/ep/c10d_store.hpp"
 
 namespace moerl::cli {
 
@@ -71,7 +71,7 @@ double median(std::vector<double> v) {
 Json run_rank(const BenchOpts& o, const std::string& transport, const BenchCase& bc, bool fp8, int world,
               int rank, int port) {
     auto tcp = connect_local_store(port, world, std::chrono::seconds(120));
-    C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep", tcp));
+    ep::C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep", tcp));
 
     ep::Config c;
     c.world_size = world;

@@ -21,11 +21,11 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "bench_util.hpp"
-#include "c10d_store.hpp"
 #include "commands.hpp"
 #include "launch.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
+#include "moerl/ep/c10d_store.hpp"
 #include "moerl/model/config.hpp"
 #include "moerl/model/generator.hpp"
 #include "moerl/model/model.hpp"
@@ -241,7 +241,7 @@ void bench_cuda(const RolloutArgs& a) {
 nlohmann::json ep_rollout_rank(const RolloutArgs& a, const model::ModelConfig& c,
                                const std::string& transport, int world, int rank, int port) {
     auto tcp = connect_local_store(port, world, std::chrono::seconds(300));
-    C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep-rollout", tcp));
+    ep::C10dStore store(c10::make_intrusive<c10d::PrefixStore>("ep-rollout", tcp));
     const int max_batch = *std::max_element(a.batches.begin(), a.batches.end());
     // On CUDA: bf16, rank r on GPU r mod count. On the CPU (host or fabric transport): fp32.
     const bool on_gpu = a.device.rfind("cuda", 0) == 0;

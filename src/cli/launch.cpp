@@ -14,9 +14,9 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "c10d_store.hpp"
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/ep/c10d_store.hpp"
 
 namespace moerl::cli {
 
@@ -49,7 +49,7 @@ std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s) 
     o.waitWorkers = false;
     o.timeout = std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
     try {
-        return std::make_unique<C10dStore>(c10::make_intrusive<c10d::TCPStore>(env.master_addr, o));
+        return std::make_unique<ep::C10dStore>(c10::make_intrusive<c10d::TCPStore>(env.master_addr, o));
     } catch (const std::exception& e) {
         MOERL_FAIL("cannot reach the rendezvous store at ", env.master_addr, ":", env.master_port, ": ",
                    e.what());

@@ -503,7 +503,13 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     section(
-        "ranks", source, [&](Section& s) { s.integer("ep", 1, 64, c.ep_ranks); }, top);
+        "ranks", source,
+        [&](Section& s) {
+            s.integer("ep", 1, 64, c.ep_ranks);
+            s.integer("train", 1, 64, c.train_ranks);
+            s.string("transport", c.train_ep_transport);
+        },
+        top);
     section(
         "control", source,
         [&](Section& s) {
@@ -584,8 +590,25 @@ void RunConfig::validate() const {
     MOERL_CHECK(int64_t{prompts_per_step} * group_size >= ep_ranks, s, ": ranks.ep: ", ep_ranks,
                 " ranks need at least one sample each, but train.prompts_per_step x train.group_size = ",
                 int64_t{prompts_per_step} * group_size);
-    MOERL_CHECK(train_device != "cuda" || ep_ranks == 1, s,
-                ": train.device: cuda trains on one GPU, so ranks.ep must be 1 (got ", ep_ranks, ")");
+    MOERL_CHECK(train_ranks == 1 || ep_ranks == train_ranks, s, ": ranks.train: ", train_ranks,
+                " processes hold one expert-parallel rank each, so ranks.ep must be ", train_ranks,
+                " too (got ", ep_ranks, ")");
+    MOERL_CHECK(train_device != "cuda" || ep_ranks == 1 || train_ranks > 1, s,
+                ": train.device: cuda runs one rank per process, so ranks.ep must be 1 (got ", ep_ranks,
+                "), or set ranks.train to ", ep_ranks, " processes");
+    if (!train_ep_transport.empty()) {
+        MOERL_CHECK(train_ranks > 1, s, ": ranks.transport: ", train_ep_transport,
+                    " moves tokens between the trainer's processes, but ranks.train is 1");
+        const std::string& t = train_ep_transport;
+        const bool known = t == "host" || t == "cuda" || t.rfind("fabric/", 0) == 0;
+        MOERL_CHECK(known, s,
+                    ": ranks.transport: expected host, cuda or fabric/<provider> (fabric/tcp), got '", t,
+                    "'");
+        MOERL_CHECK((t == "cuda") == (train_device == "cuda"), s, ": ranks.transport: ", t,
+                    train_device == "cuda"
+                        ? " cannot move the GPU trainer's tokens: use cuda"
+                        : " needs train.device: cuda; the CPU trainer uses host or fabric/<provider>");
+    }
     MOERL_CHECK(sampling.top_k <= m.vocab_size, s, ": rollout.top_k: ", sampling.top_k,
                 " exceeds the vocabulary (", m.vocab_size, ")");
     MOERL_CHECK(lr_schedule == "constant" || lr_schedule == "cosine", s,

@@ -1,12 +1,12 @@
 #include "moerl/rl/trainer.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
 #include <torch/version.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -16,13 +16,16 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
+#include "moerl/ep/c10d_store.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/model/safetensors.hpp"
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/rollout.hpp"
+#include "trainer_ranks.hpp"
 
 // AdamW as one fused CUDA kernel from LibTorch 2.1 on.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
@@ -149,6 +152,29 @@ struct RankSums {
     double weighted_tokens = 0;              // response tokens behind the weighted means
     double diff_sum = 0;                     // sum of |behaviour - trainer| log-prob over response tokens
     double ratio_sum = 0, ratio_sq_sum = 0;  // exp(trainer - behaviour) and its square
+
+    // As one fp64 tensor (summed over ranks), and back.
+    at::Tensor pack() const {
+        const TrainStats& t = stats;
+        return at::tensor(
+            std::vector<double>{t.loss, t.aux_loss, t.clip_fraction, t.mean_ratio, t.mean_is_weight,
+                                t.truncated_fraction, t.kl, static_cast<double>(t.num_tokens),
+                                static_cast<double>(t.total_tokens), weighted_tokens, diff_sum, ratio_sum,
+                                ratio_sq_sum},
+            at::kDouble);
+    }
+    static RankSums unpack(const at::Tensor& packed) {
+        const at::Tensor h = packed.to(at::kCPU, at::kDouble).contiguous();
+        const double* v = h.data_ptr<double>();
+        RankSums s;
+        TrainStats& t = s.stats;
+        t.loss = v[0], t.aux_loss = v[1], t.clip_fraction = v[2], t.mean_ratio = v[3],
+        t.mean_is_weight = v[4];
+        t.truncated_fraction = v[5], t.kl = v[6];
+        t.num_tokens = std::llround(v[7]), t.total_tokens = std::llround(v[8]);
+        s.weighted_tokens = v[9], s.diff_sum = v[10], s.ratio_sum = v[11], s.ratio_sq_sum = v[12];
+        return s;
+    }
 };
 
 struct PolicyTrainer::Impl {
@@ -163,25 +189,27 @@ struct PolicyTrainer::Impl {
         std::vector<at::Tensor> m, v;               // fp32 moments
     };
     RunConfig cfg;
-    int W = 1;
+    int W = 1;               // ranks in all
+    int first_rank = 0;      // the rank of ranks[0]: this process's rank under `processes`
+    bool processes = false;  // one rank per process (procs); else W threads here
+    TrainerProcesses procs;
+    std::unique_ptr<detail::TrainerRanks> group;
+    int64_t calls = 0;  // rank 0's calls carried to the other processes
     at::Device device = at::kCPU;
     at::ScalarType dtype = at::kFloat;
     std::string store_dir;
-    std::vector<Rank> ranks;
+    std::vector<Rank> ranks;  // this process's
     int64_t step = 0;
-    std::unique_ptr<std::barrier<>> barrier;
-    std::vector<at::Tensor> grad_slots;  // [W] flat dense gradients
-    std::vector<double> sq_slots;        // [W] squared expert-gradient norms
-    std::vector<RankSums> sum_slots;     // [W]
-    std::vector<double> norm_slots;      // [W] gradient norm of the first epoch
+    RankSums total;         // every rank's sums of the last update
+    double first_norm = 0;  // gradient norm of the last update's first epoch
 
-    // Runs fn(r) on W threads and rethrows the first failure.
+    // Runs fn(r) for each rank of this process (threads when several), rethrows the first failure.
     void on_ranks(const std::function<void(int)>& fn) {
-        if (W == 1) return fn(0);
+        if (ranks.size() == 1) return fn(0);
         std::mutex mu;
         std::exception_ptr failure;
         std::vector<std::thread> threads;
-        for (int r = 0; r < W; ++r) {
+        for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
             threads.emplace_back([&, r] {
                 try {
                     fn(r);
@@ -211,18 +239,24 @@ struct PolicyTrainer::Impl {
         opts.device = device;
         opts.dtype = dtype;
         if (W > 1) {
-            k.store = ep::make_file_store(store_dir);
+            if (processes) {
+                k.store = std::make_unique<ep::C10dStore>(
+                    c10::make_intrusive<c10d::PrefixStore>("trainer-ep", procs.store));
+            } else {
+                k.store = ep::make_file_store(store_dir);
+            }
             ep::Config ec;
             ec.world_size = W;
-            ec.rank = r;
+            ec.rank = first_rank + r;
             ec.num_experts = cfg.model.num_experts;
             ec.hidden = cfg.model.hidden_size;
             ec.top_k = cfg.model.num_experts_per_tok;
             ec.max_tokens_per_rank = max_tokens;
             ec.dtype = dtype == at::kBFloat16 ? ep::DType::kBFloat16 : ep::DType::kFloat32;
-            ec.transport = "host";
+            ec.set_transport(processes ? procs.ep_transport : "host");
+            if (device.is_cuda()) ec.device = device.index();
             ec.job_id = job;
-            ec.timeout_s = 120;
+            ec.timeout_s = processes ? procs.timeout_s : 120;
             k.buffer = std::make_unique<ep::Buffer>(ec, k.store.get());
             opts.ep = k.buffer.get();
         }
@@ -341,7 +375,7 @@ struct PolicyTrainer::Impl {
             }
             const double grad_norm = step_optimizer(r, epoch);
             if (epoch == 0) {
-                norm_slots[r] = grad_norm;  // the gradient of the logged loss
+                if (r == 0) first_norm = grad_norm;  // the gradient of the logged loss
                 sums.weighted_tokens = weighted;
             }
             // The last epoch's clip fraction is the informative one.
@@ -349,7 +383,9 @@ struct PolicyTrainer::Impl {
         }
         for (auto& b : batches)
             sums.stats.num_tokens += b.num_tokens, sums.stats.total_tokens += b.total_tokens;
-        sum_slots[r] = sums;
+        at::Tensor every_rank = sums.pack();
+        if (W > 1) group->sum(r, every_rank);
+        if (r == 0) total = RankSums::unpack(every_rank);
     }
 
     // Sums dense gradients across ranks, clips by the global norm, applies AdamW (to the fp32
@@ -377,15 +413,10 @@ struct PolicyTrainer::Impl {
             expert_sq = at::stack(norms).pow(2).sum().item<double>();  // one sync for all
         }
         if (W > 1) {
-            grad_slots[r] = flat;
-            sq_slots[r] = expert_sq;
-            barrier->arrive_and_wait();
-            at::Tensor sum = grad_slots[0].clone();
-            for (int q = 1; q < W; ++q) sum.add_(grad_slots[q]);
-            expert_sq = 0;
-            for (int q = 0; q < W; ++q) expert_sq += sq_slots[q];
-            barrier->arrive_and_wait();  // every rank has read the slots
-            flat = sum;
+            group->sum(r, flat);
+            at::Tensor sq = at::full({1}, expert_sq, at::kDouble);
+            group->sum(r, sq);
+            expert_sq = sq.item<double>();
         }
         const double norm = std::sqrt(flat.pow(2).sum().item<double>() + expert_sq);
         const double scale =
@@ -416,7 +447,7 @@ struct PolicyTrainer::Impl {
                               cfg.weight_decay, cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false);
             k.model->zero_grad();
             copy_master(k);
-            if (W > 1) barrier->arrive_and_wait();
+            if (W > 1) group->barrier(r);
             return norm;
         }
 #endif
@@ -431,34 +462,219 @@ struct PolicyTrainer::Impl {
         }
         k.model->zero_grad();
         copy_master(k);
-        if (W > 1) barrier->arrive_and_wait();
+        if (W > 1) group->barrier(r);
         return norm;
     }
     int64_t step_count_for_update = 0;  // optimizer steps before the current update
     double lr = 0;                      // learning rate of the current update (schedule)
+
+    // ---- the update, saves and loads, on every rank of this process ----
+    TrainStats update_here(const std::vector<ExperienceRecord>& batch,
+                           const std::vector<double>& advantages) {
+        MOERL_CHECK(batch.size() == advantages.size(), "update: ", batch.size(), " samples but ",
+                    advantages.size(), " advantages");
+        MOERL_CHECK(static_cast<int>(batch.size()) >= W, "update: ", batch.size(), " samples cannot feed ", W,
+                    " ranks");
+        int64_t global_tokens = 0;
+        for (const auto& e : batch) global_tokens += static_cast<int64_t>(e.trajectory.tokens.size());
+        std::vector<std::vector<const ExperienceRecord*>> parts(W);
+        std::vector<std::vector<double>> adv(W);
+        for (size_t i = 0; i < batch.size(); ++i) {
+            parts[i % W].push_back(&batch[i]);
+            adv[i % W].push_back(advantages[i]);
+        }
+        // Micro-batches: every rank runs the same number (the MoE layers are collective).
+        std::vector<std::vector<std::vector<size_t>>> micro(W);
+        if (cfg.micro_batch_tokens <= 0) {
+            for (int r = 0; r < W; ++r) {
+                micro[r].emplace_back(parts[r].size());
+                for (size_t i = 0; i < parts[r].size(); ++i) micro[r][0][i] = i;
+            }
+        } else {
+            std::vector<std::vector<int64_t>> lengths(W);
+            size_t most = 0, fewest_samples = SIZE_MAX;
+            for (int r = 0; r < W; ++r) {
+                for (auto* e : parts[r])
+                    lengths[r].push_back(
+                        static_cast<int64_t>(e->task.prompt_tokens.size() + e->trajectory.tokens.size()));
+                micro[r] = pack_first_fit(lengths[r], cfg.micro_batch_tokens);
+                most = std::max(most, micro[r].size());
+                fewest_samples = std::min(fewest_samples, parts[r].size());
+            }
+            const size_t count = std::min(most, fewest_samples);
+            for (int r = 0; r < W; ++r)
+                if (micro[r].size() != count) micro[r] = pack_balanced(lengths[r], count);
+        }
+        lr = cfg.lr_at(step_count_for_update / cfg.ppo_epochs);
+        on_ranks([&](int r) {
+            const int g = first_rank + r;
+            rank_update(r, parts[g], adv[g], micro[g], std::max<int64_t>(1, global_tokens));
+        });
+        const RankSums& s = total;
+        TrainStats t = s.stats;  // the loss: each rank's is already divided by the global count
+        t.aux_loss /= W;
+        const double w = std::max(1.0, s.weighted_tokens);
+        t.clip_fraction /= w;
+        t.mean_ratio /= w;
+        t.mean_is_weight /= w;
+        t.truncated_fraction /= w;
+        t.kl /= w;
+        const double tokens = std::max<double>(1.0, static_cast<double>(t.num_tokens));
+        t.logprob_diff = s.diff_sum / tokens;
+        const double mean_ratio = s.ratio_sum / tokens;
+        t.behaviour_ratio_std = std::sqrt(std::max(0.0, s.ratio_sq_sum / tokens - mean_ratio * mean_ratio));
+        t.grad_norm = first_norm;
+        t.lr = lr;
+        step_count_for_update += cfg.ppo_epochs;
+        step = step_count_for_update;
+        return t;
+    }
+
+    void save_weights_here(const std::string& dir) {
+        on_ranks([&](int r) { owner(ranks[r]).save_pretrained(dir, 0, "float32"); });
+        if (processes) group->barrier(0);  // every rank's shard is written when rank 0 returns
+    }
+
+    void save_optimizer_here(const std::string& dir) {
+        fs::create_directories(dir);
+        on_ranks([&](int r) {
+            auto& k = ranks[r];
+            std::vector<model::TensorBytes> tensors;
+            std::vector<at::Tensor> keep;
+            for (size_t i = 0; i < k.params.size(); ++i) {
+                for (int which = 0; which < 2; ++which) {
+                    at::Tensor t = (which == 0 ? k.m[i] : k.v[i]).to(at::kCPU, at::kFloat).contiguous();
+                    keep.push_back(t);
+                    tensors.push_back({(which == 0 ? "exp_avg." : "exp_avg_sq.") + k.params[i].name,
+                                       model::StDType::kF32,
+                                       std::vector<int64_t>(t.sizes().begin(), t.sizes().end()), t.data_ptr(),
+                                       static_cast<uint64_t>(t.numel()) * 4});
+                }
+            }
+            model::write_safetensors(
+                (fs::path(dir) / ("optimizer-rank" + std::to_string(first_rank + r) + ".safetensors"))
+                    .string(),
+                tensors);
+        });
+        if (first_rank == 0)
+            std::ofstream(fs::path(dir) / "optimizer.json")
+                << nlohmann::json{{"step", step_count_for_update}, {"ranks", W}, {"type", "adamw"}}.dump(2);
+        if (processes) group->barrier(0);
+    }
+
+    void load_here(const std::string& dir) {
+        on_ranks([&](int r) {
+            owner(ranks[r]).load_weights(dir);
+            copy_master(ranks[r]);
+        });
+        const fs::path opt = fs::path(dir) / "optimizer.json";
+        if (fs::exists(opt)) {
+            std::ifstream in(opt);
+            auto j = nlohmann::json::parse(in);
+            MOERL_CHECK(j.at("ranks").get<int>() == W, "checkpoint ", dir, ": optimizer state of ",
+                        j.at("ranks").get<int>(), " EP ranks, but this run has ranks.ep = ", W);
+            step_count_for_update = step = j.at("step").get<int64_t>();
+            on_ranks([&](int r) {
+                auto& k = ranks[r];
+                model::SafetensorsFile f(
+                    (fs::path(dir) / ("optimizer-rank" + std::to_string(first_rank + r) + ".safetensors"))
+                        .string());
+                c10::NoGradGuard g;
+                for (size_t i = 0; i < k.params.size(); ++i) {
+                    for (int which = 0; which < 2; ++which) {
+                        const std::string name = (which == 0 ? "exp_avg." : "exp_avg_sq.") + k.params[i].name;
+                        const model::TensorInfo* info = f.find(name);
+                        MOERL_CHECK(info != nullptr, "checkpoint ", dir, ": optimizer state has no ", name);
+                        at::Tensor& dst = which == 0 ? k.m[i] : k.v[i];
+                        MOERL_CHECK(info->nbytes == static_cast<uint64_t>(dst.numel()) * 4, "checkpoint ",
+                                    dir, ": ", name, " has ", info->nbytes, " bytes, expected ",
+                                    dst.numel() * 4);
+                        at::Tensor host = at::empty(dst.sizes(), at::kFloat);
+                        std::memcpy(host.data_ptr(), f.data(*info), info->nbytes);
+                        dst.copy_(host);
+                    }
+                }
+            });
+        }
+        if (processes) group->barrier(0);
+    }
+
+    // ---- rank 0's calls, carried to the other processes ----
+    // A call is announced by a store key (the others wait for it without a time limit: rank 0 may
+    // be waiting for rollouts), then its arguments are broadcast.
+    std::string call_key(int64_t n) const { return "trainer-call/" + std::to_string(n); }
+
+    void call(const nlohmann::json& what) {
+        if (!processes) return;
+        const int64_t n = calls++;
+        procs.store->set(call_key(n), std::vector<uint8_t>{1});
+        std::string bytes = what.dump();
+        group->broadcast(bytes);
+        // Every rank waited for key n - 1 before joining the previous call's collectives.
+        if (n > 0) procs.store->deleteKey(call_key(n - 1));
+    }
+
+    nlohmann::json next_call() {
+        const std::string key = call_key(calls++);
+        for (;;) {
+            try {
+                procs.store->wait({key}, std::chrono::seconds(30));
+                break;
+            } catch (const std::exception& e) {
+                bool store_answers = false;
+                try {
+                    procs.store->check({key});
+                    store_answers = true;
+                } catch (const std::exception&) {
+                }
+                MOERL_CHECK(
+                    store_answers, "trainer rank ", first_rank, " of ", W,
+                    ": the rendezvous store went away while waiting for rank 0's next call: ", e.what());
+            }
+        }
+        std::string bytes;
+        group->broadcast(bytes);
+        return nlohmann::json::parse(bytes);
+    }
 };
 
-PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_dir)
+PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_dir,
+                             const TrainerProcesses* processes)
     : impl_(std::make_unique<Impl>()) {
     Impl& m = *impl_;
     m.cfg = config;
     m.W = config.ep_ranks;
+    const bool spread = processes != nullptr && processes->world_size > 1;
+    if (spread) {
+        const TrainerProcesses& p = *processes;
+        MOERL_CHECK(p.rank >= 0 && p.rank < p.world_size, "trainer processes: rank ", p.rank, " of ",
+                    p.world_size);
+        MOERL_CHECK(config.ep_ranks == p.world_size, config.source, ": the trainer runs as ", p.world_size,
+                    " processes, one expert-parallel rank each, but ranks.ep is ", config.ep_ranks);
+        m.processes = true;
+        m.procs = p;
+        m.first_rank = p.rank;
+        m.job = "trainer";  // one per store: every process must name the same group
+    }
     if (config.train_device == "cuda") {
         MOERL_CHECK(at::hasCUDA(), config.source,
                     ": train.device: cuda, but this LibTorch build or machine has no CUDA device");
-        m.device = at::Device(at::kCUDA, 0);
+        const int gpus = static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
+        m.device =
+            at::Device(at::kCUDA, spread ? static_cast<c10::DeviceIndex>(processes->local_rank % gpus) : 0);
     }
     m.dtype = config.train_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
     m.token_bias = allowed_token_bias(config.sampling, config.model.vocab_size,
                                       at::TensorOptions().device(m.device).dtype(at::kFloat));
-    m.ranks.resize(m.W);
-    m.grad_slots.resize(m.W);
-    m.sq_slots.resize(m.W);
-    m.sum_slots.resize(m.W);
-    m.norm_slots.resize(m.W);
-    m.barrier = std::make_unique<std::barrier<>>(m.W);
-    m.store_dir = (fs::path(work_dir) / ("ep-" + m.job)).string();
-    fs::create_directories(m.store_dir);
+    if (spread) {
+        m.group = detail::make_process_ranks(*processes);
+        m.ranks.resize(1);
+    } else {
+        m.group = detail::make_thread_ranks(m.W);
+        m.ranks.resize(m.W);
+        m.store_dir = (fs::path(work_dir) / ("ep-" + m.job)).string();
+        fs::create_directories(m.store_dir);
+    }
     const int64_t max_len = config.max_sequence_tokens();
     const int64_t samples = (int64_t{config.prompts_per_step} * config.group_size + m.W - 1) / m.W;
     const int max_tokens = static_cast<int>(samples * max_len);
@@ -468,10 +684,14 @@ PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_di
 PolicyTrainer::~PolicyTrainer() {
     if (!impl_) return;
     try {
+        if (impl_->processes && impl_->first_rank == 0) impl_->call({{"call", "stop"}});
+    } catch (...) {
+    }
+    try {
         impl_->on_ranks([&](int r) {
             if (impl_->ranks[r].buffer) impl_->ranks[r].buffer->destroy();
         });
-        std::filesystem::remove_all(impl_->store_dir);
+        if (!impl_->store_dir.empty()) std::filesystem::remove_all(impl_->store_dir);
     } catch (...) {
     }
 }
@@ -479,80 +699,17 @@ PolicyTrainer::~PolicyTrainer() {
 TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
                                  const std::vector<double>& advantages) {
     Impl& m = *impl_;
-    MOERL_CHECK(batch.size() == advantages.size(), "update: ", batch.size(), " samples but ",
-                advantages.size(), " advantages");
-    MOERL_CHECK(static_cast<int>(batch.size()) >= m.W, "update: ", batch.size(), " samples cannot feed ", m.W,
-                " ranks");
-    int64_t global_tokens = 0;
-    for (const auto& e : batch) global_tokens += static_cast<int64_t>(e.trajectory.tokens.size());
-    std::vector<std::vector<const ExperienceRecord*>> parts(m.W);
-    std::vector<std::vector<double>> adv(m.W);
-    for (size_t i = 0; i < batch.size(); ++i) {
-        parts[i % m.W].push_back(&batch[i]);
-        adv[i % m.W].push_back(advantages[i]);
+    if (m.processes) {
+        nlohmann::json records = nlohmann::json::array();
+        for (const auto& e : batch) records.push_back(to_json(e));
+        m.call({{"call", "update"}, {"batch", records}, {"advantages", advantages}});
     }
-    // Micro-batches: every rank runs the same number (the MoE layers are collective).
-    std::vector<std::vector<std::vector<size_t>>> micro(m.W);
-    if (m.cfg.micro_batch_tokens <= 0) {
-        for (int r = 0; r < m.W; ++r) {
-            micro[r].emplace_back(parts[r].size());
-            for (size_t i = 0; i < parts[r].size(); ++i) micro[r][0][i] = i;
-        }
-    } else {
-        std::vector<std::vector<int64_t>> lengths(m.W);
-        size_t most = 0, fewest_samples = SIZE_MAX;
-        for (int r = 0; r < m.W; ++r) {
-            for (auto* e : parts[r])
-                lengths[r].push_back(
-                    static_cast<int64_t>(e->task.prompt_tokens.size() + e->trajectory.tokens.size()));
-            micro[r] = pack_first_fit(lengths[r], m.cfg.micro_batch_tokens);
-            most = std::max(most, micro[r].size());
-            fewest_samples = std::min(fewest_samples, parts[r].size());
-        }
-        const size_t count = std::min(most, fewest_samples);
-        for (int r = 0; r < m.W; ++r)
-            if (micro[r].size() != count) micro[r] = pack_balanced(lengths[r], count);
-    }
-    m.lr = m.cfg.lr_at(m.step_count_for_update / m.cfg.ppo_epochs);
-    m.on_ranks(
-        [&](int r) { m.rank_update(r, parts[r], adv[r], micro[r], std::max<int64_t>(1, global_tokens)); });
-    TrainStats total;
-    double weighted = 0, diff = 0, ratio = 0, ratio_sq = 0;
-    for (int r = 0; r < m.W; ++r) {
-        const RankSums& s = m.sum_slots[r];
-        total.loss += s.stats.loss;  // each rank's loss is already divided by the global count
-        total.aux_loss += s.stats.aux_loss / m.W;
-        total.clip_fraction += s.stats.clip_fraction;
-        total.mean_ratio += s.stats.mean_ratio;
-        total.mean_is_weight += s.stats.mean_is_weight;
-        total.truncated_fraction += s.stats.truncated_fraction;
-        total.kl += s.stats.kl;
-        total.num_tokens += s.stats.num_tokens;
-        total.total_tokens += s.stats.total_tokens;
-        weighted += s.weighted_tokens;
-        diff += s.diff_sum;
-        ratio += s.ratio_sum;
-        ratio_sq += s.ratio_sq_sum;
-    }
-    const double w = std::max(1.0, weighted);
-    total.clip_fraction /= w;
-    total.mean_ratio /= w;
-    total.mean_is_weight /= w;
-    total.truncated_fraction /= w;
-    total.kl /= w;
-    const double tokens = std::max<double>(1.0, static_cast<double>(total.num_tokens));
-    total.logprob_diff = diff / tokens;
-    const double mean_ratio = ratio / tokens;
-    total.behaviour_ratio_std = std::sqrt(std::max(0.0, ratio_sq / tokens - mean_ratio * mean_ratio));
-    total.grad_norm = m.norm_slots[0];
-    total.lr = m.lr;
-    m.step_count_for_update += m.cfg.ppo_epochs;
-    m.step = m.step_count_for_update;
-    return total;
+    return m.update_here(batch, advantages);
 }
 
 void PolicyTrainer::save_weights(const std::string& dir) const {
-    impl_->on_ranks([&](int r) { impl_->owner(impl_->ranks[r]).save_pretrained(dir, 0, "float32"); });
+    impl_->call({{"call", "save_weights"}, {"dir", dir}});
+    impl_->save_weights_here(dir);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> PolicyTrainer::weights() const {
@@ -563,61 +720,38 @@ std::vector<std::pair<std::string, at::Tensor>> PolicyTrainer::weights() const {
 }
 
 void PolicyTrainer::save_optimizer(const std::string& dir) const {
-    Impl& m = *impl_;
-    fs::create_directories(dir);
-    m.on_ranks([&](int r) {
-        auto& k = m.ranks[r];
-        std::vector<model::TensorBytes> tensors;
-        std::vector<at::Tensor> keep;
-        for (size_t i = 0; i < k.params.size(); ++i) {
-            for (int which = 0; which < 2; ++which) {
-                at::Tensor t = (which == 0 ? k.m[i] : k.v[i]).to(at::kCPU, at::kFloat).contiguous();
-                keep.push_back(t);
-                tensors.push_back({(which == 0 ? "exp_avg." : "exp_avg_sq.") + k.params[i].name,
-                                   model::StDType::kF32,
-                                   std::vector<int64_t>(t.sizes().begin(), t.sizes().end()), t.data_ptr(),
-                                   static_cast<uint64_t>(t.numel()) * 4});
-            }
-        }
-        model::write_safetensors(
-            (fs::path(dir) / ("optimizer-rank" + std::to_string(r) + ".safetensors")).string(), tensors);
-    });
-    std::ofstream(fs::path(dir) / "optimizer.json")
-        << nlohmann::json{{"step", m.step_count_for_update}, {"ranks", m.W}, {"type", "adamw"}}.dump(2);
+    impl_->call({{"call", "save_optimizer"}, {"dir", dir}});
+    impl_->save_optimizer_here(dir);
 }
 
 void PolicyTrainer::load(const std::string& dir) {
+    impl_->call({{"call", "load"}, {"dir", dir}});
+    impl_->load_here(dir);
+}
+
+void PolicyTrainer::follow() {
     Impl& m = *impl_;
-    m.on_ranks([&](int r) {
-        m.owner(m.ranks[r]).load_weights(dir);
-        m.copy_master(m.ranks[r]);
-    });
-    const fs::path opt = fs::path(dir) / "optimizer.json";
-    if (!fs::exists(opt)) return;
-    std::ifstream in(opt);
-    auto j = nlohmann::json::parse(in);
-    MOERL_CHECK(j.at("ranks").get<int>() == m.W, "checkpoint ", dir, ": optimizer state of ",
-                j.at("ranks").get<int>(), " EP ranks, but this run has ranks.ep = ", m.W);
-    m.step_count_for_update = m.step = j.at("step").get<int64_t>();
-    m.on_ranks([&](int r) {
-        auto& k = m.ranks[r];
-        model::SafetensorsFile f(
-            (fs::path(dir) / ("optimizer-rank" + std::to_string(r) + ".safetensors")).string());
-        c10::NoGradGuard g;
-        for (size_t i = 0; i < k.params.size(); ++i) {
-            for (int which = 0; which < 2; ++which) {
-                const std::string name = (which == 0 ? "exp_avg." : "exp_avg_sq.") + k.params[i].name;
-                const model::TensorInfo* info = f.find(name);
-                MOERL_CHECK(info != nullptr, "checkpoint ", dir, ": optimizer state has no ", name);
-                at::Tensor& dst = which == 0 ? k.m[i] : k.v[i];
-                MOERL_CHECK(info->nbytes == static_cast<uint64_t>(dst.numel()) * 4, "checkpoint ", dir, ": ",
-                            name, " has ", info->nbytes, " bytes, expected ", dst.numel() * 4);
-                at::Tensor host = at::empty(dst.sizes(), at::kFloat);
-                std::memcpy(host.data_ptr(), f.data(*info), info->nbytes);
-                dst.copy_(host);
-            }
+    MOERL_CHECK(m.processes && m.first_rank > 0,
+                "follow: only ranks 1.. of a trainer over processes follow rank 0");
+    for (;;) {
+        const nlohmann::json c = m.next_call();
+        const std::string what = c.at("call").get<std::string>();
+        if (what == "stop") return;
+        if (what == "update") {
+            std::vector<ExperienceRecord> batch;
+            for (const auto& text : c.at("batch"))
+                batch.push_back(experience_from_json(text.get<std::string>()));
+            m.update_here(batch, c.at("advantages").get<std::vector<double>>());
+        } else if (what == "save_weights") {
+            m.save_weights_here(c.at("dir").get<std::string>());
+        } else if (what == "save_optimizer") {
+            m.save_optimizer_here(c.at("dir").get<std::string>());
+        } else if (what == "load") {
+            m.load_here(c.at("dir").get<std::string>());
+        } else {
+            MOERL_FAIL("trainer rank ", m.first_rank, ": rank 0 made an unknown call '", what, "'");
         }
-    });
+    }
 }
 
 int64_t PolicyTrainer::optimizer_steps() const { return impl_->step_count_for_update; }

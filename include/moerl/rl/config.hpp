@@ -100,7 +100,7 @@ struct RunConfig {
     int max_staleness = 0;   // policy versions a sample may lag, >= 0 (0 = on-policy)
     bool routing_replay = false;
     GrpoParams grpo;
-    // Where the trainer runs: cpu, or cuda (the first GPU; ranks.ep must be 1 there, one rank per GPU).
+    // Where the trainer runs: cpu, or cuda (one GPU a process: ranks.ep 1, or ranks.train processes).
     std::string train_device = "cpu";
     // fp32, or bf16: forward and backward in bf16 with fp32 master weights and AdamW moments.
     std::string train_dtype = "fp32";
@@ -127,7 +127,16 @@ struct RunConfig {
     std::string reward_device = "cpu";  // cpu | cuda (the first GPU)
     std::string reward_dtype = "fp32";  // fp32 | bf16
     // ranks
-    int ep_ranks = 2;  // training EP group size (threads, host transport), divides num_experts
+    int ep_ranks = 2;  // training EP group size, divides num_experts
+    // Trainer processes: 1 runs the ep_ranks as threads of one process (host transport); N > 1 runs
+    // N processes of one EP rank each (ep_ranks == N), gradients summed through c10d's Gloo.
+    int train_ranks = 1;
+    // How the trainer's processes move tokens: host (shared memory), fabric/<provider> (libfabric:
+    // tcp, efa) or cuda (CUDA IPC and NVLink). Empty: host on the CPU, cuda on a GPU.
+    std::string train_ep_transport;
+    std::string trainer_ep_transport() const {
+        return !train_ep_transport.empty() ? train_ep_transport : train_device == "cuda" ? "cuda" : "host";
+    }
     // control plane
     std::string queue = "embedded";
     std::string buffer = "embedded";

@@ -1,5 +1,5 @@
-// The EP bootstrap Store on top of any c10d store (TCPStore, PrefixStore), shared by the launcher
-// and the benchmarks.
+// The EP bootstrap Store on top of any c10d store (TCPStore, PrefixStore): what the launcher, the
+// benchmarks and the trainer's processes rendezvous through. Header-only; needs LibTorch's c10d.
 #pragma once
 
 #include <memory>
@@ -9,9 +9,9 @@
 #include "moerl/core/error.hpp"
 #include "moerl/ep/store.hpp"
 
-namespace moerl::cli {
+namespace moerl::ep {
 
-class C10dStore final : public ep::Store {
+class C10dStore final : public Store {
   public:
     explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
     void set(const std::string& key, const std::vector<uint8_t>& value) override { store_->set(key, value); }
@@ -30,4 +30,4 @@ class C10dStore final : public ep::Store {
     c10::intrusive_ptr<c10d::Store> store_;
 };
 
-}  // namespace moerl::cli
+}  // namespace moerl::ep

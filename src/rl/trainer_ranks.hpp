@@ -1,0 +1,34 @@
+// How the trainer's ranks combine what each computed. Threads of one process meet in shared slots;
+// processes (torchrun's environment) meet through c10d's Gloo process group, which also carries
+// rank 0's calls to the others.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+
+#include "moerl/rl/trainer.hpp"
+
+namespace moerl::rl::detail {
+
+class TrainerRanks {
+  public:
+    virtual ~TrainerRanks() = default;
+    // Sums `t` (fp32 or fp64, any device) over every rank, in place. `local` is the calling
+    // thread's rank within this process (0 for processes).
+    virtual void sum(int local, at::Tensor& t) = 0;
+    // Returns when every rank has called it.
+    virtual void barrier(int local) = 0;
+    // Rank 0's `bytes` on every rank (processes only).
+    virtual void broadcast(std::string& bytes) = 0;
+};
+
+// `world_size` threads of this process.
+std::unique_ptr<TrainerRanks> make_thread_ranks(int world_size);
+
+// This process among `p.world_size` (Gloo over the store; the address to bind is 127.0.0.1 when
+// MASTER_ADDR is a loopback address, GLOO_SOCKET_IFNAME's interface when set, else the hostname's).
+std::unique_ptr<TrainerRanks> make_process_ranks(const TrainerProcesses& p);
+
+}  // namespace moerl::rl::detail

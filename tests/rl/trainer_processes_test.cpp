@@ -1,0 +1,184 @@
+// The trainer over processes (one EP rank each, gradients summed through c10d's Gloo) equals the
+// trainer in one process: three updates' losses and gradient norms and the weights after them, over
+// 2 and 4 processes, with the host (shared memory) and fabric (libfabric tcp) transports. A rank
+// that dies fails the others with an error naming what they waited for.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <vector>
+
+#include "../control/temp_dir.hpp"
+#include "moerl/model/safetensors.hpp"
+
+extern char** environ;
+
+namespace {
+namespace fs = std::filesystem;
+using moerl::control::test::TempDir;
+
+struct Ranks {
+    std::vector<int> codes;  // exit status of each rank
+    std::string log;         // their stderr
+};
+
+// Runs W ranks of rl_trainer_rank around a TCPStore hosted here; kills them after 300 s.
+Ranks run_ranks(int W, const fs::path& out, const std::string& transport,
+                const std::vector<std::string>& extra_env = {}) {
+    c10d::TCPStoreOptions o;
+    o.port = 0;
+    o.isServer = true;
+    o.numWorkers = W;
+    o.waitWorkers = false;
+    auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+    fs::create_directories(out);
+    std::vector<pid_t> pids;
+    for (int r = 0; r < W; ++r) {
+        std::vector<std::string> env;
+        for (char** e = environ; *e; ++e) env.emplace_back(*e);
+        env.push_back("RANK=" + std::to_string(r));
+        env.push_back("WORLD_SIZE=" + std::to_string(W));
+        env.push_back("MASTER_PORT=" + std::to_string(server->getPort()));
+        env.push_back("MASTER_ADDR=127.0.0.1");
+        for (const auto& e : extra_env) env.push_back(e);
+        const std::string log = (out / ("rank" + std::to_string(r) + ".log")).string();
+        posix_spawn_file_actions_t fa;
+        posix_spawn_file_actions_init(&fa);
+        posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        std::vector<std::string> args{MOERL_TRAINER_RANK, out.string(), transport};
+        std::vector<char*> argv, envp;
+        for (auto& a : args) argv.push_back(a.data());
+        argv.push_back(nullptr);
+        for (auto& e : env) envp.push_back(e.data());
+        envp.push_back(nullptr);
+        pid_t pid = -1;
+        EXPECT_EQ(posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data()), 0);
+        posix_spawn_file_actions_destroy(&fa);
+        pids.push_back(pid);
+    }
+    Ranks res;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+    for (pid_t pid : pids) {
+        int status = 0;
+        while (waitpid(pid, &status, WNOHANG) == 0) {
+            if (std::chrono::steady_clock::now() > deadline) {
+                for (pid_t p : pids) kill(p, SIGKILL);
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        res.codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+    }
+    for (int r = 0; r < W; ++r) {
+        std::stringstream ss;
+        ss << std::ifstream(out / ("rank" + std::to_string(r) + ".log")).rdbuf();
+        res.log += "rank " + std::to_string(r) + ": " + ss.str();
+    }
+    return res;
+}
+
+nlohmann::json read_stats(const fs::path& out) {
+    std::ifstream in(out / "stats.json");
+    EXPECT_TRUE(in.good()) << out;
+    return in.good() ? nlohmann::json::parse(in) : nlohmann::json::array();
+}
+
+// Every tensor of the checkpoint by name, whichever rank's file holds it.
+std::map<std::string, std::vector<float>> read_weights(const fs::path& dir) {
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+        if (entry.path().extension() != ".safetensors") continue;
+        moerl::model::SafetensorsFile f(entry.path().string());
+        for (const auto& info : f.tensors()) {
+            const float* p = reinterpret_cast<const float*>(f.data(info));
+            EXPECT_EQ(out.count(info.name), 0u) << info.name << " in two files";
+            out[info.name].assign(p, p + info.numel());
+        }
+    }
+    return out;
+}
+
+void expect_same_training(const fs::path& one, const fs::path& many, const std::string& what) {
+    const auto a = read_stats(one), b = read_stats(many);
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), 3u) << what;
+    for (size_t s = 0; s < a.size(); ++s) {
+        for (const char* key : {"loss", "grad_norm", "kl"}) {
+            const double x = a[s][key].get<double>(), y = b[s][key].get<double>();
+            EXPECT_NEAR(y, x, 1e-5 * std::abs(x) + 1e-7) << what << ", update " << s << ": " << key;
+        }
+        EXPECT_EQ(a[s]["num_tokens"], b[s]["num_tokens"]) << what;
+        EXPECT_EQ(a[s]["total_tokens"], b[s]["total_tokens"]) << what;
+    }
+    EXPECT_NE(a[0]["loss"].get<double>(), a[2]["loss"].get<double>()) << "the updates changed nothing";
+    const auto wa = read_weights(one / "weights"), wb = read_weights(many / "weights");
+    ASSERT_EQ(wa.size(), wb.size()) << what;
+    double diff = 0, scale = 0;
+    size_t experts = 0;
+    for (const auto& [name, x] : wa) {
+        auto it = wb.find(name);
+        ASSERT_NE(it, wb.end()) << what << ": " << name;
+        ASSERT_EQ(x.size(), it->second.size()) << name;
+        experts += name.find(".mlp.experts.") != std::string::npos;
+        for (size_t i = 0; i < x.size(); ++i) {
+            diff = std::max(diff, std::abs(static_cast<double>(x[i]) - it->second[i]));
+            scale = std::max(scale, std::abs(static_cast<double>(x[i])));
+        }
+    }
+    EXPECT_GT(experts, 0u);
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LT(diff, 1e-5 * scale) << what;
+}
+
+}  // namespace
+
+TEST(TrainerProcesses, EqualTrainingInOneProcess) {
+    TempDir t("trainer-procs");
+    const Ranks one = run_ranks(1, t.path / "one", "host");
+    ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
+    struct Case {
+        int W;
+        const char* transport;
+    };
+    for (const Case& c : {Case{2, "host"}, Case{4, "host"}, Case{2, "fabric/tcp"}}) {
+        const std::string what = std::to_string(c.W) + " processes, " + c.transport;
+        const fs::path out = t.path / (std::to_string(c.W) + (c.transport[0] == 'h' ? "-host" : "-fabric"));
+        const Ranks many = run_ranks(c.W, out, c.transport);
+        ASSERT_EQ(many.codes, std::vector<int>(c.W, 0)) << what << "\n" << many.log;
+        expect_same_training(t.path / "one", out, what);
+    }
+}
+
+TEST(TrainerProcesses, PackedMicroBatchesOverProcessesEqualOneProcess) {
+    TempDir t("trainer-procs-packed");
+    const std::vector<std::string> env{"MOERL_TEST_MICRO_TOKENS=12"};
+    const Ranks one = run_ranks(1, t.path / "one", "host", env);
+    ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
+    const Ranks two = run_ranks(2, t.path / "two", "host", env);
+    ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
+    expect_same_training(t.path / "one", t.path / "two", "2 processes, packed");
+}
+
+TEST(TrainerProcesses, ADeadRankFailsTheOthersWithAClearError) {
+    TempDir t("trainer-procs-dead");
+    const Ranks r =
+        run_ranks(2, t.path / "dead", "host", {"MOERL_TEST_DIE_RANK=1", "MOERL_TEST_TIMEOUT_S=5"});
+    ASSERT_EQ(r.codes.size(), 2u);
+    EXPECT_EQ(r.codes[1], 9) << r.log;
+    EXPECT_EQ(r.codes[0], 1) << r.log;
+    // Rank 0 names the phase and the rank that is gone.
+    EXPECT_NE(r.log.find("trainer rank 0 of 2: sending rank 0's call"), std::string::npos) << r.log;
+    EXPECT_NE(r.log.find("rank 1 (pid "), std::string::npos) << r.log;
+    EXPECT_NE(r.log.find("has exited"), std::string::npos) << r.log;
+    EXPECT_FALSE(fs::exists(t.path / "dead" / "stats.json"));
+}
