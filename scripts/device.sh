@@ -61,7 +61,8 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test)
-for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test rl_run_test rl_gpu_test moerl_ep_python; do
+for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test rl_run_test rl_gpu_test \
+  rl_trainer_processes_test rl_trainer_rank moerl_ep_python; do
   grep -q "build $t:" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
@@ -195,6 +196,11 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >
   cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
   python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0)))' \
     "$OUT/rl-quickstart-metrics.txt" 2>&1 | tee -a "$OUT/rl-quickstart.log"
+  # The same job with the trainer as two processes sharing the GPU (one EP rank each, cuda transport).
+  sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
+  timeout 120 "$MOERL" run "$RL_TMP/gpu-quickstart-2.yaml" --steps 60 --out "$RL_TMP/quickstart-2" --quiet >"$OUT/rl-quickstart-2.log" 2>&1
+  step rl_quickstart_2proc "rc=$? $(grep -E '^final' "$OUT/rl-quickstart-2.log" | tail -1)"
+  tail -n 3 "$OUT/rl-quickstart-2.log"
   timeout 120 "$MOERL" bench rl examples/gpu-quickstart.yaml --steps 12 --warmup 2 --out "$RL_TMP/bench-small" >"$OUT/bench-rl.log" 2>&1
   step bench_rl "rc=$?"
   if [ "${MOERL_DEVICE_RL_BIG:-1}" = 1 ]; then
@@ -279,7 +285,7 @@ for f in bench-rl.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && 
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart bench_rl bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart rl_quickstart_2proc bench_rl bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

@@ -1,9 +1,13 @@
 // `moerl run CONFIG.yaml` (local mode: every role in this process; --distributed: `moerl cluster`).
+#include <signal.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "commands.hpp"
 #include "distributed_run.hpp"
+#include "launch.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/run.hpp"
@@ -80,6 +84,37 @@ void register_run_commands(CLI::App& app) {
         const std::string out = cfg.output_dir;
         MOERL_CHECK(!args->run.resume || std::filesystem::exists(out), "--resume: no earlier run in ", out,
                     " (the directory does not exist); run without --resume to start one");
+        // ranks.train > 1: this command runs again as that many processes (torchrun's
+        // environment); rank 0 runs every role, the others hold their share of the trainer.
+        std::unique_ptr<rl::TrainerProcesses> processes;
+        if (cfg.train_ranks > 1) {
+            cfg.validate();
+            if (std::getenv("WORLD_SIZE") == nullptr) {
+                std::vector<std::string> argv{self_executable(), "run", args->config, "--out", out};
+                if (args->run.steps >= 0)
+                    argv.insert(argv.end(), {"--steps", std::to_string(args->run.steps)});
+                if (args->run.resume) argv.push_back("--resume");
+                if (args->quiet) argv.push_back("--quiet");
+                const int code = launch_local(cfg.train_ranks, argv, 0, 10.0);
+                if (code != 0) throw CLI::RuntimeError(code);
+                return;
+            }
+            const RankEnv env = rank_env_from_environment();
+            MOERL_CHECK(env.world_size == cfg.train_ranks, args->config, ": ranks.train is ", cfg.train_ranks,
+                        ", but this process is one of WORLD_SIZE=", env.world_size);
+            processes = std::make_unique<rl::TrainerProcesses>();
+            processes->rank = env.rank;
+            processes->world_size = env.world_size;
+            processes->local_rank = env.local_rank;
+            processes->store = connect_rank_store(env, 300);
+            processes->ep_transport = cfg.trainer_ep_transport();
+            if (env.rank > 0) {
+                ::signal(SIGINT, SIG_IGN);  // Ctrl-C stops rank 0's run, which then releases this rank
+                rl::follow_trainer(cfg, *processes);
+                return;
+            }
+            args->run.trainer_processes = processes.get();
+        }
         install_stop_handlers();
         args->run.progress = !args->quiet;
         args->run.stop = &stop_flag();

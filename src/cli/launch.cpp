@@ -41,6 +41,17 @@ RankEnv rank_env_from_environment() {
 }
 
 std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s) {
+    return std::make_unique<ep::C10dStore>(connect_rank_store(env, timeout_s));
+}
+
+std::string self_executable() {
+    std::error_code ec;
+    const auto path = std::filesystem::read_symlink("/proc/self/exe", ec);
+    MOERL_CHECK(!ec, "cannot find this program's path (/proc/self/exe): ", ec.message());
+    return path.string();
+}
+
+c10::intrusive_ptr<c10d::Store> connect_rank_store(const RankEnv& env, double timeout_s) {
     c10d::TCPStoreOptions o;
     o.port = static_cast<uint16_t>(env.master_port);
     const bool agent = env::get_string("TORCHELASTIC_USE_AGENT_STORE", "") == "True";
@@ -49,7 +60,7 @@ std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s) 
     o.waitWorkers = false;
     o.timeout = std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
     try {
-        return std::make_unique<ep::C10dStore>(c10::make_intrusive<c10d::TCPStore>(env.master_addr, o));
+        return c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
     } catch (const std::exception& e) {
         MOERL_FAIL("cannot reach the rendezvous store at ", env.master_addr, ":", env.master_port, ": ",
                    e.what());

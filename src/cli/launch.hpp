@@ -28,6 +28,10 @@ RankEnv rank_env_from_environment();
 // A bootstrap store on c10d's TCPStore at MASTER_ADDR:MASTER_PORT. Under `moerl launch` (or torchrun's
 // agent) the launcher hosts the server; otherwise rank 0 does, as with init_process_group("env://").
 std::unique_ptr<ep::Store> make_tcp_store(const RankEnv& env, double timeout_s);
+// The same store as c10d sees it (what c10d's process groups take).
+c10::intrusive_ptr<c10d::Store> connect_rank_store(const RankEnv& env, double timeout_s);
+// This program's path (/proc/self/exe): what a command re-runs as its own ranks.
+std::string self_executable();
 // Hosts a TCPStore server on a free port of 127.0.0.1 (or `port` when non-zero); returns its port.
 std::shared_ptr<void> host_tcp_store(int& port, int world_size);
 

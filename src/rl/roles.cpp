@@ -467,11 +467,15 @@ struct TrainerRole::Impl {
     std::string in_process_id;   // set when rollout workers here copy the weights from memory
     double publish_seconds = 0;  // of the last publish_policy()
 
-    Impl(const RunConfig& c, ControlPlane& control, std::string dir, bool in_process_weights)
+    Impl(const RunConfig& c, ControlPlane& control, std::string dir, bool in_process_weights,
+         const TrainerProcesses* processes)
         : cfg(c), cp(control), work_dir(std::move(dir)) {
         fs::create_directories(work_dir);
-        trainer = std::make_unique<PolicyTrainer>(cfg, work_dir);
-        if (in_process_weights) in_process_id = InProcessPolicies::add(cp.store->uri(), trainer.get());
+        trainer = std::make_unique<PolicyTrainer>(cfg, work_dir, processes);
+        // Over processes this one holds only its own experts: the weights go through files.
+        const bool spread = processes != nullptr && processes->world_size > 1;
+        if (in_process_weights && !spread)
+            in_process_id = InProcessPolicies::add(cp.store->uri(), trainer.get());
     }
     ~Impl() {
         if (!in_process_id.empty()) InProcessPolicies::remove(in_process_id, trainer.get());
@@ -658,8 +662,8 @@ struct TrainerRole::Impl {
 };
 
 TrainerRole::TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
-                         bool in_process_weights)
-    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir), in_process_weights)) {}
+                         bool in_process_weights, const TrainerProcesses* processes)
+    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir), in_process_weights, processes)) {}
 TrainerRole::~TrainerRole() = default;
 int64_t TrainerRole::start(bool resume) { return impl_->start(resume); }
 std::optional<StepResult> TrainerRole::train_step(int64_t step, control::Millis wait) {

@@ -13,6 +13,8 @@
 
 #include "moerl/core/error.hpp"
 #include "moerl/rl/reward_worker.hpp"
+#include "moerl/rl/threads.hpp"
+#include "moerl/rl/trainer.hpp"
 
 namespace moerl::rl {
 
@@ -83,10 +85,20 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     loop.stop_after = opt.stop_after;
     loop.final_checkpoint = opt.final_checkpoint;
     loop.in_process_weights = embedded;  // the producer's worker is in this process
-    loop.step_timeout_s = 60;            // everything was generated before the step: only a bug waits
+    loop.trainer_processes = opt.trainer_processes;
+    loop.step_timeout_s = 60;  // everything was generated before the step: only a bug waits
     loop.progress = opt.progress;
     loop.stop = opt.stop;
     return train_loop(cfg, cp, loop, &producer);
+}
+
+void follow_trainer(const RunConfig& config_in, const TrainerProcesses& processes) {
+    RunConfig cfg = config_in;
+    cfg.validate();
+    pin_threads(cfg.threads);
+    const fs::path work = fs::absolute(cfg.output_dir) / ("trainer-rank" + std::to_string(processes.rank));
+    PolicyTrainer trainer(cfg, work.string(), &processes);
+    trainer.follow();
 }
 
 }  // namespace moerl::rl

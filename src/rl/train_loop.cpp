@@ -161,7 +161,8 @@ class Loop {
         acks_ = deferred.get();
         cp_.experience = std::move(deferred);
         role_metrics_.time_publishes(cp_);
-        TrainerRole trainer(cfg_, cp_, (out_ / "trainer").string(), opt_.in_process_weights);
+        TrainerRole trainer(cfg_, cp_, (out_ / "trainer").string(), opt_.in_process_weights,
+                            opt_.trainer_processes);
         trainer_ = &trainer;
         const std::string resumed_from = opt_.resume ? describe_resume() : "";
         const int64_t first = trainer.start(opt_.resume);

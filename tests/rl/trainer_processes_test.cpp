@@ -2,6 +2,7 @@
 // trainer in one process: three updates' losses and gradient norms and the weights after them, over
 // 2 and 4 processes, with the host (shared memory) and fabric (libfabric tcp) transports. A rank
 // that dies fails the others with an error naming what they waited for.
+#include <ATen/Context.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -108,14 +109,15 @@ std::map<std::string, std::vector<float>> read_weights(const fs::path& dir) {
     return out;
 }
 
-void expect_same_training(const fs::path& one, const fs::path& many, const std::string& what) {
+void expect_same_training(const fs::path& one, const fs::path& many, const std::string& what,
+                          double tolerance = 1e-5) {
     const auto a = read_stats(one), b = read_stats(many);
     ASSERT_EQ(a.size(), 3u);
     ASSERT_EQ(b.size(), 3u) << what;
     for (size_t s = 0; s < a.size(); ++s) {
         for (const char* key : {"loss", "grad_norm", "kl"}) {
             const double x = a[s][key].get<double>(), y = b[s][key].get<double>();
-            EXPECT_NEAR(y, x, 1e-5 * std::abs(x) + 1e-7) << what << ", update " << s << ": " << key;
+            EXPECT_NEAR(y, x, tolerance * std::abs(x) + 1e-7) << what << ", update " << s << ": " << key;
         }
         EXPECT_EQ(a[s]["num_tokens"], b[s]["num_tokens"]) << what;
         EXPECT_EQ(a[s]["total_tokens"], b[s]["total_tokens"]) << what;
@@ -137,7 +139,7 @@ void expect_same_training(const fs::path& one, const fs::path& many, const std::
     }
     EXPECT_GT(experts, 0u);
     EXPECT_GT(scale, 0.0);
-    EXPECT_LT(diff, 1e-5 * scale) << what;
+    EXPECT_LT(diff, tolerance * scale) << what;
 }
 
 }  // namespace
@@ -167,6 +169,18 @@ TEST(TrainerProcesses, PackedMicroBatchesOverProcessesEqualOneProcess) {
     const Ranks two = run_ranks(2, t.path / "two", "host", env);
     ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
     expect_same_training(t.path / "one", t.path / "two", "2 processes, packed");
+}
+
+// On the GPU machine: two processes sharing one GPU, tokens over the cuda transport (CUDA IPC).
+TEST(TrainerProcesses, TwoProcessesSharingOneGpuEqualOne) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    TempDir t("trainer-procs-gpu");
+    const std::vector<std::string> env{"MOERL_TEST_DEVICE=cuda"};
+    const Ranks one = run_ranks(1, t.path / "one", "cuda", env);
+    ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
+    const Ranks two = run_ranks(2, t.path / "two", "cuda", env);
+    ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
+    expect_same_training(t.path / "one", t.path / "two", "2 processes on one GPU", 1e-4);
 }
 
 TEST(TrainerProcesses, ADeadRankFailsTheOthersWithAClearError) {

@@ -2,7 +2,8 @@
 // environment: three GRPO updates of the small configuration on a fixed batch, then the weights.
 //   rl_trainer_rank OUT TRANSPORT        (RANK, WORLD_SIZE, MASTER_PORT from the environment)
 // Rank 0 writes OUT/stats.json (each update's loss, gradient norm, KL, clip fraction and token
-// counts) and OUT/weights (every rank writes its experts there).
+// counts) and OUT/weights (every rank writes its experts there). MOERL_TEST_DEVICE=cuda trains on
+// the GPU (fp32), MOERL_TEST_MICRO_TOKENS packs micro-batches.
 #include <unistd.h>
 
 #include <cstdlib>
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
         // The load-balancing loss is a mean per rank and micro-batch of a product of means, not a
         // sum over tokens: it depends on how the batch is split, so it is left out here.
         c.model.router_aux_loss_coef = 0;
+        if (const char* device = std::getenv("MOERL_TEST_DEVICE")) c.train_device = device;  // fp32
         if (const char* micro = std::getenv("MOERL_TEST_MICRO_TOKENS")) {
             c.micro_batch_tokens = std::atoi(micro);
         }

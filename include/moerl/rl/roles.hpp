@@ -102,8 +102,10 @@ class TrainerRole {
   public:
     // in_process_weights: the rollout workers live in this process (and outlive no trainer): new
     // versions are published as mem:// and the workers copy the weights from memory, no files.
+    // With `processes` (more than one), this is their rank 0 and the weights are published as
+    // files every rank writes its experts to.
     TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
-                bool in_process_weights = false);
+                bool in_process_weights = false, const TrainerProcesses* processes = nullptr);
     ~TrainerRole();
     // Fresh start: publishes version 0. Resume: restores the newest checkpoint in the store
     // (weights, optimizer, consumed data, experiences taken but not yet trained on) and publishes

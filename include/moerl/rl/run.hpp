@@ -26,12 +26,20 @@ struct RunOptions {
     bool progress = true;     // the live progress line on stderr
     const std::atomic<bool>* stop = nullptr;  // Ctrl-C: stop before the next step (RunSummary::stopped)
     bool final_checkpoint = true;             // false: no checkpoint at the end (a benchmark's throwaway run)
+    // config.train_ranks > 1: this process is rank 0 of the trainer's processes (follow_trainer
+    // runs on the others).
+    const TrainerProcesses* trainer_processes = nullptr;
 };
 
 // env, one rollout worker and the trainer (EP over config.ep_ranks threads) in this process,
 // stepped deterministically: the same config and seed give the same metrics, and a resumed run
 // continues exactly as an uninterrupted one.
 RunSummary run_local(const RunConfig& config, const RunOptions& options);
+
+// Ranks 1.. of the trainer's processes (config.train_ranks; torchrun's environment): each holds
+// its share of the experts and carries out rank 0's updates, saves and loads until rank 0's run
+// ends. The checkpoint and policy directories rank 0 names must be on a filesystem both see.
+void follow_trainer(const RunConfig& config, const TrainerProcesses& processes);
 
 // ---- distributed mode --------------------------------------------------------------------------
 struct WorkerContext {

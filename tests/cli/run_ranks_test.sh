@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# moerl run with ranks.train: 2: the trainer as two processes (one EP rank each) learns exactly as
+# the two threads of one process do, resumes exactly, and a killed rank ends the run with an error
+# naming it.
+set -u
+moerl=$1
+src=$2
+fail() { echo "FAIL: $*"; exit 1; }
+export OPENBLAS_NUM_THREADS=1
+rm -rf threads procs split bad.yaml procs.yaml long
+sed 's/^  ep: 2$/  ep: 2\n  train: 2/' "$src/examples/quickstart.yaml" >procs.yaml
+grep -q "train: 2" procs.yaml || fail "could not write procs.yaml"
+
+# The same metrics, step for step (timings aside).
+"$moerl" run "$src/examples/quickstart.yaml" --steps 20 --out threads --quiet >threads.log 2>&1 ||
+  fail "threads run: $(cat threads.log)"
+"$moerl" run procs.yaml --steps 20 --out procs --quiet >procs.log 2>&1 || fail "processes run: $(cat procs.log)"
+# Every rank wrote its experts into the checkpoint.
+for f in model-00002-of-00002.safetensors optimizer-rank1.safetensors; do
+  ls procs/checkpoints/ckpt-*/$f >/dev/null 2>&1 || fail "no $f in $(ls -R procs/checkpoints)"
+done
+
+same_metrics() {
+  python3 - "$1" "$2" <<'PY' || fail "$1 and $2 differ"
+import json, sys
+def rows(p):
+    out = []
+    for line in open(p):
+        j = json.loads(line)
+        out.append({k: v for k, v in j.items() if not (k.endswith("_s") or k in ("step_seconds", "tokens_per_s"))})
+    return out
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+assert len(a) == 20 and len(b) == 20, (len(a), len(b))
+for x, y in zip(a, b):
+    assert x == y, {k: (x[k], y.get(k)) for k in x if x[k] != y.get(k)}
+PY
+}
+same_metrics threads/metrics.jsonl procs/metrics.jsonl
+
+# Ten steps, then --resume to twenty: what the uninterrupted run did.
+"$moerl" run procs.yaml --steps 10 --out split --quiet >split.log 2>&1 || fail "first half: $(cat split.log)"
+"$moerl" run procs.yaml --steps 20 --out split --quiet --resume >>split.log 2>&1 || fail "resume: $(cat split.log)"
+same_metrics procs/metrics.jsonl split/metrics.jsonl
+
+# ranks.train must match ranks.ep.
+sed 's/^  ep: 2$/  ep: 4/' procs.yaml >bad.yaml
+"$moerl" run bad.yaml --steps 2 --out bad --quiet >bad.log 2>&1 && fail "ranks.train 2 with ranks.ep 4 accepted"
+grep -q "ranks.ep must be 2" bad.log || fail "unclear error: $(cat bad.log)"
+
+# Kill rank 1 mid-run: the run ends within seconds, non-zero, naming the rank.
+"$moerl" run procs.yaml --steps 800 --out long --quiet >long.log 2>&1 &
+launcher=$!
+victim=""
+for _ in $(seq 100); do
+  for p in $(pgrep -P $launcher); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1" && victim=$p
+  done
+  [ -n "$victim" ] && [ -s long/metrics.jsonl ] && break
+  sleep 0.1
+done
+[ -n "$victim" ] || fail "no rank 1 under the launcher: $(cat long.log)"
+kill -9 "$victim"
+start=$(date +%s)
+wait $launcher
+code=$?
+[ "$code" -ne 0 ] || fail "the run exited 0 after its rank 1 was killed"
+[ $(( $(date +%s) - start )) -lt 60 ] || fail "the run took too long to end"
+grep -q "rank 1 exited" long.log || fail "the launcher did not name rank 1: $(cat long.log)"
+echo "run over trainer processes: ok"
