@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <mutex>
 #include <sstream>
 #include <vector>
 
@@ -47,82 +46,47 @@ class ThreadRanks final : public TrainerRanks {
     std::barrier<> barrier_;
 };
 
-#ifdef MOERL_HAVE_GLOO
-bool is_loopback(const std::string& addr) {
-    return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+std::vector<uint8_t> to_bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return {b, b + n};
 }
 
-class ProcessRanks final : public TrainerRanks {
-  public:
-    explicit ProcessRanks(const TrainerProcesses& p)
-        : rank_(p.rank), world_(p.world_size), timeout_s_(p.timeout_s) {
-        MOERL_CHECK(p.store, "trainer processes: no rendezvous store");
-        auto options = c10d::ProcessGroupGloo::Options::create(
-            std::chrono::milliseconds(static_cast<int64_t>(p.timeout_s * 1000)));
-        const char* master = std::getenv("MASTER_ADDR");
-        const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-        try {
-            if (ifname && *ifname) {
-                options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-            } else if (!master || is_loopback(master)) {
-                options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-            } else {
-                options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-            }
-            store_ = p.store;
-            store_->set(whereabouts_key(rank_), to_bytes(host_name() + " " + std::to_string(::getpid())));
-            auto store = c10::make_intrusive<c10d::PrefixStore>("trainer-gloo", p.store);
-            group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank_, world_, options);
-        } catch (const std::exception& e) {
-            MOERL_FAIL("trainer rank ", rank_, " of ", world_,
-                       ": cannot join the trainer's processes: ", e.what());
-        }
+// What every process-group flavour shares: each rank leaves its host and pid in the store when it
+// joins, so that a failed collective can say which rank on this machine is gone.
+class ProcessRanksBase : public TrainerRanks {
+  protected:
+    explicit ProcessRanksBase(const TrainerProcesses& p)
+        : rank_(p.rank), world_(p.world_size), timeout_s_(p.timeout_s), store_(p.store) {
+        MOERL_CHECK(store_, "trainer processes: no rendezvous store");
+        const std::string me = host_name() + " " + std::to_string(::getpid());
+        store_->set(whereabouts_key(rank_), to_bytes(me.data(), me.size()));
     }
 
-    void sum(int, at::Tensor& t) override {
-        // Gloo reduces host memory: a device tensor goes through a host copy.
-        std::vector<at::Tensor> v{t.is_cpu() ? t.contiguous() : t.to(at::kCPU)};
-        run("summing gradients", [&] { return group_->allreduce(v); });
-        if (!t.is_cpu()) {
-            t.copy_(v[0]);
-        } else if (v[0].data_ptr() != t.data_ptr()) {
-            t = v[0];
-        }
-    }
-    void barrier(int) override {
-        run("a barrier", [&] { return group_->barrier(); });
-    }
-    void broadcast(std::string& bytes) override {
-        std::vector<at::Tensor> size{at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong)};
-        const char* what =
-            rank_ == 0 ? "sending rank 0's call to the other ranks" : "receiving rank 0's call";
-        run(what, [&] { return group_->broadcast(size); });
-        const int64_t n = size[0].item<int64_t>();
-        std::vector<at::Tensor> data{at::empty({std::max<int64_t>(n, 1)}, at::kByte)};
-        if (rank_ == 0) std::memcpy(data[0].data_ptr(), bytes.data(), bytes.size());
-        run(what, [&] { return group_->broadcast(data); });
-        if (rank_ != 0) bytes.assign(static_cast<const char*>(data[0].data_ptr()), static_cast<size_t>(n));
+    const char* broadcast_phase() const {
+        return rank_ == 0 ? "sending rank 0's call to the other ranks" : "receiving rank 0's call";
     }
 
-  private:
-    template <class Start>
-    void run(const char* what, Start start) {
+    template <class Fn>
+    void guarded(const char* what, Fn fn) {
         try {
-            start()->wait();
+            fn();
         } catch (const std::exception& e) {
             MOERL_FAIL("trainer rank ", rank_, " of ", world_, ": ", what, " failed: ", missing_ranks(), " (",
                        e.what(), ")");
         }
     }
 
+    int rank_, world_;
+    double timeout_s_;
+    c10::intrusive_ptr<c10d::Store> store_;
+
+  private:
     static std::string whereabouts_key(int rank) { return "trainer-rank/" + std::to_string(rank); }
-    static std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
     static std::string host_name() {
         char name[256] = {};
         ::gethostname(name, sizeof(name) - 1);
         return name;
     }
-
     // A process that exited and was not reaped yet (a zombie) counts as gone.
     static bool alive(pid_t pid) {
         if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
@@ -133,8 +97,6 @@ class ProcessRanks final : public TrainerRanks {
         return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
     }
 
-    // Which ranks are gone, as far as this machine can tell: every rank left its host and pid in
-    // the store when it joined.
     std::string missing_ranks() const {
         std::string gone;
         try {
@@ -158,10 +120,133 @@ class ProcessRanks final : public TrainerRanks {
         os << "a rank on another machine died, or did not answer within " << timeout_s_ << " s";
         return os.str();
     }
+};
 
-    int rank_, world_;
-    double timeout_s_;
-    c10::intrusive_ptr<c10d::Store> store_;
+// Through the rendezvous store itself: every rank posts its part, every rank reads all parts and
+// adds them in rank order. Where LibTorch lacks Gloo's headers (PyTorch's wheels); the bytes go
+// through the store's server, so it is for small groups and small models.
+class StoreRanks final : public ProcessRanksBase {
+  public:
+    explicit StoreRanks(const TrainerProcesses& p) : ProcessRanksBase(p) {}
+
+    void sum(int, at::Tensor& t) override {
+        const int64_t n = ops_++;
+        const at::Tensor mine = t.to(at::kCPU).contiguous();
+        at::Tensor total;
+        guarded("summing gradients", [&] {
+            store_->set(key("sum", n, rank_), to_bytes(mine.data_ptr(), mine.nbytes()));
+            for (int q = 0; q < world_; ++q) {
+                at::Tensor part = mine;
+                if (q != rank_) {
+                    const std::vector<uint8_t> v = read(key("sum", n, q));
+                    MOERL_CHECK(v.size() == mine.nbytes(), "rank ", q, " sent ", v.size(),
+                                " bytes, expected ", mine.nbytes());
+                    part = at::empty_like(mine);
+                    std::memcpy(part.data_ptr(), v.data(), v.size());
+                }
+                total = q == 0 ? part.clone() : total.add_(part);
+            }
+        });
+        done(n);
+        if (t.is_cpu()) {
+            t = total;
+        } else {
+            t.copy_(total);
+        }
+    }
+    void barrier(int) override {
+        const int64_t n = ops_++;
+        guarded("a barrier", [&] {
+            const std::string k = key("barrier", n, 0);
+            if (store_->add(k, 1) == world_) store_->set(k + "/all", {1});
+            read(k + "/all");
+        });
+        done(n);
+    }
+    void broadcast(std::string& bytes) override {
+        const int64_t n = ops_++;
+        guarded(broadcast_phase(), [&] {
+            if (rank_ == 0) {
+                store_->set(key("call", n, 0), to_bytes(bytes.data(), bytes.size()));
+            } else {
+                const std::vector<uint8_t> v = read(key("call", n, 0));
+                bytes.assign(v.begin(), v.end());
+            }
+        });
+        done(n);
+    }
+
+  private:
+    static std::string key(const char* what, int64_t n, int rank) {
+        return std::string("trainer-store/") + what + "/" + std::to_string(n) + "/" + std::to_string(rank);
+    }
+    std::vector<uint8_t> read(const std::string& k) {
+        store_->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000)));
+        return store_->get(k);
+    }
+    // Operations are in the same order on every rank and each needs every rank's part, so when
+    // operation n is done every rank has read operation n - 1's keys: this rank removes its own.
+    void done(int64_t n) {
+        if (n == 0) return;
+        for (const char* what : {"sum", "barrier", "call"}) {
+            const std::string k = key(what, n - 1, what[0] == 's' ? rank_ : 0);
+            if (what[0] == 's' || rank_ == 0) store_->deleteKey(k);
+            if (what[0] == 'b' && rank_ == 0) store_->deleteKey(k + "/all");
+        }
+    }
+    int64_t ops_ = 0;
+};
+
+#ifdef MOERL_HAVE_GLOO
+bool is_loopback(const std::string& addr) {
+    return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+// c10d's Gloo process group: ring all-reduce over TCP between the ranks.
+class GlooRanks final : public ProcessRanksBase {
+  public:
+    explicit GlooRanks(const TrainerProcesses& p) : ProcessRanksBase(p) {
+        auto options = c10d::ProcessGroupGloo::Options::create(
+            std::chrono::milliseconds(static_cast<int64_t>(p.timeout_s * 1000)));
+        const char* master = std::getenv("MASTER_ADDR");
+        const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+        guarded("joining the trainer's processes", [&] {
+            if (ifname && *ifname) {
+                options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+            } else if (!master || is_loopback(master)) {
+                options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+            } else {
+                options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+            }
+            auto store = c10::make_intrusive<c10d::PrefixStore>("trainer-gloo", p.store);
+            group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank_, world_, options);
+        });
+    }
+
+    void sum(int, at::Tensor& t) override {
+        // Gloo reduces host memory: a device tensor goes through a host copy.
+        std::vector<at::Tensor> v{t.is_cpu() ? t.contiguous() : t.to(at::kCPU)};
+        guarded("summing gradients", [&] { group_->allreduce(v)->wait(); });
+        if (!t.is_cpu()) {
+            t.copy_(v[0]);
+        } else if (v[0].data_ptr() != t.data_ptr()) {
+            t = v[0];
+        }
+    }
+    void barrier(int) override {
+        guarded("a barrier", [&] { group_->barrier()->wait(); });
+    }
+    void broadcast(std::string& bytes) override {
+        std::vector<at::Tensor> size{at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong)};
+        guarded(broadcast_phase(), [&] { group_->broadcast(size)->wait(); });
+        const int64_t n = size[0].item<int64_t>();
+        std::vector<at::Tensor> data{at::empty({std::max<int64_t>(n, 1)}, at::kByte)};
+        if (rank_ == 0) std::memcpy(data[0].data_ptr(), bytes.data(), bytes.size());
+        guarded(broadcast_phase(), [&] { group_->broadcast(data)->wait(); });
+        if (rank_ != 0) bytes.assign(static_cast<const char*>(data[0].data_ptr()), static_cast<size_t>(n));
+    }
+
+  private:
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
 };
 #endif
@@ -173,11 +258,12 @@ std::unique_ptr<TrainerRanks> make_thread_ranks(int world_size) {
 }
 
 std::unique_ptr<TrainerRanks> make_process_ranks(const TrainerProcesses& p) {
+    const char* forced = std::getenv("MOERL_TRAINER_COLLECTIVES");  // "store": the fallback's test
+    if (forced && std::string(forced) == "store") return std::make_unique<StoreRanks>(p);
 #ifdef MOERL_HAVE_GLOO
-    return std::make_unique<ProcessRanks>(p);
+    return std::make_unique<GlooRanks>(p);
 #else
-    MOERL_FAIL("the trainer over ", p.world_size,
-               " processes needs LibTorch with c10d's Gloo, which this build lacks");
+    return std::make_unique<StoreRanks>(p);
 #endif
 }
 

@@ -151,11 +151,15 @@ TEST(TrainerProcesses, EqualTrainingInOneProcess) {
     struct Case {
         int W;
         const char* transport;
+        const char* collectives;  // Gloo where built, or the rendezvous store (PyTorch's wheels)
     };
-    for (const Case& c : {Case{2, "host"}, Case{4, "host"}, Case{2, "fabric/tcp"}}) {
-        const std::string what = std::to_string(c.W) + " processes, " + c.transport;
-        const fs::path out = t.path / (std::to_string(c.W) + (c.transport[0] == 'h' ? "-host" : "-fabric"));
-        const Ranks many = run_ranks(c.W, out, c.transport);
+    for (const Case& c : {Case{2, "host", "gloo"}, Case{4, "host", "gloo"}, Case{2, "fabric/tcp", "gloo"},
+                          Case{2, "host", "store"}}) {
+        const std::string what = std::to_string(c.W) + " processes, " + c.transport + ", " + c.collectives;
+        const fs::path out =
+            t.path / (std::to_string(c.W) + (c.transport[0] == 'h' ? "-host-" : "-fabric-") + c.collectives);
+        const Ranks many =
+            run_ranks(c.W, out, c.transport, {std::string("MOERL_TRAINER_COLLECTIVES=") + c.collectives});
         ASSERT_EQ(many.codes, std::vector<int>(c.W, 0)) << what << "\n" << many.log;
         expect_same_training(t.path / "one", out, what);
     }
