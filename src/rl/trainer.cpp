@@ -15,9 +15,12 @@
 #include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "moerl/control/control.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
@@ -532,7 +535,87 @@ struct PolicyTrainer::Impl {
 
     void save_weights_here(const std::string& dir) {
         on_ranks([&](int r) { owner(ranks[r]).save_pretrained(dir, 0, "float32"); });
-        if (processes) group->barrier(0);  // every rank's shard is written when rank 0 returns
+        // Every rank's shard is in rank 0's directory when rank 0 returns.
+        if (processes) collect_on_first(dir, [&](int q) { return model::shard_file_name(q, W); });
+    }
+
+    // ---- files between the processes: ranks on machines without a shared filesystem ----
+    static std::string read_whole(const fs::path& p) {
+        std::ifstream in(p, std::ios::binary);
+        MOERL_CHECK(in.good(), "cannot read ", p.string());
+        std::ostringstream ss;
+        ss << in.rdbuf();
+        return ss.str();
+    }
+    static void write_whole(const fs::path& p, const std::string& bytes) {
+        fs::create_directories(p.parent_path());
+        const fs::path tmp = p.string() + ".part";
+        {
+            std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+            out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+            out.close();
+            MOERL_CHECK(out.good(), "cannot write ", tmp.string());
+        }
+        fs::rename(tmp, p);
+    }
+    static std::string digest_of(const fs::path& p) {
+        return fs::is_regular_file(p) ? control::sha256_file(p.string()) : std::string();
+    }
+
+    // Ranks 1.. hand rank 0 the file each wrote into `dir` (name_of(rank)); rank 0 takes the ones
+    // its `dir` does not already hold byte for byte (as a shared filesystem does).
+    void collect_on_first(const std::string& dir, const std::function<std::string(int)>& name_of) {
+        const std::vector<std::string> digests =
+            group->gather(first_rank > 0 ? digest_of(fs::path(dir) / name_of(first_rank)) : "");
+        std::string wanted;
+        if (first_rank == 0) {
+            nlohmann::json ranks_wanted = nlohmann::json::array();
+            for (int q = 1; q < W; ++q)
+                if (digest_of(fs::path(dir) / name_of(q)) != digests[q]) ranks_wanted.push_back(q);
+            wanted = ranks_wanted.dump();
+        }
+        group->broadcast(wanted);
+        const auto who = nlohmann::json::parse(wanted).get<std::vector<int>>();
+        const bool mine_wanted = std::find(who.begin(), who.end(), first_rank) != who.end();
+        const std::vector<std::string> files =
+            group->gather(mine_wanted ? read_whole(fs::path(dir) / name_of(first_rank)) : "");
+        if (first_rank == 0)
+            for (int q : who) write_whole(fs::path(dir) / name_of(q), files[q]);
+    }
+
+    // Every rank gets the files of rank 0's `dir` it does not hold byte for byte.
+    void spread_from_first(const std::string& dir) {
+        std::string listing;
+        if (first_rank == 0) {
+            nlohmann::json files = nlohmann::json::object();
+            for (const auto& e : fs::directory_iterator(dir))
+                if (e.is_regular_file()) files[e.path().filename().string()] = digest_of(e.path());
+            listing = files.dump();
+        }
+        group->broadcast(listing);
+        nlohmann::json needed = nlohmann::json::array();
+        const nlohmann::json files = nlohmann::json::parse(listing);
+        for (const auto& [name, digest] : files.items())
+            if (first_rank > 0 && digest_of(fs::path(dir) / name) != digest.get<std::string>())
+                needed.push_back(name);
+        std::string wanted;
+        if (first_rank == 0) {
+            std::set<std::string> all;
+            for (const std::string& part : group->gather(""))
+                if (!part.empty())
+                    for (const auto& n : nlohmann::json::parse(part)) all.insert(n.get<std::string>());
+            wanted = nlohmann::json(all).dump();
+        } else {
+            group->gather(needed.dump());
+        }
+        group->broadcast(wanted);
+        for (const auto& n : nlohmann::json::parse(wanted)) {
+            const std::string name = n.get<std::string>();
+            std::string bytes = first_rank == 0 ? read_whole(fs::path(dir) / name) : "";
+            group->broadcast(bytes);
+            if (std::find(needed.begin(), needed.end(), n) != needed.end())
+                write_whole(fs::path(dir) / name, bytes);
+        }
     }
 
     void save_optimizer_here(const std::string& dir) {
@@ -559,10 +642,13 @@ struct PolicyTrainer::Impl {
         if (first_rank == 0)
             std::ofstream(fs::path(dir) / "optimizer.json")
                 << nlohmann::json{{"step", step_count_for_update}, {"ranks", W}, {"type", "adamw"}}.dump(2);
-        if (processes) group->barrier(0);
+        if (processes)
+            collect_on_first(dir,
+                             [](int q) { return "optimizer-rank" + std::to_string(q) + ".safetensors"; });
     }
 
     void load_here(const std::string& dir) {
+        if (processes) spread_from_first(dir);  // a rank on another machine gets the checkpoint
         on_ranks([&](int r) {
             owner(ranks[r]).load_weights(dir);
             copy_master(ranks[r]);
@@ -596,7 +682,6 @@ struct PolicyTrainer::Impl {
                 }
             });
         }
-        if (processes) group->barrier(0);
     }
 
     // ---- rank 0's calls, carried to the other processes ----

@@ -40,6 +40,7 @@ class ThreadRanks final : public TrainerRanks {
         if (slots_.size() > 1) barrier_.arrive_and_wait();
     }
     void broadcast(std::string&) override {}
+    std::vector<std::string> gather(const std::string& mine) override { return {mine}; }
 
   private:
     std::vector<at::Tensor> slots_;
@@ -175,6 +176,25 @@ class StoreRanks final : public ProcessRanksBase {
         });
         done(n);
     }
+    std::vector<std::string> gather(const std::string& mine) override {
+        const int64_t n = ops_++;
+        std::vector<std::string> all;
+        guarded("handing files to rank 0", [&] {
+            if (rank_ != 0) {
+                store_->set(key("gather", n, rank_), to_bytes(mine.data(), mine.size()));
+                read(key("gather", n, 0));  // rank 0 has read every part
+                return;
+            }
+            all.push_back(mine);
+            for (int q = 1; q < world_; ++q) {
+                const std::vector<uint8_t> v = read(key("gather", n, q));
+                all.emplace_back(v.begin(), v.end());
+            }
+            store_->set(key("gather", n, 0), {1});
+        });
+        done(n);
+        return all;
+    }
 
   private:
     static std::string key(const char* what, int64_t n, int rank) {
@@ -184,16 +204,26 @@ class StoreRanks final : public ProcessRanksBase {
         store_->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000)));
         return store_->get(k);
     }
-    // Operations are in the same order on every rank and each needs every rank's part, so when
-    // operation n is done every rank has read operation n - 1's keys: this rank removes its own.
+    // Every rank counts the operations it finished; rank 0 removes an operation's keys once every
+    // rank has counted it (a rank may still be reading a broadcast when rank 0 has moved on).
     void done(int64_t n) {
-        if (n == 0) return;
-        for (const char* what : {"sum", "barrier", "call"}) {
-            const std::string k = key(what, n - 1, what[0] == 's' ? rank_ : 0);
-            if (what[0] == 's' || rank_ == 0) store_->deleteKey(k);
-            if (what[0] == 'b' && rank_ == 0) store_->deleteKey(k + "/all");
+        store_->add(finished_key(n), 1);
+        if (rank_ != 0) return;
+        pending_.push_back(n);
+        while (!pending_.empty() && store_->add(finished_key(pending_.front()), 0) == world_) {
+            const int64_t p = pending_.front();
+            pending_.erase(pending_.begin());
+            for (int q = 0; q < world_; ++q) {
+                store_->deleteKey(key("sum", p, q));
+                store_->deleteKey(key("gather", p, q));
+            }
+            for (const char* what : {"barrier", "call"}) store_->deleteKey(key(what, p, 0));
+            store_->deleteKey(key("barrier", p, 0) + "/all");
+            store_->deleteKey(finished_key(p));
         }
     }
+    static std::string finished_key(int64_t n) { return "trainer-store/finished/" + std::to_string(n); }
+    std::vector<int64_t> pending_;  // rank 0: operations whose keys are still in the store
     int64_t ops_ = 0;
 };
 
@@ -244,6 +274,30 @@ class GlooRanks final : public ProcessRanksBase {
         if (rank_ == 0) std::memcpy(data[0].data_ptr(), bytes.data(), bytes.size());
         guarded(broadcast_phase(), [&] { group_->broadcast(data)->wait(); });
         if (rank_ != 0) bytes.assign(static_cast<const char*>(data[0].data_ptr()), static_cast<size_t>(n));
+    }
+    std::vector<std::string> gather(const std::string& mine) override {
+        std::vector<std::string> all;
+        guarded("handing files to rank 0", [&] {
+            if (rank_ != 0) {
+                std::vector<at::Tensor> size{at::full({1}, static_cast<int64_t>(mine.size()), at::kLong)};
+                group_->send(size, 0, 1)->wait();
+                std::vector<at::Tensor> data{
+                    at::empty({std::max<int64_t>(1, size[0].item<int64_t>())}, at::kByte)};
+                std::memcpy(data[0].data_ptr(), mine.data(), mine.size());
+                group_->send(data, 0, 2)->wait();
+                return;
+            }
+            all.push_back(mine);
+            for (int q = 1; q < world_; ++q) {
+                std::vector<at::Tensor> size{at::empty({1}, at::kLong)};
+                group_->recv(size, q, 1)->wait();
+                const int64_t n = size[0].item<int64_t>();
+                std::vector<at::Tensor> data{at::empty({std::max<int64_t>(1, n)}, at::kByte)};
+                group_->recv(data, q, 2)->wait();
+                all.emplace_back(static_cast<const char*>(data[0].data_ptr()), static_cast<size_t>(n));
+            }
+        });
+        return all;
     }
 
   private:

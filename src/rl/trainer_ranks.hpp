@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "moerl/rl/trainer.hpp"
 
@@ -22,6 +23,8 @@ class TrainerRanks {
     virtual void barrier(int local) = 0;
     // Rank 0's `bytes` on every rank (processes only).
     virtual void broadcast(std::string& bytes) = 0;
+    // Every rank's `mine`, by rank, on rank 0 (empty elsewhere; processes only).
+    virtual std::vector<std::string> gather(const std::string& mine) = 0;
 };
 
 // `world_size` threads of this process.

@@ -34,9 +34,14 @@ struct Ranks {
     std::string log;         // their stderr
 };
 
-// Runs W ranks of rl_trainer_rank around a TCPStore hosted here; kills them after 300 s.
+// Whether this process may give a child its own mount namespace (root, or user namespaces).
+bool can_unshare() { return std::system("unshare --mount --propagation private true >/dev/null 2>&1") == 0; }
+
+// Runs W ranks of rl_trainer_rank around a TCPStore hosted here; kills them after 300 s. With
+// `private_out`, ranks 1.. see an empty filesystem of their own at `out` (a tmpfs in a mount
+// namespace), as ranks on other machines would.
 Ranks run_ranks(int W, const fs::path& out, const std::string& transport,
-                const std::vector<std::string>& extra_env = {}) {
+                const std::vector<std::string>& extra_env = {}, bool private_out = false) {
     c10d::TCPStoreOptions o;
     o.port = 0;
     o.isServer = true;
@@ -58,6 +63,10 @@ Ranks run_ranks(int W, const fs::path& out, const std::string& transport,
         posix_spawn_file_actions_init(&fa);
         posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         std::vector<std::string> args{MOERL_TRAINER_RANK, out.string(), transport};
+        if (private_out && r > 0)
+            args.insert(args.begin(),
+                        {"/usr/bin/unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+                         "mount -t tmpfs tmpfs \"$0\" && exec \"$@\"", out.string()});
         std::vector<char*> argv, envp;
         for (auto& a : args) argv.push_back(a.data());
         argv.push_back(nullptr);
@@ -94,11 +103,12 @@ nlohmann::json read_stats(const fs::path& out) {
     return in.good() ? nlohmann::json::parse(in) : nlohmann::json::array();
 }
 
-// Every tensor of the checkpoint by name, whichever rank's file holds it.
+// Every weight of the checkpoint by name, whichever rank's file holds it (optimizer files aside).
 std::map<std::string, std::vector<float>> read_weights(const fs::path& dir) {
     std::map<std::string, std::vector<float>> out;
     for (const auto& entry : fs::directory_iterator(dir)) {
-        if (entry.path().extension() != ".safetensors") continue;
+        const std::string file = entry.path().filename().string();
+        if (entry.path().extension() != ".safetensors" || file.rfind("model", 0) != 0) continue;
         moerl::model::SafetensorsFile f(entry.path().string());
         for (const auto& info : f.tensors()) {
             const float* p = reinterpret_cast<const float*>(f.data(info));
@@ -112,8 +122,8 @@ std::map<std::string, std::vector<float>> read_weights(const fs::path& dir) {
 void expect_same_training(const fs::path& one, const fs::path& many, const std::string& what,
                           double tolerance = 1e-5) {
     const auto a = read_stats(one), b = read_stats(many);
-    ASSERT_EQ(a.size(), 3u);
-    ASSERT_EQ(b.size(), 3u) << what;
+    ASSERT_EQ(a.size(), 4u);
+    ASSERT_EQ(b.size(), 4u) << what;
     for (size_t s = 0; s < a.size(); ++s) {
         for (const char* key : {"loss", "grad_norm", "kl"}) {
             const double x = a[s][key].get<double>(), y = b[s][key].get<double>();
@@ -173,6 +183,25 @@ TEST(TrainerProcesses, PackedMicroBatchesOverProcessesEqualOneProcess) {
     const Ranks two = run_ranks(2, t.path / "two", "host", env);
     ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
     expect_same_training(t.path / "one", t.path / "two", "2 processes, packed");
+}
+
+// Ranks 1.. without rank 0's filesystem: their checkpoint shards reach rank 0 through the process
+// group, and rank 0's checkpoint reaches them when they load it.
+TEST(TrainerProcesses, RanksWithoutASharedFilesystemCheckpointAndResume) {
+    if (!can_unshare()) GTEST_SKIP() << "no mount namespaces here (unshare --mount failed)";
+    TempDir t("trainer-procs-private");
+    const Ranks one = run_ranks(1, t.path / "one", "host");
+    ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
+    for (const char* collectives : {"gloo", "store"}) {
+        const fs::path out = t.path / collectives;
+        const Ranks two =
+            run_ranks(2, out, "host", {std::string("MOERL_TRAINER_COLLECTIVES=") + collectives}, true);
+        ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
+        EXPECT_FALSE(fs::exists(out / "work1")) << "rank 1 wrote into rank 0's filesystem";
+        EXPECT_TRUE(fs::exists(out / "weights" / "optimizer-rank1.safetensors"));
+        expect_same_training(t.path / "one", out,
+                             std::string("2 processes, no shared filesystem, ") + collectives);
+    }
 }
 
 // On the GPU machine: two processes sharing one GPU, tokens over the cuda transport (CUDA IPC).

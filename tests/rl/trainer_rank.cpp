@@ -1,8 +1,9 @@
 // One rank of the trainer over processes, started by trainer_processes_test with torchrun's
-// environment: three GRPO updates of the small configuration on a fixed batch, then the weights.
+// environment: three GRPO updates of the small configuration on a fixed batch, a checkpoint
+// (weights and optimizer) loaded again, and a fourth update.
 //   rl_trainer_rank OUT TRANSPORT        (RANK, WORLD_SIZE, MASTER_PORT from the environment)
 // Rank 0 writes OUT/stats.json (each update's loss, gradient norm, KL, clip fraction and token
-// counts) and OUT/weights (every rank writes its experts there). MOERL_TEST_DEVICE=cuda trains on
+// counts) and the checkpoint OUT/weights. MOERL_TEST_DEVICE=cuda trains on
 // the GPU (fp32), MOERL_TEST_MICRO_TOKENS packs micro-batches.
 #include <unistd.h>
 
@@ -77,7 +78,19 @@ int main(int argc, char** argv) {
                              {"num_tokens", st.num_tokens},
                              {"total_tokens", st.total_tokens}});
         }
-        trainer.save_weights((out / "weights").string());
+        // A checkpoint, loaded again (a resume), and one more update from it.
+        const std::string ckpt = (out / "weights").string();
+        trainer.save_weights(ckpt);
+        trainer.save_optimizer(ckpt);
+        trainer.load(ckpt);
+        const TrainStats st = trainer.update(batch, adv);
+        steps.push_back({{"loss", st.loss},
+                         {"grad_norm", st.grad_norm},
+                         {"kl", st.kl},
+                         {"clip_fraction", st.clip_fraction},
+                         {"aux_loss", st.aux_loss},
+                         {"num_tokens", st.num_tokens},
+                         {"total_tokens", st.total_tokens}});
         std::ofstream(out / "stats.json") << steps.dump();
         return 0;
     } catch (const std::exception& e) {
