@@ -52,6 +52,20 @@ int report(const rl::RunConfig& cfg, const rl::RunSummary& s, const std::string&
 }
 }  // namespace
 
+std::unique_ptr<rl::TrainerProcesses> join_trainer_processes(const rl::RunConfig& cfg,
+                                                             const std::string& config) {
+    const RankEnv env = rank_env_from_environment();
+    MOERL_CHECK(env.world_size == cfg.train_ranks, config, ": ranks.train is ", cfg.train_ranks,
+                ", but this process is one of WORLD_SIZE=", env.world_size, " (torchrun's environment)");
+    auto p = std::make_unique<rl::TrainerProcesses>();
+    p->rank = env.rank;
+    p->world_size = env.world_size;
+    p->local_rank = env.local_rank;
+    p->store = connect_rank_store(env, 300);
+    p->ep_transport = cfg.trainer_ep_transport();
+    return p;
+}
+
 void register_run_commands(CLI::App& app) {
     struct RunArgs {
         std::string config;
@@ -99,16 +113,8 @@ void register_run_commands(CLI::App& app) {
                 if (code != 0) throw CLI::RuntimeError(code);
                 return;
             }
-            const RankEnv env = rank_env_from_environment();
-            MOERL_CHECK(env.world_size == cfg.train_ranks, args->config, ": ranks.train is ", cfg.train_ranks,
-                        ", but this process is one of WORLD_SIZE=", env.world_size);
-            processes = std::make_unique<rl::TrainerProcesses>();
-            processes->rank = env.rank;
-            processes->world_size = env.world_size;
-            processes->local_rank = env.local_rank;
-            processes->store = connect_rank_store(env, 300);
-            processes->ep_transport = cfg.trainer_ep_transport();
-            if (env.rank > 0) {
+            processes = join_trainer_processes(cfg, args->config);
+            if (processes->rank > 0) {
                 ::signal(SIGINT, SIG_IGN);  // Ctrl-C stops rank 0's run, which then releases this rank
                 rl::follow_trainer(cfg, *processes);
                 return;

@@ -17,6 +17,7 @@
 #ifdef MOERL_HAVE_HEALTH
 #include "health_server.hpp"
 #endif
+#include "launch.hpp"
 #include "moerl/control/control.hpp"
 #include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
@@ -94,6 +95,21 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
     const rl::RunConfig cfg = load_config(a);
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
     start_grace_watchdog(who, a.grace_s);
+    // The trainer over ranks.train processes (torchrun's environment: a StatefulSet's pods): rank 0
+    // is the trainer the control plane sees; the others hold their experts and follow it.
+    std::unique_ptr<rl::TrainerProcesses> processes;
+    if (a.role == "train" && cfg.train_ranks > 1) {
+        log_line(who, "trainer rank " + env::get_string("RANK", "0") + " of " +
+                          std::to_string(cfg.train_ranks) + ": joining the others at " +
+                          env::get_string("MASTER_ADDR", "127.0.0.1") + ":" +
+                          env::get_string("MASTER_PORT", "29500"));
+        processes = join_trainer_processes(cfg, a.config);
+        if (processes->rank > 0) {
+            rl::follow_trainer(cfg, *processes);
+            log_line(who, "rank 0's run ended");
+            return;
+        }
+    }
 #ifdef MOERL_HAVE_HEALTH
     // Probes and metrics for a cluster scheduler, where MOERL_HEALTH_PORT asks for them (the images
     // set it; local clusters leave it unset, so their workers do not compete for one port).
@@ -143,7 +159,8 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
     if (a.role == "env") {
         rl::run_env_worker(cfg, cp, w);
     } else if (a.role == "train") {
-        const rl::RunSummary s = rl::run_train_worker(cfg, cp, w, {a.keep_policies, a.audit});
+        const rl::RunSummary s =
+            rl::run_train_worker(cfg, cp, w, {a.keep_policies, a.audit, processes.get()});
         if (s.stopped) {
             // Not a finished run: a scheduler (or `moerl cluster`) must not take it for one.
             log_line(who, "stopped by " + stop_signal_name() + " before step " +
@@ -209,6 +226,12 @@ void run_cluster(const ClusterArgs& c) {
             if (!a.audit.empty()) s.argv.insert(s.argv.end(), {"--audit", a.audit});
         }
         s.argv.push_back(a.config);
+        // ranks.train processes of the trainer under the local launcher (torchrun's environment).
+        if (role == "train" && cfg.train_ranks > 1) {
+            s.argv[0] = self_executable();
+            s.argv.insert(s.argv.begin(), {"moerl", "launch", "-n", std::to_string(cfg.train_ranks),
+                                           "--grace", seconds_text(a.grace_s), "--"});
+        }
         return s;
     };
     std::vector<ChildSpec> children{child("train"), child("env")};

@@ -3,7 +3,11 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <memory>
 #include <string>
+
+#include "moerl/rl/config.hpp"
+#include "moerl/rl/trainer.hpp"
 
 namespace moerl::cli {
 
@@ -14,5 +18,10 @@ struct DistributedRunArgs {
 };
 void add_distributed_run_options(CLI::App* run, DistributedRunArgs& args);
 void run_distributed(const std::string& config, const std::string& out, const DistributedRunArgs& args);
+
+// This process's place among the trainer's config.train_ranks processes, from torchrun's
+// environment (WORLD_SIZE must equal ranks.train); joins the rendezvous store (in cmd_run.cpp).
+std::unique_ptr<rl::TrainerProcesses> join_trainer_processes(const rl::RunConfig& cfg,
+                                                             const std::string& config);
 
 }  // namespace moerl::cli

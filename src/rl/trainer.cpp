@@ -581,6 +581,11 @@ struct PolicyTrainer::Impl {
             group->gather(mine_wanted ? read_whole(fs::path(dir) / name_of(first_rank)) : "");
         if (first_rank == 0)
             for (int q : who) write_whole(fs::path(dir) / name_of(q), files[q]);
+        if (mine_wanted) {  // rank 0 is on another filesystem: leave nothing behind here
+            std::error_code ec;
+            fs::remove(fs::path(dir) / name_of(first_rank), ec);
+            fs::remove(dir, ec);  // when empty
+        }
     }
 
     // Every rank gets the files of rank 0's `dir` it does not hold byte for byte.
@@ -616,6 +621,16 @@ struct PolicyTrainer::Impl {
             if (std::find(needed.begin(), needed.end(), n) != needed.end())
                 write_whole(fs::path(dir) / name, bytes);
         }
+        received_ = needed.get<std::vector<std::string>>();
+    }
+    std::vector<std::string> received_;  // what the last spread_from_first wrote here
+
+    // Removes what spread_from_first wrote into `dir` (rank 0 removes its own copy after a load).
+    void forget_received(const std::string& dir) {
+        std::error_code ec;
+        for (const auto& name : received_) fs::remove(fs::path(dir) / name, ec);
+        if (!received_.empty()) fs::remove(dir, ec);  // when empty
+        received_.clear();
     }
 
     void save_optimizer_here(const std::string& dir) {
@@ -682,6 +697,9 @@ struct PolicyTrainer::Impl {
                 }
             });
         }
+        // Rank 0 may remove `dir` once it returns: every rank has read it by then.
+        if (processes) group->barrier(0);
+        forget_received(dir);
     }
 
     // ---- rank 0's calls, carried to the other processes ----

@@ -203,6 +203,7 @@ RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const Worker
     loop.check = [&lock] { lock->check(); };
     loop.metrics = w.metrics;
     loop.control_plane_reset = [&lock] { return lock->take_reset(); };
+    loop.trainer_processes = opt.trainer_processes;
     return train_loop(cfg, cp, loop, nullptr);
 }
 

@@ -7,7 +7,7 @@ moerl=$1
 src=$2
 fail() { echo "FAIL: $*"; exit 1; }
 export OPENBLAS_NUM_THREADS=1
-rm -rf threads procs split bad.yaml procs.yaml long
+rm -rf threads procs split bad.yaml procs.yaml long dist.yaml
 sed 's/^  ep: 2$/  ep: 2\n  train: 2/' "$src/examples/quickstart.yaml" >procs.yaml
 grep -q "train: 2" procs.yaml || fail "could not write procs.yaml"
 
@@ -66,4 +66,16 @@ code=$?
 [ "$code" -ne 0 ] || fail "the run exited 0 after its rank 1 was killed"
 [ $(( $(date +%s) - start )) -lt 60 ] || fail "the run took too long to end"
 grep -q "rank 1 exited" long.log || fail "the launcher did not name rank 1: $(cat long.log)"
+# Distributed mode (moerl cluster against Redis): the trainer worker runs as 2 processes.
+if [ -n "${MOERL_TEST_REDIS_URL:-}" ]; then
+  rm -rf dist dist-store
+  sed "s/^  name: quickstart$/  name: ranks-$$-$RANDOM/" procs.yaml >dist.yaml  # its own keys in Redis
+  "$moerl" run --distributed --redis "$MOERL_TEST_REDIS_URL" --store "file://$PWD/dist-store" --out dist \
+    --rollout-workers 2 dist.yaml >dist.log 2>&1 || fail "distributed run: $(tail -20 dist.log)"
+  grep -q "reward target reached" dist.log || fail "the distributed run did not learn: $(tail -20 dist.log)"
+  grep -q "trainer rank 1 of 2" dist.log || fail "no trainer rank 1 in the cluster's log: $(tail -20 dist.log)"
+  ls dist-store/ckpt-*/model-00002-of-00002.safetensors >/dev/null 2>&1 || fail "no rank-1 shard in the store"
+else
+  echo "skip distributed mode (MOERL_TEST_REDIS_URL not set)"
+fi
 echo "run over trainer processes: ok"

@@ -69,6 +69,8 @@ void run_reward_worker(const RunConfig& config, ControlPlane& control, const Wor
 struct TrainWorkerOptions {
     int keep_policies = 4;   // policy versions kept in the store for the rollout workers
     std::string audit_path;  // see TrainLoopOptions
+    // config.train_ranks > 1: this process is rank 0 of the trainer's processes.
+    const TrainerProcesses* trainer_processes = nullptr;
 };
 
 // The training loop with policies published through the store (control::StorePolicyRegistry).
