@@ -159,7 +159,7 @@ class StoreRanks final : public ProcessRanksBase {
         const int64_t n = ops_++;
         guarded("a barrier", [&] {
             const std::string k = key("barrier", n, 0);
-            if (store_->add(k, 1) == world_) store_->set(k + "/all", {1});
+            if (store_->add(k, 1) == world_) store_->set(k + "/all", std::vector<uint8_t>{1});
             read(k + "/all");
         });
         done(n);
@@ -190,7 +190,7 @@ class StoreRanks final : public ProcessRanksBase {
                 const std::vector<uint8_t> v = read(key("gather", n, q));
                 all.emplace_back(v.begin(), v.end());
             }
-            store_->set(key("gather", n, 0), {1});
+            store_->set(key("gather", n, 0), std::vector<uint8_t>{1});
         });
         done(n);
         return all;
