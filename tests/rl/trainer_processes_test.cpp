@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -35,8 +36,17 @@ struct Ranks {
     std::string log;         // their stderr
 };
 
-// Whether this process may give a child its own mount namespace (root, or user namespaces).
-bool can_unshare() { return std::system("unshare --mount --propagation private true >/dev/null 2>&1") == 0; }
+// Whether this process may give a child its own mount namespace with a tmpfs in it (root).
+bool can_unshare() {
+    const fs::path probe = fs::temp_directory_path() / ("moerl-unshare-" + std::to_string(::getpid()));
+    fs::create_directories(probe);
+    const std::string cmd =
+        "/usr/bin/unshare --mount --propagation private -- /bin/sh -c 'mount -t tmpfs tmpfs \"$0\"' " +
+        probe.string() + " >/dev/null 2>&1";
+    const bool ok = std::system(cmd.c_str()) == 0;
+    fs::remove(probe);
+    return ok;
+}
 
 // Runs W ranks of rl_trainer_rank around a TCPStore hosted here; kills them after 300 s. With
 // `private_out`, ranks 1.. see an empty filesystem of their own at `out` (a tmpfs in a mount

@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
             return 0;
         }
         nlohmann::json steps = nlohmann::json::array();
-        for (int s = 0; s < 3; ++s) {
+        auto update = [&] {
             const TrainStats st = trainer.update(batch, adv);
             steps.push_back({{"loss", st.loss},
                              {"grad_norm", st.grad_norm},
@@ -77,20 +77,14 @@ int main(int argc, char** argv) {
                              {"aux_loss", st.aux_loss},
                              {"num_tokens", st.num_tokens},
                              {"total_tokens", st.total_tokens}});
-        }
+        };
+        for (int s = 0; s < 3; ++s) update();
         // A checkpoint, loaded again (a resume), and one more update from it.
         const std::string ckpt = (out / "weights").string();
         trainer.save_weights(ckpt);
         trainer.save_optimizer(ckpt);
         trainer.load(ckpt);
-        const TrainStats st = trainer.update(batch, adv);
-        steps.push_back({{"loss", st.loss},
-                         {"grad_norm", st.grad_norm},
-                         {"kl", st.kl},
-                         {"clip_fraction", st.clip_fraction},
-                         {"aux_loss", st.aux_loss},
-                         {"num_tokens", st.num_tokens},
-                         {"total_tokens", st.total_tokens}});
+        update();
         std::ofstream(out / "stats.json") << steps.dump();
         return 0;
     } catch (const std::exception& e) {
