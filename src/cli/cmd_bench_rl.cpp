@@ -88,7 +88,10 @@ void bench_rl(const RlBenchArgs& a) {
     rl::RunConfig cfg = rl::RunConfig::load(a.config);
     if (!a.device.empty()) cfg.rollout_device = cfg.train_device = a.device;
     if (!a.dtype.empty()) cfg.rollout_dtype = cfg.train_dtype = a.dtype;
+    // One process: ranks.train processes become as many threads (CPU) or one rank (GPU).
     if (cfg.train_device == "cuda") cfg.ep_ranks = 1;
+    cfg.train_ranks = 1;
+    cfg.train_ep_transport.clear();
     cfg.steps = a.steps;
     cfg.stop_at_reward = 0;
     cfg.checkpoint_every = 0;
@@ -219,6 +222,8 @@ void bench_train(const TrainBenchArgs& a) {
     if (!a.device.empty()) cfg.train_device = a.device;
     if (!a.dtype.empty()) cfg.train_dtype = a.dtype;
     cfg.ep_ranks = 1;  // one rank: the figure of one device
+    cfg.train_ranks = 1;
+    cfg.train_ep_transport.clear();
     if (a.layers > 0) {
         cfg.model.num_hidden_layers = a.layers;
         cfg.model.validate();
