@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -211,4 +212,38 @@ TEST(TrainerConfig, CudaNeedsOneRankAndADevice) {
             EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
         }
     }
+}
+
+TEST(TrainerConfig, ProcessRanksAreCheckedAtValidation) {
+    TempDir t("rankscfg");
+    auto error_of = [&](const std::function<void(RunConfig&)>& change) -> std::string {
+        RunConfig c = small_config(t.path);
+        change(c);
+        try {
+            c.validate();
+        } catch (const moerl::Error& e) {
+            return e.what();
+        }
+        return "";
+    };
+    EXPECT_EQ(error_of([](RunConfig& c) { c.train_ranks = 2; }), "");  // ranks.ep is 2 already
+    EXPECT_NE(error_of([](RunConfig& c) { c.train_ranks = 4; }).find("so ranks.ep must be 4 too (got 2)"),
+              std::string::npos);
+    EXPECT_NE(error_of([](RunConfig& c) {
+                  c.train_ranks = 2;
+                  c.train_ep_transport = "carrier-pigeon";
+              }).find("ranks.transport: expected host, cuda or fabric/<provider>"),
+              std::string::npos);
+    EXPECT_NE(error_of([](RunConfig& c) {
+                  c.train_ranks = 2;
+                  c.train_ep_transport = "cuda";
+              }).find("needs train.device: cuda"),
+              std::string::npos);
+    EXPECT_NE(error_of([](RunConfig& c) { c.train_ep_transport = "host"; }).find("but ranks.train is 1"),
+              std::string::npos);
+    EXPECT_EQ(error_of([](RunConfig& c) {
+                  c.train_ranks = 2;
+                  c.train_ep_transport = "fabric/tcp";
+              }),
+              "");
 }
