@@ -31,7 +31,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A small reward model over the built-in 18-token vocabulary, and the chaos run shortened to 12 steps.
+# A small reward model over the built-in 18-token vocabulary, and the chaos run shortened to 24 steps (12 could end before a second kill).
 cat >"$tmp/rm.json" <<'EOF'
 {"model_type": "qwen3_moe", "vocab_size": 18, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
  "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
@@ -40,9 +40,9 @@ EOF
 "$moerl" model init --reward --config "$tmp/rm.json" --out "$tmp/rm" --pad-token-id 0 >"$tmp/logs/init.log" 2>&1 ||
     { fail "model init --reward failed"; exit 1; }
 run_cfg=$tmp/run.yaml
-sed 's/steps: 90,/steps: 12,/' "$cfg" >"$run_cfg"
+sed 's/steps: 90,/steps: 24,/' "$cfg" >"$run_cfg"
 echo "reward: {model_path: $tmp/rm, model_weight: 0.2, batch_size: 8}" >>"$run_cfg"
-grep -q 'steps: 12,' "$run_cfg" || { echo "reward chaos: cannot shorten $cfg" >&2; exit 1; }
+grep -q 'steps: 24,' "$run_cfg" || { echo "reward chaos: cannot shorten $cfg" >&2; exit 1; }
 
 worker() {  # worker ROLE LOG [extra args]
     local role=$1 log=$2
