@@ -61,6 +61,7 @@ std::unique_ptr<rl::TrainerProcesses> join_trainer_processes(const rl::RunConfig
     p->rank = env.rank;
     p->world_size = env.world_size;
     p->local_rank = env.local_rank;
+    p->master_addr = env.master_addr;
     p->store = connect_rank_store(env, 300);
     p->ep_transport = cfg.trainer_ep_transport();
     return p;

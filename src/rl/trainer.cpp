@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
+#include <sys/stat.h>
 #include <torch/version.h>
 #include <unistd.h>
 
@@ -20,7 +21,6 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "moerl/control/control.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
@@ -558,20 +558,27 @@ struct PolicyTrainer::Impl {
         }
         fs::rename(tmp, p);
     }
-    static std::string digest_of(const fs::path& p) {
-        return fs::is_regular_file(p) ? control::sha256_file(p.string()) : std::string();
+    // Which file `p` is: device, inode, size and modification time (empty when there is none). Equal
+    // on two ranks exactly when they see one file (a shared filesystem), without reading it: the
+    // policy's weights are handed over every step.
+    static std::string identity_of(const fs::path& p) {
+        struct stat st {};
+        if (::stat(p.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return "";
+        return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" +
+               std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
+               std::to_string(st.st_mtim.tv_nsec);
     }
 
     // Ranks 1.. hand rank 0 the file each wrote into `dir` (name_of(rank)); rank 0 takes the ones
-    // its `dir` does not already hold byte for byte (as a shared filesystem does).
+    // it does not already see (as it does on a shared filesystem).
     void collect_on_first(const std::string& dir, const std::function<std::string(int)>& name_of) {
-        const std::vector<std::string> digests =
-            group->gather(first_rank > 0 ? digest_of(fs::path(dir) / name_of(first_rank)) : "");
+        const std::vector<std::string> identities =
+            group->gather(first_rank > 0 ? identity_of(fs::path(dir) / name_of(first_rank)) : "");
         std::string wanted;
         if (first_rank == 0) {
             nlohmann::json ranks_wanted = nlohmann::json::array();
             for (int q = 1; q < W; ++q)
-                if (digest_of(fs::path(dir) / name_of(q)) != digests[q]) ranks_wanted.push_back(q);
+                if (identity_of(fs::path(dir) / name_of(q)) != identities[q]) ranks_wanted.push_back(q);
             wanted = ranks_wanted.dump();
         }
         group->broadcast(wanted);
@@ -588,20 +595,20 @@ struct PolicyTrainer::Impl {
         }
     }
 
-    // Every rank gets the files of rank 0's `dir` it does not hold byte for byte.
+    // Every rank gets the files of rank 0's `dir` it does not see itself.
     void spread_from_first(const std::string& dir) {
         std::string listing;
         if (first_rank == 0) {
             nlohmann::json files = nlohmann::json::object();
             for (const auto& e : fs::directory_iterator(dir))
-                if (e.is_regular_file()) files[e.path().filename().string()] = digest_of(e.path());
+                if (e.is_regular_file()) files[e.path().filename().string()] = identity_of(e.path());
             listing = files.dump();
         }
         group->broadcast(listing);
         nlohmann::json needed = nlohmann::json::array();
         const nlohmann::json files = nlohmann::json::parse(listing);
-        for (const auto& [name, digest] : files.items())
-            if (first_rank > 0 && digest_of(fs::path(dir) / name) != digest.get<std::string>())
+        for (const auto& [name, identity] : files.items())
+            if (first_rank > 0 && identity_of(fs::path(dir) / name) != identity.get<std::string>())
                 needed.push_back(name);
         std::string wanted;
         if (first_rank == 0) {

@@ -14,9 +14,15 @@
 
 #include "moerl/core/error.hpp"
 
-#ifdef MOERL_HAVE_GLOO
+// c10d's Gloo group where LibTorch ships Gloo's headers (Debian's does; PyTorch's wheels do not), as
+// `moerl bench ep` detects it; else the processes sum through the rendezvous store.
+#if __has_include(<gloo/algorithm.h>)
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO 1
+#endif
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#define MOERL_HAVE_GLOO 1
 #endif
 
 namespace moerl::rl::detail {
@@ -238,12 +244,11 @@ class GlooRanks final : public ProcessRanksBase {
     explicit GlooRanks(const TrainerProcesses& p) : ProcessRanksBase(p) {
         auto options = c10d::ProcessGroupGloo::Options::create(
             std::chrono::milliseconds(static_cast<int64_t>(p.timeout_s * 1000)));
-        const char* master = std::getenv("MASTER_ADDR");
         const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
         guarded("joining the trainer's processes", [&] {
             if (ifname && *ifname) {
                 options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-            } else if (!master || is_loopback(master)) {
+            } else if (is_loopback(p.master_addr)) {
                 options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
             } else {
                 options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
@@ -312,11 +317,14 @@ std::unique_ptr<TrainerRanks> make_thread_ranks(int world_size) {
 }
 
 std::unique_ptr<TrainerRanks> make_process_ranks(const TrainerProcesses& p) {
-    const char* forced = std::getenv("MOERL_TRAINER_COLLECTIVES");  // "store": the fallback's test
-    if (forced && std::string(forced) == "store") return std::make_unique<StoreRanks>(p);
+    MOERL_CHECK(p.collectives == "auto" || p.collectives == "gloo" || p.collectives == "store",
+                "trainer processes: collectives '", p.collectives, "'; expected auto, gloo or store");
+    if (p.collectives == "store") return std::make_unique<StoreRanks>(p);
 #ifdef MOERL_HAVE_GLOO
     return std::make_unique<GlooRanks>(p);
 #else
+    MOERL_CHECK(p.collectives != "gloo",
+                "trainer processes: collectives 'gloo', but this LibTorch has no Gloo headers");
     return std::make_unique<StoreRanks>(p);
 #endif
 }

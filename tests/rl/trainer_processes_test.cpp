@@ -172,15 +172,15 @@ TEST(TrainerProcesses, EqualTrainingInOneProcess) {
     struct Case {
         int W;
         const char* transport;
-        const char* collectives;  // Gloo where built, or the rendezvous store (PyTorch's wheels)
+        const char* collectives;  // auto: Gloo where built; store: the rendezvous store (PyTorch's wheels)
     };
-    for (const Case& c : {Case{2, "host", "gloo"}, Case{4, "host", "gloo"}, Case{2, "fabric/tcp", "gloo"},
+    for (const Case& c : {Case{2, "host", "auto"}, Case{4, "host", "auto"}, Case{2, "fabric/tcp", "auto"},
                           Case{2, "host", "store"}}) {
         const std::string what = std::to_string(c.W) + " processes, " + c.transport + ", " + c.collectives;
         const fs::path out =
             t.path / (std::to_string(c.W) + (c.transport[0] == 'h' ? "-host-" : "-fabric-") + c.collectives);
         const Ranks many =
-            run_ranks(c.W, out, c.transport, {std::string("MOERL_TRAINER_COLLECTIVES=") + c.collectives});
+            run_ranks(c.W, out, c.transport, {std::string("MOERL_TEST_COLLECTIVES=") + c.collectives});
         if (many.log.find("unknown EP transport 'fabric'") != std::string::npos) {
             std::cout << "skip " << what << ": this build has no fabric transport\n";
             continue;
@@ -190,14 +190,21 @@ TEST(TrainerProcesses, EqualTrainingInOneProcess) {
     }
 }
 
-TEST(TrainerProcesses, PackedMicroBatchesOverProcessesEqualOneProcess) {
-    TempDir t("trainer-procs-packed");
-    const std::vector<std::string> env{"MOERL_TEST_MICRO_TOKENS=12"};
-    const Ranks one = run_ranks(1, t.path / "one", "host", env);
+// One process, then two, with the same transport and environment: both succeed and train alike.
+void expect_two_processes_equal_one(const char* tag, const std::string& transport,
+                                    const std::vector<std::string>& env, const std::string& what,
+                                    double tolerance) {
+    TempDir t(tag);
+    const Ranks one = run_ranks(1, t.path / "one", transport, env);
     ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
-    const Ranks two = run_ranks(2, t.path / "two", "host", env);
+    const Ranks two = run_ranks(2, t.path / "two", transport, env);
     ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
-    expect_same_training(t.path / "one", t.path / "two", "2 processes, packed");
+    expect_same_training(t.path / "one", t.path / "two", what, tolerance);
+}
+
+TEST(TrainerProcesses, PackedMicroBatchesOverProcessesEqualOneProcess) {
+    expect_two_processes_equal_one("trainer-procs-packed", "host", {"MOERL_TEST_MICRO_TOKENS=12"},
+                                   "2 processes, packed", 1e-5);
 }
 
 // Ranks 1.. without rank 0's filesystem: their checkpoint shards reach rank 0 through the process
@@ -207,10 +214,10 @@ TEST(TrainerProcesses, RanksWithoutASharedFilesystemCheckpointAndResume) {
     TempDir t("trainer-procs-private");
     const Ranks one = run_ranks(1, t.path / "one", "host");
     ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
-    for (const char* collectives : {"gloo", "store"}) {
+    for (const char* collectives : {"auto", "store"}) {
         const fs::path out = t.path / collectives;
         const Ranks two =
-            run_ranks(2, out, "host", {std::string("MOERL_TRAINER_COLLECTIVES=") + collectives}, true);
+            run_ranks(2, out, "host", {std::string("MOERL_TEST_COLLECTIVES=") + collectives}, true);
         ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
         EXPECT_FALSE(fs::exists(out / "work1")) << "rank 1 wrote into rank 0's filesystem";
         EXPECT_TRUE(fs::exists(out / "weights" / "optimizer-rank1.safetensors"));
@@ -222,13 +229,8 @@ TEST(TrainerProcesses, RanksWithoutASharedFilesystemCheckpointAndResume) {
 // On the GPU machine: two processes sharing one GPU, tokens over the cuda transport (CUDA IPC).
 TEST(TrainerProcesses, TwoProcessesSharingOneGpuEqualOne) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-    TempDir t("trainer-procs-gpu");
-    const std::vector<std::string> env{"MOERL_TEST_DEVICE=cuda"};
-    const Ranks one = run_ranks(1, t.path / "one", "cuda", env);
-    ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
-    const Ranks two = run_ranks(2, t.path / "two", "cuda", env);
-    ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
-    expect_same_training(t.path / "one", t.path / "two", "2 processes on one GPU", 1e-4);
+    expect_two_processes_equal_one("trainer-procs-gpu", "cuda", {"MOERL_TEST_DEVICE=cuda"},
+                                   "2 processes on one GPU", 1e-4);
 }
 
 TEST(TrainerProcesses, ADeadRankFailsTheOthersWithAClearError) {

@@ -4,7 +4,8 @@
 //   rl_trainer_rank OUT TRANSPORT        (RANK, WORLD_SIZE, MASTER_PORT from the environment)
 // Rank 0 writes OUT/stats.json (each update's loss, gradient norm, KL, clip fraction and token
 // counts) and the checkpoint OUT/weights. MOERL_TEST_DEVICE=cuda trains on
-// the GPU (fp32), MOERL_TEST_MICRO_TOKENS packs micro-batches.
+// the GPU (fp32), MOERL_TEST_MICRO_TOKENS packs micro-batches, MOERL_TEST_COLLECTIVES picks the
+// sums (TrainerProcesses::collectives).
 #include <unistd.h>
 
 #include <cstdlib>
@@ -32,6 +33,7 @@ int main(int argc, char** argv) {
         p.world_size = std::atoi(std::getenv("WORLD_SIZE"));
         p.local_rank = p.rank;
         p.ep_transport = transport;
+        if (const char* collectives = std::getenv("MOERL_TEST_COLLECTIVES")) p.collectives = collectives;
         p.timeout_s =
             std::getenv("MOERL_TEST_TIMEOUT_S") ? std::atof(std::getenv("MOERL_TEST_TIMEOUT_S")) : 60;
         c10d::TCPStoreOptions o;

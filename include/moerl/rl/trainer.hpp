@@ -50,6 +50,12 @@ struct TrainerProcesses {
     c10::intrusive_ptr<c10d::Store> store;
     std::string ep_transport = "host";  // host | fabric/<provider> | cuda
     double timeout_s = 300;             // a rank that does not answer for this long fails the others
+    // Where rank 0's store is: a loopback address keeps Gloo on loopback too (GLOO_SOCKET_IFNAME
+    // names the interface otherwise).
+    std::string master_addr = "127.0.0.1";
+    // How the sums travel: auto (Gloo where LibTorch has its headers, else the store), gloo, or
+    // store (through the rendezvous store: every rank posts its part; for tests and small models).
+    std::string collectives = "auto";
 };
 
 class PolicyTrainer {
