@@ -52,18 +52,23 @@ int report(const rl::RunConfig& cfg, const rl::RunSummary& s, const std::string&
 }
 }  // namespace
 
-std::unique_ptr<rl::TrainerProcesses> join_trainer_processes(const rl::RunConfig& cfg,
-                                                             const std::string& config) {
+std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg, const std::string& config,
+                                                       const std::string& role) {
     const RankEnv env = rank_env_from_environment();
-    MOERL_CHECK(env.world_size == cfg.train_ranks, config, ": ranks.train is ", cfg.train_ranks,
+    const bool train = role == "train";
+    const int want = train ? cfg.train_ranks : cfg.rollout_ranks;
+    MOERL_CHECK(env.world_size == want, config, ": ranks.", train ? "train" : "rollout", " is ", want,
                 ", but this process is one of WORLD_SIZE=", env.world_size, " (torchrun's environment)");
-    auto p = std::make_unique<rl::TrainerProcesses>();
+    auto p = std::make_unique<rl::RoleProcesses>();
     p->rank = env.rank;
     p->world_size = env.world_size;
     p->local_rank = env.local_rank;
     p->master_addr = env.master_addr;
     p->store = connect_rank_store(env, 300);
-    p->ep_transport = cfg.trainer_ep_transport();
+    p->ep_transport = train ? cfg.trainer_ep_transport() : cfg.rollout_ep_transport();
+    // A rollout step takes milliseconds: a rank silent for a minute is gone, and its engine's tasks
+    // should go back to the queue.
+    if (!train) p->timeout_s = 60;
     return p;
 }
 
@@ -101,7 +106,7 @@ void register_run_commands(CLI::App& app) {
                     " (the directory does not exist); run without --resume to start one");
         // ranks.train > 1: this command runs again as that many processes (torchrun's
         // environment); rank 0 runs every role, the others hold their share of the trainer.
-        std::unique_ptr<rl::TrainerProcesses> processes;
+        std::unique_ptr<rl::RoleProcesses> processes;
         if (cfg.train_ranks > 1) {
             cfg.validate();
             if (std::getenv("WORLD_SIZE") == nullptr) {
@@ -114,7 +119,7 @@ void register_run_commands(CLI::App& app) {
                 if (code != 0) throw CLI::RuntimeError(code);
                 return;
             }
-            processes = join_trainer_processes(cfg, args->config);
+            processes = join_role_processes(cfg, args->config, "train");
             if (processes->rank > 0) {
                 ::signal(SIGINT, SIG_IGN);  // Ctrl-C stops rank 0's run, which then releases this rank
                 rl::follow_trainer(cfg, *processes);

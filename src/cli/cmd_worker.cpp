@@ -97,18 +97,27 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
     start_grace_watchdog(who, a.grace_s);
     // The trainer over ranks.train processes (torchrun's environment: a StatefulSet's pods): rank 0
     // is the trainer the control plane sees; the others hold their experts and follow it.
-    std::unique_ptr<rl::TrainerProcesses> processes;
+    std::unique_ptr<rl::RoleProcesses> processes;
     if (a.role == "train" && cfg.train_ranks > 1) {
         log_line(who, "trainer rank " + env::get_string("RANK", "0") + " of " +
                           std::to_string(cfg.train_ranks) + ": joining the others at " +
                           env::get_string("MASTER_ADDR", "127.0.0.1") + ":" +
                           env::get_string("MASTER_PORT", "29500"));
-        processes = join_trainer_processes(cfg, a.config);
+        processes = join_role_processes(cfg, a.config, "train");
         if (processes->rank > 0) {
             rl::follow_trainer(cfg, *processes);
             log_line(who, "rank 0's run ended");
             return;
         }
+    }
+    // A rollout engine over ranks.rollout processes: rank 0 leases and pushes; the others hold
+    // their experts and sequences and generate what it hands out.
+    if (a.role == "rollout" && cfg.rollout_ranks > 1) {
+        log_line(who, "rollout engine rank " + env::get_string("RANK", "0") + " of " +
+                          std::to_string(cfg.rollout_ranks) + ": joining the others at " +
+                          env::get_string("MASTER_ADDR", "127.0.0.1") + ":" +
+                          env::get_string("MASTER_PORT", "29500"));
+        processes = join_role_processes(cfg, a.config, "rollout");
     }
 #ifdef MOERL_HAVE_HEALTH
     // Probes and metrics for a cluster scheduler, where MOERL_HEALTH_PORT asks for them (the images
@@ -171,7 +180,15 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
     } else if (a.role == "reward") {
         rl::run_reward_worker(cfg, cp, w);
     } else {
-        rl::run_rollout_worker(cfg, cp, w, (fs::path(cfg.output_dir) / "rollout" / who).string());
+        // The ranks of an engine share its worker id: each fetches policies into its own folder.
+        const std::string rank_suffix = processes ? "-rank" + std::to_string(processes->rank) : "";
+        const std::string cache = (fs::path(cfg.output_dir) / "rollout" / (who + rank_suffix)).string();
+        if (processes && processes->rank > 0) {
+            rl::follow_rollout_engine(cfg, cp, cache, *processes);
+            log_line(who, "rank 0 of the rollout engine stopped");
+            return;
+        }
+        rl::run_rollout_worker(cfg, cp, w, cache, processes.get());
     }
 }
 
@@ -226,11 +243,14 @@ void run_cluster(const ClusterArgs& c) {
             if (!a.audit.empty()) s.argv.insert(s.argv.end(), {"--audit", a.audit});
         }
         s.argv.push_back(a.config);
-        // ranks.train processes of the trainer under the local launcher (torchrun's environment).
-        if (role == "train" && cfg.train_ranks > 1) {
+        // ranks.train processes of the trainer, ranks.rollout processes of each rollout engine,
+        // under the local launcher (torchrun's environment); the launcher stops the others of a
+        // group when one fails, and the group is restarted as a whole.
+        const int ranks = role == "train" ? cfg.train_ranks : role == "rollout" ? cfg.rollout_ranks : 1;
+        if (ranks > 1) {
             s.argv[0] = self_executable();
-            s.argv.insert(s.argv.begin(), {"moerl", "launch", "-n", std::to_string(cfg.train_ranks),
-                                           "--grace", seconds_text(a.grace_s), "--"});
+            s.argv.insert(s.argv.begin(), {"moerl", "launch", "-n", std::to_string(ranks), "--grace",
+                                           seconds_text(a.grace_s), "--"});
         }
         return s;
     };

@@ -19,9 +19,10 @@ struct DistributedRunArgs {
 void add_distributed_run_options(CLI::App* run, DistributedRunArgs& args);
 void run_distributed(const std::string& config, const std::string& out, const DistributedRunArgs& args);
 
-// This process's place among the trainer's config.train_ranks processes, from torchrun's
-// environment (WORLD_SIZE must equal ranks.train); joins the rendezvous store (in cmd_run.cpp).
-std::unique_ptr<rl::TrainerProcesses> join_trainer_processes(const rl::RunConfig& cfg,
-                                                             const std::string& config);
+// This process's place among the processes of `role` ("train": config.train_ranks, "rollout":
+// config.rollout_ranks), from torchrun's environment (WORLD_SIZE must equal that count); joins the
+// rendezvous store (in cmd_run.cpp).
+std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg, const std::string& config,
+                                                       const std::string& role);
 
 }  // namespace moerl::cli

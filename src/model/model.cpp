@@ -371,4 +371,16 @@ StepOutput MoeModel::decode(KvCache& cache, const at::Tensor& tokens, bool recor
     return prefill(cache, tokens.reshape({tokens.size(0), 1}), at::Tensor(), record_routing);
 }
 
+void MoeModel::idle_pass() const {
+    const Impl& m = *impl_;
+    if (m.options.ep == nullptr) return;
+    c10::NoGradGuard no_grad;
+    const at::Tensor none = at::empty({0, m.config.hidden_size}, m.embed.options());
+    for (const LayerWeights& w : m.layers) {
+        if (w.moe_index < 0) continue;
+        const Routing r = route(none, w.router, m.config.num_experts_per_tok, m.config.norm_topk_prob);
+        moe_forward(none, r, w.experts_gate, w.experts_up, w.experts_down, m.options.ep);
+    }
+}
+
 }  // namespace moerl::model

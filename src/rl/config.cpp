@@ -507,6 +507,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         [&](Section& s) {
             s.integer("ep", 1, 64, c.ep_ranks);
             s.integer("train", 1, 64, c.train_ranks);
+            s.integer("rollout", 1, 64, c.rollout_ranks);
             s.string("transport", c.train_ep_transport);
         },
         top);
@@ -596,15 +597,21 @@ void RunConfig::validate() const {
     MOERL_CHECK(train_device != "cuda" || ep_ranks == 1 || train_ranks > 1, s,
                 ": train.device: cuda runs one rank per process, so ranks.ep must be 1 (got ", ep_ranks,
                 "), or set ranks.train to ", ep_ranks, " processes");
+    MOERL_CHECK(rollout_ranks == 1 || (m.num_moe_layers() > 0 && m.num_experts % rollout_ranks == 0), s,
+                ": ranks.rollout: ", rollout_ranks,
+                " processes each hold an equal share of the experts, but ", "the model has ", m.num_experts,
+                " experts in ", m.num_moe_layers(), " MoE layers");
     if (!train_ep_transport.empty()) {
-        MOERL_CHECK(train_ranks > 1, s, ": ranks.transport: ", train_ep_transport,
-                    " moves tokens between the trainer's processes, but ranks.train is 1");
+        MOERL_CHECK(train_ranks > 1 || rollout_ranks > 1, s, ": ranks.transport: ", train_ep_transport,
+                    " moves tokens between the processes of the trainer or of a rollout engine, but ",
+                    "ranks.train and ranks.rollout are 1");
         const std::string& t = train_ep_transport;
         const bool known = t == "host" || t == "cuda" || t.rfind("fabric/", 0) == 0;
         MOERL_CHECK(known, s,
                     ": ranks.transport: expected host, cuda or fabric/<provider> (fabric/tcp), got '", t,
                     "'");
-        MOERL_CHECK((t == "cuda") == (train_device == "cuda"), s, ": ranks.transport: ", t,
+        MOERL_CHECK(train_ranks == 1 || (t == "cuda") == (train_device == "cuda"), s,
+                    ": ranks.transport: ", t,
                     train_device == "cuda"
                         ? " cannot move the GPU trainer's tokens: use cuda"
                         : " needs train.device: cuda; the CPU trainer uses host or fabric/<provider>");

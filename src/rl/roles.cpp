@@ -2,6 +2,7 @@
 #include "moerl/rl/roles.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -15,11 +16,14 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <utility>
 
 #include "model_options.hpp"
 #include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/ep/buffer.hpp"
+#include "moerl/ep/c10d_store.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/prompt_source.hpp"
@@ -96,6 +100,52 @@ class InProcessPolicies {
 model::ModelOptions rollout_model_options(const RunConfig& c) {
     return role_model_options(c, c.rollout_device, c.rollout_dtype, "rollout.device");
 }
+
+// The rollout model of one rank of an engine: every expert, or over processes this rank's share
+// (an EP buffer over them, sized for a prefill of max_batch whole sequences).
+struct RolloutModel {
+    std::unique_ptr<ep::C10dStore> store;
+    std::unique_ptr<ep::Buffer> buffer;
+    std::unique_ptr<model::MoeModel> model;
+
+    RolloutModel(const RunConfig& c, const RoleProcesses* p) {
+        model::ModelOptions o = rollout_model_options(c);
+        if (p != nullptr && p->world_size > 1) {
+            MOERL_CHECK(p->world_size == c.rollout_ranks, c.source, ": the rollout engine runs as ",
+                        p->world_size, " processes, but ranks.rollout is ", c.rollout_ranks);
+            if (o.device.is_cuda()) {
+                const int gpus = static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
+                o.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(p->local_rank % gpus));
+            }
+            store = std::make_unique<ep::C10dStore>(
+                c10::make_intrusive<c10d::PrefixStore>("rollout-ep", p->store));
+            ep::Config ec;
+            ec.world_size = p->world_size;
+            ec.rank = p->rank;
+            ec.num_experts = c.model.num_experts;
+            ec.hidden = c.model.hidden_size;
+            ec.top_k = c.model.num_experts_per_tok;
+            ec.max_tokens_per_rank = static_cast<int>(int64_t{c.rollout_max_batch} * c.max_sequence_tokens());
+            ec.dtype = o.dtype == at::kBFloat16 ? ep::DType::kBFloat16 : ep::DType::kFloat32;
+            ec.set_transport(p->ep_transport);
+            if (o.device.is_cuda()) ec.device = o.device.index();
+            ec.job_id = "rollout";
+            ec.timeout_s = p->timeout_s;
+            buffer = std::make_unique<ep::Buffer>(ec, store.get());
+            o.ep = buffer.get();
+        }
+        model = std::make_unique<model::MoeModel>(c.model, o);
+    }
+    ~RolloutModel() {
+        try {
+            if (buffer) buffer->destroy();
+        } catch (...) {
+        }
+    }
+    // After a rank died: the buffer's teardown is collective and would wait for it in vain; the
+    // process is about to exit, which frees the buffer's memory.
+    void abandon_buffer() { (void)buffer.release(); }
+};
 }  // namespace
 
 model::ModelOptions role_model_options(const RunConfig& c, const std::string& device,
@@ -229,7 +279,8 @@ struct RolloutWorker::Impl {
     RunConfig cfg;
     ControlPlane& cp;
     std::string name, cache_dir;
-    model::MoeModel model;
+    RolloutModel owned;
+    model::MoeModel& model;
     std::unique_ptr<RolloutEngine> engine;
     std::unique_ptr<Rewarder> rewarder;
     int64_t version = -1;
@@ -242,15 +293,20 @@ struct RolloutWorker::Impl {
     std::map<uint64_t, InFlight> in_flight;
     std::map<std::string, at::Tensor> weight_slots;  // the rollout model's weights by HF name
 
-    Impl(const RunConfig& c, ControlPlane& control, std::string n, std::string cache)
+    ~Impl() {
+        if (!engine->healthy()) owned.abandon_buffer();
+    }
+
+    Impl(const RunConfig& c, ControlPlane& control, std::string n, std::string cache, const RoleProcesses* p)
         : cfg(c),
           cp(control),
           name(std::move(n)),
           cache_dir(std::move(cache)),
-          model(c.model, rollout_model_options(c)) {
+          owned(c, p),
+          model(*owned.model) {
         SamplingParams sp = c.sampling;
         engine = std::make_unique<RolloutEngine>(model, sp, c.rollout_max_batch, c.record_routing,
-                                                 c.rollout_max_seq_len);
+                                                 c.rollout_max_seq_len, p);
         std::vector<std::unique_ptr<Rewarder>> parts;
         std::vector<double> weights;
         parts.push_back(make_prompt_rewarder(c));
@@ -264,7 +320,7 @@ struct RolloutWorker::Impl {
         const auto t0 = Clock::now();
         const std::string& uri = latest->second;
         stats.sync_bytes += load_policy(cp, uri, cache_dir, model, weight_slots);
-        engine->refresh_weights();
+        engine->refresh_weights(uri);
         version = latest->first;
         ++stats.syncs;
         stats.last_sync_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -326,8 +382,21 @@ struct RolloutWorker::Impl {
     }
 
     size_t release() {
+        if (!engine->healthy()) {
+            const size_t n = in_flight.size();
+            abandon();
+            return n;
+        }
+        std::vector<GenResult> partial;
+        try {
+            partial = engine->drain();
+        } catch (const std::exception&) {  // a rank of the engine is gone with its sequences
+            const size_t n = in_flight.size();
+            abandon();
+            return n;
+        }
         size_t n = 0;
-        for (auto& r : engine->drain()) {
+        for (auto& r : partial) {
             auto it = in_flight.find(r.id);
             if (it == in_flight.end()) continue;
             cp.tasks->release(it->second.lease, to_json(r.trajectory));
@@ -336,6 +405,19 @@ struct RolloutWorker::Impl {
         }
         stats.released += static_cast<int64_t>(n);
         return n;
+    }
+
+    // The engine failed (a rank of it died): every task it held goes back to the queue as it was
+    // leased, for another worker; what this attempt generated is lost with the rank.
+    void abandon() {
+        for (auto& [id, f] : in_flight) {
+            try {
+                cp.tasks->release(f.lease, f.lease.task.partial);
+                ++stats.released;
+            } catch (const std::exception&) {  // the lease times out instead
+            }
+        }
+        in_flight.clear();
     }
 
     size_t work(control::Millis wait, const std::atomic<bool>* stop, int max_steps) {
@@ -348,16 +430,23 @@ struct RolloutWorker::Impl {
                 release();
                 break;
             }
-            sync();
-            // Fill free batch slots with new leases (continuous batching).
-            while (static_cast<int>(engine->num_active() + engine->num_waiting()) < cfg.rollout_max_batch) {
-                auto lease = cp.tasks->lease(name, engine->idle() ? wait : control::Millis(0));
-                if (!lease) break;
-                admit(*lease);
+            std::vector<GenResult> done;
+            try {
+                sync();
+                // Fill free batch slots with new leases (continuous batching).
+                while (static_cast<int>(engine->num_active() + engine->num_waiting()) < engine->capacity()) {
+                    auto lease = cp.tasks->lease(name, engine->idle() ? wait : control::Millis(0));
+                    if (!lease) break;
+                    admit(*lease);
+                }
+                if (engine->idle()) break;
+                MOERL_CHECK(version >= 0, "rollout worker ", name,
+                            ": no policy published in the registry yet");
+                done = engine->step(version);
+            } catch (const std::exception&) {
+                if (!engine->healthy()) abandon();
+                throw;
             }
-            if (engine->idle()) break;
-            MOERL_CHECK(version >= 0, "rollout worker ", name, ": no policy published in the registry yet");
-            auto done = engine->step(version);
             complete(done);
             if (++steps % 16 == 0) cp.tasks->heartbeat(name);
             if (max_steps > 0 && steps >= max_steps) break;
@@ -369,8 +458,17 @@ struct RolloutWorker::Impl {
 };
 
 RolloutWorker::RolloutWorker(const RunConfig& config, ControlPlane& control, std::string name,
-                             std::string cache_dir)
-    : impl_(std::make_unique<Impl>(config, control, std::move(name), std::move(cache_dir))) {}
+                             std::string cache_dir, const RoleProcesses* processes)
+    : impl_(std::make_unique<Impl>(config, control, std::move(name), std::move(cache_dir), processes)) {}
+
+void follow_rollout_engine(const RunConfig& config, ControlPlane& control, const std::string& cache_dir,
+                           const RoleProcesses& processes) {
+    RolloutModel m(config, &processes);
+    RolloutEngine engine(*m.model, config.sampling, config.rollout_max_batch, config.record_routing,
+                         config.rollout_max_seq_len, &processes);
+    std::map<std::string, at::Tensor> slots;
+    engine.follow([&](const std::string& uri) { load_policy(control, uri, cache_dir, *m.model, slots); });
+}
 RolloutWorker::~RolloutWorker() = default;
 int64_t RolloutWorker::sync_policy() { return impl_->sync(); }
 size_t RolloutWorker::work(control::Millis wait, const std::atomic<bool>* stop, int max_engine_steps) {
@@ -379,6 +477,7 @@ size_t RolloutWorker::work(control::Millis wait, const std::atomic<bool>* stop, 
 size_t RolloutWorker::release_all() { return impl_->release(); }
 const RolloutStats& RolloutWorker::stats() const { return impl_->stats; }
 int64_t RolloutWorker::policy_version() const { return impl_->version; }
+bool RolloutWorker::healthy() const { return impl_->engine->healthy(); }
 
 // ---- eval ------------------------------------------------------------------------------------
 struct Evaluator::Impl {
@@ -468,7 +567,7 @@ struct TrainerRole::Impl {
     double publish_seconds = 0;  // of the last publish_policy()
 
     Impl(const RunConfig& c, ControlPlane& control, std::string dir, bool in_process_weights,
-         const TrainerProcesses* processes)
+         const RoleProcesses* processes)
         : cfg(c), cp(control), work_dir(std::move(dir)) {
         fs::create_directories(work_dir);
         trainer = std::make_unique<PolicyTrainer>(cfg, work_dir, processes);
@@ -662,7 +761,7 @@ struct TrainerRole::Impl {
 };
 
 TrainerRole::TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
-                         bool in_process_weights, const TrainerProcesses* processes)
+                         bool in_process_weights, const RoleProcesses* processes)
     : impl_(std::make_unique<Impl>(config, control, std::move(work_dir), in_process_weights, processes)) {}
 TrainerRole::~TrainerRole() = default;
 int64_t TrainerRole::start(bool resume) { return impl_->start(resume); }

@@ -3,6 +3,11 @@
 // model's positions come from next_position, so leading empty columns are harmless). On a CUDA
 // device model::Generator holds the sequences instead (a slot each in its paged cache) and runs
 // prefill and the decode steps, routing records included.
+//
+// Over processes, every rank runs this on its own sequences and rank 0 schedules: each step it
+// broadcasts which new requests each rank admits and whether anyone prefills or decodes, so every
+// rank runs the same forwards (a rank with nothing to compute joins the MoE layers' collectives
+// empty-handed), then gathers what finished.
 #include "moerl/rl/rollout.hpp"
 
 #include <ATen/ATen.h>
@@ -12,11 +17,13 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <numeric>
 
 #include "moerl/core/error.hpp"
 #include "moerl/model/generator.hpp"
 #include "moerl/model/model.hpp"
+#include "rank_group.hpp"
 
 namespace moerl::rl {
 
@@ -143,7 +150,7 @@ struct RolloutEngine::Impl {
         num_moe_layers = m.config().num_moe_layers();
         top_k = m.config().num_experts_per_tok;
         vocab = m.config().vocab_size;
-        if (m.options().device.is_cuda() && model::Generator::available()) {
+        if (m.options().device.is_cuda() && model::Generator::available() && m.options().ep == nullptr) {
             model::GeneratorOptions o;
             o.max_batch = max_batch;
             o.max_seq_len = max_seq_len;
@@ -210,10 +217,14 @@ struct RolloutEngine::Impl {
         }
     }
 
-    void admit(int64_t version, std::vector<GenResult>& done) {
+    // prefill_pass: another rank of the engine prefills now (this one joins the collectives).
+    void admit(int64_t version, std::vector<GenResult>& done, bool prefill_pass) {
         const size_t n =
             std::min(waiting.size(), static_cast<size_t>(std::max(0, max_batch - (int)active.size())));
-        if (n == 0) return;
+        if (n == 0) {
+            if (prefill_pass) model.idle_pass();
+            return;
+        }
         std::vector<Seq> joining;
         std::vector<std::vector<int64_t>> contexts;  // prompt + resumed response
         int64_t longest = 0;
@@ -303,11 +314,15 @@ struct RolloutEngine::Impl {
         if (!gen) cache = merge_caches(cache, fresh, room + 1);
     }
 
-    std::vector<GenResult> step(int64_t version) {
+    // prefill_pass / decode_pass: another rank of the engine prefills / decodes in this step.
+    std::vector<GenResult> step(int64_t version, bool prefill_pass = false, bool decode_pass = false) {
         c10::NoGradGuard no_grad;
         std::vector<GenResult> done;
-        admit(version, done);
-        if (active.empty()) return done;
+        admit(version, done, prefill_pass);
+        if (active.empty()) {
+            if (decode_pass) model.idle_pass();
+            return done;
+        }
         std::vector<int64_t> in;
         std::vector<int> slots;
         for (auto& s : active) in.push_back(s.next_input), slots.push_back(s.slot);
@@ -336,16 +351,117 @@ struct RolloutEngine::Impl {
         if (keep.size() < active.size()) keep_rows(keep);
         return done;
     }
+
+    // Removes every unfinished sequence and returns its partial trajectory (preemption).
+    std::vector<GenResult> drain() {
+        std::vector<GenResult> out;
+        for (auto& s : active) {
+            release(s);
+            s.traj.routing.clear();  // a resumed sequence recomputes it in its prefill
+            out.push_back({s.req.id, std::move(s.traj)});
+        }
+        for (auto& r : waiting) out.push_back({r.id, r.prefix});
+        active.clear();
+        waiting.clear();
+        cache = model::KvCache();
+        return out;
+    }
+};
+
+// ---- over processes ----
+namespace {
+
+nlohmann::json request_to_json(const GenRequest& r) {
+    return {{"id", r.id},
+            {"prompt", r.prompt},
+            {"prefix", to_json(r.prefix)},
+            {"seed", r.seed},
+            {"max_new_tokens", r.max_new_tokens}};
+}
+
+GenRequest request_from_json(const nlohmann::json& j) {
+    GenRequest r;
+    r.id = j.at("id").get<uint64_t>();
+    r.prompt = j.at("prompt").get<std::vector<int>>();
+    r.prefix = trajectory_from_json(j.at("prefix").get<std::string>());
+    r.seed = j.at("seed").get<uint64_t>();
+    r.max_new_tokens = j.at("max_new_tokens").get<int>();
+    return r;
+}
+
+// What a rank hands rank 0 after a call: the sequences that left it, and its tokens so far.
+std::string results_to_bytes(const std::vector<GenResult>& results, int64_t tokens) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const GenResult& r : results) out.push_back({{"id", r.id}, {"trajectory", to_json(r.trajectory)}});
+    return nlohmann::json{{"results", out}, {"tokens", tokens}}.dump();
+}
+
+}  // namespace
+
+// Rank 0's view of an engine over processes.
+struct RolloutEngine::Spread {
+    std::unique_ptr<detail::RankGroup> group;
+    int rank = 0, world = 1;
+    std::deque<GenRequest> pending;  // rank 0: added, not yet handed to a rank
+    std::vector<int> held;           // rank 0: sequences each rank holds
+    std::vector<int64_t> tokens;     // rank 0: tokens each rank sampled
+    std::string failure;             // why the engine cannot go on (a call over the ranks failed)
+
+    // Runs a call over the ranks; any failure leaves the engine unusable.
+    template <class Fn>
+    auto guarded(Fn fn) {
+        MOERL_CHECK(failure.empty(), "rollout engine over ", world, " processes: cannot go on after ",
+                    failure);
+        try {
+            return fn();
+        } catch (const std::exception& e) {
+            failure = e.what();
+            throw;
+        }
+    }
+
+    // Rank 0: reads what every rank handed back; returns the sequences that left them.
+    std::vector<GenResult> collect(const std::string& mine) {
+        std::vector<GenResult> all;
+        const std::vector<std::string> parts = group->gather(mine);
+        for (int q = 0; q < world; ++q) {
+            const nlohmann::json j = nlohmann::json::parse(parts[q]);
+            for (const auto& r : j.at("results")) {
+                all.push_back({r.at("id").get<uint64_t>(),
+                               trajectory_from_json(r.at("trajectory").get<std::string>())});
+                --held[q];
+            }
+            tokens[q] = j.at("tokens").get<int64_t>();
+        }
+        return all;
+    }
 };
 
 RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
-                             bool record_routing, int max_seq_len) {
+                             bool record_routing, int max_seq_len, const RoleProcesses* processes) {
     MOERL_CHECK(max_batch >= 1, "rollout max_batch must be >= 1, got ", max_batch);
     MOERL_CHECK(params.temperature > 0, "sampling temperature must be > 0, got ", params.temperature);
     MOERL_CHECK(max_seq_len >= 2, "rollout max_seq_len must be >= 2, got ", max_seq_len);
     impl_ = std::make_unique<Impl>(model, params, max_batch, record_routing, max_seq_len);
+    if (processes == nullptr || processes->world_size <= 1) return;
+    MOERL_CHECK(model.options().ep != nullptr && model.config().num_moe_layers() > 0, "rollout engine over ",
+                processes->world_size,
+                " processes: the model must shard its experts over them (an EP buffer)");
+    spread_ = std::make_unique<Spread>();
+    spread_->rank = processes->rank;
+    spread_->world = processes->world_size;
+    spread_->held.assign(spread_->world, 0);
+    spread_->tokens.assign(spread_->world, 0);
+    spread_->group = detail::make_process_group(*processes, "rollout");
 }
-RolloutEngine::~RolloutEngine() = default;
+
+RolloutEngine::~RolloutEngine() {
+    if (!spread_ || spread_->rank != 0 || !spread_->failure.empty()) return;
+    try {
+        spread_->group->send_call(nlohmann::json{{"call", "stop"}}.dump());
+    } catch (...) {
+    }
+}
 
 void RolloutEngine::add(GenRequest request) {
     MOERL_CHECK(!request.prompt.empty(), "rollout request ", request.id, " has an empty prompt");
@@ -354,10 +470,46 @@ void RolloutEngine::add(GenRequest request) {
     MOERL_CHECK(!impl_->gen || longest <= impl_->max_seq_len, "rollout request ", request.id, " needs ",
                 longest, " tokens (prompt + max_new_tokens), above the CUDA engine's max_seq_len ",
                 impl_->max_seq_len);
-    impl_->waiting.push_back(std::move(request));
+    if (spread_) {
+        spread_->pending.push_back(std::move(request));
+    } else {
+        impl_->waiting.push_back(std::move(request));
+    }
 }
 
-std::vector<GenResult> RolloutEngine::step(int64_t policy_version) { return impl_->step(policy_version); }
+std::vector<GenResult> RolloutEngine::step(int64_t policy_version) {
+    if (!spread_) return impl_->step(policy_version);
+    Spread& sp = *spread_;
+    MOERL_CHECK(sp.rank == 0, "rollout engine rank ", sp.rank, ": only rank 0 steps; the others follow()");
+    // New requests go to the ranks holding the fewest sequences.
+    std::vector<nlohmann::json> admit(sp.world, nlohmann::json::array());
+    while (!sp.pending.empty()) {
+        int q = 0;
+        for (int r = 1; r < sp.world; ++r)
+            if (sp.held[r] < sp.held[q]) q = r;
+        if (sp.held[q] >= impl_->max_batch) break;
+        admit[q].push_back(request_to_json(sp.pending.front()));
+        sp.pending.pop_front();
+        ++sp.held[q];
+    }
+    bool prefill = false, decode = false;
+    for (int q = 0; q < sp.world; ++q) {
+        prefill = prefill || !admit[q].empty();
+        decode = decode || sp.held[q] > 0;
+    }
+    if (!decode) return {};
+    return sp.guarded([&] {
+        sp.group->send_call(nlohmann::json{
+            {"call", "step"},
+            {"version", policy_version},
+            {"prefill", prefill},
+            {"decode", decode},
+            {"admit", admit}}.dump());
+        for (const auto& r : admit[0]) impl_->waiting.push_back(request_from_json(r));
+        const std::vector<GenResult> mine = impl_->step(policy_version, prefill, decode);
+        return sp.collect(results_to_bytes(mine, impl_->tokens));
+    });
+}
 
 std::vector<GenResult> RolloutEngine::run_to_completion(int64_t policy_version) {
     std::vector<GenResult> all;
@@ -370,25 +522,89 @@ std::vector<GenResult> RolloutEngine::run_to_completion(int64_t policy_version) 
 
 std::vector<GenResult> RolloutEngine::drain() {
     std::vector<GenResult> out;
-    for (auto& s : impl_->active) {
-        impl_->release(s);
-        s.traj.routing.clear();  // a resumed sequence recomputes it in its prefill
-        out.push_back({s.req.id, std::move(s.traj)});
+    if (spread_) {
+        Spread& sp = *spread_;
+        if (sp.failure.empty()) {
+            out = sp.guarded([&] {
+                sp.group->send_call(nlohmann::json{{"call", "drain"}}.dump());
+                return sp.collect(results_to_bytes(impl_->drain(), impl_->tokens));
+            });
+        } else {
+            impl_->drain();
+            sp.held.assign(sp.world, 0);
+        }
+        for (auto& r : sp.pending) out.push_back({r.id, r.prefix});
+        sp.pending.clear();
+        return out;
     }
-    for (auto& r : impl_->waiting) out.push_back({r.id, r.prefix});
-    impl_->active.clear();
-    impl_->waiting.clear();
-    impl_->cache = model::KvCache();
-    return out;
+    return impl_->drain();
 }
 
-void RolloutEngine::refresh_weights() {
+void RolloutEngine::refresh_weights(const std::string& source) {
     if (impl_->gen) impl_->gen->refresh_weights();
+    if (!spread_) return;
+    Spread& sp = *spread_;
+    const std::vector<std::string> errors = sp.guarded([&] {
+        sp.group->send_call(nlohmann::json{{"call", "refresh"}, {"source", source}}.dump());
+        return sp.group->gather("");
+    });
+    for (int q = 1; q < sp.world; ++q)
+        MOERL_CHECK(errors[q].empty(), "rollout rank ", q, " of ", sp.world, " could not load ", source, ": ",
+                    errors[q]);
 }
+
+bool RolloutEngine::carry_out(const std::string& bytes, const std::function<void(const std::string&)>& load) {
+    Spread& sp = *spread_;
+    const nlohmann::json c = nlohmann::json::parse(bytes);
+    const std::string what = c.at("call").get<std::string>();
+    if (what == "stop") return false;
+    if (what == "step") {
+        for (const auto& r : c.at("admit").at(sp.rank)) impl_->waiting.push_back(request_from_json(r));
+        const std::vector<GenResult> done = impl_->step(
+            c.at("version").get<int64_t>(), c.at("prefill").get<bool>(), c.at("decode").get<bool>());
+        sp.group->gather(results_to_bytes(done, impl_->tokens));
+    } else if (what == "drain") {
+        sp.group->gather(results_to_bytes(impl_->drain(), impl_->tokens));
+    } else if (what == "refresh") {
+        std::string error;
+        try {
+            load(c.at("source").get<std::string>());
+            if (impl_->gen) impl_->gen->refresh_weights();
+        } catch (const std::exception& e) {
+            error = e.what();
+        }
+        sp.group->gather(error);
+    } else {
+        MOERL_FAIL("rollout rank ", sp.rank, ": rank 0 made an unknown call '", what, "'");
+    }
+    return true;
+}
+
+void RolloutEngine::follow(const std::function<void(const std::string&)>& load) {
+    MOERL_CHECK(spread_ && spread_->rank > 0,
+                "follow: only ranks 1.. of a rollout engine over processes follow rank 0");
+    while (carry_out(spread_->group->receive_call(), load)) {
+    }
+}
+
+bool RolloutEngine::healthy() const { return !spread_ || spread_->failure.empty(); }
+int RolloutEngine::capacity() const { return impl_->max_batch * (spread_ ? spread_->world : 1); }
 bool RolloutEngine::uses_generator() const { return impl_->gen != nullptr; }
 
-size_t RolloutEngine::num_active() const { return impl_->active.size(); }
-size_t RolloutEngine::num_waiting() const { return impl_->waiting.size(); }
-int64_t RolloutEngine::tokens_generated() const { return impl_->tokens; }
+size_t RolloutEngine::num_active() const {
+    if (!spread_) return impl_->active.size();
+    size_t n = 0;
+    for (int h : spread_->held) n += static_cast<size_t>(h);
+    return n;
+}
+size_t RolloutEngine::num_waiting() const {
+    return spread_ ? spread_->pending.size() : impl_->waiting.size();
+}
+int64_t RolloutEngine::tokens_generated() const {
+    if (!spread_) return impl_->tokens;
+    int64_t n = 0;
+    for (int64_t t : spread_->tokens) n += t;
+    return n;
+}
 
 }  // namespace moerl::rl

@@ -74,6 +74,11 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     if (opt.steps >= 0) cfg.steps = opt.steps;
     if (!opt.output_dir.empty()) cfg.output_dir = opt.output_dir;
     cfg.validate();
+    MOERL_CHECK(cfg.rollout_ranks == 1, cfg.source, ": ranks.rollout: ", cfg.rollout_ranks,
+                " runs each rollout engine as that many processes, which this process's rollout worker "
+                "is not; use distributed mode (moerl run --distributed, moerl cluster, or moerl worker "
+                "--role rollout under moerl launch -n ",
+                cfg.rollout_ranks, ")");
     const fs::path out = fs::absolute(cfg.output_dir);
     // (train_loop locks the output directory, then refuses one that holds another run's checkpoints.)
     // Embedded backends are namespaced by a fresh id; Redis keys by the run name (shared by roles).
@@ -92,7 +97,7 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     return train_loop(cfg, cp, loop, &producer);
 }
 
-void follow_trainer(const RunConfig& config_in, const TrainerProcesses& processes) {
+void follow_trainer(const RunConfig& config_in, const RoleProcesses& processes) {
     RunConfig cfg = config_in;
     cfg.validate();
     pin_threads(cfg.threads);

@@ -28,7 +28,7 @@
 #include "moerl/model/safetensors.hpp"
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/rollout.hpp"
-#include "trainer_ranks.hpp"
+#include "rank_group.hpp"
 
 // AdamW as one fused CUDA kernel from LibTorch 2.1 on.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
@@ -195,9 +195,8 @@ struct PolicyTrainer::Impl {
     int W = 1;               // ranks in all
     int first_rank = 0;      // the rank of ranks[0]: this process's rank under `processes`
     bool processes = false;  // one rank per process (procs); else W threads here
-    TrainerProcesses procs;
-    std::unique_ptr<detail::TrainerRanks> group;
-    int64_t calls = 0;  // rank 0's calls carried to the other processes
+    RoleProcesses procs;
+    std::unique_ptr<detail::RankGroup> group;
     at::Device device = at::kCPU;
     at::ScalarType dtype = at::kFloat;
     std::string store_dir;
@@ -710,53 +709,21 @@ struct PolicyTrainer::Impl {
     }
 
     // ---- rank 0's calls, carried to the other processes ----
-    // A call is announced by a store key (the others wait for it without a time limit: rank 0 may
-    // be waiting for rollouts), then its arguments are broadcast.
-    std::string call_key(int64_t n) const { return "trainer-call/" + std::to_string(n); }
-
     void call(const nlohmann::json& what) {
-        if (!processes) return;
-        const int64_t n = calls++;
-        procs.store->set(call_key(n), std::vector<uint8_t>{1});
-        std::string bytes = what.dump();
-        group->broadcast(bytes);
-        // Every rank waited for key n - 1 before joining the previous call's collectives.
-        if (n > 0) procs.store->deleteKey(call_key(n - 1));
+        if (processes) group->send_call(what.dump());
     }
-
-    nlohmann::json next_call() {
-        const std::string key = call_key(calls++);
-        for (;;) {
-            try {
-                procs.store->wait({key}, std::chrono::seconds(30));
-                break;
-            } catch (const std::exception& e) {
-                bool store_answers = false;
-                try {
-                    procs.store->check({key});
-                    store_answers = true;
-                } catch (const std::exception&) {
-                }
-                MOERL_CHECK(
-                    store_answers, "trainer rank ", first_rank, " of ", W,
-                    ": the rendezvous store went away while waiting for rank 0's next call: ", e.what());
-            }
-        }
-        std::string bytes;
-        group->broadcast(bytes);
-        return nlohmann::json::parse(bytes);
-    }
+    nlohmann::json next_call() { return nlohmann::json::parse(group->receive_call()); }
 };
 
 PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_dir,
-                             const TrainerProcesses* processes)
+                             const RoleProcesses* processes)
     : impl_(std::make_unique<Impl>()) {
     Impl& m = *impl_;
     m.cfg = config;
     m.W = config.ep_ranks;
     const bool spread = processes != nullptr && processes->world_size > 1;
     if (spread) {
-        const TrainerProcesses& p = *processes;
+        const RoleProcesses& p = *processes;
         MOERL_CHECK(p.rank >= 0 && p.rank < p.world_size, "trainer processes: rank ", p.rank, " of ",
                     p.world_size);
         MOERL_CHECK(config.ep_ranks == p.world_size, config.source, ": the trainer runs as ", p.world_size,
@@ -777,10 +744,10 @@ PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_di
     m.token_bias = allowed_token_bias(config.sampling, config.model.vocab_size,
                                       at::TensorOptions().device(m.device).dtype(at::kFloat));
     if (spread) {
-        m.group = detail::make_process_ranks(*processes);
+        m.group = detail::make_process_group(*processes, "trainer");
         m.ranks.resize(1);
     } else {
-        m.group = detail::make_thread_ranks(m.W);
+        m.group = detail::make_thread_group(m.W);
         m.ranks.resize(m.W);
         m.store_dir = (fs::path(work_dir) / ("ep-" + m.job)).string();
         fs::create_directories(m.store_dir);

@@ -125,10 +125,10 @@ void run_env_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext&
 }
 
 void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerContext& w,
-                        const std::string& cache_dir) {
+                        const std::string& cache_dir, const RoleProcesses* processes) {
     RolloutMetrics metrics(w.metrics);
     metrics.count_queue(cp);
-    RolloutWorker worker(cfg, cp, w.name, cache_dir);
+    RolloutWorker worker(cfg, cp, w.name, cache_dir, processes);
     DoneWatch done(*cp.store);
     {
         Heartbeat heartbeat(*cp.tasks, w, Millis(cfg.lease_timeout_ms));
@@ -151,6 +151,8 @@ void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerCont
                 // E.g. a policy version pruned from the store while this worker was fetching it:
                 // give the leases back and try again with the newest version.
                 say(w, "work failed: " + e.message());
+                // A rollout engine that lost a rank cannot generate again; its tasks are back.
+                if (!worker.healthy()) throw;
                 worker.release_all();
                 if (++failures >= 5) throw;
                 std::this_thread::sleep_for(std::chrono::milliseconds(200));

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # moerl run with ranks.train: 2: the trainer as two processes (one EP rank each) learns exactly as
 # the two threads of one process do, resumes exactly, and a killed rank ends the run with an error
-# naming it.
+# naming it. In distributed mode the rollout engines run over 2 processes too (ranks.rollout: 2).
 set -u
 moerl=$1
 src=$2
 fail() { echo "FAIL: $*"; exit 1; }
 export OPENBLAS_NUM_THREADS=1
-rm -rf threads procs split bad.yaml procs.yaml long dist.yaml
+rm -rf threads procs split bad.yaml procs.yaml long dist.yaml rollout.yaml rollout-embedded
 sed 's/^  ep: 2$/  ep: 2\n  train: 2/' "$src/examples/quickstart.yaml" >procs.yaml
 grep -q "train: 2" procs.yaml || fail "could not write procs.yaml"
 
@@ -36,6 +36,11 @@ for x, y in zip(a, b):
 PY
 }
 same_metrics threads/metrics.jsonl procs/metrics.jsonl
+
+# Rollout engines over processes need distributed mode: the embedded run says so.
+sed 's/^  train: 2$/  train: 2\n  rollout: 2/' procs.yaml >rollout.yaml
+"$moerl" run rollout.yaml --steps 2 --out rollout-embedded --quiet >rollout.log 2>&1 && fail "ranks.rollout 2 accepted embedded"
+grep -q "use distributed mode" rollout.log || fail "unclear error: $(cat rollout.log)"
 
 # Ten steps, then --resume to twenty: what the uninterrupted run did.
 "$moerl" run procs.yaml --steps 10 --out split --quiet >split.log 2>&1 || fail "first half: $(cat split.log)"
@@ -69,11 +74,13 @@ grep -q "rank 1 exited" long.log || fail "the launcher did not name rank 1: $(ca
 # Distributed mode (moerl cluster against Redis): the trainer worker runs as 2 processes.
 if [ -n "${MOERL_TEST_REDIS_URL:-}" ]; then
   rm -rf dist dist-store
-  sed "s/^  name: quickstart$/  name: ranks-$$-$RANDOM/" procs.yaml >dist.yaml  # its own keys in Redis
+  # Its own keys in Redis; each rollout engine over 2 processes too (half the experts each).
+  sed "s/^  name: quickstart$/  name: ranks-$$-$RANDOM/; s/^  train: 2$/  train: 2\n  rollout: 2/" procs.yaml >dist.yaml
   "$moerl" run --distributed --redis "$MOERL_TEST_REDIS_URL" --store "file://$PWD/dist-store" --out dist \
     --rollout-workers 2 dist.yaml >dist.log 2>&1 || fail "distributed run: $(tail -20 dist.log)"
   grep -q "reward target reached" dist.log || fail "the distributed run did not learn: $(tail -20 dist.log)"
   grep -q "trainer rank 1 of 2" dist.log || fail "no trainer rank 1 in the cluster's log: $(tail -20 dist.log)"
+  [ "$(grep -c "rollout engine rank 1 of 2" dist.log)" -eq 2 ] || fail "not 2 rollout engines of 2 ranks: $(tail -20 dist.log)"
   ls dist-store/ckpt-*/model-00002-of-00002.safetensors >/dev/null 2>&1 || fail "no rank-1 shard in the store"
 else
   echo "skip distributed mode (MOERL_TEST_REDIS_URL not set)"

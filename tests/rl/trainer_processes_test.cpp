@@ -3,109 +3,31 @@
 // 2 and 4 processes, with the host (shared memory) and fabric (libfabric tcp) transports. A rank
 // that dies fails the others with an error naming what they waited for.
 #include <ATen/Context.h>
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
-#include <thread>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "../control/temp_dir.hpp"
 #include "moerl/model/safetensors.hpp"
-
-extern char** environ;
+#include "rank_launcher.hpp"
 
 namespace {
 namespace fs = std::filesystem;
 using moerl::control::test::TempDir;
+using moerl::rl::test::can_unshare;
+using moerl::rl::test::Ranks;
 
-struct Ranks {
-    std::vector<int> codes;  // exit status of each rank
-    std::string log;         // their stderr
-};
-
-// Whether this process may give a child its own mount namespace with a tmpfs in it (root).
-bool can_unshare() {
-    const fs::path probe = fs::temp_directory_path() / ("moerl-unshare-" + std::to_string(::getpid()));
-    fs::create_directories(probe);
-    const std::string cmd =
-        "/usr/bin/unshare --mount --propagation private -- /bin/sh -c 'mount -t tmpfs tmpfs \"$0\"' " +
-        probe.string() + " >/dev/null 2>&1";
-    const bool ok = std::system(cmd.c_str()) == 0;
-    fs::remove(probe);
-    return ok;
-}
-
-// Runs W ranks of rl_trainer_rank around a TCPStore hosted here; kills them after 300 s. With
-// `private_out`, ranks 1.. see an empty filesystem of their own at `out` (a tmpfs in a mount
-// namespace), as ranks on other machines would.
+// Runs W ranks of rl_trainer_rank (rank_launcher.hpp).
 Ranks run_ranks(int W, const fs::path& out, const std::string& transport,
                 const std::vector<std::string>& extra_env = {}, bool private_out = false) {
-    c10d::TCPStoreOptions o;
-    o.port = 0;
-    o.isServer = true;
-    o.numWorkers = W;
-    o.waitWorkers = false;
-    auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
-    fs::create_directories(out);
-    std::vector<pid_t> pids;
-    for (int r = 0; r < W; ++r) {
-        std::vector<std::string> env;
-        for (char** e = environ; *e; ++e) env.emplace_back(*e);
-        env.push_back("RANK=" + std::to_string(r));
-        env.push_back("WORLD_SIZE=" + std::to_string(W));
-        env.push_back("MASTER_PORT=" + std::to_string(server->getPort()));
-        env.push_back("MASTER_ADDR=127.0.0.1");
-        for (const auto& e : extra_env) env.push_back(e);
-        const std::string log = (out / ("rank" + std::to_string(r) + ".log")).string();
-        posix_spawn_file_actions_t fa;
-        posix_spawn_file_actions_init(&fa);
-        posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        std::vector<std::string> args{MOERL_TRAINER_RANK, out.string(), transport};
-        if (private_out && r > 0)
-            args.insert(args.begin(),
-                        {"/usr/bin/unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
-                         "mount -t tmpfs tmpfs \"$0\" && exec \"$@\"", out.string()});
-        std::vector<char*> argv, envp;
-        for (auto& a : args) argv.push_back(a.data());
-        argv.push_back(nullptr);
-        for (auto& e : env) envp.push_back(e.data());
-        envp.push_back(nullptr);
-        pid_t pid = -1;
-        EXPECT_EQ(posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data()), 0);
-        posix_spawn_file_actions_destroy(&fa);
-        pids.push_back(pid);
-    }
-    Ranks res;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
-    for (pid_t pid : pids) {
-        int status = 0;
-        while (waitpid(pid, &status, WNOHANG) == 0) {
-            if (std::chrono::steady_clock::now() > deadline) {
-                for (pid_t p : pids) kill(p, SIGKILL);
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        res.codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-    }
-    for (int r = 0; r < W; ++r) {
-        std::stringstream ss;
-        ss << std::ifstream(out / ("rank" + std::to_string(r) + ".log")).rdbuf();
-        res.log += "rank " + std::to_string(r) + ": " + ss.str();
-    }
-    return res;
+    return moerl::rl::test::run_ranks(MOERL_TRAINER_RANK, W, out, {out.string(), transport}, extra_env,
+                                      private_out);
 }
 
 nlohmann::json read_stats(const fs::path& out) {

@@ -5,7 +5,7 @@
 // Rank 0 writes OUT/stats.json (each update's loss, gradient norm, KL, clip fraction and token
 // counts) and the checkpoint OUT/weights. MOERL_TEST_DEVICE=cuda trains on
 // the GPU (fp32), MOERL_TEST_MICRO_TOKENS packs micro-batches, MOERL_TEST_COLLECTIVES picks the
-// sums (TrainerProcesses::collectives).
+// sums (RoleProcesses::collectives).
 #include <unistd.h>
 
 #include <cstdlib>
@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     try {
         const std::filesystem::path out = argv[1];
         const std::string transport = argv[2];
-        TrainerProcesses p;
+        RoleProcesses p;
         p.rank = std::atoi(std::getenv("RANK"));
         p.world_size = std::atoi(std::getenv("WORLD_SIZE"));
         p.local_rank = p.rank;

@@ -239,8 +239,25 @@ TEST(TrainerConfig, ProcessRanksAreCheckedAtValidation) {
                   c.train_ep_transport = "cuda";
               }).find("needs train.device: cuda"),
               std::string::npos);
-    EXPECT_NE(error_of([](RunConfig& c) { c.train_ep_transport = "host"; }).find("but ranks.train is 1"),
+    EXPECT_NE(error_of([](RunConfig& c) {
+                  c.train_ep_transport = "host";
+              }).find("but ranks.train and ranks.rollout are 1"),
               std::string::npos);
+    // A rollout engine over processes: the experts split evenly, the transport follows its device.
+    EXPECT_EQ(error_of([](RunConfig& c) { c.rollout_ranks = 4; }), "");
+    EXPECT_NE(error_of([](RunConfig& c) {
+                  c.rollout_ranks = 3;
+              }).find("ranks.rollout: 3 processes each hold an equal share of the experts"),
+              std::string::npos);
+    {
+        RunConfig c = small_config(t.path);
+        c.rollout_ranks = 2;
+        EXPECT_EQ(c.rollout_ep_transport(), "host");
+        c.train_ep_transport = "fabric/tcp";
+        EXPECT_EQ(c.rollout_ep_transport(), "fabric/tcp");
+        c.rollout_device = "cuda";
+        EXPECT_EQ(c.rollout_ep_transport(), "cuda");
+    }
     EXPECT_EQ(error_of([](RunConfig& c) {
                   c.train_ranks = 2;
                   c.train_ep_transport = "fabric/tcp";

@@ -142,6 +142,9 @@ class MoeModel {
                        bool record_routing = false) const;
     // Appends one token per sequence, tokens [B] int64.
     StepOutput decode(KvCache& cache, const at::Tensor& tokens, bool record_routing = false) const;
+    // With EP: takes part in the dispatch and combine of every MoE layer with no tokens, as a rank
+    // with nothing to compute does while the others run a forward (collective; a no-op without EP).
+    void idle_pass() const;
 
   private:
     friend class Generator;  // reads the weights in place

@@ -137,6 +137,16 @@ struct RunConfig {
     std::string trainer_ep_transport() const {
         return !train_ep_transport.empty() ? train_ep_transport : train_device == "cuda" ? "cuda" : "host";
     }
+    // Processes of one rollout engine: 1 holds every expert; M > 1 shards the experts over M
+    // processes of one EP rank each (num_experts divisible by M), which step together as one worker
+    // towards the queue (`moerl worker --role rollout` under `moerl launch -n M`). Their tokens move
+    // over ranks.transport when it suits rollout.device, else host on the CPU and cuda on a GPU.
+    int rollout_ranks = 1;
+    std::string rollout_ep_transport() const {
+        const bool gpu = rollout_device == "cuda";
+        if (!train_ep_transport.empty() && (train_ep_transport == "cuda") == gpu) return train_ep_transport;
+        return gpu ? "cuda" : "host";
+    }
     // control plane
     std::string queue = "embedded";
     std::string buffer = "embedded";

@@ -58,8 +58,12 @@ struct RolloutStats {
 
 class RolloutWorker {
   public:
-    // cache_dir: where published policies fetched from a store are kept.
-    RolloutWorker(const RunConfig& config, ControlPlane& control, std::string name, std::string cache_dir);
+    // cache_dir: where published policies fetched from a store are kept. processes (world_size > 1):
+    // this worker is rank 0 of a rollout engine over that many processes (config.rollout_ranks),
+    // which shard the experts; ranks 1.. run follow_rollout_engine(). If a rank dies, work() gives
+    // every task it holds back to the queue and throws, naming the rank.
+    RolloutWorker(const RunConfig& config, ControlPlane& control, std::string name, std::string cache_dir,
+                  const RoleProcesses* processes = nullptr);
     ~RolloutWorker();
 
     // Loads the registry's latest policy when it is newer than the one in use; returns the version
@@ -75,11 +79,18 @@ class RolloutWorker {
     size_t release_all();
     const RolloutStats& stats() const;
     int64_t policy_version() const;
+    // False once a rank of the engine has failed (the engine cannot generate again).
+    bool healthy() const;
 
   private:
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };
+
+// Ranks 1.. of a rollout engine over processes: generates what rank 0 hands out and loads the
+// policies it loads (from control.store, kept under cache_dir) until rank 0 stops.
+void follow_rollout_engine(const RunConfig& config, ControlPlane& control, const std::string& cache_dir,
+                           const RoleProcesses& processes);
 
 // ---- train -----------------------------------------------------------------------------------
 struct StepResult {
@@ -105,7 +116,7 @@ class TrainerRole {
     // With `processes` (more than one), this is their rank 0 and the weights are published as
     // files every rank writes its experts to.
     TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
-                bool in_process_weights = false, const TrainerProcesses* processes = nullptr);
+                bool in_process_weights = false, const RoleProcesses* processes = nullptr);
     ~TrainerRole();
     // Fresh start: publishes version 0. Resume: restores the newest checkpoint in the store
     // (weights, optimizer, consumed data, experiences taken but not yet trained on) and publishes

@@ -6,12 +6,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/experience.hpp"
+#include "moerl/rl/role_processes.hpp"
 
 namespace moerl::model {
 class MoeModel;
@@ -56,8 +59,15 @@ class RolloutEngine {
     // decodes through model::Generator (paged KV cache of max_seq_len tokens a sequence, fused decode
     // kernels, routing records from the decode kernels) when this build has it; otherwise through
     // the model's own prefill/decode, the reference.
+    //
+    // processes (world_size > 1): the engine spans that many processes, one expert-parallel rank
+    // each. Each rank's model holds its share of the experts (an EP buffer over the same processes)
+    // and each rank holds its own sequences, up to max_batch; every step's MoE layers are collective.
+    // Rank 0 is the engine its caller sees: it hands new requests to the least loaded ranks and
+    // collects what finished; ranks 1.. carry out its calls in follow(). A rank that dies makes rank
+    // 0's next call throw, naming it.
     RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
-                  bool record_routing, int max_seq_len = 1024);
+                  bool record_routing, int max_seq_len = 1024, const RoleProcesses* processes = nullptr);
     ~RolloutEngine();
 
     void add(GenRequest request);
@@ -69,8 +79,19 @@ class RolloutEngine {
     // Removes every unfinished sequence and returns its partial trajectory (preemption).
     std::vector<GenResult> drain();
 
-    // Re-reads what the engine keeps of the weights (the CUDA engine's fused projections).
-    void refresh_weights();
+    // Re-reads what the engine keeps of the weights (the CUDA engine's fused projections). Over
+    // processes, ranks 1.. first load `source` (what rank 0 loaded, e.g. a policy URI) through
+    // follow()'s loader; a rank that cannot makes this throw with its message.
+    void refresh_weights(const std::string& source = "");
+    // Ranks 1.. of an engine over processes: carries out rank 0's calls until rank 0's engine is
+    // destroyed. load(source) puts the weights rank 0 names in refresh_weights into this rank's model.
+    void follow(const std::function<void(const std::string& source)>& load);
+    // Sequences the engine holds at once: max_batch on each rank.
+    int capacity() const;
+    // False once a call over the engine's processes failed (a rank died or timed out): the engine
+    // cannot generate again, and its sequences are lost; drain() then returns the requests never
+    // handed out.
+    bool healthy() const;
     // Whether sequences decode through model::Generator.
     bool uses_generator() const;
 
@@ -81,7 +102,11 @@ class RolloutEngine {
 
   private:
     struct Impl;
+    struct Spread;
     std::unique_ptr<Impl> impl_;
+    std::unique_ptr<Spread> spread_;  // over processes
+    // Ranks 1..: what rank 0's call `bytes` asks; false for stop.
+    bool carry_out(const std::string& bytes, const std::function<void(const std::string&)>& load);
 };
 
 }  // namespace moerl::rl

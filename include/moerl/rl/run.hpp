@@ -28,7 +28,7 @@ struct RunOptions {
     bool final_checkpoint = true;             // false: no checkpoint at the end (a benchmark's throwaway run)
     // config.train_ranks > 1: this process is rank 0 of the trainer's processes (follow_trainer
     // runs on the others).
-    const TrainerProcesses* trainer_processes = nullptr;
+    const RoleProcesses* trainer_processes = nullptr;
 };
 
 // env, one rollout worker and the trainer (EP over config.ep_ranks threads) in this process,
@@ -39,7 +39,7 @@ RunSummary run_local(const RunConfig& config, const RunOptions& options);
 // Ranks 1.. of the trainer's processes (config.train_ranks; torchrun's environment): each holds
 // its share of the experts and carries out rank 0's updates, saves and loads until rank 0's run
 // ends. The checkpoint and policy directories rank 0 names must be on a filesystem both see.
-void follow_trainer(const RunConfig& config, const TrainerProcesses& processes);
+void follow_trainer(const RunConfig& config, const RoleProcesses& processes);
 
 // ---- distributed mode --------------------------------------------------------------------------
 struct WorkerContext {
@@ -57,9 +57,11 @@ void run_env_worker(const RunConfig& config, ControlPlane& control, const Worker
 
 // Generates with the newest published policy, keeping its leases alive by heartbeats, and gives
 // its leases back with their partial trajectories on a termination notice. cache_dir holds the
-// policies fetched from the store.
+// policies fetched from the store. processes: this worker is rank 0 of a rollout engine over
+// config.rollout_ranks processes (the others run follow_rollout_engine); if one of them dies, the
+// engine's tasks go back to the queue and this throws, for the launcher to restart the engine.
 void run_rollout_worker(const RunConfig& config, ControlPlane& control, const WorkerContext& worker,
-                        const std::string& cache_dir);
+                        const std::string& cache_dir, const RoleProcesses* processes = nullptr);
 
 // Scores experiences with the reward model (reward_worker.hpp) between rollout and training,
 // keeping its leases alive by heartbeats; on a termination notice it finishes the batch in hand or
@@ -70,7 +72,7 @@ struct TrainWorkerOptions {
     int keep_policies = 4;   // policy versions kept in the store for the rollout workers
     std::string audit_path;  // see TrainLoopOptions
     // config.train_ranks > 1: this process is rank 0 of the trainer's processes.
-    const TrainerProcesses* trainer_processes = nullptr;
+    const RoleProcesses* trainer_processes = nullptr;
 };
 
 // The training loop with policies published through the store (control::StorePolicyRegistry).

@@ -45,7 +45,7 @@ struct TrainLoopOptions {
     // The producer's rollout worker copies new weights from the trainer's memory (TrainerRole).
     bool in_process_weights = false;
     // The trainer is rank 0 of these processes (config.train_ranks); none: one process.
-    const TrainerProcesses* trainer_processes = nullptr;
+    const RoleProcesses* trainer_processes = nullptr;
     bool resume = false;        // start from the newest checkpoint in the store
     int64_t stop_after = -1;    // stop (with a checkpoint) after this many steps of this call
     double step_timeout_s = 0;  // fail when a step's experiences take longer (0: wait, saying so)

@@ -1,5 +1,5 @@
 // The GRPO policy trainer: W expert-parallel ranks, each holding the dense weights and 1/W of the
-// experts, as threads of this process (host EP transport) or as W processes (TrainerProcesses). Dense
+// experts, as threads of this process (host EP transport) or as W processes (RoleProcesses). Dense
 // gradients are summed across ranks, expert gradients stay local (they already hold every rank's tokens
 // through the combine's backward). AdamW with decoupled weight decay and global-norm gradient clipping. On
 // the CPU or one GPU (train.device), in fp32 or in bf16 with fp32 master weights (train.dtype), the batch in
@@ -11,12 +11,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <utility>
 #include <vector>
 
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/experience.hpp"
+#include "moerl/rl/role_processes.hpp"
 
 namespace moerl::rl {
 
@@ -39,32 +39,13 @@ struct TrainStats {
     double behaviour_ratio_std = 0;
 };
 
-// The trainer spread over processes, one EP rank each (torchrun's environment): this process is
-// `rank` of `world_size`, meeting the others through `store` (c10d's TCPStore). Dense gradients are
-// summed through c10d's Gloo, the experts' tokens move through the EP library over `ep_transport`.
-// Rank 0 is the trainer its caller sees; the others carry out its calls (PolicyTrainer::follow).
-struct TrainerProcesses {
-    int rank = 0;
-    int world_size = 1;
-    int local_rank = 0;  // on this machine: picks the GPU (local_rank modulo the GPUs here)
-    c10::intrusive_ptr<c10d::Store> store;
-    std::string ep_transport = "host";  // host | fabric/<provider> | cuda
-    double timeout_s = 300;             // a rank that does not answer for this long fails the others
-    // Where rank 0's store is: a loopback address keeps Gloo on loopback too (GLOO_SOCKET_IFNAME
-    // names the interface otherwise).
-    std::string master_addr = "127.0.0.1";
-    // How the sums travel: auto (Gloo where LibTorch has its headers, else the store), gloo, or
-    // store (through the rendezvous store: every rank posts its part; for tests and small models).
-    std::string collectives = "auto";
-};
-
 class PolicyTrainer {
   public:
     // Random initialisation from config.seed (or config.model_path). work_dir holds the EP
     // bootstrap files. With `processes`, this process is one rank of them (config.ep_ranks must be
     // their number); the trainer's calls are made on rank 0 only.
     PolicyTrainer(const RunConfig& config, const std::string& work_dir,
-                  const TrainerProcesses* processes = nullptr);
+                  const RoleProcesses* processes = nullptr);
     ~PolicyTrainer();
 
     // One GRPO update (ppo_epochs passes) on `batch` with per-sample advantages.

@@ -1,4 +1,4 @@
-#include "trainer_ranks.hpp"
+#include "rank_group.hpp"
 
 #include <ATen/ATen.h>
 #include <signal.h>
@@ -29,7 +29,7 @@ namespace moerl::rl::detail {
 
 namespace {
 
-class ThreadRanks final : public TrainerRanks {
+class ThreadRanks final : public RankGroup {
   public:
     explicit ThreadRanks(int world_size) : slots_(world_size), barrier_(world_size) {}
 
@@ -47,6 +47,8 @@ class ThreadRanks final : public TrainerRanks {
     }
     void broadcast(std::string&) override {}
     std::vector<std::string> gather(const std::string& mine) override { return {mine}; }
+    void send_call(std::string) override {}
+    std::string receive_call() override { MOERL_FAIL("threads of one process take no calls from rank 0"); }
 
   private:
     std::vector<at::Tensor> slots_;
@@ -60,15 +62,47 @@ std::vector<uint8_t> to_bytes(const void* p, size_t n) {
 
 // What every process-group flavour shares: each rank leaves its host and pid in the store when it
 // joins, so that a failed collective can say which rank on this machine is gone.
-class ProcessRanksBase : public TrainerRanks {
+class ProcessRanksBase : public RankGroup {
   protected:
-    explicit ProcessRanksBase(const TrainerProcesses& p)
-        : rank_(p.rank), world_(p.world_size), timeout_s_(p.timeout_s), store_(p.store) {
-        MOERL_CHECK(store_, "trainer processes: no rendezvous store");
+    ProcessRanksBase(const RoleProcesses& p, const std::string& role)
+        : rank_(p.rank), world_(p.world_size), timeout_s_(p.timeout_s), store_(p.store), role_(role) {
+        MOERL_CHECK(store_, role_, " processes: no rendezvous store");
         const std::string me = host_name() + " " + std::to_string(::getpid());
         store_->set(whereabouts_key(rank_), to_bytes(me.data(), me.size()));
     }
 
+  public:
+    void send_call(std::string bytes) override {
+        const int64_t n = calls_++;
+        store_->set(call_key(n), std::vector<uint8_t>{1});
+        broadcast(bytes);
+        // Every rank waited for key n - 1 before joining the previous call's broadcast.
+        if (n > 0) store_->deleteKey(call_key(n - 1));
+    }
+    std::string receive_call() override {
+        const std::string key = call_key(calls_++);
+        for (;;) {
+            try {
+                store_->wait({key}, std::chrono::seconds(30));
+                break;
+            } catch (const std::exception& e) {
+                bool store_answers = false;
+                try {
+                    store_->check({key});
+                    store_answers = true;
+                } catch (const std::exception&) {
+                }
+                MOERL_CHECK(
+                    store_answers, role_, " rank ", rank_, " of ", world_,
+                    ": the rendezvous store went away while waiting for rank 0's next call: ", e.what());
+            }
+        }
+        std::string bytes;
+        broadcast(bytes);
+        return bytes;
+    }
+
+  protected:
     const char* broadcast_phase() const {
         return rank_ == 0 ? "sending rank 0's call to the other ranks" : "receiving rank 0's call";
     }
@@ -78,7 +112,7 @@ class ProcessRanksBase : public TrainerRanks {
         try {
             fn();
         } catch (const std::exception& e) {
-            MOERL_FAIL("trainer rank ", rank_, " of ", world_, ": ", what, " failed: ", missing_ranks(), " (",
+            MOERL_FAIL(role_, " rank ", rank_, " of ", world_, ": ", what, " failed: ", missing_ranks(), " (",
                        e.what(), ")");
         }
     }
@@ -86,9 +120,14 @@ class ProcessRanksBase : public TrainerRanks {
     int rank_, world_;
     double timeout_s_;
     c10::intrusive_ptr<c10d::Store> store_;
+    const std::string role_;
+
+    std::string prefixed(const std::string& what) const { return role_ + "-" + what; }
 
   private:
-    static std::string whereabouts_key(int rank) { return "trainer-rank/" + std::to_string(rank); }
+    int64_t calls_ = 0;
+    std::string call_key(int64_t n) const { return prefixed("call/" + std::to_string(n)); }
+    std::string whereabouts_key(int rank) const { return prefixed("rank/" + std::to_string(rank)); }
     static std::string host_name() {
         char name[256] = {};
         ::gethostname(name, sizeof(name) - 1);
@@ -134,7 +173,7 @@ class ProcessRanksBase : public TrainerRanks {
 // through the store's server, so it is for small groups and small models.
 class StoreRanks final : public ProcessRanksBase {
   public:
-    explicit StoreRanks(const TrainerProcesses& p) : ProcessRanksBase(p) {}
+    StoreRanks(const RoleProcesses& p, const std::string& role) : ProcessRanksBase(p, role) {}
 
     void sum(int, at::Tensor& t) override {
         const int64_t n = ops_++;
@@ -185,7 +224,7 @@ class StoreRanks final : public ProcessRanksBase {
     std::vector<std::string> gather(const std::string& mine) override {
         const int64_t n = ops_++;
         std::vector<std::string> all;
-        guarded("handing files to rank 0", [&] {
+        guarded("gathering on rank 0", [&] {
             if (rank_ != 0) {
                 store_->set(key("gather", n, rank_), to_bytes(mine.data(), mine.size()));
                 read(key("gather", n, 0));  // rank 0 has read every part
@@ -203,8 +242,8 @@ class StoreRanks final : public ProcessRanksBase {
     }
 
   private:
-    static std::string key(const char* what, int64_t n, int rank) {
-        return std::string("trainer-store/") + what + "/" + std::to_string(n) + "/" + std::to_string(rank);
+    std::string key(const char* what, int64_t n, int rank) const {
+        return prefixed(std::string("store/") + what + "/" + std::to_string(n) + "/" + std::to_string(rank));
     }
     std::vector<uint8_t> read(const std::string& k) {
         store_->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000)));
@@ -228,7 +267,7 @@ class StoreRanks final : public ProcessRanksBase {
             store_->deleteKey(finished_key(p));
         }
     }
-    static std::string finished_key(int64_t n) { return "trainer-store/finished/" + std::to_string(n); }
+    std::string finished_key(int64_t n) const { return prefixed("store/finished/" + std::to_string(n)); }
     std::vector<int64_t> pending_;  // rank 0: operations whose keys are still in the store
     int64_t ops_ = 0;
 };
@@ -241,11 +280,11 @@ bool is_loopback(const std::string& addr) {
 // c10d's Gloo process group: ring all-reduce over TCP between the ranks.
 class GlooRanks final : public ProcessRanksBase {
   public:
-    explicit GlooRanks(const TrainerProcesses& p) : ProcessRanksBase(p) {
+    GlooRanks(const RoleProcesses& p, const std::string& role) : ProcessRanksBase(p, role) {
         auto options = c10d::ProcessGroupGloo::Options::create(
             std::chrono::milliseconds(static_cast<int64_t>(p.timeout_s * 1000)));
         const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-        guarded("joining the trainer's processes", [&] {
+        guarded("joining the other processes", [&] {
             if (ifname && *ifname) {
                 options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
             } else if (is_loopback(p.master_addr)) {
@@ -253,7 +292,7 @@ class GlooRanks final : public ProcessRanksBase {
             } else {
                 options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
             }
-            auto store = c10::make_intrusive<c10d::PrefixStore>("trainer-gloo", p.store);
+            auto store = c10::make_intrusive<c10d::PrefixStore>(prefixed("gloo"), p.store);
             group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank_, world_, options);
         });
     }
@@ -282,7 +321,7 @@ class GlooRanks final : public ProcessRanksBase {
     }
     std::vector<std::string> gather(const std::string& mine) override {
         std::vector<std::string> all;
-        guarded("handing files to rank 0", [&] {
+        guarded("gathering on rank 0", [&] {
             if (rank_ != 0) {
                 std::vector<at::Tensor> size{at::full({1}, static_cast<int64_t>(mine.size()), at::kLong)};
                 group_->send(size, 0, 1)->wait();
@@ -312,20 +351,20 @@ class GlooRanks final : public ProcessRanksBase {
 
 }  // namespace
 
-std::unique_ptr<TrainerRanks> make_thread_ranks(int world_size) {
+std::unique_ptr<RankGroup> make_thread_group(int world_size) {
     return std::make_unique<ThreadRanks>(world_size);
 }
 
-std::unique_ptr<TrainerRanks> make_process_ranks(const TrainerProcesses& p) {
-    MOERL_CHECK(p.collectives == "auto" || p.collectives == "gloo" || p.collectives == "store",
-                "trainer processes: collectives '", p.collectives, "'; expected auto, gloo or store");
-    if (p.collectives == "store") return std::make_unique<StoreRanks>(p);
+std::unique_ptr<RankGroup> make_process_group(const RoleProcesses& p, const std::string& role) {
+    MOERL_CHECK(p.collectives == "auto" || p.collectives == "gloo" || p.collectives == "store", role,
+                " processes: collectives '", p.collectives, "'; expected auto, gloo or store");
+    if (p.collectives == "store") return std::make_unique<StoreRanks>(p, role);
 #ifdef MOERL_HAVE_GLOO
-    return std::make_unique<GlooRanks>(p);
+    return std::make_unique<GlooRanks>(p, role);
 #else
-    MOERL_CHECK(p.collectives != "gloo",
-                "trainer processes: collectives 'gloo', but this LibTorch has no Gloo headers");
-    return std::make_unique<StoreRanks>(p);
+    MOERL_CHECK(p.collectives != "gloo", role,
+                " processes: collectives 'gloo', but this LibTorch has no Gloo headers");
+    return std::make_unique<StoreRanks>(p, role);
 #endif
 }
 

@@ -1,0 +1,155 @@
+// One rank of a rollout engine over processes, started by rollout_processes_test with torchrun's
+// environment (RANK, WORLD_SIZE, MASTER_PORT). Rank 0 generates a fixed set of requests greedily
+// on an engine of 12 sequences in all (12 / WORLD_SIZE a rank): some resumed from a partial
+// trajectory, the weights reloaded after 3 steps, then 3 more requests preempted by drain() after
+// 2 steps and resumed. It writes OUT/results.json: each request's tokens, log-probs, versions and
+// routing.
+//   rl_rollout_rank OUT TRANSPORT
+// MOERL_TEST_DEVICE=cuda generates on the GPU (fp32). MOERL_TEST_DIE=1: rank 1 exits when asked
+// to load the new weights, and rank 0 writes OUT/failure.json instead (what each call said next).
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "moerl/ep/buffer.hpp"
+#include "moerl/ep/c10d_store.hpp"
+#include "moerl/model/model.hpp"
+#include "moerl/rl/rollout.hpp"
+#include "rl_test_util.hpp"
+
+using namespace moerl;
+using namespace moerl::rl;
+
+int main(int argc, char** argv) {
+    if (argc != 3) {
+        std::cerr << "usage: rl_rollout_rank OUT TRANSPORT\n";
+        return 2;
+    }
+    try {
+        const std::filesystem::path out = argv[1];
+        RoleProcesses p;
+        p.rank = std::atoi(std::getenv("RANK"));
+        p.world_size = std::atoi(std::getenv("WORLD_SIZE"));
+        p.local_rank = p.rank;
+        p.ep_transport = argv[2];
+        p.timeout_s = 20;
+        c10d::TCPStoreOptions o;
+        o.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
+        o.isServer = false;
+        o.numWorkers = p.world_size;
+        o.timeout = std::chrono::seconds(60);
+        p.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+        const int W = p.world_size;
+        const bool die = std::getenv("MOERL_TEST_DIE") != nullptr;
+
+        const RunConfig c = test::small_config(out);
+        const int max_batch = 12 / W, max_seq_len = 32;
+        model::ModelOptions mo;
+        if (const char* device = std::getenv("MOERL_TEST_DEVICE"); device && std::string(device) == "cuda")
+            mo.device = at::Device(at::kCUDA, 0);
+        std::unique_ptr<ep::C10dStore> ep_store;
+        std::unique_ptr<ep::Buffer> buffer;
+        if (W > 1) {
+            ep_store = std::make_unique<ep::C10dStore>(c10::make_intrusive<c10d::PrefixStore>("ep", p.store));
+            ep::Config ec;
+            ec.world_size = W;
+            ec.rank = p.rank;
+            ec.num_experts = c.model.num_experts;
+            ec.hidden = c.model.hidden_size;
+            ec.top_k = c.model.num_experts_per_tok;
+            ec.max_tokens_per_rank = max_batch * max_seq_len;
+            ec.dtype = ep::DType::kFloat32;
+            ec.set_transport(p.ep_transport);
+            if (mo.device.is_cuda()) ec.device = 0;
+            ec.job_id = "rollout-test";
+            ec.timeout_s = p.timeout_s;
+            buffer = std::make_unique<ep::Buffer>(ec, ep_store.get());
+            mo.ep = buffer.get();
+        }
+        model::MoeModel m(c.model, mo);
+        m.init_random(7);
+        SamplingParams greedy = c.sampling;
+        greedy.top_k = 1;
+        RolloutEngine engine(m, greedy, max_batch, /*record_routing=*/true, max_seq_len,
+                             W > 1 ? &p : nullptr);
+        if (p.rank > 0) {
+            engine.follow([&](const std::string& seed) {
+                if (die && p.rank == 1) _exit(9);
+                m.init_random(std::stoull(seed));
+            });
+            buffer->destroy();
+            return 0;
+        }
+
+        const int V = c.model.vocab_size;
+        auto request = [&](uint64_t id) {
+            GenRequest r;
+            r.id = id;
+            for (uint64_t i = 0; i <= id % 6; ++i)
+                r.prompt.push_back(static_cast<int>(1 + (id * 5 + i * 3) % (V - 1)));
+            r.seed = 100 + id;
+            r.max_new_tokens = 4 + static_cast<int>(id % 9);
+            if (id == 2) {  // resumed: two tokens generated before
+                r.prefix.tokens = {3, 4};
+                r.prefix.logprobs = {-1.0f, -1.5f};
+                r.prefix.versions = {0, 0};
+            }
+            return r;
+        };
+        nlohmann::json results = nlohmann::json::object();
+        auto keep = [&](std::vector<GenResult> done) {
+            for (GenResult& d : done)
+                results[std::to_string(d.id)] = {{"tokens", d.trajectory.tokens},
+                                                 {"logprobs", d.trajectory.logprobs},
+                                                 {"versions", d.trajectory.versions},
+                                                 {"routing", d.trajectory.routing},
+                                                 {"terminated", d.trajectory.terminated}};
+        };
+        for (uint64_t id = 0; id < 7; ++id) engine.add(request(id));
+        for (int s = 0; s < 3; ++s) keep(engine.step(0));
+        m.init_random(8);
+        if (die) {
+            nlohmann::json f;
+            try {
+                engine.refresh_weights("8");
+            } catch (const std::exception& e) {
+                f["refresh_error"] = e.what();
+            }
+            f["healthy"] = engine.healthy();
+            try {
+                engine.step(1);
+            } catch (const std::exception& e) {
+                f["step_error"] = e.what();
+            }
+            engine.add(request(20));
+            f["drained"] = engine.drain().size();
+            std::ofstream(out / "failure.json") << f.dump(1);
+            (void)buffer.release();  // its teardown is collective: rank 1 would never answer
+            return 0;
+        }
+        engine.refresh_weights("8");
+        keep(engine.run_to_completion(1));
+        for (uint64_t id = 7; id < 10; ++id) engine.add(request(id));
+        for (int s = 0; s < 2; ++s) keep(engine.step(1));
+        for (GenResult& r : engine.drain()) {  // preempted: resumed from the partial trajectory
+            GenRequest again = request(r.id);
+            again.id = r.id + 100;
+            again.prefix = r.trajectory;
+            engine.add(std::move(again));
+        }
+        keep(engine.run_to_completion(1));
+        nlohmann::json summary = {
+            {"results", results}, {"tokens", engine.tokens_generated()}, {"capacity", engine.capacity()}};
+        std::ofstream(out / "results.json") << summary.dump(1);
+        return 0;
+    } catch (const std::exception& e) {
+        std::cerr << "rank " << std::getenv("RANK") << ": " << e.what() << "\n";
+        return 1;
+    }
+}
