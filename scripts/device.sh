@@ -62,7 +62,7 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test)
 for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test rl_run_test rl_gpu_test \
-  rl_trainer_processes_test rl_trainer_rank moerl_ep_python; do
+  rl_trainer_processes_test rl_trainer_rank rl_rollout_processes_test rl_rollout_rank moerl_ep_python; do
   grep -q "build $t:" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
@@ -180,10 +180,11 @@ if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/model/model_test" ];
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-model.log" | tail -12
   step ctest_model_cuda "$(grep -E 'tests passed' "$OUT/ctest-model.log" | tail -1)"
 fi
-# The rl layer on the GPU: rollout engine against the CPU, the CUDA trainer against the CPU's,
+# The rl layer on the GPU: rollout engine against the CPU, the CUDA trainer against the CPU's, the
+# trainer and a rollout engine over 2 processes sharing the GPU against one process,
 # routing records of the fast path against the eager path, sampling, weight sync.
 if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/rl/rl_unit_test" ]; then
-  (cd "$BUILD" && timeout 200 ctest -R 'Rollout\.Cuda|RlGpu|Trainer' --output-on-failure --timeout 150) >"$OUT/ctest-rl.log" 2>&1
+  (cd "$BUILD" && timeout 200 ctest -R 'Rollout\.Cuda|RlGpu|Trainer|RolloutProcesses' --output-on-failure --timeout 150) >"$OUT/ctest-rl.log" 2>&1
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-rl.log" | tail -20
   step ctest_rl_cuda "$(grep -E 'tests passed' "$OUT/ctest-rl.log" | tail -1)"
 fi
