@@ -5,6 +5,9 @@
 
 #include "engine.hpp"
 #include "moerl/core/error.hpp"
+#ifdef MOERL_HAVE_CUDA
+#include "cuda/stream.hpp"
+#endif
 
 namespace moerl::ep {
 
@@ -62,6 +65,16 @@ Buffer::~Buffer() {
 
 bool Buffer::on_device() const { return engine_ && engine_->on_device(); }
 std::string Buffer::transport_name() const { return engine_ ? engine_->name() : config_.transport; }
+
+#ifdef MOERL_HAVE_CUDA
+DeviceStreamScope::DeviceStreamScope(void* stream) : previous_(cuda::current_stream()) {
+    cuda::set_stream(static_cast<cudaStream_t>(stream));
+}
+DeviceStreamScope::~DeviceStreamScope() { cuda::set_stream(static_cast<cudaStream_t>(previous_)); }
+#else
+DeviceStreamScope::DeviceStreamScope(void*) {}
+DeviceStreamScope::~DeviceStreamScope() = default;
+#endif
 
 void Buffer::destroy() {
     if (engine_) engine_->destroy();

@@ -8,6 +8,7 @@
 
 #include "moerl/core/cuda_check.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/ep/buffer.hpp"
 #include "moerl/model/layers.hpp"
 
 // Grouped GEMM (one kernel per projection for all experts, no host sync) from LibTorch 2.8 on.
@@ -76,6 +77,52 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
     experts_read = at::zeros({1}, t.dtype(at::kLong));
     if (opt.record_routing)
         routing_record = at::full({B, std::max(1, m.config.num_moe_layers()), K_}, -1, i32);
+    if (opt.ep != nullptr) {
+        const ep::Config& c = opt.ep->config();
+        ep_topk_ = at::full({B, K_}, -1, t.dtype(at::kLong));
+        ep_recv_x_ = at::zeros({int64_t{c.num_local_experts()} * c.low_latency_rows_per_expert(), H_}, t);
+        ep_out_ = at::zeros({B, H_}, t);
+    }
+}
+
+void Generator::DecodeStep::experts_over_ep(int B, const LayerWeights& w, const cuda::Launch& launch) {
+    ep::Buffer& buffer = *opt_.ep;
+    const ep::DeviceStreamScope on_this_stream(launch.stream);
+    at::Tensor topk = ep_topk_.narrow(0, 0, B);
+    topk.copy_(topk_idx_.narrow(0, 0, int64_t{B} * K_).view({B, K_}));
+    ep::LowLatencyOutput out;
+    out.recv_x = {ep_recv_x_.data_ptr(), ep_recv_x_.size(0), H_};
+    const ep::LowLatencyHandle handle =
+        buffer.low_latency_dispatch({h_.data_ptr(), B, H_}, {topk.data_ptr<int64_t>(), B, K_}, out);
+    // Every local expert over its whole block of rows; rows past its count are never read back.
+    const int64_t L = w.experts_gate.size(0);
+    at::Tensor xs = ep_recv_x_.view({L, -1, H_});
+    at::Tensor g = at::bmm(xs, w.experts_gate.transpose(1, 2));
+    at::Tensor u = at::bmm(xs, w.experts_up.transpose(1, 2));
+    at::Tensor y = at::bmm(at::silu(g) * u, w.experts_down.transpose(1, 2)).contiguous();
+    buffer.low_latency_combine({y.data_ptr(), y.size(0) * y.size(1), H_}, {topk.data_ptr<int64_t>(), B, K_},
+                               {topk_weights_.data_ptr<float>(), B, K_}, handle, {ep_out_.data_ptr(), B, H_});
+}
+
+void Generator::DecodeStep::idle_ep() {
+    ep::Buffer& buffer = *opt_.ep;
+    const ep::DeviceStreamScope on_this_stream(at::cuda::getCurrentCUDAStream().stream());
+    ep::LowLatencyOutput out;
+    out.recv_x = {ep_recv_x_.data_ptr(), ep_recv_x_.size(0), H_};
+    for (const LayerWeights& w : m_.layers) {
+        if (w.moe_index < 0) continue;
+        const ep::LowLatencyHandle handle =
+            buffer.low_latency_dispatch({h_.data_ptr(), 0, H_}, {ep_topk_.data_ptr<int64_t>(), 0, K_}, out);
+        // The rows other ranks sent here still need their experts.
+        const int64_t L = w.experts_gate.size(0);
+        at::Tensor xs = ep_recv_x_.view({L, -1, H_});
+        at::Tensor g = at::bmm(xs, w.experts_gate.transpose(1, 2));
+        at::Tensor u = at::bmm(xs, w.experts_up.transpose(1, 2));
+        at::Tensor y = at::bmm(at::silu(g) * u, w.experts_down.transpose(1, 2)).contiguous();
+        buffer.low_latency_combine(
+            {y.data_ptr(), y.size(0) * y.size(1), H_}, {ep_topk_.data_ptr<int64_t>(), 0, K_},
+            {topk_weights_.data_ptr<float>(), 0, K_}, handle, {ep_out_.data_ptr(), 0, H_});
+    }
 }
 
 void Generator::DecodeStep::record(int moe_index, int B, const cuda::Launch& launch) {
@@ -144,8 +191,8 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
     // One-row steps of an MoE layer with the CUDA-core experts: add + norm, router and routing in one
     // kernel, the combine in the down experts, the norm in the next q/k/v GEMV (or the LM head): 6
     // kernels a layer with the fused q/k step. The expert kernels rank the router logits where they fit.
-    const bool fuse_moe =
-        B == 1 && B <= opt_.gemv_max_batch && !experts_grouped_mm && !gate_up_mma && !down_mma;
+    const bool fuse_moe = B == 1 && B <= opt_.gemv_max_batch && !experts_grouped_mm && !gate_up_mma &&
+                          !down_mma && opt_.ep == nullptr;
     const bool route_in_experts = cuda::moe_routed_one_row_supported(dtype_, K, I);
     int* done = fused_done_.data_ptr<int>();
     // Set when x holds the residual but h not yet its norm: the next GEMV normalises x itself.
@@ -218,6 +265,15 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
             mark("router mm", launch);
             cuda::launch_route(dtype_, router_logits_.data_ptr(), pos, B, E, K, c.norm_topk_prob, r, launch);
             mark("route", launch);
+            if (opt_.ep != nullptr) {
+                experts_over_ep(B, w, launch);
+                mark("experts over EP", launch);
+                cuda::launch_add_rmsnorm(dtype_, x_.data_ptr(), ep_out_.data_ptr(), next_norm.data_ptr(), eps,
+                                         pos, B, H, h_.data_ptr(), launch);
+                mark("add+norm", launch);
+                record(w.moe_index, B, launch);
+                continue;
+            }
             if (experts_grouped_mm) {
                 experts_grouped(B, w);
                 mark("experts grouped gemm", launch);

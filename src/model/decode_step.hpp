@@ -28,6 +28,9 @@ class Generator::DecodeStep {
     // Re-reads the fused q/k/v projection from the model's weights.
     void fuse_qkv();
 
+    // With GeneratorOptions::ep: one step's dispatches and combines with no rows (eager).
+    void idle_ep();
+
     // Step inputs: tokens [max_batch] int64, position and slot [max_batch] int32 (position -1 = a
     // padding row), block table [max_batch, max_blocks] int32.
     at::Tensor tokens, position, slot, table;
@@ -47,6 +50,9 @@ class Generator::DecodeStep {
                 const cuda::Launch& launch) const;
     // The experts of a large batch as grouped GEMMs (LibTorch >= 2.8), into y.
     void experts_grouped(int B, const LayerWeights& w);
+    // With GeneratorOptions::ep: rows [0, B) of h to their experts' ranks (low-latency dispatch),
+    // the local experts over the expert-major rows, the top-k weighted sum back into ep_out.
+    void experts_over_ep(int B, const LayerWeights& w, const cuda::Launch& launch);
     cuda::MoeRouting routing() const;
     // Copies the routing of MoE layer `moe_index` (topk_idx) into routing_record.
     void record(int moe_index, int B, const cuda::Launch& launch);
@@ -63,6 +69,9 @@ class Generator::DecodeStep {
     at::Tensor x_, h_, qkv_, q_, attn_, attn_partial_, attn_split_done_, o_, router_logits_, act_, y_,
         argmax_keys_, argmax_done_, fused_done_;
     at::Tensor topk_idx_, topk_weights_, expert_offset_, active_experts_, num_active_, expert_slots_;
+    // With GeneratorOptions::ep: routing as int64 [max_batch, K], the expert-major rows received
+    // [L * rows_per_expert, H], the combined expert output [max_batch, H] (model dtype).
+    at::Tensor ep_topk_, ep_recv_x_, ep_out_;
 };
 
 }  // namespace moerl::model

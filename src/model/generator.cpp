@@ -14,6 +14,7 @@
 #include "kv_block_pool.hpp"
 #include "model_impl.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/ep/buffer.hpp"
 #include "step_graphs.hpp"
 
 namespace moerl::model {
@@ -70,9 +71,35 @@ struct Generator::Impl {
         const ModelConfig& c = m.config;
         MOERL_CHECK(m.options.device.is_cuda(), "Generator: the model is on ", m.options.device,
                     ", the generation engine needs a CUDA device");
-        MOERL_CHECK(m.options.ep == nullptr,
-                    "Generator: the model shards its experts over an EP group; the generation "
-                    "engine needs every expert on this device");
+        MOERL_CHECK(m.options.ep == nullptr || o.ep != nullptr,
+                    "Generator: the model shards its experts over an EP group; give the generation "
+                    "engine a low-latency buffer of that group (GeneratorOptions::ep)");
+        if (o.ep != nullptr) {
+            const ep::Config& d = o.ep->config();
+            MOERL_CHECK(m.options.ep != nullptr,
+                        "Generator: GeneratorOptions::ep is set, but the model holds "
+                        "every expert (no ModelOptions::ep for the prefill)");
+            const ep::Config& p = m.options.ep->config();
+            MOERL_CHECK(o.ep->on_device(), "Generator: the decode EP buffer uses the ",
+                        o.ep->transport_name(),
+                        " transport; decode steps need a device transport (cuda or nccl)");
+            MOERL_CHECK(d.world_size == p.world_size && d.rank == p.rank,
+                        "Generator: the decode EP buffer is rank ", d.rank, " of ", d.world_size,
+                        ", the model's is rank ", p.rank, " of ", p.world_size);
+            MOERL_CHECK(d.num_experts == m.config.num_experts && d.hidden == m.config.hidden_size &&
+                            d.top_k == m.config.num_experts_per_tok,
+                        "Generator: the decode EP buffer has ", d.num_experts, " experts, hidden ", d.hidden,
+                        ", top-", d.top_k, "; the model ", m.config.num_experts, ", ", m.config.hidden_size,
+                        ", top-", m.config.num_experts_per_tok);
+            MOERL_CHECK(
+                (d.dtype == ep::DType::kFloat32) == (m.options.dtype == at::kFloat) && !d.fp8_dispatch,
+                "Generator: the decode EP buffer moves ", ep::dtype_name(d.dtype), ", the model computes in ",
+                m.options.dtype);
+            MOERL_CHECK(
+                d.low_latency && d.max_tokens_per_rank >= o.max_batch,
+                "Generator: the decode EP buffer needs low_latency and max_tokens_per_rank >= max_batch (",
+                o.max_batch, "), got ", d.max_tokens_per_rank);
+        }
         MOERL_CHECK(m.options.dtype == at::kFloat || m.options.dtype == at::kBFloat16,
                     "Generator: model dtype ", m.options.dtype, " is not supported (float32 or bfloat16)");
         MOERL_CHECK(o.max_batch >= 1 && o.max_batch <= 1024, "Generator: max_batch = ", o.max_batch,
@@ -305,6 +332,14 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     GenerationStep step{g.step.logits.narrow(0, 0, n), g.step.greedy.narrow(0, 0, n), {}};
     if (g.opt.record_routing) step.routing = g.step.routing_record.narrow(0, 0, n).to(at::kShort);
     return step;
+}
+
+void Generator::idle_step() {
+    Impl& g = *impl_;
+    MOERL_CHECK(g.opt.ep != nullptr, "idle_step: the generator holds every expert (no GeneratorOptions::ep)");
+    c10::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard device_guard(g.device);
+    g.step.idle_ep();
 }
 
 void Generator::refresh_weights() {

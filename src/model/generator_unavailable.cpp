@@ -26,6 +26,7 @@ GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std
     unavailable();
 }
 GenerationStep Generator::decode(const std::vector<int>&, const at::Tensor&) { unavailable(); }
+void Generator::idle_step() { unavailable(); }
 void Generator::refresh_weights() { unavailable(); }
 GeneratorStats Generator::stats() const { unavailable(); }
 std::vector<std::pair<std::string, double>> Generator::profile() const { unavailable(); }

@@ -131,6 +131,8 @@ struct RolloutModel {
             if (o.device.is_cuda()) ec.device = o.device.index();
             ec.job_id = "rollout";
             ec.timeout_s = p->timeout_s;
+            // Prefill only: the decode steps of a GPU engine have a low-latency buffer of their own.
+            ec.low_latency = false;
             buffer = std::make_unique<ep::Buffer>(ec, store.get());
             o.ep = buffer.get();
         }

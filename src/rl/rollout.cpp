@@ -19,8 +19,11 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "moerl/core/error.hpp"
+#include "moerl/ep/buffer.hpp"
+#include "moerl/ep/c10d_store.hpp"
 #include "moerl/model/generator.hpp"
 #include "moerl/model/model.hpp"
 #include "rank_group.hpp"
@@ -145,17 +148,48 @@ struct RolloutEngine::Impl {
     int max_seq_len = 0;
     int64_t tokens = 0;
 
-    Impl(const model::MoeModel& m, const SamplingParams& p, int mb, bool rr, int msl)
+    // Over processes on a GPU: the decode steps' low-latency EP buffer (the model's own serves the
+    // prefill).
+    std::unique_ptr<ep::C10dStore> decode_store;
+    std::unique_ptr<ep::Buffer> decode_ep;
+
+    Impl(const model::MoeModel& m, const SamplingParams& p, int mb, bool rr, int msl,
+         const RoleProcesses* procs)
         : model(m), params(p), max_batch(mb), record_routing(rr), max_seq_len(msl) {
         num_moe_layers = m.config().num_moe_layers();
         top_k = m.config().num_experts_per_tok;
         vocab = m.config().vocab_size;
-        if (m.options().device.is_cuda() && model::Generator::available() && m.options().ep == nullptr) {
-            model::GeneratorOptions o;
-            o.max_batch = max_batch;
-            o.max_seq_len = max_seq_len;
-            o.record_routing = record_routing;
-            gen = std::make_unique<model::Generator>(m, o);
+        if (!m.options().device.is_cuda() || !model::Generator::available()) return;
+        model::GeneratorOptions o;
+        o.max_batch = max_batch;
+        o.max_seq_len = max_seq_len;
+        o.record_routing = record_routing;
+        if (const ep::Buffer* prefill = m.options().ep; prefill != nullptr) {
+            if (procs == nullptr || !prefill->on_device()) return;  // the model's eager steps
+            ep::Config c = prefill->config();
+            c.max_tokens_per_rank = max_batch;
+            c.low_latency = true;
+            c.job_id = "rollout-decode";
+            decode_store = std::make_unique<ep::C10dStore>(
+                c10::make_intrusive<c10d::PrefixStore>("rollout-decode-ep", procs->store));
+            decode_ep = std::make_unique<ep::Buffer>(c, decode_store.get());
+            o.ep = decode_ep.get();
+        }
+        gen = std::make_unique<model::Generator>(m, o);
+    }
+
+    ~Impl() {
+        gen.reset();
+        if (abandoned) (void)decode_ep.release();  // its teardown is collective: a rank is gone
+    }
+    bool abandoned = false;
+
+    // A rank with nothing to decode while the others decode.
+    void idle_decode() {
+        if (gen) {
+            gen->idle_step();
+        } else {
+            model.idle_pass();
         }
     }
 
@@ -320,7 +354,7 @@ struct RolloutEngine::Impl {
         std::vector<GenResult> done;
         admit(version, done, prefill_pass);
         if (active.empty()) {
-            if (decode_pass) model.idle_pass();
+            if (decode_pass) idle_decode();
             return done;
         }
         std::vector<int64_t> in;
@@ -442,8 +476,10 @@ RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams&
     MOERL_CHECK(max_batch >= 1, "rollout max_batch must be >= 1, got ", max_batch);
     MOERL_CHECK(params.temperature > 0, "sampling temperature must be > 0, got ", params.temperature);
     MOERL_CHECK(max_seq_len >= 2, "rollout max_seq_len must be >= 2, got ", max_seq_len);
-    impl_ = std::make_unique<Impl>(model, params, max_batch, record_routing, max_seq_len);
-    if (processes == nullptr || processes->world_size <= 1) return;
+    const bool spread = processes != nullptr && processes->world_size > 1;
+    impl_ = std::make_unique<Impl>(model, params, max_batch, record_routing, max_seq_len,
+                                   spread ? processes : nullptr);
+    if (!spread) return;
     MOERL_CHECK(model.options().ep != nullptr && model.config().num_moe_layers() > 0, "rollout engine over ",
                 processes->world_size,
                 " processes: the model must shard its experts over them (an EP buffer)");
@@ -456,6 +492,7 @@ RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams&
 }
 
 RolloutEngine::~RolloutEngine() {
+    if (spread_ && !spread_->failure.empty()) impl_->abandoned = true;
     if (!spread_ || spread_->rank != 0 || !spread_->failure.empty()) return;
     try {
         spread_->group->send_call(nlohmann::json{{"call", "stop"}}.dump());

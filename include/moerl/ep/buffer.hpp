@@ -107,6 +107,20 @@ class Buffer {
     std::unique_ptr<Engine> engine_;
 };
 
+// Device transports (cuda, nccl): the calling thread's calls enqueue on `stream` (a cudaStream_t;
+// nullptr = the legacy default stream) while the scope lasts, e.g. the stream a CUDA graph is
+// captured on. Without CUDA in the build it does nothing.
+class DeviceStreamScope {
+  public:
+    explicit DeviceStreamScope(void* stream);
+    ~DeviceStreamScope();
+    DeviceStreamScope(const DeviceStreamScope&) = delete;
+    DeviceStreamScope& operator=(const DeviceStreamScope&) = delete;
+
+  private:
+    void* previous_ = nullptr;
+};
+
 // The layout of topk_idx under config (world_size, num_experts, top_k, max_tokens_per_rank), without a
 // Buffer: what Buffer::layout returns. Host memory; validates every id.
 Layout compute_layout(const Config& config, View<const int64_t> topk_idx);

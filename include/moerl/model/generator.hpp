@@ -50,6 +50,12 @@ struct GeneratorOptions {
     // (GenerationStep::routing), for routing replay in training. One small device copy per MoE layer
     // a step. Default false.
     bool record_routing = false;
+    // Expert parallelism: the model holds only its rank's experts (ModelOptions::ep, which the
+    // prefill dispatches through), and every decode step's MoE layers dispatch and combine through
+    // this low-latency buffer of the same group (a device transport, max_tokens_per_rank >=
+    // max_batch, the model's dtype), inside the CUDA graphs. Collective: the group's ranks decode
+    // (or call idle_step()) together. Default nullptr: every expert lives here.
+    ep::Buffer* ep = nullptr;
 
     // Where the decode path changes with the batch bucket B. The defaults are the measured best on
     // an H200 at the Qwen3-30B-A3B shape (bench/RESULTS.md); change them only after measuring with
@@ -87,8 +93,8 @@ struct GeneratorStats {
 
 class Generator {
   public:
-    // The model must live on a CUDA device, hold every expert (no EP buffer) and outlive the
-    // generator. Throws naming the unsupported property otherwise.
+    // The model must live on a CUDA device and outlive the generator, and hold every expert unless
+    // options.ep is set. Throws naming the unsupported property otherwise.
     Generator(const MoeModel& model, const GeneratorOptions& options = {});
     ~Generator();
     Generator(const Generator&) = delete;
@@ -112,6 +118,10 @@ class Generator {
     // Tokens that are the last step's `greedy` itself (changed in place or not) are read where they
     // lie; a step continuing the previous step's slots in the same order copies nothing to the device.
     GenerationStep decode(const std::vector<int>& slots, const at::Tensor& tokens);
+
+    // With options.ep: takes part in one decode step's dispatches and combines with no rows, as a
+    // rank with nothing to decode does while the others decode.
+    void idle_step();
 
     // Re-reads weights the generator keeps in its own layout (the fused q/k/v projection); call
     // after the model's weights changed in place.
