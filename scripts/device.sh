@@ -113,7 +113,7 @@ if [ -x "$MOERL" ]; then
       timeout 60 "$MOERL" bench ep --async --transport cuda --ranks 2 --tokens 4096 --dispatch bf16,fp8 --sms "$sms" \
         --iters 20 --no-baseline 2>&1 | grep -E "^\| cuda" | sed "s/^/[sms $sms] /" >>"$OUT/bench-sms.log"
     done
-    [ "${MOERL_DEVICE_ROLLOUT_EP:-1}" = 1 ] && timeout 300 "$MOERL" bench rollout --device cuda --ep "$NGPU" --transport cuda,nccl --layers ${MOERL_DEVICE_LAYERS:-8} \
+    [ "${MOERL_DEVICE_ROLLOUT_EP:-1}" = 1 ] && timeout 300 "$MOERL" bench rollout --device cuda --ep "$NGPU" --transport fused,cuda,nccl --layers ${MOERL_DEVICE_LAYERS:-8} \
       --batch ${MOERL_DEVICE_EP_BATCH:-16,64,256} --prompt 128 --new 32 >"$OUT/bench-rollout-ep.log" 2>&1
     step bench_rollout_ep "rc=$?"
   else
@@ -187,6 +187,14 @@ if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/rl/rl_unit_test" ]; 
   (cd "$BUILD" && timeout 200 ctest -R 'Rollout\.Cuda|RlGpu|Trainer|RolloutProcesses' --output-on-failure --timeout 150) >"$OUT/ctest-rl.log" 2>&1
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-rl.log" | tail -20
   step ctest_rl_cuda "$(grep -E 'tests passed' "$OUT/ctest-rl.log" | tail -1)"
+fi
+# EP rollout with 2 ranks sharing the one GPU (functional: they time-slice it): the fused decode
+# engine (low-latency dispatch inside the CUDA graphs) and the eager steps, 2 layers.
+if [ -x "$MOERL" ] && [ "${MOERL_DEVICE_ROLLOUT_SHARED:-1}" = 1 ]; then
+  timeout 150 "$MOERL" bench rollout --device cuda --ep 2 --transport fused,cuda --layers 2 --batch 4,16 --prompt 32 \
+    --new 16 >"$OUT/bench-rollout-ep-shared.log" 2>&1
+  step rollout_ep_shared "rc=$?"
+  grep -E "^\| (fused|cuda) " "$OUT/bench-rollout-ep-shared.log" | head -6
 fi
 # An RL job end to end on the GPU: the quickstart task to reward 0.9, then the loop's phase times.
 if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >/dev/null 2>&1; then
@@ -286,7 +294,7 @@ for f in bench-rl.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && 
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rl_quickstart rl_quickstart_2proc bench_rl bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

@@ -257,6 +257,11 @@ nlohmann::json ep_rollout_rank(const RolloutArgs& a, const model::ModelConfig& c
     auto sync = [&] {
         if (on_gpu) torch::cuda::synchronize(dev);
     };
+    // "fused": the cuda transport under the fused decode engine (model::Generator, CUDA graphs),
+    // each decode step's MoE layers through a low-latency buffer of their own; the others run the
+    // model's eager steps.
+    const bool fused = transport == "fused";
+    MOERL_CHECK(!fused || on_gpu, "bench rollout --ep: transport fused needs --device cuda");
     ep::Config ec;
     ec.world_size = world;
     ec.rank = rank;
@@ -267,26 +272,65 @@ nlohmann::json ep_rollout_rank(const RolloutArgs& a, const model::ModelConfig& c
     ec.dtype = on_gpu ? ep::DType::kBFloat16 : ep::DType::kFloat32;
     ec.timeout_s = 300;
     ec.job_id = "bench-rollout";
-    ec.set_transport(transport);
+    ec.set_transport(fused ? "cuda" : transport);
+    ec.low_latency = !fused;  // the fused engine's decode buffer has them
     ep::Buffer buffer(ec, &store);
     model::MoeModel m(c, {device, dtype, &buffer});
     m.set_requires_grad(false);
     init_on_device(m, a.seed);
+    std::unique_ptr<ep::C10dStore> decode_store;
+    std::unique_ptr<ep::Buffer> decode_buffer;
+    std::unique_ptr<model::Generator> gen;
+    if (fused) {
+        ep::Config d = ec;
+        d.max_tokens_per_rank = max_batch;
+        d.low_latency = true;
+        d.job_id = "bench-rollout-decode";
+        decode_store =
+            std::make_unique<ep::C10dStore>(c10::make_intrusive<c10d::PrefixStore>("ep-rollout-decode", tcp));
+        decode_buffer = std::make_unique<ep::Buffer>(d, decode_store.get());
+        model::GeneratorOptions o;
+        o.max_batch = max_batch;
+        o.max_seq_len = a.prompt + a.new_tokens + 1;
+        o.ep = decode_buffer.get();
+        gen = std::make_unique<model::Generator>(m, o);
+    }
     c10::NoGradGuard no_grad;
     nlohmann::json out = nlohmann::json::array();
     at::manual_seed(a.seed * 1000 + rank);
     for (int B : a.batches) {
-        // Two passes: the first pays for kernel and communicator set-up, the second is reported.
+        // Two passes: the first pays for kernel and communicator set-up (and graph capture), the
+        // second is reported.
         nlohmann::json row;
         for (int pass = 0; pass < 2; ++pass) {
-            model::KvCache cache = m.new_cache(B, a.prompt + a.new_tokens + 1);
             at::Tensor ids = at::randint(0, c.vocab_size, {B, a.prompt},
                                          at::TensorOptions().device(device).dtype(at::kLong));
+            double prefill_s = 0;
             sync();
+            if (gen) {
+                std::vector<int> slots;
+                std::vector<std::vector<int64_t>> prompts;
+                const at::Tensor host = ids.cpu();
+                for (int b = 0; b < B; ++b) {
+                    slots.push_back(gen->acquire());
+                    prompts.emplace_back(host[b].data_ptr<int64_t>(), host[b].data_ptr<int64_t>() + a.prompt);
+                }
+                auto t0 = Clock::now();
+                model::GenerationStep r = gen->prefill(slots, prompts);
+                sync();
+                prefill_s = seconds_since(t0);
+                auto t1 = Clock::now();
+                for (int i = 1; i < a.new_tokens; ++i) r = gen->decode(slots, r.greedy);
+                sync();
+                row = {{"batch", B}, {"prefill_s", prefill_s}, {"decode_s", seconds_since(t1)}};
+                for (int s : slots) gen->release(s);
+                continue;
+            }
+            model::KvCache cache = m.new_cache(B, a.prompt + a.new_tokens + 1);
             auto t0 = Clock::now();
             at::Tensor tok = m.prefill(cache, ids, {}).logits.argmax(-1);
             sync();
-            const double prefill_s = seconds_since(t0);
+            prefill_s = seconds_since(t0);
             auto t1 = Clock::now();
             for (int i = 1; i < a.new_tokens; ++i) tok = m.decode(cache, tok).logits.argmax(-1);
             sync();
@@ -294,6 +338,8 @@ nlohmann::json ep_rollout_rank(const RolloutArgs& a, const model::ModelConfig& c
         }
         out.push_back(row);
     }
+    gen.reset();
+    if (decode_buffer) decode_buffer->destroy();
     buffer.destroy();
     return out;
 }
@@ -307,8 +353,8 @@ void bench_ep_rollout(const RolloutArgs& a) {
                 " experts");
     std::printf(
         "moerl bench rollout --ep %d: %s, %s params, %d layers, hidden %d, %d experts top-%d (%d per "
-        "rank); each rank decodes its own batch (eager model steps), every MoE layer dispatches and combines "
-        "through the EP transport; prompt %d, %d new tokens, greedy\n\n",
+        "rank); each rank decodes its own batch (eager model steps; fused: the fused decode engine), every "
+        "MoE layer dispatches and combines through the EP transport; prompt %d, %d new tokens, greedy\n\n",
         a.ep_ranks, a.device == "cpu" ? "CPU fp32" : "CUDA bf16",
         human_count(static_cast<double>(c.num_parameters())).c_str(), c.num_hidden_layers, c.hidden_size,
         c.num_experts, c.num_experts_per_tok, c.num_experts / a.ep_ranks, a.prompt, a.new_tokens);
@@ -406,7 +452,8 @@ void register_bench_rollout(CLI::App& bench) {
                   "path)")
         ->check(CLI::Range(0, 1024));
     b->add_option("--transport", a->transports,
-                  "--ep: EP transports to compare (cuda, nccl: the baseline; on the CPU host or fabric/tcp)")
+                  "--ep: EP transports to compare (cuda, nccl: the baseline, both under the model's eager "
+                  "steps; fused: cuda under the fused decode engine; on the CPU host or fabric/tcp)")
         ->delimiter(',');
     b->callback([a] {
         if (a->ep_ranks > 0) {
