@@ -1,18 +1,18 @@
 #include "rank_group.hpp"
 
 #include <ATen/ATen.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <barrier>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <sstream>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "moerl/core/error.hpp"
+#include "moerl/core/process.hpp"
 
 // c10d's Gloo group where LibTorch ships Gloo's headers (Debian's does; PyTorch's wheels do not), as
 // `moerl bench ep` detects it; else the processes sum through the rendezvous store.
@@ -133,30 +133,28 @@ class ProcessRanksBase : public RankGroup {
         ::gethostname(name, sizeof(name) - 1);
         return name;
     }
-    // A process that exited and was not reaped yet (a zombie) counts as gone.
-    static bool alive(pid_t pid) {
-        if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-        std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-        std::string line;
-        if (!std::getline(stat, line)) return true;
-        const size_t paren = line.rfind(')');
-        return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
-    }
 
     std::string missing_ranks() const {
         std::string gone;
         try {
+            // The ranks of this machine; a killed one closes its sockets a moment before it is
+            // gone from the process table, so look a few times.
             const std::string here = host_name();
+            std::vector<std::pair<int, pid_t>> local;
             for (int q = 0; q < world_; ++q) {
                 if (q == rank_ || !store_->check({whereabouts_key(q)})) continue;
                 const std::vector<uint8_t> v = store_->get(whereabouts_key(q));
                 const std::string text(v.begin(), v.end());
                 const size_t space = text.rfind(' ');
                 if (space == std::string::npos || text.substr(0, space) != here) continue;
-                const pid_t pid = static_cast<pid_t>(std::atol(text.c_str() + space + 1));
-                if (!alive(pid))
-                    gone += (gone.empty() ? "" : ", ") +
-                            ("rank " + std::to_string(q) + " (pid " + std::to_string(pid) + ") has exited");
+                local.emplace_back(q, static_cast<pid_t>(std::atol(text.c_str() + space + 1)));
+            }
+            for (int look = 0; look < 5 && gone.empty(); ++look) {
+                if (look > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                for (const auto& [q, pid] : local)
+                    if (!process_alive(pid))
+                        gone += (gone.empty() ? "" : ", ") + ("rank " + std::to_string(q) + " (pid " +
+                                                              std::to_string(pid) + ") has exited");
             }
         } catch (const std::exception&) {
             return "the rendezvous store does not answer either: rank 0 or the launcher is gone";

@@ -150,9 +150,14 @@ void run_rollout_worker(const RunConfig& cfg, ControlPlane& cp, const WorkerCont
             } catch (const moerl::Error& e) {
                 // E.g. a policy version pruned from the store while this worker was fetching it:
                 // give the leases back and try again with the newest version.
+                const int64_t released = worker.stats().released;
                 say(w, "work failed: " + e.message());
                 // A rollout engine that lost a rank cannot generate again; its tasks are back.
-                if (!worker.healthy()) throw;
+                if (!worker.healthy()) {
+                    say(w, "the rollout engine lost a rank; every task it held went back to the queue (" +
+                               std::to_string(released) + " given back in all); exiting for a restart");
+                    throw;
+                }
                 worker.release_all();
                 if (++failures >= 5) throw;
                 std::this_thread::sleep_for(std::chrono::milliseconds(200));

@@ -147,7 +147,8 @@ TEST(BadInput, OneRankFailsPeerTimesOut) {
         << results[1].message;
 }
 
-// A peer dies after setup: the survivors fail with a timeout that names it, within the timeout.
+// A peer dies after setup: the survivors fail with a TimeoutError that names it and says it exited
+// (the host transport looks at the peer's process while it waits), within the timeout.
 TEST(Peers, DeadPeerIsNamed) {
     const std::string dir = unique_dir("dead");
     std::vector<double> seconds(3, 0.0);
@@ -173,6 +174,8 @@ TEST(Peers, DeadPeerIsNamed) {
         EXPECT_EQ(results[r].exit_code, 1) << results[r].message;
         EXPECT_NE(results[r].message.find("waiting for rank 2"), std::string::npos) << results[r].message;
         EXPECT_NE(results[r].message.find("dispatch/"), std::string::npos) << results[r].message;
+        EXPECT_NE(results[r].message.find("rank 2 (pid "), std::string::npos) << results[r].message;
+        EXPECT_NE(results[r].message.find("has exited"), std::string::npos) << results[r].message;
     }
 }
 

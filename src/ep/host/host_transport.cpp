@@ -8,9 +8,12 @@
 #include <atomic>
 #include <cstring>
 #include <random>
+#include <sstream>
+#include <thread>
 
 #include "builtin.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/process.hpp"
 
 namespace moerl::ep {
 
@@ -94,11 +97,20 @@ class HostTransport final : public Transport {
         std::memset(maps_[rank_].get(), 0, counters_bytes(world_size_));
         if (world_size_ > 1) {
             try {
-                std::vector<uint8_t> mine(name.begin(), name.end());
-                auto names = all_gather(*store_, prefix_ + "/segment", rank_, world_size_, mine, timeout);
+                // "segment pid pid-namespace" of every rank.
+                const std::string me = name + " " + std::to_string(::getpid()) + " " + pid_namespace();
+                std::vector<uint8_t> mine(me.begin(), me.end());
+                auto peers = all_gather(*store_, prefix_ + "/segment", rank_, world_size_, mine, timeout);
+                peer_pid_.assign(world_size_, 0);
                 for (int r = 0; r < world_size_; ++r) {
                     if (r == rank_) continue;
-                    maps_[r] = map_segment(std::string(names[r].begin(), names[r].end()), seg_bytes, false);
+                    std::istringstream in(std::string(peers[r].begin(), peers[r].end()));
+                    std::string segment, ns;
+                    pid_t pid = 0;
+                    in >> segment >> pid >> ns;
+                    maps_[r] = map_segment(segment, seg_bytes, false);
+                    // Threads of this process share its pid; pids of other namespaces mean nothing here.
+                    if (pid != ::getpid() && !ns.empty() && ns == pid_namespace()) peer_pid_[r] = pid;
                 }
                 // Every peer has mapped every segment: the names can go, so nothing leaks on a crash.
                 all_gather(*store_, prefix_ + "/mapped", rank_, world_size_, {1}, timeout);
@@ -142,6 +154,34 @@ class HostTransport final : public Transport {
         return std::atomic_ref<uint64_t>(counter(rank_, channel, src)).load(std::memory_order_acquire);
     }
 
+    // The default wait, and every 50 ms a look at whether src is still alive.
+    void wait(int channel, int src, uint64_t target, Clock::time_point deadline, const char* phase) override {
+        const pid_t pid = src >= 0 && src < static_cast<int>(peer_pid_.size()) ? peer_pid_[src] : 0;
+        int spins = 0;
+        auto next_look = Clock::now() + std::chrono::milliseconds(50);
+        while (signals(channel, src) < target) {
+            if (++spins < 1024) continue;
+            const auto now = Clock::now();
+            if (pid > 0 && now > next_look) {
+                next_look = now + std::chrono::milliseconds(50);
+                if (!process_alive(pid) && signals(channel, src) < target)
+                    throw TimeoutError(
+                        detail::concat("rank ", rank_, ": gave up in ", phase, " waiting for rank ", src,
+                                       " (host, channel ", channel, ", have ", signals(channel, src), " of ",
+                                       target, " signals): rank ", src, " (pid ", pid, ") has exited"),
+                        __FILE__, __LINE__);
+            }
+            if (now > deadline) {
+                throw TimeoutError(
+                    detail::concat("rank ", rank_, ": timed out in ", phase, " waiting for rank ", src,
+                                   " (host, channel ", channel, ", have ", signals(channel, src), " of ",
+                                   target, " signals)"),
+                    __FILE__, __LINE__);
+            }
+            std::this_thread::yield();
+        }
+    }
+
     void destroy() override {
         if (destroyed_) return;
         destroyed_ = true;
@@ -167,6 +207,7 @@ class HostTransport final : public Transport {
     std::string prefix_;
     std::chrono::milliseconds timeout_{60000};
     std::vector<Mapping> maps_;
+    std::vector<pid_t> peer_pid_;  // 0: not checked (this process, another PID namespace)
     bool destroyed_ = false;
 };
 
