@@ -52,16 +52,15 @@ int report(const rl::RunConfig& cfg, const rl::RunSummary& s, const std::string&
 }
 }  // namespace
 
-std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg, const std::string& config,
-                                                       const std::string& role) {
-    const RankEnv env = rank_env_from_environment();
+namespace {
+// This process as rank `rank` of `world` processes of `role` ("train", "rollout"), meeting them
+// through the launcher's store.
+std::unique_ptr<rl::RoleProcesses> role_processes(const rl::RunConfig& cfg, const RankEnv& env,
+                                                  const std::string& role, int rank, int world) {
     const bool train = role == "train";
-    const int want = train ? cfg.train_ranks : cfg.rollout_ranks;
-    MOERL_CHECK(env.world_size == want, config, ": ranks.", train ? "train" : "rollout", " is ", want,
-                ", but this process is one of WORLD_SIZE=", env.world_size, " (torchrun's environment)");
     auto p = std::make_unique<rl::RoleProcesses>();
-    p->rank = env.rank;
-    p->world_size = env.world_size;
+    p->rank = rank;
+    p->world_size = world;
     p->local_rank = env.local_rank;
     p->master_addr = env.master_addr;
     p->store = connect_rank_store(env, 300);
@@ -70,6 +69,17 @@ std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg,
     // should go back to the queue.
     if (!train) p->timeout_s = 60;
     return p;
+}
+}  // namespace
+
+std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg, const std::string& config,
+                                                       const std::string& role) {
+    const RankEnv env = rank_env_from_environment();
+    const bool train = role == "train";
+    const int want = train ? cfg.train_ranks : cfg.rollout_ranks;
+    MOERL_CHECK(env.world_size == want, config, ": ranks.", train ? "train" : "rollout", " is ", want,
+                ", but this process is one of WORLD_SIZE=", env.world_size, " (torchrun's environment)");
+    return role_processes(cfg, env, role, env.rank, env.world_size);
 }
 
 void register_run_commands(CLI::App& app) {
@@ -104,28 +114,45 @@ void register_run_commands(CLI::App& app) {
         const std::string out = cfg.output_dir;
         MOERL_CHECK(!args->run.resume || std::filesystem::exists(out), "--resume: no earlier run in ", out,
                     " (the directory does not exist); run without --resume to start one");
-        // ranks.train > 1: this command runs again as that many processes (torchrun's
-        // environment); rank 0 runs every role, the others hold their share of the trainer.
-        std::unique_ptr<rl::RoleProcesses> processes;
-        if (cfg.train_ranks > 1) {
+        // ranks.train > 1 or ranks.rollout > 1: this command runs again as train + rollout - 1
+        // processes (torchrun's environment). Rank 0 runs every role and is rank 0 of both groups;
+        // ranks 1..train-1 hold their share of the trainer, the rest their share of the rollout
+        // engine.
+        std::unique_ptr<rl::RoleProcesses> trainer_processes, rollout_processes;
+        if (cfg.train_ranks > 1 || cfg.rollout_ranks > 1) {
             cfg.validate();
+            const int world = cfg.train_ranks + cfg.rollout_ranks - 1;
             if (std::getenv("WORLD_SIZE") == nullptr) {
                 std::vector<std::string> argv{self_executable(), "run", args->config, "--out", out};
                 if (args->run.steps >= 0)
                     argv.insert(argv.end(), {"--steps", std::to_string(args->run.steps)});
                 if (args->run.resume) argv.push_back("--resume");
                 if (args->quiet) argv.push_back("--quiet");
-                const int code = launch_local(cfg.train_ranks, argv, 0, 10.0);
+                const int code = launch_local(world, argv, 0, 10.0);
                 if (code != 0) throw CLI::RuntimeError(code);
                 return;
             }
-            processes = join_role_processes(cfg, args->config, "train");
-            if (processes->rank > 0) {
-                ::signal(SIGINT, SIG_IGN);  // Ctrl-C stops rank 0's run, which then releases this rank
-                rl::follow_trainer(cfg, *processes);
+            const RankEnv env = rank_env_from_environment();
+            MOERL_CHECK(env.world_size == world, args->config, ": ranks.train ", cfg.train_ranks,
+                        " and ranks.rollout ", cfg.rollout_ranks, " make ", world,
+                        " processes, but this is one of WORLD_SIZE=", env.world_size);
+            const int r = env.rank;
+            if (r > 0) ::signal(SIGINT, SIG_IGN);  // Ctrl-C stops rank 0's run, which then releases this rank
+            if (cfg.train_ranks > 1 && r < cfg.train_ranks)
+                trainer_processes = role_processes(cfg, env, "train", r, cfg.train_ranks);
+            if (cfg.rollout_ranks > 1 && (r == 0 || r >= cfg.train_ranks))
+                rollout_processes = role_processes(cfg, env, "rollout", r == 0 ? 0 : r - cfg.train_ranks + 1,
+                                                   cfg.rollout_ranks);
+            if (r > 0 && trainer_processes) {
+                rl::follow_trainer(cfg, *trainer_processes);
                 return;
             }
-            args->run.trainer_processes = processes.get();
+            if (r > 0) {
+                rl::follow_rollout(cfg, *rollout_processes);
+                return;
+            }
+            args->run.trainer_processes = trainer_processes.get();
+            args->run.rollout_processes = rollout_processes.get();
         }
         install_stop_handlers();
         args->run.progress = !args->quiet;

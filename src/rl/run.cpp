@@ -30,12 +30,12 @@ std::string unique_run_id(const std::string& name) {
 // before each training step.
 class LocalProducer final : public ExperienceProducer {
   public:
-    LocalProducer(const RunConfig& cfg, ControlPlane& cp, std::string cache_dir)
-        : cfg_(cfg), cp_(cp), cache_dir_(std::move(cache_dir)) {}
+    LocalProducer(const RunConfig& cfg, ControlPlane& cp, std::string cache_dir, const RoleProcesses* rollout)
+        : cfg_(cfg), cp_(cp), cache_dir_(std::move(cache_dir)), rollout_(rollout) {}
 
     void start(int64_t env_next_step) override {
         env_next_ = env_next_step;
-        worker_ = std::make_unique<RolloutWorker>(cfg_, cp_, "rollout-0", cache_dir_);
+        worker_ = std::make_unique<RolloutWorker>(cfg_, cp_, "rollout-0", cache_dir_, rollout_);
         if (cp_.scoring) reward_ = std::make_unique<RewardWorker>(cfg_, cp_, "reward-0");
     }
 
@@ -63,6 +63,7 @@ class LocalProducer final : public ExperienceProducer {
     const RunConfig& cfg_;
     ControlPlane& cp_;
     const std::string cache_dir_;
+    const RoleProcesses* rollout_;  // the rollout engine's processes, or none
     int64_t env_next_ = 0;
     std::unique_ptr<RolloutWorker> worker_;
     std::unique_ptr<RewardWorker> reward_;
@@ -74,27 +75,38 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     if (opt.steps >= 0) cfg.steps = opt.steps;
     if (!opt.output_dir.empty()) cfg.output_dir = opt.output_dir;
     cfg.validate();
-    MOERL_CHECK(cfg.rollout_ranks == 1, cfg.source, ": ranks.rollout: ", cfg.rollout_ranks,
-                " runs each rollout engine as that many processes, which this process's rollout worker "
-                "is not; use distributed mode (moerl run --distributed, moerl cluster, or moerl worker "
-                "--role rollout under moerl launch -n ",
-                cfg.rollout_ranks, ")");
+    const bool rollout_spread = opt.rollout_processes != nullptr && opt.rollout_processes->world_size > 1;
+    MOERL_CHECK(cfg.rollout_ranks == 1 || rollout_spread, cfg.source, ": ranks.rollout: ", cfg.rollout_ranks,
+                " runs the rollout engine as that many processes: start the run with `moerl run`, which "
+                "launches them");
     const fs::path out = fs::absolute(cfg.output_dir);
     // (train_loop locks the output directory, then refuses one that holds another run's checkpoints.)
     // Embedded backends are namespaced by a fresh id; Redis keys by the run name (shared by roles).
     const bool embedded = cfg.queue == "embedded" && cfg.buffer == "embedded" && cfg.registry == "embedded";
     ControlPlane cp = ControlPlane::connect(cfg, embedded ? unique_run_id(cfg.name) : cfg.name);
-    LocalProducer producer(cfg, cp, (out / "rollout").string());
+    LocalProducer producer(cfg, cp, (out / "rollout").string(),
+                           rollout_spread ? opt.rollout_processes : nullptr);
     TrainLoopOptions loop;
     loop.resume = opt.resume;
     loop.stop_after = opt.stop_after;
     loop.final_checkpoint = opt.final_checkpoint;
-    loop.in_process_weights = embedded;  // the producer's worker is in this process
+    // The producer's worker is in this process; its engine's other ranks are not.
+    loop.in_process_weights = embedded && !rollout_spread;
     loop.trainer_processes = opt.trainer_processes;
     loop.step_timeout_s = 60;  // everything was generated before the step: only a bug waits
     loop.progress = opt.progress;
     loop.stop = opt.stop;
     return train_loop(cfg, cp, loop, &producer);
+}
+
+void follow_rollout(const RunConfig& config_in, const RoleProcesses& processes) {
+    RunConfig cfg = config_in;
+    cfg.validate();
+    pin_threads(cfg.threads);
+    // Only the run's store is read here (the policies rank 0 loads); the queue is rank 0's.
+    ControlPlane cp = ControlPlane::connect(cfg, unique_run_id(cfg.name));
+    const fs::path cache = fs::absolute(cfg.output_dir) / ("rollout-rank" + std::to_string(processes.rank));
+    follow_rollout_engine(cfg, cp, cache.string(), processes);
 }
 
 void follow_trainer(const RunConfig& config_in, const RoleProcesses& processes) {

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # moerl run with ranks.train: 2: the trainer as two processes (one EP rank each) learns exactly as
 # the two threads of one process do, resumes exactly, and a killed rank ends the run with an error
-# naming it. In distributed mode the rollout engines run over 2 processes too (ranks.rollout: 2).
+# naming it. The rollout engine over 2 processes (ranks.rollout: 2) samples what one process does,
+# alone, with the trainer's processes, and in distributed mode.
 set -u
 moerl=$1
 src=$2
 fail() { echo "FAIL: $*"; exit 1; }
 export OPENBLAS_NUM_THREADS=1
-rm -rf threads procs split bad.yaml procs.yaml long dist.yaml rollout.yaml rollout-embedded
+rm -rf threads procs split bad.yaml procs.yaml long dist.yaml rollout.yaml rollout both.yaml both
 sed 's/^  ep: 2$/  ep: 2\n  train: 2/' "$src/examples/quickstart.yaml" >procs.yaml
 grep -q "train: 2" procs.yaml || fail "could not write procs.yaml"
 
@@ -37,10 +38,31 @@ PY
 }
 same_metrics threads/metrics.jsonl procs/metrics.jsonl
 
-# Rollout engines over processes need distributed mode: the embedded run says so.
-sed 's/^  train: 2$/  train: 2\n  rollout: 2/' procs.yaml >rollout.yaml
-"$moerl" run rollout.yaml --steps 2 --out rollout-embedded --quiet >rollout.log 2>&1 && fail "ranks.rollout 2 accepted embedded"
-grep -q "use distributed mode" rollout.log || fail "unclear error: $(cat rollout.log)"
+# The rollout engine over 2 processes (each half the experts), alone and with the trainer over 2:
+# the same samples, so every count and reward equal the threads run; the losses and norms within
+# 1e-4 (the experts' sums run in another order).
+close_metrics() {
+  python3 - "$1" "$2" <<'PY' || fail "$1 and $2 differ"
+import json, sys
+def rows(p):
+    return [{k: v for k, v in json.loads(line).items()
+             if not (k.endswith("_s") or k in ("step_seconds", "tokens_per_s", "logprob_diff"))} for line in open(p)]
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+assert len(a) == 20 and len(b) == 20, (len(a), len(b))
+for s, (x, y) in enumerate(zip(a, b)):
+    for k, v in x.items():
+        if isinstance(v, float) and k not in ("reward", "reward_std"):
+            assert abs(v - y[k]) <= 1e-4 * abs(v) + 1e-7, (s, k, v, y[k])
+        else:
+            assert v == y[k], (s, k, v, y[k])
+PY
+}
+sed 's/^  ep: 2$/  ep: 2\n  rollout: 2/' "$src/examples/quickstart.yaml" >rollout.yaml
+"$moerl" run rollout.yaml --steps 20 --out rollout --quiet >rollout.log 2>&1 || fail "rollout processes run: $(cat rollout.log)"
+close_metrics threads/metrics.jsonl rollout/metrics.jsonl
+sed 's/^  train: 2$/  train: 2\n  rollout: 2/' procs.yaml >both.yaml
+"$moerl" run both.yaml --steps 20 --out both --quiet >both.log 2>&1 || fail "trainer and rollout processes run: $(cat both.log)"
+close_metrics threads/metrics.jsonl both/metrics.jsonl
 
 # Ten steps, then --resume to twenty: what the uninterrupted run did.
 "$moerl" run procs.yaml --steps 10 --out split --quiet >split.log 2>&1 || fail "first half: $(cat split.log)"

@@ -29,6 +29,9 @@ struct RunOptions {
     // config.train_ranks > 1: this process is rank 0 of the trainer's processes (follow_trainer
     // runs on the others).
     const RoleProcesses* trainer_processes = nullptr;
+    // config.rollout_ranks > 1: this process is rank 0 of the rollout engine's processes
+    // (follow_rollout runs on the others); policies then travel as files of the run's store.
+    const RoleProcesses* rollout_processes = nullptr;
 };
 
 // env, one rollout worker and the trainer (EP over config.ep_ranks threads) in this process,
@@ -40,6 +43,10 @@ RunSummary run_local(const RunConfig& config, const RunOptions& options);
 // its share of the experts and carries out rank 0's updates, saves and loads until rank 0's run
 // ends. The checkpoint and policy directories rank 0 names must be on a filesystem both see.
 void follow_trainer(const RunConfig& config, const RoleProcesses& processes);
+
+// Ranks 1.. of the local run's rollout engine (config.rollout_ranks): each holds its share of the
+// experts and its own sequences, and loads the policies rank 0 loads from the run's store.
+void follow_rollout(const RunConfig& config, const RoleProcesses& processes);
 
 // ---- distributed mode --------------------------------------------------------------------------
 struct WorkerContext {
