@@ -205,8 +205,9 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >
   cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
   python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0)))' \
     "$OUT/rl-quickstart-metrics.txt" 2>&1 | tee -a "$OUT/rl-quickstart.log"
-  # The same job with the trainer as two processes sharing the GPU (one EP rank each, cuda transport).
-  sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
+  # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
+  # all) sharing the GPU, one EP rank each, cuda transport; rollout decodes through the fused engine.
+  sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2\n  rollout: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
   timeout 120 "$MOERL" run "$RL_TMP/gpu-quickstart-2.yaml" --steps 60 --out "$RL_TMP/quickstart-2" --quiet >"$OUT/rl-quickstart-2.log" 2>&1
   step rl_quickstart_2proc "rc=$? $(grep -E '^final' "$OUT/rl-quickstart-2.log" | tail -1)"
   tail -n 3 "$OUT/rl-quickstart-2.log"
