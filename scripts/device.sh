@@ -184,7 +184,7 @@ fi
 # trainer and a rollout engine over 2 processes sharing the GPU against one process,
 # routing records of the fast path against the eager path, sampling, weight sync.
 if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/rl/rl_unit_test" ]; then
-  (cd "$BUILD" && timeout 200 ctest -R 'Rollout\.Cuda|RlGpu|Trainer|RolloutProcesses' --output-on-failure --timeout 150) >"$OUT/ctest-rl.log" 2>&1
+  (cd "$BUILD" && timeout 200 ctest -R "${MOERL_DEVICE_RL_REGEX:-Rollout\.Cuda|RlGpu|Trainer|RolloutProcesses}" --output-on-failure --timeout 150) >"$OUT/ctest-rl.log" 2>&1
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-rl.log" | tail -20
   step ctest_rl_cuda "$(grep -E 'tests passed' "$OUT/ctest-rl.log" | tail -1)"
 fi
@@ -197,7 +197,8 @@ if [ -x "$MOERL" ] && [ "${MOERL_DEVICE_ROLLOUT_SHARED:-1}" = 1 ]; then
   grep -E "^\| (fused|cuda) " "$OUT/bench-rollout-ep-shared.log" | head -6
 fi
 # An RL job end to end on the GPU: the quickstart task to reward 0.9, then the loop's phase times.
-if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ -x "$MOERL" ] && "$MOERL" run --help >/dev/null 2>&1; then
+# MOERL_DEVICE_RL_LOOP=0 leaves it out (a shorter call).
+if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && [ -x "$MOERL" ] && "$MOERL" run --help >/dev/null 2>&1; then
   RL_TMP=${TMPDIR:-/tmp}/moerl-rl; rm -rf "$RL_TMP"; mkdir -p "$RL_TMP"
   timeout 240 "$MOERL" run examples/gpu-quickstart.yaml --out "$RL_TMP/quickstart" --quiet >"$OUT/rl-quickstart.log" 2>&1
   step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"

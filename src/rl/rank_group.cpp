@@ -134,11 +134,12 @@ class ProcessRanksBase : public RankGroup {
         return name;
     }
 
-    std::string missing_ranks() const {
+  protected:
+    // The ranks of this machine whose process has exited ("rank 1 (pid N) has exited"), looked
+    // for `looks` times 50 ms apart; empty when none.
+    std::string exited_ranks(int looks) const {
         std::string gone;
         try {
-            // The ranks of this machine; a killed one closes its sockets a moment before it is
-            // gone from the process table, so look a few times.
             const std::string here = host_name();
             std::vector<std::pair<int, pid_t>> local;
             for (int q = 0; q < world_; ++q) {
@@ -149,7 +150,7 @@ class ProcessRanksBase : public RankGroup {
                 if (space == std::string::npos || text.substr(0, space) != here) continue;
                 local.emplace_back(q, static_cast<pid_t>(std::atol(text.c_str() + space + 1)));
             }
-            for (int look = 0; look < 5 && gone.empty(); ++look) {
+            for (int look = 0; look < looks && gone.empty(); ++look) {
                 if (look > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
                 for (const auto& [q, pid] : local)
                     if (!process_alive(pid))
@@ -159,6 +160,12 @@ class ProcessRanksBase : public RankGroup {
         } catch (const std::exception&) {
             return "the rendezvous store does not answer either: rank 0 or the launcher is gone";
         }
+        return gone;
+    }
+
+    std::string missing_ranks() const {
+        // A killed rank closes its sockets a moment before it leaves the process table.
+        const std::string gone = exited_ranks(5);
         if (!gone.empty()) return gone;
         std::ostringstream os;
         os << "a rank on another machine died, or did not answer within " << timeout_s_ << " s";
@@ -243,8 +250,24 @@ class StoreRanks final : public ProcessRanksBase {
     std::string key(const char* what, int64_t n, int rank) const {
         return prefixed(std::string("store/") + what + "/" + std::to_string(n) + "/" + std::to_string(rank));
     }
+    // Waits for key k in slices, failing at once when a rank of this machine has exited.
     std::vector<uint8_t> read(const std::string& k) {
-        store_->wait({k}, std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000)));
+        const auto deadline = std::chrono::steady_clock::now() +
+                              std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
+        while (!store_->check({k})) {
+            const std::string gone = exited_ranks(1);
+            MOERL_CHECK(gone.empty(), gone);
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                deadline - std::chrono::steady_clock::now());
+            if (left.count() <= 0) {
+                store_->wait({k}, std::chrono::milliseconds(1));  // throws, naming the key
+                break;
+            }
+            try {
+                store_->wait({k}, std::min(left, std::chrono::milliseconds(500)));
+            } catch (const std::exception&) {  // a slice without it
+            }
+        }
         return store_->get(k);
     }
     // Every rank counts the operations it finished; rank 0 removes an operation's keys once every

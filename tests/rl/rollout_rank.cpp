@@ -5,7 +5,8 @@
 // 2 steps and resumed. It writes OUT/results.json: each request's tokens, log-probs, versions and
 // routing.
 //   rl_rollout_rank OUT TRANSPORT
-// MOERL_TEST_DEVICE=cuda generates on the GPU (fp32). MOERL_TEST_DIE=1: rank 1 exits when asked
+// MOERL_TEST_DEVICE=cuda generates on the GPU (fp32); MOERL_TEST_COLLECTIVES picks how rank 0's
+// calls travel (RoleProcesses::collectives). MOERL_TEST_DIE=1: rank 1 exits when asked
 // to load the new weights, and rank 0 writes OUT/failure.json instead (what each call said next).
 #include <unistd.h>
 
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
         p.local_rank = p.rank;
         p.ep_transport = argv[2];
         p.timeout_s = 20;
+        if (const char* collectives = std::getenv("MOERL_TEST_COLLECTIVES")) p.collectives = collectives;
         c10d::TCPStoreOptions o;
         o.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
         o.isServer = false;
@@ -83,8 +85,7 @@ int main(int argc, char** argv) {
                 if (die && p.rank == 1) _exit(9);
                 m.init_random(std::stoull(seed));
             });
-            buffer->destroy();
-            return 0;
+            return 0;  // the engine, then the buffers go, in rank 0's order (their teardown is collective)
         }
 
         const int V = c.model.vocab_size;
