@@ -214,6 +214,10 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
   tail -n 3 "$OUT/rl-quickstart-2.log"
   timeout 120 "$MOERL" bench rl examples/gpu-quickstart.yaml --steps 12 --warmup 2 --out "$RL_TMP/bench-small" >"$OUT/bench-rl.log" 2>&1
   step bench_rl "rc=$?"
+  # The same with the trainer and the rollout engine over 2 processes each sharing the GPU (functional).
+  timeout 120 "$MOERL" bench rl "$RL_TMP/gpu-quickstart-2.yaml" --steps 12 --warmup 2 --out "$RL_TMP/bench-ranks" \
+    >"$OUT/bench-rl-ranks.log" 2>&1
+  step bench_rl_ranks "rc=$?"
   if [ "${MOERL_DEVICE_RL_BIG:-1}" = 1 ]; then
     timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
     step bench_rl_big "rc=$?"
@@ -223,6 +227,7 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
   : >"$OUT/bench-train.log"
   trace=(--trace "$RL_TMP/train-trace.json")
   for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 8:16:512:512:8192}; do
+    [ "$case" = none ] && continue  # MOERL_DEVICE_TRAIN_CASES=none: no trainer benchmark
     IFS=: read -r tl ts tp tr tm <<<"$case"
     timeout 240 "$MOERL" bench train examples/gpu-qwen3-30b-a3b.yaml --layers "$tl" --samples "$ts" --prompt "$tp" \
       --response "$tr" --micro-batch-tokens "$tm" --steps 5 --warmup 2 "${trace[@]}" >>"$OUT/bench-train.log" 2>&1
@@ -290,13 +295,13 @@ echo
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
 grep -E "^bench train|^median" "$OUT/bench-train.log" 2>/dev/null
 [ -f "$OUT/train-kernels.log" ] && head -n 24 "$OUT/train-kernels.log"
-for f in bench-rl.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
+for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

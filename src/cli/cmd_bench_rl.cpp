@@ -3,6 +3,7 @@
 // the rollout model, training, publishing the new version, and the rest (the env, batching,
 // bookkeeping); generated and trained tokens per second; training MFU on a GPU.
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <unistd.h>
 
@@ -19,6 +20,8 @@
 
 #include "bench_util.hpp"
 #include "commands.hpp"
+#include "distributed_run.hpp"
+#include "launch.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/model/device_memory.hpp"
 #include "moerl/rl/config.hpp"
@@ -88,10 +91,9 @@ void bench_rl(const RlBenchArgs& a) {
     rl::RunConfig cfg = rl::RunConfig::load(a.config);
     if (!a.device.empty()) cfg.rollout_device = cfg.train_device = a.device;
     if (!a.dtype.empty()) cfg.rollout_dtype = cfg.train_dtype = a.dtype;
-    // One process: ranks.train processes become as many threads (CPU) or one rank (GPU).
-    if (cfg.train_device == "cuda") cfg.ep_ranks = 1;
-    cfg.train_ranks = 1;
-    cfg.train_ep_transport.clear();
+    // The trainer and rollout engine over ranks.train / ranks.rollout processes as `moerl run` starts
+    // them; one trainer process on a GPU holds one rank.
+    if (cfg.train_device == "cuda" && cfg.train_ranks == 1) cfg.ep_ranks = 1;
     cfg.steps = a.steps;
     cfg.stop_at_reward = 0;
     cfg.checkpoint_every = 0;
@@ -106,6 +108,25 @@ void bench_rl(const RlBenchArgs& a) {
     opt.output_dir = out.string();
     opt.progress = false;
     opt.final_checkpoint = false;  // a real-size model's weights and moments are tens of GB
+    std::vector<std::string> argv{self_executable(),
+                                  "bench",
+                                  "rl",
+                                  a.config,
+                                  "--steps",
+                                  std::to_string(a.steps),
+                                  "--warmup",
+                                  std::to_string(a.warmup),
+                                  "--out",
+                                  out.string(),
+                                  "--peak-tflops",
+                                  std::to_string(a.peak_tflops)};
+    if (!a.device.empty()) argv.insert(argv.end(), {"--device", a.device});
+    if (!a.dtype.empty()) argv.insert(argv.end(), {"--dtype", a.dtype});
+    const LocalRanks ranks = launch_or_join_local_ranks(cfg, a.config, argv);
+    MOERL_CHECK(ranks.exit_code <= 0, "bench rl: a rank exited with ", ranks.exit_code);
+    if (ranks.exit_code == 0) return;
+    opt.trainer_processes = ranks.trainer.get();
+    opt.rollout_processes = ranks.rollout.get();
     rl::RunSummary s = rl::run_local(cfg, opt);
 
     std::vector<nlohmann::json> rows;
@@ -116,6 +137,13 @@ void bench_rl(const RlBenchArgs& a) {
                 a.config.c_str(), cfg.rollout_device.c_str(), cfg.rollout_dtype.c_str(),
                 cfg.train_device.c_str(), cfg.train_dtype.c_str(),
                 static_cast<long long>(cfg.prompts_per_step), cfg.group_size, cfg.ep_ranks);
+    const int processes = cfg.train_ranks + cfg.rollout_ranks - 1;
+    if (processes > 1) {
+        const bool one_gpu = gpu && at::detail::getCUDAHooks().getNumGPUs() == 1;
+        std::printf("ranks: trainer %d, rollout %d processes (%d in all)%s\n", cfg.train_ranks,
+                    cfg.rollout_ranks, processes,
+                    one_gpu ? "; they share one GPU: functional figures, not speed" : "");
+    }
     std::printf(
         "active parameters %s in the layers + %s in the output projection (training FLOPs: 6 x "
         "layers x all tokens + 6 x output x response tokens)\n\n",

@@ -82,6 +82,38 @@ std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg,
     return role_processes(cfg, env, role, env.rank, env.world_size);
 }
 
+LocalRanks launch_or_join_local_ranks(const rl::RunConfig& cfg_in, const std::string& config,
+                                      const std::vector<std::string>& argv) {
+    LocalRanks out;
+    if (cfg_in.train_ranks == 1 && cfg_in.rollout_ranks == 1) return out;
+    rl::RunConfig cfg = cfg_in;
+    cfg.validate();
+    const int world = cfg.train_ranks + cfg.rollout_ranks - 1;
+    if (std::getenv("WORLD_SIZE") == nullptr) {
+        out.exit_code = launch_local(world, argv, 0, 10.0);
+        return out;
+    }
+    const RankEnv env = rank_env_from_environment();
+    MOERL_CHECK(env.world_size == world, config, ": ranks.train ", cfg.train_ranks, " and ranks.rollout ",
+                cfg.rollout_ranks, " make ", world,
+                " processes, but this is one of WORLD_SIZE=", env.world_size);
+    const int r = env.rank;
+    if (r > 0) ::signal(SIGINT, SIG_IGN);  // Ctrl-C stops rank 0's run, which then releases this rank
+    if (cfg.train_ranks > 1 && r < cfg.train_ranks)
+        out.trainer = role_processes(cfg, env, "train", r, cfg.train_ranks);
+    if (cfg.rollout_ranks > 1 && (r == 0 || r >= cfg.train_ranks))
+        out.rollout =
+            role_processes(cfg, env, "rollout", r == 0 ? 0 : r - cfg.train_ranks + 1, cfg.rollout_ranks);
+    if (r == 0) return out;
+    if (out.trainer) {
+        rl::follow_trainer(cfg, *out.trainer);
+    } else {
+        rl::follow_rollout(cfg, *out.rollout);
+    }
+    out.exit_code = 0;
+    return out;
+}
+
 void register_run_commands(CLI::App& app) {
     struct RunArgs {
         std::string config;
@@ -114,46 +146,16 @@ void register_run_commands(CLI::App& app) {
         const std::string out = cfg.output_dir;
         MOERL_CHECK(!args->run.resume || std::filesystem::exists(out), "--resume: no earlier run in ", out,
                     " (the directory does not exist); run without --resume to start one");
-        // ranks.train > 1 or ranks.rollout > 1: this command runs again as train + rollout - 1
-        // processes (torchrun's environment). Rank 0 runs every role and is rank 0 of both groups;
-        // ranks 1..train-1 hold their share of the trainer, the rest their share of the rollout
-        // engine.
-        std::unique_ptr<rl::RoleProcesses> trainer_processes, rollout_processes;
-        if (cfg.train_ranks > 1 || cfg.rollout_ranks > 1) {
-            cfg.validate();
-            const int world = cfg.train_ranks + cfg.rollout_ranks - 1;
-            if (std::getenv("WORLD_SIZE") == nullptr) {
-                std::vector<std::string> argv{self_executable(), "run", args->config, "--out", out};
-                if (args->run.steps >= 0)
-                    argv.insert(argv.end(), {"--steps", std::to_string(args->run.steps)});
-                if (args->run.resume) argv.push_back("--resume");
-                if (args->quiet) argv.push_back("--quiet");
-                const int code = launch_local(world, argv, 0, 10.0);
-                if (code != 0) throw CLI::RuntimeError(code);
-                return;
-            }
-            const RankEnv env = rank_env_from_environment();
-            MOERL_CHECK(env.world_size == world, args->config, ": ranks.train ", cfg.train_ranks,
-                        " and ranks.rollout ", cfg.rollout_ranks, " make ", world,
-                        " processes, but this is one of WORLD_SIZE=", env.world_size);
-            const int r = env.rank;
-            if (r > 0) ::signal(SIGINT, SIG_IGN);  // Ctrl-C stops rank 0's run, which then releases this rank
-            if (cfg.train_ranks > 1 && r < cfg.train_ranks)
-                trainer_processes = role_processes(cfg, env, "train", r, cfg.train_ranks);
-            if (cfg.rollout_ranks > 1 && (r == 0 || r >= cfg.train_ranks))
-                rollout_processes = role_processes(cfg, env, "rollout", r == 0 ? 0 : r - cfg.train_ranks + 1,
-                                                   cfg.rollout_ranks);
-            if (r > 0 && trainer_processes) {
-                rl::follow_trainer(cfg, *trainer_processes);
-                return;
-            }
-            if (r > 0) {
-                rl::follow_rollout(cfg, *rollout_processes);
-                return;
-            }
-            args->run.trainer_processes = trainer_processes.get();
-            args->run.rollout_processes = rollout_processes.get();
-        }
+        // ranks.train > 1 or ranks.rollout > 1: this command runs again as that many processes.
+        std::vector<std::string> argv{self_executable(), "run", args->config, "--out", out};
+        if (args->run.steps >= 0) argv.insert(argv.end(), {"--steps", std::to_string(args->run.steps)});
+        if (args->run.resume) argv.push_back("--resume");
+        if (args->quiet) argv.push_back("--quiet");
+        const LocalRanks ranks = launch_or_join_local_ranks(cfg, args->config, argv);
+        if (ranks.exit_code > 0) throw CLI::RuntimeError(ranks.exit_code);
+        if (ranks.exit_code == 0) return;
+        args->run.trainer_processes = ranks.trainer.get();
+        args->run.rollout_processes = ranks.rollout.get();
         install_stop_handlers();
         args->run.progress = !args->quiet;
         args->run.stop = &stop_flag();

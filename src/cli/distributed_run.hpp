@@ -25,4 +25,15 @@ void run_distributed(const std::string& config, const std::string& out, const Di
 std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg, const std::string& config,
                                                        const std::string& role);
 
+// A local run whose trainer (ranks.train) or rollout engine (ranks.rollout) spans processes: this
+// command re-runs itself (`argv`) as train + rollout - 1 processes under the local launcher
+// (torchrun's environment). Rank 0 runs every role and leads both groups; ranks 1..train-1 follow
+// the trainer, the rest the rollout engine. In cmd_run.cpp.
+struct LocalRanks {
+    int exit_code = -1;  // >= 0: this process launched or followed and is done, with this status
+    std::unique_ptr<rl::RoleProcesses> trainer, rollout;  // rank 0's place in each group, or none
+};
+LocalRanks launch_or_join_local_ranks(const rl::RunConfig& cfg, const std::string& config,
+                                      const std::vector<std::string>& argv);
+
 }  // namespace moerl::cli
