@@ -8,7 +8,7 @@ moerl=$1
 src=$2
 fail() { echo "FAIL: $*"; exit 1; }
 export OPENBLAS_NUM_THREADS=1
-rm -rf threads procs split bad.yaml procs.yaml long dist.yaml rollout.yaml rollout both.yaml both
+rm -rf threads procs split bad.yaml procs.yaml long dist.yaml rollout.yaml rollout both.yaml both bench-both
 sed 's/^  ep: 2$/  ep: 2\n  train: 2/' "$src/examples/quickstart.yaml" >procs.yaml
 grep -q "train: 2" procs.yaml || fail "could not write procs.yaml"
 
@@ -63,6 +63,11 @@ close_metrics threads/metrics.jsonl rollout/metrics.jsonl
 sed 's/^  train: 2$/  train: 2\n  rollout: 2/' procs.yaml >both.yaml
 "$moerl" run both.yaml --steps 20 --out both --quiet >both.log 2>&1 || fail "trainer and rollout processes run: $(cat both.log)"
 close_metrics threads/metrics.jsonl both/metrics.jsonl
+# bench rl measures such a config as moerl run runs it: over its processes.
+rm -rf bench-both
+"$moerl" bench rl both.yaml --steps 4 --warmup 1 --out bench-both >bench-both.log 2>&1 || fail "bench rl: $(cat bench-both.log)"
+grep -q "ranks: trainer 2, rollout 2 processes (3 in all)" bench-both.log || fail "bench rl: no ranks line: $(cat bench-both.log)"
+grep -q "^median over steps 1..3" bench-both.log || fail "bench rl: no summary: $(cat bench-both.log)"
 
 # Ten steps, then --resume to twenty: what the uninterrupted run did.
 "$moerl" run procs.yaml --steps 10 --out split --quiet >split.log 2>&1 || fail "first half: $(cat split.log)"
