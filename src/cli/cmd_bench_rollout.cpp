@@ -262,14 +262,8 @@ nlohmann::json ep_rollout_rank(const RolloutArgs& a, const model::ModelConfig& c
     // model's eager steps.
     const bool fused = transport == "fused";
     MOERL_CHECK(!fused || on_gpu, "bench rollout --ep: transport fused needs --device cuda");
-    ep::Config ec;
-    ec.world_size = world;
-    ec.rank = rank;
-    ec.num_experts = c.num_experts;
-    ec.hidden = c.hidden_size;
-    ec.top_k = c.num_experts_per_tok;
-    ec.max_tokens_per_rank = max_batch * a.prompt;  // the prefill of the largest batch
-    ec.dtype = on_gpu ? ep::DType::kBFloat16 : ep::DType::kFloat32;
+    // Calls of up to the prefill of the largest batch.
+    ep::Config ec = model::ep_config_for(c, dtype, world, rank, max_batch * a.prompt);
     ec.timeout_s = 300;
     ec.job_id = "bench-rollout";
     ec.set_transport(fused ? "cuda" : transport);

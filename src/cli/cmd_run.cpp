@@ -75,9 +75,8 @@ std::unique_ptr<rl::RoleProcesses> role_processes(const rl::RunConfig& cfg, cons
 std::unique_ptr<rl::RoleProcesses> join_role_processes(const rl::RunConfig& cfg, const std::string& config,
                                                        const std::string& role) {
     const RankEnv env = rank_env_from_environment();
-    const bool train = role == "train";
-    const int want = train ? cfg.train_ranks : cfg.rollout_ranks;
-    MOERL_CHECK(env.world_size == want, config, ": ranks.", train ? "train" : "rollout", " is ", want,
+    const int want = cfg.role_ranks(role);
+    MOERL_CHECK(env.world_size == want, config, ": ranks.", role, " is ", want,
                 ", but this process is one of WORLD_SIZE=", env.world_size, " (torchrun's environment)");
     return role_processes(cfg, env, role, env.rank, env.world_size);
 }

@@ -95,29 +95,22 @@ void run_worker_as(const WorkerArgs& a, const std::string& who) {
     const rl::RunConfig cfg = load_config(a);
     const std::string run_id = a.run_id.empty() ? cfg.name : a.run_id;
     start_grace_watchdog(who, a.grace_s);
-    // The trainer over ranks.train processes (torchrun's environment: a StatefulSet's pods): rank 0
-    // is the trainer the control plane sees; the others hold their experts and follow it.
+    // The trainer over ranks.train processes, a rollout engine over ranks.rollout (torchrun's
+    // environment: a StatefulSet's pods, or `moerl launch` in one pod): rank 0 is the trainer or
+    // rollout worker the control plane sees; the others hold their experts (and, for rollout, their
+    // sequences) and follow it.
     std::unique_ptr<rl::RoleProcesses> processes;
-    if (a.role == "train" && cfg.train_ranks > 1) {
-        log_line(who, "trainer rank " + env::get_string("RANK", "0") + " of " +
-                          std::to_string(cfg.train_ranks) + ": joining the others at " +
-                          env::get_string("MASTER_ADDR", "127.0.0.1") + ":" +
+    if (cfg.role_ranks(a.role) > 1) {
+        log_line(who, std::string(a.role == "train" ? "trainer" : "rollout engine") + " rank " +
+                          env::get_string("RANK", "0") + " of " + std::to_string(cfg.role_ranks(a.role)) +
+                          ": joining the others at " + env::get_string("MASTER_ADDR", "127.0.0.1") + ":" +
                           env::get_string("MASTER_PORT", "29500"));
-        processes = join_role_processes(cfg, a.config, "train");
-        if (processes->rank > 0) {
+        processes = join_role_processes(cfg, a.config, a.role);
+        if (a.role == "train" && processes->rank > 0) {
             rl::follow_trainer(cfg, *processes);
             log_line(who, "rank 0's run ended");
             return;
         }
-    }
-    // A rollout engine over ranks.rollout processes: rank 0 leases and pushes; the others hold
-    // their experts and sequences and generate what it hands out.
-    if (a.role == "rollout" && cfg.rollout_ranks > 1) {
-        log_line(who, "rollout engine rank " + env::get_string("RANK", "0") + " of " +
-                          std::to_string(cfg.rollout_ranks) + ": joining the others at " +
-                          env::get_string("MASTER_ADDR", "127.0.0.1") + ":" +
-                          env::get_string("MASTER_PORT", "29500"));
-        processes = join_role_processes(cfg, a.config, "rollout");
     }
 #ifdef MOERL_HAVE_HEALTH
     // Probes and metrics for a cluster scheduler, where MOERL_HEALTH_PORT asks for them (the images
@@ -246,7 +239,7 @@ void run_cluster(const ClusterArgs& c) {
         // ranks.train processes of the trainer, ranks.rollout processes of each rollout engine,
         // under the local launcher (torchrun's environment); the launcher stops the others of a
         // group when one fails, and the group is restarted as a whole.
-        const int ranks = role == "train" ? cfg.train_ranks : role == "rollout" ? cfg.rollout_ranks : 1;
+        const int ranks = cfg.role_ranks(role);
         if (ranks > 1) {
             s.argv[0] = self_executable();
             s.argv.insert(s.argv.begin(), {"moerl", "launch", "-n", std::to_string(ranks), "--grace",

@@ -85,16 +85,17 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
     }
 }
 
-void Generator::DecodeStep::experts_over_ep(int B, const LayerWeights& w, const cuda::Launch& launch) {
+void Generator::DecodeStep::experts_over_ep(int B, const LayerWeights& w, cudaStream_t stream) {
     ep::Buffer& buffer = *opt_.ep;
-    const ep::DeviceStreamScope on_this_stream(launch.stream);
+    const ep::DeviceStreamScope on_this_stream(stream);
     at::Tensor topk = ep_topk_.narrow(0, 0, B);
     topk.copy_(topk_idx_.narrow(0, 0, int64_t{B} * K_).view({B, K_}));
     ep::LowLatencyOutput out;
     out.recv_x = {ep_recv_x_.data_ptr(), ep_recv_x_.size(0), H_};
     const ep::LowLatencyHandle handle =
         buffer.low_latency_dispatch({h_.data_ptr(), B, H_}, {topk.data_ptr<int64_t>(), B, K_}, out);
-    // Every local expert over its whole block of rows; rows past its count are never read back.
+    // Every local expert over its whole block of rows (other ranks' rows too, when B is 0); rows
+    // past its count are never read back.
     const int64_t L = w.experts_gate.size(0);
     at::Tensor xs = ep_recv_x_.view({L, -1, H_});
     at::Tensor g = at::bmm(xs, w.experts_gate.transpose(1, 2));
@@ -105,24 +106,9 @@ void Generator::DecodeStep::experts_over_ep(int B, const LayerWeights& w, const 
 }
 
 void Generator::DecodeStep::idle_ep() {
-    ep::Buffer& buffer = *opt_.ep;
-    const ep::DeviceStreamScope on_this_stream(at::cuda::getCurrentCUDAStream().stream());
-    ep::LowLatencyOutput out;
-    out.recv_x = {ep_recv_x_.data_ptr(), ep_recv_x_.size(0), H_};
-    for (const LayerWeights& w : m_.layers) {
-        if (w.moe_index < 0) continue;
-        const ep::LowLatencyHandle handle =
-            buffer.low_latency_dispatch({h_.data_ptr(), 0, H_}, {ep_topk_.data_ptr<int64_t>(), 0, K_}, out);
-        // The rows other ranks sent here still need their experts.
-        const int64_t L = w.experts_gate.size(0);
-        at::Tensor xs = ep_recv_x_.view({L, -1, H_});
-        at::Tensor g = at::bmm(xs, w.experts_gate.transpose(1, 2));
-        at::Tensor u = at::bmm(xs, w.experts_up.transpose(1, 2));
-        at::Tensor y = at::bmm(at::silu(g) * u, w.experts_down.transpose(1, 2)).contiguous();
-        buffer.low_latency_combine(
-            {y.data_ptr(), y.size(0) * y.size(1), H_}, {ep_topk_.data_ptr<int64_t>(), 0, K_},
-            {topk_weights_.data_ptr<float>(), 0, K_}, handle, {ep_out_.data_ptr(), 0, H_});
-    }
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+    for (const LayerWeights& w : m_.layers)
+        if (w.moe_index >= 0) experts_over_ep(0, w, stream);
 }
 
 void Generator::DecodeStep::record(int moe_index, int B, const cuda::Launch& launch) {
@@ -266,7 +252,7 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
             cuda::launch_route(dtype_, router_logits_.data_ptr(), pos, B, E, K, c.norm_topk_prob, r, launch);
             mark("route", launch);
             if (opt_.ep != nullptr) {
-                experts_over_ep(B, w, launch);
+                experts_over_ep(B, w, launch.stream);
                 mark("experts over EP", launch);
                 cuda::launch_add_rmsnorm(dtype_, x_.data_ptr(), ep_out_.data_ptr(), next_norm.data_ptr(), eps,
                                          pos, B, H, h_.data_ptr(), launch);

@@ -52,7 +52,8 @@ class Generator::DecodeStep {
     void experts_grouped(int B, const LayerWeights& w);
     // With GeneratorOptions::ep: rows [0, B) of h to their experts' ranks (low-latency dispatch),
     // the local experts over the expert-major rows, the top-k weighted sum back into ep_out.
-    void experts_over_ep(int B, const LayerWeights& w, const cuda::Launch& launch);
+    // B = 0: a rank with no rows, serving the others' rows (idle_ep).
+    void experts_over_ep(int B, const LayerWeights& w, cudaStream_t stream);
     cuda::MoeRouting routing() const;
     // Copies the routing of MoE layer `moe_index` (topk_idx) into routing_record.
     void record(int moe_index, int B, const cuda::Launch& launch);

@@ -7,6 +7,7 @@
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/model/layers.hpp"
+#include "moerl/model/model.hpp"
 
 namespace moerl::model {
 namespace {
@@ -127,6 +128,19 @@ class CombineFn : public torch::autograd::Function<CombineFn> {
 };
 
 }  // namespace
+
+ep::Config ep_config_for(const ModelConfig& c, at::ScalarType dtype, int world_size, int rank,
+                         int max_tokens_per_rank) {
+    ep::Config e;
+    e.world_size = world_size;
+    e.rank = rank;
+    e.num_experts = c.num_experts;
+    e.hidden = c.hidden_size;
+    e.top_k = c.num_experts_per_tok;
+    e.max_tokens_per_rank = max_tokens_per_rank;
+    e.dtype = dtype == at::kBFloat16 ? ep::DType::kBFloat16 : ep::DType::kFloat32;
+    return e;
+}
 
 at::Tensor moe_forward(const at::Tensor& x, const Routing& routing, const at::Tensor& gate,
                        const at::Tensor& up, const at::Tensor& down, ep::Buffer* buffer) {

@@ -119,14 +119,9 @@ struct RolloutModel {
             }
             store = std::make_unique<ep::C10dStore>(
                 c10::make_intrusive<c10d::PrefixStore>("rollout-ep", p->store));
-            ep::Config ec;
-            ec.world_size = p->world_size;
-            ec.rank = p->rank;
-            ec.num_experts = c.model.num_experts;
-            ec.hidden = c.model.hidden_size;
-            ec.top_k = c.model.num_experts_per_tok;
-            ec.max_tokens_per_rank = static_cast<int>(int64_t{c.rollout_max_batch} * c.max_sequence_tokens());
-            ec.dtype = o.dtype == at::kBFloat16 ? ep::DType::kBFloat16 : ep::DType::kFloat32;
+            ep::Config ec = model::ep_config_for(
+                c.model, o.dtype, p->world_size, p->rank,
+                static_cast<int>(int64_t{c.rollout_max_batch} * c.max_sequence_tokens()));
             ec.set_transport(p->ep_transport);
             if (o.device.is_cuda()) ec.device = o.device.index();
             ec.job_id = "rollout";
@@ -384,15 +379,13 @@ struct RolloutWorker::Impl {
     }
 
     size_t release() {
-        if (!engine->healthy()) {
-            const size_t n = in_flight.size();
-            abandon();
-            return n;
-        }
         std::vector<GenResult> partial;
         try {
             partial = engine->drain();
-        } catch (const std::exception&) {  // a rank of the engine is gone with its sequences
+        } catch (const std::exception&) {
+            if (engine->healthy()) throw;
+        }
+        if (!engine->healthy()) {  // a rank of the engine is gone with its sequences
             const size_t n = in_flight.size();
             abandon();
             return n;

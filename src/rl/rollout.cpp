@@ -454,11 +454,14 @@ struct RolloutEngine::Spread {
         }
     }
 
-    // Rank 0: reads what every rank handed back; returns the sequences that left them.
-    std::vector<GenResult> collect(const std::string& mine) {
-        std::vector<GenResult> all;
-        const std::vector<std::string> parts = group->gather(mine);
-        for (int q = 0; q < world; ++q) {
+    // Rank 0: `mine` (the sequences that left rank 0, which has sampled `my_tokens`) and what every
+    // other rank handed back.
+    std::vector<GenResult> collect(std::vector<GenResult> mine, int64_t my_tokens) {
+        std::vector<GenResult> all = std::move(mine);
+        held[0] -= static_cast<int>(all.size());
+        tokens[0] = my_tokens;
+        const std::vector<std::string> parts = group->gather("");
+        for (int q = 1; q < world; ++q) {
             const nlohmann::json j = nlohmann::json::parse(parts[q]);
             for (const auto& r : j.at("results")) {
                 all.push_back({r.at("id").get<uint64_t>(),
@@ -518,33 +521,35 @@ std::vector<GenResult> RolloutEngine::step(int64_t policy_version) {
     if (!spread_) return impl_->step(policy_version);
     Spread& sp = *spread_;
     MOERL_CHECK(sp.rank == 0, "rollout engine rank ", sp.rank, ": only rank 0 steps; the others follow()");
-    // New requests go to the ranks holding the fewest sequences.
+    // New requests go to the ranks holding the fewest sequences (rank 0 keeps its own as they are).
     std::vector<nlohmann::json> admit(sp.world, nlohmann::json::array());
+    std::vector<GenRequest> mine;
+    bool prefill = false;
     while (!sp.pending.empty()) {
         int q = 0;
         for (int r = 1; r < sp.world; ++r)
             if (sp.held[r] < sp.held[q]) q = r;
         if (sp.held[q] >= impl_->max_batch) break;
-        admit[q].push_back(request_to_json(sp.pending.front()));
+        if (q == 0) {
+            mine.push_back(std::move(sp.pending.front()));
+        } else {
+            admit[q].push_back(request_to_json(sp.pending.front()));
+        }
         sp.pending.pop_front();
         ++sp.held[q];
+        prefill = true;
     }
-    bool prefill = false, decode = false;
-    for (int q = 0; q < sp.world; ++q) {
-        prefill = prefill || !admit[q].empty();
-        decode = decode || sp.held[q] > 0;
-    }
-    if (!decode) return {};
+    // Every rank decodes (or joins the decode empty) while any rank holds a sequence.
+    if (std::all_of(sp.held.begin(), sp.held.end(), [](int h) { return h == 0; })) return {};
     return sp.guarded([&] {
         sp.group->send_call(nlohmann::json{
             {"call", "step"},
             {"version", policy_version},
             {"prefill", prefill},
-            {"decode", decode},
             {"admit", admit}}.dump());
-        for (const auto& r : admit[0]) impl_->waiting.push_back(request_from_json(r));
-        const std::vector<GenResult> mine = impl_->step(policy_version, prefill, decode);
-        return sp.collect(results_to_bytes(mine, impl_->tokens));
+        for (GenRequest& r : mine) impl_->waiting.push_back(std::move(r));
+        std::vector<GenResult> done = impl_->step(policy_version, prefill, /*decode_pass=*/true);
+        return sp.collect(std::move(done), impl_->tokens);
     });
 }
 
@@ -564,7 +569,8 @@ std::vector<GenResult> RolloutEngine::drain() {
         if (sp.failure.empty()) {
             out = sp.guarded([&] {
                 sp.group->send_call(nlohmann::json{{"call", "drain"}}.dump());
-                return sp.collect(results_to_bytes(impl_->drain(), impl_->tokens));
+                std::vector<GenResult> drained = impl_->drain();
+                return sp.collect(std::move(drained), impl_->tokens);
             });
         } else {
             impl_->drain();
@@ -597,11 +603,12 @@ bool RolloutEngine::carry_out(const std::string& bytes, const std::function<void
     if (what == "stop") return false;
     if (what == "step") {
         for (const auto& r : c.at("admit").at(sp.rank)) impl_->waiting.push_back(request_from_json(r));
-        const std::vector<GenResult> done = impl_->step(
-            c.at("version").get<int64_t>(), c.at("prefill").get<bool>(), c.at("decode").get<bool>());
+        const std::vector<GenResult> done =
+            impl_->step(c.at("version").get<int64_t>(), c.at("prefill").get<bool>(), /*decode_pass=*/true);
         sp.group->gather(results_to_bytes(done, impl_->tokens));
     } else if (what == "drain") {
-        sp.group->gather(results_to_bytes(impl_->drain(), impl_->tokens));
+        const std::vector<GenResult> drained = impl_->drain();
+        sp.group->gather(results_to_bytes(drained, impl_->tokens));
     } else if (what == "refresh") {
         std::string error;
         try {

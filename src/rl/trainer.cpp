@@ -247,14 +247,7 @@ struct PolicyTrainer::Impl {
             } else {
                 k.store = ep::make_file_store(store_dir);
             }
-            ep::Config ec;
-            ec.world_size = W;
-            ec.rank = first_rank + r;
-            ec.num_experts = cfg.model.num_experts;
-            ec.hidden = cfg.model.hidden_size;
-            ec.top_k = cfg.model.num_experts_per_tok;
-            ec.max_tokens_per_rank = max_tokens;
-            ec.dtype = dtype == at::kBFloat16 ? ep::DType::kBFloat16 : ep::DType::kFloat32;
+            ep::Config ec = model::ep_config_for(cfg.model, dtype, W, first_rank + r, max_tokens);
             ec.set_transport(processes ? procs.ep_transport : "host");
             if (device.is_cuda()) ec.device = device.index();
             ec.job_id = job;

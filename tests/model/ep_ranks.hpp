@@ -36,14 +36,7 @@ inline void run_ranks(int world, const ModelConfig& c, int max_tokens, at::Scala
         threads.emplace_back([&, r] {
             try {
                 auto store = ep::make_file_store(store_dir.path);
-                ep::Config cfg;
-                cfg.world_size = world;
-                cfg.rank = r;
-                cfg.num_experts = c.num_experts;
-                cfg.hidden = c.hidden_size;
-                cfg.top_k = c.num_experts_per_tok;
-                cfg.max_tokens_per_rank = max_tokens;
-                cfg.dtype = dtype == at::kFloat ? ep::DType::kFloat32 : ep::DType::kBFloat16;
+                ep::Config cfg = model::ep_config_for(c, dtype, world, r, max_tokens);
                 cfg.timeout_s = 30;
                 cfg.transport = "host";
                 cfg.job_id = job;

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "moerl/ep/config.hpp"
 #include "moerl/model/config.hpp"
 
 namespace moerl::ep {
@@ -24,6 +25,12 @@ class Buffer;
 namespace moerl::model {
 
 class Generator;
+
+// The EP group's shape for this model: rank `rank` of `world_size`, its experts, hidden size and
+// top-k, `dtype` (fp32 or bf16) on the wire, calls of up to max_tokens_per_rank rows. The transport
+// and the other settings stay at their defaults for the caller to set.
+ep::Config ep_config_for(const ModelConfig& config, at::ScalarType dtype, int world_size, int rank,
+                         int max_tokens_per_rank);
 
 struct ModelOptions {
     at::Device device = at::kCPU;

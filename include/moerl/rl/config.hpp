@@ -142,6 +142,11 @@ struct RunConfig {
     // towards the queue (`moerl worker --role rollout` under `moerl launch -n M`). Their tokens move
     // over ranks.transport when it suits rollout.device, else host on the CPU and cuda on a GPU.
     int rollout_ranks = 1;
+    // The processes of one instance of `role` ("train": train_ranks, "rollout": rollout_ranks, any
+    // other role: 1).
+    int role_ranks(const std::string& role) const {
+        return role == "train" ? train_ranks : role == "rollout" ? rollout_ranks : 1;
+    }
     std::string rollout_ep_transport() const {
         const bool gpu = rollout_device == "cuda";
         if (!train_ep_transport.empty() && (train_ep_transport == "cuda") == gpu) return train_ep_transport;
