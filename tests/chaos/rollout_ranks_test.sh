@@ -110,34 +110,7 @@ else
 fi
 grep -q "pushed [1-9]" "$tmp/logs/engine.log" || fail "the restarted engine pushed no experience"
 
-python3 - "$tmp" "$run_cfg" "$(rcli SMEMBERS "$prefix:experience:seen" | tr '\n' ' ')" "$(rcli XLEN "$prefix:experience")" <<'PY' || failed=1
-import json, os, re, sys
-tmp, cfg_path, seen, exp_len = sys.argv[1:]
-text = open(cfg_path).read()
-steps = int(re.search(r"steps: (\d+)", text).group(1))
-P = int(re.search(r"prompts_per_step: (\d+)", text).group(1))
-G = int(re.search(r"group_size: (\d+)", text).group(1))
-expected = {s: {f"s{s}-p{p}-g{g}" for p in range(P) for g in range(G)} for s in range(steps)}
-all_ids = set().union(*expected.values())
-failures = []
-def check(cond, what):
-    failures.extend([] if cond else [what])
-check(len(seen.split()) == len(set(seen.split())) and set(seen.split()) == all_ids,
-      f"experience pushed for {len(set(seen.split()))} task ids; expected {len(all_ids)}")
-check(int(exp_len) == 0, f"{exp_len} experiences not acknowledged by the trainer")
-history = []
-for line in open(os.path.join(tmp, "audit.jsonl")):
-    j = json.loads(line)
-    if j["event"] == "start":
-        history = [h for h in history if h["step"] < j["first_step"]]
-    elif j["event"] == "step":
-        history.append(j)
-check([h["step"] for h in history] == list(range(steps)), f"trained steps {[h['step'] for h in history]}")
-for h in history:
-    check(sorted(h["tasks"]) == sorted(expected[h["step"]]), f"step {h['step']} trained on other tasks")
-for f in failures:
-    print("rollout ranks chaos: FAIL:", f, file=sys.stderr)
-sys.exit(1 if failures else 0)
-PY
+python3 "$(dirname "$0")/trained_once.py" "rollout ranks chaos" "$tmp" "$run_cfg" \
+    "$(rcli SMEMBERS "$prefix:experience:seen" | tr '\n' ' ')" "$(rcli XLEN "$prefix:experience")" || failed=1
 ((failed == 0)) || { echo "rollout ranks chaos: FAILED"; exit 1; }
 echo "rollout ranks chaos: PASSED in $((SECONDS - start_time)) s"

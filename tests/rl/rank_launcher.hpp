@@ -1,5 +1,6 @@
 // Starts the ranks of a role's test program as processes with torchrun's environment (RANK,
-// WORLD_SIZE, MASTER_ADDR, MASTER_PORT) around a TCPStore hosted by the test.
+// WORLD_SIZE, MASTER_ADDR, MASTER_PORT) around a TCPStore hosted by the test; and, in the rank
+// program, this process's place among them.
 #pragma once
 
 #include <fcntl.h>
@@ -18,6 +19,8 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
+
+#include "moerl/rl/role_processes.hpp"
 
 extern char** environ;
 
@@ -102,6 +105,26 @@ inline Ranks run_ranks(const std::string& program, int W, const fs::path& out,
         res.log += "rank " + std::to_string(r) + ": " + ss.str();
     }
     return res;
+}
+
+// In a rank program: this process among the test's ranks (RANK, WORLD_SIZE, MASTER_PORT), tokens
+// over `transport`, calls and sums as MOERL_TEST_COLLECTIVES says (default auto), waits of at most
+// timeout_s.
+inline RoleProcesses processes_from_environment(const std::string& transport, double timeout_s) {
+    RoleProcesses p;
+    p.rank = std::atoi(std::getenv("RANK"));
+    p.world_size = std::atoi(std::getenv("WORLD_SIZE"));
+    p.local_rank = p.rank;
+    p.ep_transport = transport;
+    p.timeout_s = timeout_s;
+    if (const char* collectives = std::getenv("MOERL_TEST_COLLECTIVES")) p.collectives = collectives;
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
+    o.isServer = false;
+    o.numWorkers = p.world_size;
+    o.timeout = std::chrono::seconds(60);
+    p.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+    return p;
 }
 
 }  // namespace moerl::rl::test

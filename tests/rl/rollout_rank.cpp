@@ -16,12 +16,12 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/rl/rollout.hpp"
+#include "rank_launcher.hpp"
 #include "rl_test_util.hpp"
 
 using namespace moerl;
@@ -34,19 +34,7 @@ int main(int argc, char** argv) {
     }
     try {
         const std::filesystem::path out = argv[1];
-        RoleProcesses p;
-        p.rank = std::atoi(std::getenv("RANK"));
-        p.world_size = std::atoi(std::getenv("WORLD_SIZE"));
-        p.local_rank = p.rank;
-        p.ep_transport = argv[2];
-        p.timeout_s = 20;
-        if (const char* collectives = std::getenv("MOERL_TEST_COLLECTIVES")) p.collectives = collectives;
-        c10d::TCPStoreOptions o;
-        o.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
-        o.isServer = false;
-        o.numWorkers = p.world_size;
-        o.timeout = std::chrono::seconds(60);
-        p.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+        const RoleProcesses p = test::processes_from_environment(argv[2], 20);
         const int W = p.world_size;
         const bool die = std::getenv("MOERL_TEST_DIE") != nullptr;
 
@@ -59,14 +47,7 @@ int main(int argc, char** argv) {
         std::unique_ptr<ep::Buffer> buffer;
         if (W > 1) {
             ep_store = std::make_unique<ep::C10dStore>(c10::make_intrusive<c10d::PrefixStore>("ep", p.store));
-            ep::Config ec;
-            ec.world_size = W;
-            ec.rank = p.rank;
-            ec.num_experts = c.model.num_experts;
-            ec.hidden = c.model.hidden_size;
-            ec.top_k = c.model.num_experts_per_tok;
-            ec.max_tokens_per_rank = max_batch * max_seq_len;
-            ec.dtype = ep::DType::kFloat32;
+            ep::Config ec = model::ep_config_for(c.model, at::kFloat, W, p.rank, max_batch * max_seq_len);
             ec.set_transport(p.ep_transport);
             if (mo.device.is_cuda()) ec.device = 0;
             ec.job_id = "rollout-test";

@@ -12,10 +12,10 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/trainer.hpp"
+#include "rank_launcher.hpp"
 #include "rl_test_util.hpp"
 
 using namespace moerl::rl;
@@ -28,20 +28,9 @@ int main(int argc, char** argv) {
     try {
         const std::filesystem::path out = argv[1];
         const std::string transport = argv[2];
-        RoleProcesses p;
-        p.rank = std::atoi(std::getenv("RANK"));
-        p.world_size = std::atoi(std::getenv("WORLD_SIZE"));
-        p.local_rank = p.rank;
-        p.ep_transport = transport;
-        if (const char* collectives = std::getenv("MOERL_TEST_COLLECTIVES")) p.collectives = collectives;
-        p.timeout_s =
-            std::getenv("MOERL_TEST_TIMEOUT_S") ? std::atof(std::getenv("MOERL_TEST_TIMEOUT_S")) : 60;
-        c10d::TCPStoreOptions o;
-        o.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
-        o.isServer = false;
-        o.numWorkers = p.world_size;
-        o.timeout = std::chrono::seconds(60);
-        p.store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+        const RoleProcesses p = test::processes_from_environment(
+            transport,
+            std::getenv("MOERL_TEST_TIMEOUT_S") ? std::atof(std::getenv("MOERL_TEST_TIMEOUT_S")) : 60);
 
         RunConfig c = test::small_config(out);
         c.ep_ranks = p.world_size;
