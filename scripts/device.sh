@@ -11,6 +11,7 @@
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
 # "--no-attention") narrows the kernel bench.
+# MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k, GRPO groups of 8).
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
 # end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
 # the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one).
@@ -137,6 +138,23 @@ if [ -x "$MOERL" ]; then
     # The same engine without graphs: what launching every kernel costs.
     [ "${MOERL_DEVICE_EAGER:-1}" = 1 ] && timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
       --prompt 128 --new 32 --no-graphs >"$OUT/bench-rollout-eager.log" 2>&1
+  fi
+  if [ "${MOERL_DEVICE_RL_LENGTHS:-1}" = 1 ]; then
+    # Rollout at RL lengths: 2048 + 2048 and an 8k context, then GRPO groups of 8 with and without
+    # their prompt blocks shared (MOERL_DEVICE_PROFILE=1 adds per-kernel times at 2048 tokens).
+    timeout 240 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
+      --prompt 2048 --new ${MOERL_DEVICE_LONG_NEW:-2048} >"$OUT/bench-rollout-long.log" 2>&1
+    step bench_rollout_long "rc=$?"
+    timeout 150 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
+      --prompt 8192 --new 64 >"$OUT/bench-rollout-8k.log" 2>&1
+    step bench_rollout_8k "rc=$?"
+    timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 64 --group 8 \
+      --prompt 1024 --new 128 >"$OUT/bench-rollout-group.log" 2>&1
+    step bench_rollout_group "rc=$?"
+    if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
+      timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
+        --batch 16,64,256 --prompt 2048 --new 16 --profile >"$OUT/bench-profile-long.log" 2>&1
+    fi
   fi
   # The latency-bound decode kernels alone, in graphs (no LibTorch needed).
   KBENCH=$BUILD/bench/decode_kernels_bench
@@ -286,6 +304,9 @@ fi
 echo
 [ -f "$OUT/bench-rollout.log" ] && grep -E "^\| |copy bandwidth|^batch|error" "$OUT/bench-rollout.log"
 [ -f "$OUT/bench-rollout-eager.log" ] && grep -E "^batch|error" "$OUT/bench-rollout-eager.log"
+for f in bench-rollout-long.log bench-rollout-8k.log bench-rollout-group.log; do
+  [ -f "$OUT/$f" ] && grep -E "^\| |copy bandwidth|error|Error" "$OUT/$f"
+done
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"
 [ -f "$OUT/bench-sms.log" ] && cat "$OUT/bench-sms.log"
 [ -f "$OUT/bench-kernels.log" ] && grep -E "^\|" "$OUT/bench-kernels.log"
@@ -301,7 +322,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-python.log; do [
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

@@ -43,8 +43,10 @@ struct RolloutArgs {
     std::string config;  // cpu: run configuration (YAML); cuda: model config.json
     int layers = 8;      // built-in CUDA model: layers of the Qwen3-30B-A3B shape
     std::vector<int> batches{1, 16, 64, 256};
-    int prompt = 128;
+    int prompt = 128;  // the case being run (the first of the sweeps elsewhere)
     int new_tokens = 128;
+    std::vector<int> prompts{128}, news{128};  // cuda: --prompt / --new sweeps
+    int group = 1;  // cuda: samples per prompt (a GRPO group), run with and without shared prompt blocks
     int sequences = 512;  // cpu
     bool no_graphs = false;
     bool profile = false;        // per-kernel times of eager steps
@@ -78,20 +80,30 @@ void init_on_device(model::MoeModel& m, uint64_t seed) {
 }
 
 struct Row {
-    int batch = 0;
+    int prompt = 0, new_tokens = 0, batch = 0;
+    bool shared = false;  // --group: the group's samples share their prompt's cache blocks
     double prefill_s = 0, step_s = 0, e2e_tok_s = 0, bytes_per_step = 0, experts_per_layer = 0;
+    int64_t prefill_tokens = 0;  // prompt tokens run through the model
+    double kv_bytes = 0;         // cache blocks in use at the end of the decode
     double hf_tok_s = 0;
 };
 
+constexpr int kBlockSize = 16;  // tokens per cache block
+
+// B sequences of a.prompt random tokens, a.group samples of each prompt one after another.
 Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const RolloutArgs& a, int B) {
     Row row;
+    row.prompt = a.prompt;
+    row.new_tokens = a.new_tokens;
     row.batch = B;
-    at::Tensor prompts = at::randint(1, c.vocab_size, {B, a.prompt}, at::kLong);
+    at::Tensor prompts = at::randint(1, c.vocab_size, {B / a.group, a.prompt}, at::kLong);
     std::vector<std::vector<int64_t>> ps(B);
     for (int b = 0; b < B; ++b) {
-        const int64_t* p = prompts[b].data_ptr<int64_t>();
+        const int64_t* p = prompts[b / a.group].data_ptr<int64_t>();
         ps[b].assign(p, p + a.prompt);
     }
+    const model::GeneratorStats before = gen.stats();
+    const int64_t free_before = gen.free_blocks();
     std::vector<int> slots;
     for (int b = 0; b < B; ++b) slots.push_back(gen.acquire());
     torch::cuda::synchronize();
@@ -100,6 +112,7 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
     at::Tensor next = r.greedy;
     torch::cuda::synchronize();
     row.prefill_s = seconds_since(t0);
+    row.prefill_tokens = gen.stats().prefill_tokens - before.prefill_tokens;
     // The first two steps capture this bucket's graphs (the prefill's tokens copied in, then the
     // step's own greedy tokens read in place); the timed steps replay the second.
     const auto t1 = Clock::now();
@@ -135,6 +148,8 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
         static_cast<double>(st.kv_tokens_read) / timed * static_cast<double>(gen.kv_bytes_per_token());
     for (const auto& [kind, ms] : gen.profile())
         std::printf("  profile batch %d: %-20s %8.3f ms/step\n", B, kind.c_str(), ms / timed);
+    row.kv_bytes = static_cast<double>(free_before - gen.free_blocks()) * kBlockSize *
+                   static_cast<double>(gen.kv_bytes_per_token());
     for (int s : slots) gen.release(s);
     return row;
 }
@@ -163,71 +178,94 @@ std::map<int, double> run_hf_reference(const RolloutArgs& a) {
     return out;
 }
 
-void bench_cuda(const RolloutArgs& a) {
+void bench_cuda(const RolloutArgs& args) {
     MOERL_CHECK(torch::cuda::is_available(), "bench rollout --device cuda: no CUDA device is available");
     MOERL_CHECK(model::Generator::available(),
                 "bench rollout --device cuda: this build has no CUDA generation engine");
     const model::ModelConfig c =
-        a.config.empty() ? qwen3_30b_a3b_shape(a.layers) : model::ModelConfig::load(a.config);
+        args.config.empty() ? qwen3_30b_a3b_shape(args.layers) : model::ModelConfig::load(args.config);
+    for (int B : args.batches)
+        MOERL_CHECK(B % args.group == 0, "--batch ", B, " is not a multiple of --group ", args.group);
+    MOERL_CHECK(args.hf_dir.empty() || (args.prompts.size() == 1 && args.news.size() == 1 && args.group == 1),
+                "--hf-dir compares one case: one --prompt, one --new, no --group");
     const at::Device device(at::kCUDA, 0);
     const double copy_bw = copy_bandwidth(device);
     model::MoeModel m(c, {device, at::kBFloat16});
     m.set_requires_grad(false);
-    init_on_device(m, a.seed);
-    const int max_batch = *std::max_element(a.batches.begin(), a.batches.end());
-    model::Generator gen(m, {.max_batch = max_batch,
-                             .max_seq_len = a.prompt + a.new_tokens + 1,
-                             .block_size = 16,
-                             .num_blocks = 0,
-                             .cuda_graphs = !a.no_graphs && !a.profile,
-                             .profile = a.profile});
+    init_on_device(m, args.seed);
+    const int max_batch = *std::max_element(args.batches.begin(), args.batches.end());
     std::printf(
         "moerl bench rollout: CUDA bf16, %s params (%s active per token), %d layers, hidden %d, %d experts "
-        "top-%d, "
-        "vocab %d; prompt %d, %d new tokens, greedy, %s\n",
+        "top-%d, vocab %d; random prompts%s, greedy, %s\n",
         human_count(static_cast<double>(c.num_parameters())).c_str(),
         human_count(static_cast<double>(c.num_active_parameters())).c_str(), c.num_hidden_layers,
-        c.hidden_size, c.num_experts, c.num_experts_per_tok, c.vocab_size, a.prompt, a.new_tokens,
-        a.profile     ? "eager launches, profiled"
-        : a.no_graphs ? "eager launches"
-                      : "CUDA graphs");
+        c.hidden_size, c.num_experts, c.num_experts_per_tok, c.vocab_size,
+        args.group > 1 ? (", " + std::to_string(args.group) + " samples a prompt").c_str() : "",
+        args.profile     ? "eager launches, profiled"
+        : args.no_graphs ? "eager launches"
+                         : "CUDA graphs");
     std::printf(
         "device copy bandwidth (read + write): %.0f GB/s; decode bandwidth = bytes a step reads (non-expert "
-        "weights "
-        "but the embedding, the distinct experts routed to, the KV cache attended) / step time\n",
+        "weights but the embedding, the distinct experts routed to, the KV cache attended) / step time\n",
         copy_bw / 1e9);
-    {
-        // Warm-up: the first prefill and decode pay for library initialisation (cuBLAS, kernels).
-        const int s = gen.acquire();
-        model::GenerationStep w = gen.prefill({s}, {std::vector<int64_t>(a.prompt, 1)});
-        gen.decode({s}, w.greedy);
-        torch::cuda::synchronize();
-        gen.release(s);
-    }
     std::vector<Row> rows;
-    for (int B : a.batches) {
-        MOERL_CHECK(B >= 1, "--batch values must be >= 1, got ", B);
-        rows.push_back(bench_batch(gen, c, a, B));
-        const Row& r = rows.back();
-        std::printf("batch %d: step %.3f ms, %.0f tok/s decode, %.1f%% of copy bandwidth\n", B,
-                    r.step_s * 1e3, B / r.step_s, 100.0 * r.bytes_per_step / r.step_s / copy_bw);
-        std::fflush(stdout);
-    }
-    if (!a.hf_dir.empty()) {
-        m.save_pretrained(a.hf_dir);
+    for (int prompt : args.prompts)
+        for (int new_tokens : args.news)
+            for (const bool share :
+                 args.group > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
+                RolloutArgs a = args;
+                a.prompt = prompt;
+                a.new_tokens = new_tokens;
+                model::Generator gen(m, {.max_batch = max_batch,
+                                         .max_seq_len = a.prompt + a.new_tokens + 1,
+                                         .block_size = kBlockSize,
+                                         .num_blocks = 0,
+                                         .share_prompts = share,
+                                         .cuda_graphs = !a.no_graphs && !a.profile,
+                                         .profile = a.profile});
+                {
+                    // Warm-up: the first prefill and decode pay for library initialisation.
+                    const int s = gen.acquire();
+                    model::GenerationStep w = gen.prefill({s}, {std::vector<int64_t>(a.prompt, 1)});
+                    gen.decode({s}, w.greedy);
+                    torch::cuda::synchronize();
+                    gen.release(s);
+                }
+                for (int B : a.batches) {
+                    rows.push_back(bench_batch(gen, c, a, B));
+                    Row& r = rows.back();
+                    r.shared = share && a.group > 1;
+                    std::printf(
+                        "prompt %d + %d new, batch %d%s: step %.3f ms, %.0f tok/s decode, %.1f%% of "
+                        "copy bandwidth, prefill %.3f s\n",
+                        a.prompt, a.new_tokens, B,
+                        a.group > 1 ? (share ? ", shared prompts" : ", unshared") : "", r.step_s * 1e3,
+                        B / r.step_s, 100.0 * r.bytes_per_step / r.step_s / copy_bw, r.prefill_s);
+                    std::fflush(stdout);
+                }
+            }
+    if (!args.hf_dir.empty()) {
+        m.save_pretrained(args.hf_dir);
+        RolloutArgs a = args;
+        a.prompt = args.prompts[0];
+        a.new_tokens = args.news[0];
         std::map<int, double> hf = run_hf_reference(a);
         for (Row& r : rows)
             if (hf.count(r.batch)) r.hf_tok_s = hf[r.batch];
     }
     std::printf(
-        "\n| batch | prefill s | step ms | decode tok/s | e2e tok/s | experts/layer | bytes/step | GB/s | "
-        "util | "
-        "HF e2e tok/s | ratio |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+        "\n| prompt | new | batch |%s prefill s | prefill tokens | step ms | decode tok/s | e2e tok/s | "
+        "experts/layer | bytes/step | GB/s | util | KV cache | HF e2e tok/s | ratio |\n"
+        "|---|---|---|%s---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        args.group > 1 ? " prompt blocks |" : "", args.group > 1 ? "---|" : "");
     for (const Row& r : rows) {
         const double bw = r.bytes_per_step / r.step_s;
-        std::printf("| %d | %.3f | %.3f | %.0f | %.0f | %.1f | %s | %.0f | %.1f%% |", r.batch, r.prefill_s,
-                    r.step_s * 1e3, r.batch / r.step_s, r.e2e_tok_s, r.experts_per_layer,
-                    human_bytes(r.bytes_per_step).c_str(), bw / 1e9, 100.0 * bw / copy_bw);
+        std::printf("| %d | %d | %d |", r.prompt, r.new_tokens, r.batch);
+        if (args.group > 1) std::printf(" %s |", r.shared ? "shared" : "own");
+        std::printf(" %.3f | %lld | %.3f | %.0f | %.0f | %.1f | %s | %.0f | %.1f%% | %s |", r.prefill_s,
+                    static_cast<long long>(r.prefill_tokens), r.step_s * 1e3, r.batch / r.step_s, r.e2e_tok_s,
+                    r.experts_per_layer, human_bytes(r.bytes_per_step).c_str(), bw / 1e9,
+                    100.0 * bw / copy_bw, human_bytes(r.kv_bytes).c_str());
         if (r.hf_tok_s > 0)
             std::printf(" %.0f | %.1fx |\n", r.hf_tok_s, r.e2e_tok_s / r.hf_tok_s);
         else
@@ -428,8 +466,16 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--batch", a->batches, "Batch sizes, e.g. 1,16,64,256 (cpu: max_batch values)")
         ->delimiter(',')
         ->check(CLI::Range(1, 1 << 24));
-    b->add_option("--prompt", a->prompt, "cuda: prompt tokens per sequence")->check(CLI::Range(1, 1 << 24));
-    b->add_option("--new", a->new_tokens, "cuda: generated tokens per sequence (>= 4)");
+    b->add_option("--prompt", a->prompts, "cuda: prompt tokens per sequence; a list sweeps, e.g. 2048,8192")
+        ->delimiter(',')
+        ->check(CLI::Range(1, 1 << 24));
+    b->add_option("--new", a->news, "cuda: generated tokens per sequence (>= 4); a list sweeps")
+        ->delimiter(',')
+        ->check(CLI::Range(1, 1 << 24));
+    b->add_option("--group", a->group,
+                  "cuda: samples per prompt (a GRPO group; divides every batch); each case runs with the "
+                  "group's prompt blocks shared and with a copy each")
+        ->check(CLI::Range(1, 1 << 16));
     b->add_option("--sequences", a->sequences, "cpu: sequences generated per row");
     b->add_flag("--no-graphs", a->no_graphs, "cuda: launch every decode step eagerly");
     b->add_flag("--profile", a->profile,
@@ -450,7 +496,11 @@ void register_bench_rollout(CLI::App& bench) {
                   "steps; fused: cuda under the fused decode engine; on the CPU host or fabric/tcp)")
         ->delimiter(',');
     b->callback([a] {
+        a->prompt = a->prompts.front();
+        a->new_tokens = a->news.front();
         if (a->ep_ranks > 0) {
+            MOERL_CHECK(a->prompts.size() == 1 && a->news.size() == 1 && a->group == 1,
+                        "--ep runs one case: one --prompt, one --new, no --group");
             MOERL_CHECK(a->device == "cpu" || a->device.rfind("cuda", 0) == 0, "--device ", a->device,
                         " is not supported, expected cpu or cuda");
             MOERL_CHECK(a->new_tokens >= 2, "--new must be >= 2 with --ep, got ", a->new_tokens);
@@ -459,7 +509,7 @@ void register_bench_rollout(CLI::App& bench) {
         if (a->device == "cpu") return bench_cpu(*a);
         MOERL_CHECK(a->device.rfind("cuda", 0) == 0, "--device ", a->device,
                     " is not supported, expected cpu or cuda");
-        MOERL_CHECK(a->new_tokens >= 4, "--new must be >= 4, got ", a->new_tokens);
+        for (int n : a->news) MOERL_CHECK(n >= 4, "--new must be >= 4, got ", n);
         bench_cuda(*a);
     });
 }

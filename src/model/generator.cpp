@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <map>
 
 #include "cuda/decode_kernels.hpp"
 #include "decode_step.hpp"
@@ -106,6 +107,8 @@ struct Generator::Impl {
                     ", expected 1..1024");
         MOERL_CHECK(o.max_seq_len >= 1, "Generator: max_seq_len = ", o.max_seq_len, ", expected >= 1");
         MOERL_CHECK(o.block_size >= 1, "Generator: block_size = ", o.block_size, ", expected >= 1");
+        MOERL_CHECK(o.prefill_chunk_tokens >= 1, "Generator: prefill_chunk_tokens = ", o.prefill_chunk_tokens,
+                    ", expected >= 1");
         MOERL_CHECK(
             !(o.profile && o.cuda_graphs),
             "Generator: profile needs eager steps (cuda_graphs = false); graphs replay without the events");
@@ -185,6 +188,8 @@ int64_t Generator::length(int slot) const {
 
 int64_t Generator::free_blocks() const { return impl_->blocks.free_blocks(); }
 
+int64_t Generator::shared_blocks() const { return impl_->blocks.shared_references(); }
+
 GenerationStep Generator::prefill(const std::vector<int>& slots,
                                   const std::vector<std::vector<int64_t>>& prompts) {
     Impl& g = *impl_;
@@ -194,9 +199,18 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
                 " prompts");
     MOERL_CHECK(!slots.empty(), "prefill: no sequences");
     const int64_t n = static_cast<int64_t>(slots.size());
+    const int bs = g.opt.block_size;
+    // Identical prompts (the samples of a GRPO group) run through the model once: row_of[i] is the
+    // model row of prompt i, and leaders[r] the first prompt of row r.
+    std::vector<int64_t> row_of(n);
+    std::vector<int64_t> leaders;
+    std::map<std::vector<int64_t>, int64_t> row_of_prompt;
     int64_t longest = 0, needed_blocks = 0;
+    std::vector<bool> seen(g.opt.max_batch, false);
     for (int64_t i = 0; i < n; ++i) {
         g.check_slot(slots[i], "prefill");
+        MOERL_CHECK(!seen[slots[i]], "prefill: slot ", slots[i], " is listed twice");
+        seen[slots[i]] = true;
         MOERL_CHECK(g.length[slots[i]] == 0, "prefill: slot ", slots[i], " already holds ",
                     g.length[slots[i]], " tokens (release it first)");
         const int64_t len = static_cast<int64_t>(prompts[i].size());
@@ -207,47 +221,124 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
             MOERL_CHECK(tok >= 0 && tok < g.V, "prefill: prompt ", i, " holds token id ", tok,
                         ", but vocab_size = ", g.V);
         longest = std::max(longest, len);
-        needed_blocks += (len + g.opt.block_size - 1) / g.opt.block_size;
+        auto [it, first] = row_of_prompt.try_emplace(prompts[i], static_cast<int64_t>(leaders.size()));
+        if (!g.opt.share_prompts || first) {
+            row_of[i] = static_cast<int64_t>(leaders.size());
+            leaders.push_back(i);
+            needed_blocks += (len + bs - 1) / bs;
+        } else {
+            row_of[i] = it->second;
+            needed_blocks += len % bs != 0;  // its own copy of the partial last block
+        }
     }
     MOERL_CHECK(needed_blocks <= g.blocks.free_blocks(), "prefill: the prompts need ", needed_blocks,
                 " KV-cache blocks, ", g.blocks.free_blocks(), " are free");
 
-    // Eager prefill of the new sequences, left-padded, into a contiguous cache...
-    at::Tensor ids = at::zeros({n, longest}, at::kLong), mask = at::zeros({n, longest}, at::kLong);
-    int64_t* ids_p = ids.data_ptr<int64_t>();
-    int64_t* mask_p = mask.data_ptr<int64_t>();
-    std::vector<int64_t> src, dst;  // token rows of the contiguous cache -> cache slots of the pool
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t len = static_cast<int64_t>(prompts[i].size()), pad = longest - len;
-        const int s = slots[i];
-        for (int64_t j = 0; j < len; ++j) {
-            ids_p[i * longest + pad + j] = prompts[i][j];
-            mask_p[i * longest + pad + j] = 1;
-            if (j % g.opt.block_size == 0) g.blocks.add_block(s);
-            src.push_back(i * longest + pad + j);
-            dst.push_back(int64_t{g.blocks.last_block(s)} * g.opt.block_size + j % g.opt.block_size);
-        }
-        g.length[s] = len;
-    }
-    KvCache cache = g.model.new_cache(n, longest);
-    StepOutput out = g.model.prefill(cache, ids, mask, g.opt.record_routing);
-    // ...then its keys and values into the blocks.
+    // The distinct prompts in passes of at most opt.prefill_chunk_tokens (rows x longest), shortest
+    // first so that a pass pads little; each pass runs the model's eager prefill, left-padded, into
+    // a contiguous cache and then moves its keys and values into the blocks.
+    const int64_t rows = static_cast<int64_t>(leaders.size());
+    std::vector<int64_t> order(rows);
+    for (int64_t r = 0; r < rows; ++r) order[r] = r;
+    auto len_of = [&](int64_t r) { return static_cast<int64_t>(prompts[leaders[r]].size()); };
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return len_of(x) < len_of(y); });
     const int64_t Hkv = g.m.config.num_key_value_heads, D = g.m.config.head_dim;
-    at::Tensor src_t = at::tensor(src, at::kLong).to(g.device),
-               dst_t = at::tensor(dst, at::kLong).to(g.device);
-    for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
-        auto move = [&](const at::Tensor& contiguous, at::Tensor& pool) {
-            at::Tensor rows =
-                contiguous.permute({0, 2, 1, 3}).reshape({n * longest, Hkv, D}).index_select(0, src_t);
-            pool.view({g.blocks.num_blocks() * g.opt.block_size, Hkv, D}).index_copy_(0, dst_t, rows);
-        };
-        move(cache.keys[l], g.step.k_pool[l]);
-        move(cache.values[l], g.step.v_pool[l]);
+    std::vector<at::Tensor> logit_parts, routing_parts;
+    for (int64_t r0 = 0; r0 < rows;) {
+        int64_t r1 = r0 + 1;
+        while (r1 < rows && len_of(order[r1]) * (r1 - r0 + 1) <= g.opt.prefill_chunk_tokens) ++r1;
+        const int64_t pass_rows = r1 - r0, pass_len = len_of(order[r1 - 1]);
+        at::Tensor ids = at::zeros({pass_rows, pass_len}, at::kLong);
+        at::Tensor mask = at::zeros({pass_rows, pass_len}, at::kLong);
+        int64_t* ids_p = ids.data_ptr<int64_t>();
+        int64_t* mask_p = mask.data_ptr<int64_t>();
+        std::vector<int64_t> src, dst;  // token rows of the contiguous cache -> cache slots of the pool
+        for (int64_t i = 0; i < pass_rows; ++i) {
+            const std::vector<int64_t>& prompt = prompts[leaders[order[r0 + i]]];
+            const int64_t len = static_cast<int64_t>(prompt.size()), pad = pass_len - len;
+            const int s = slots[leaders[order[r0 + i]]];
+            for (int64_t j = 0; j < len; ++j) {
+                ids_p[i * pass_len + pad + j] = prompt[j];
+                mask_p[i * pass_len + pad + j] = 1;
+                if (j % bs == 0) g.blocks.add_block(s);
+                src.push_back(i * pass_len + pad + j);
+                dst.push_back(int64_t{g.blocks.last_block(s)} * bs + j % bs);
+            }
+            g.length[s] = len;
+        }
+        KvCache cache = g.model.new_cache(pass_rows, pass_len);
+        StepOutput out = g.model.prefill(cache, ids, mask, g.opt.record_routing);
+        const at::Tensor src_t = at::tensor(src, at::kLong).to(g.device),
+                         dst_t = at::tensor(dst, at::kLong).to(g.device);
+        for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
+            auto move = [&](const at::Tensor& contiguous, at::Tensor& pool) {
+                at::Tensor moved = contiguous.permute({0, 2, 1, 3})
+                                       .reshape({pass_rows * pass_len, Hkv, D})
+                                       .index_select(0, src_t);
+                pool.view({g.blocks.num_blocks() * bs, Hkv, D}).index_copy_(0, dst_t, moved);
+            };
+            move(cache.keys[l], g.step.k_pool[l]);
+            move(cache.values[l], g.step.v_pool[l]);
+        }
+        logit_parts.push_back(out.logits);
+        if (g.opt.record_routing) {
+            // Left-aligned to the longest prompt of the call: rows of -1 before a shorter pass.
+            at::Tensor r = out.routing;
+            if (pass_len < longest) {
+                std::vector<int64_t> shape(r.sizes().begin(), r.sizes().end());
+                shape[1] = longest - pass_len;
+                r = at::cat({at::full(shape, -1, r.options()), r}, 1);
+            }
+            routing_parts.push_back(r);
+        }
+        r0 = r1;
     }
     GenerationStep step;
-    step.logits = out.logits.to(g.m.options.dtype);
-    step.greedy = out.logits.argmax(-1);
-    if (g.opt.record_routing) step.routing = out.routing;
+    // The other samples of a prompt hold its full blocks and a copy of its partial last block, the
+    // one block each of them writes next.
+    std::vector<int64_t> copy_from, copy_to;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t leader = leaders[row_of[i]];
+        if (leader == i) continue;
+        const int64_t len = static_cast<int64_t>(prompts[i].size());
+        const int s = slots[i], from = slots[leader];
+        g.blocks.share_blocks(from, s, static_cast<int>(len / bs));
+        if (len % bs != 0) {
+            copy_to.push_back(g.blocks.add_block(s));
+            copy_from.push_back(g.blocks.last_block(from));
+        }
+        g.length[s] = len;
+        g.host_stats.prefill_tokens_shared += len;
+        step.shared_tokens += len;
+    }
+    if (!copy_to.empty()) {
+        const at::Tensor from_t = at::tensor(copy_from, at::kLong).to(g.device),
+                         to_t = at::tensor(copy_to, at::kLong).to(g.device);
+        for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
+            g.step.k_pool[l].index_copy_(0, to_t, g.step.k_pool[l].index_select(0, from_t));
+            g.step.v_pool[l].index_copy_(0, to_t, g.step.v_pool[l].index_select(0, from_t));
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) g.host_stats.prefill_tokens += prompts[leaders[r]].size();
+    // Pass rows back to the prompts' order: prompt i is model row row_of[i], pass row place[row_of[i]].
+    std::vector<int64_t> place(rows), pick(n);
+    for (int64_t k = 0; k < rows; ++k) place[order[k]] = k;
+    bool identity = rows == n;
+    for (int64_t i = 0; i < n; ++i) {
+        pick[i] = place[row_of[i]];
+        identity = identity && pick[i] == i;
+    }
+    at::Tensor logits = logit_parts.size() == 1 ? logit_parts[0] : at::cat(logit_parts);
+    at::Tensor routing;
+    if (g.opt.record_routing) routing = routing_parts.size() == 1 ? routing_parts[0] : at::cat(routing_parts);
+    if (!identity) {
+        const at::Tensor pick_t = at::tensor(pick, at::kLong).to(logits.device());
+        logits = logits.index_select(0, pick_t);
+        if (g.opt.record_routing) routing = routing.index_select(0, pick_t.to(routing.device()));
+    }
+    step.logits = logits.to(g.m.options.dtype);
+    step.greedy = logits.argmax(-1);
+    if (g.opt.record_routing) step.routing = routing;
     return step;
 }
 

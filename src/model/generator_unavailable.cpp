@@ -22,6 +22,7 @@ int Generator::acquire() { unavailable(); }
 void Generator::release(int) { unavailable(); }
 int64_t Generator::length(int) const { unavailable(); }
 int64_t Generator::free_blocks() const { unavailable(); }
+int64_t Generator::shared_blocks() const { unavailable(); }
 GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std::vector<int64_t>>&) {
     unavailable();
 }

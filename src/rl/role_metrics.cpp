@@ -99,6 +99,10 @@ void EnvMetrics::step_put(int64_t tasks, int64_t next_step) {
 RolloutMetrics::RolloutMetrics(MetricsRegistry* m) : metrics_(m) {
     if (!m) return;
     tokens_ = &m->counter("moerl_rollout_tokens_generated_total", "Tokens sampled");
+    prompt_tokens_ = &m->counter("moerl_rollout_prompt_tokens_total", "Context tokens prefilled");
+    prompt_tokens_shared_ =
+        &m->counter("moerl_rollout_prompt_tokens_shared_total",
+                    "Context tokens taken from a group-mate's KV cache instead of computed");
     tokens_per_s_ = &m->gauge("moerl_rollout_tokens_per_second",
                               "Tokens sampled per second of generation, since the previous update");
     policy_version_ =
@@ -118,6 +122,8 @@ void RolloutMetrics::count_queue(ControlPlane& cp) {
 void RolloutMetrics::update(const RolloutStats& s, int64_t policy_version) {
     if (!metrics_) return;
     tokens_->add(static_cast<double>(s.tokens - last_.tokens));
+    prompt_tokens_->add(static_cast<double>(s.prompt_tokens - last_.prompt_tokens));
+    prompt_tokens_shared_->add(static_cast<double>(s.prompt_tokens_shared - last_.prompt_tokens_shared));
     if (s.seconds > last_.seconds)
         tokens_per_s_->set(static_cast<double>(s.tokens - last_.tokens) / (s.seconds - last_.seconds));
     policy_version_->set(static_cast<double>(policy_version));

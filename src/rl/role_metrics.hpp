@@ -47,6 +47,7 @@ class RolloutMetrics {
   private:
     MetricsRegistry* metrics_ = nullptr;
     Counter *tokens_ = nullptr, *syncs_ = nullptr, *sync_seconds_total_ = nullptr;
+    Counter *prompt_tokens_ = nullptr, *prompt_tokens_shared_ = nullptr;
     Gauge *tokens_per_s_ = nullptr, *policy_version_ = nullptr, *sync_seconds_ = nullptr;
     RolloutStats last_;
 };

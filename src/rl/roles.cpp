@@ -420,6 +420,7 @@ struct RolloutWorker::Impl {
         int steps = 0;
         auto t0 = Clock::now();
         const int64_t tok0 = engine->tokens_generated();
+        const int64_t prompt0 = engine->prompt_tokens(), shared0 = engine->prompt_tokens_shared();
         for (;;) {
             if (stop && stop->load()) {
                 release();
@@ -428,11 +429,22 @@ struct RolloutWorker::Impl {
             std::vector<GenResult> done;
             try {
                 sync();
-                // Fill free batch slots with new leases (continuous batching).
-                while (static_cast<int>(engine->num_active() + engine->num_waiting()) < engine->capacity()) {
-                    auto lease = cp.tasks->lease(name, engine->idle() ? wait : control::Millis(0));
-                    if (!lease) break;
-                    admit(*lease);
+                // Fill free batch slots with new leases (continuous batching), a group's worth at a
+                // time on the CUDA engine: the queue hands out a group's samples one after another,
+                // and samples that join in one prefill share their prompt's cache blocks.
+                const int unit = engine->uses_generator() ? std::min(cfg.group_size, engine->capacity()) : 1;
+                for (bool more = true; more;) {
+                    const int room =
+                        engine->capacity() - static_cast<int>(engine->num_active() + engine->num_waiting());
+                    if (room <= 0 || (room < unit && !engine->idle())) break;
+                    for (int i = 0; i < std::min(room, unit) && more; ++i) {
+                        auto lease = cp.tasks->lease(name, engine->idle() ? wait : control::Millis(0));
+                        if (lease) {
+                            admit(*lease);
+                        } else {
+                            more = false;
+                        }
+                    }
                 }
                 if (engine->idle()) break;
                 MOERL_CHECK(version >= 0, "rollout worker ", name,
@@ -447,6 +459,8 @@ struct RolloutWorker::Impl {
             if (max_steps > 0 && steps >= max_steps) break;
         }
         stats.tokens += engine->tokens_generated() - tok0;
+        stats.prompt_tokens += engine->prompt_tokens() - prompt0;
+        stats.prompt_tokens_shared += engine->prompt_tokens_shared() - shared0;
         stats.seconds += std::chrono::duration<double>(Clock::now() - t0).count();
         return static_cast<size_t>(stats.pushed - pushed_before);
     }

@@ -75,6 +75,34 @@ model::KvCache merge_caches(model::KvCache& a, model::KvCache& b, int64_t room) 
     return out;
 }
 
+// Requests from `from` on with the same context (prompt and resumed tokens): the samples of a GRPO
+// group, which the CUDA engine prefills once and whose prompt blocks it shares when they join in
+// one prefill.
+size_t same_context_run(const std::deque<GenRequest>& q, size_t from) {
+    size_t i = from + 1;
+    while (i < q.size() && q[i].prompt == q[from].prompt && q[i].prefix.tokens == q[from].prefix.tokens) ++i;
+    return i - from;
+}
+
+// Of the first requests of q, how many join when `room` slots are free: whole groups only (so a
+// group's samples share their prompt), but a group larger than the engine (max_batch) is split, and
+// an engine with nothing running takes what fits. Without sharing, what fits.
+size_t whole_groups(const std::deque<GenRequest>& q, size_t room, size_t max_batch, bool idle, bool share) {
+    if (!share) return std::min(q.size(), room);
+    size_t n = 0;
+    while (n < q.size() && n < room) {
+        const size_t run = same_context_run(q, n);
+        if (n + run <= room) {
+            n += run;
+        } else if (run > max_batch || (idle && n == 0)) {
+            return room;
+        } else {
+            break;
+        }
+    }
+    return n;
+}
+
 }  // namespace
 
 double uniform_draw(uint64_t seed, uint64_t draw) {
@@ -147,6 +175,7 @@ struct RolloutEngine::Impl {
     std::unique_ptr<model::Generator> gen;  // the CUDA engine, when it runs the sequences
     int max_seq_len = 0;
     int64_t tokens = 0;
+    int64_t prompt_tokens = 0, prompt_tokens_shared = 0;  // prefilled contexts; of them from a group-mate
 
     // Over processes on a GPU: the decode steps' low-latency EP buffer (the model's own serves the
     // prefill).
@@ -192,6 +221,9 @@ struct RolloutEngine::Impl {
             model.idle_pass();
         }
     }
+
+    // Whether a group's samples admitted together share their prompt's cache blocks.
+    bool shares_prompts() const { return gen != nullptr; }
 
     // The Generator's slots of finished sequences go back (the eager path keeps its cache rows).
     void release(Seq& s) {
@@ -254,7 +286,8 @@ struct RolloutEngine::Impl {
     // prefill_pass: another rank of the engine prefills now (this one joins the collectives).
     void admit(int64_t version, std::vector<GenResult>& done, bool prefill_pass) {
         const size_t n =
-            std::min(waiting.size(), static_cast<size_t>(std::max(0, max_batch - (int)active.size())));
+            whole_groups(waiting, static_cast<size_t>(std::max(0, max_batch - (int)active.size())),
+                         static_cast<size_t>(max_batch), active.empty(), shares_prompts());
         if (n == 0) {
             if (prefill_pass) model.idle_pass();
             return;
@@ -273,6 +306,7 @@ struct RolloutEngine::Impl {
             std::vector<int64_t> ctx(s.req.prompt.begin(), s.req.prompt.end());
             ctx.insert(ctx.end(), s.traj.tokens.begin(), s.traj.tokens.end());
             longest = std::max<int64_t>(longest, static_cast<int64_t>(ctx.size()));
+            prompt_tokens += static_cast<int64_t>(ctx.size());
             contexts.push_back(std::move(ctx));
             joining.push_back(std::move(s));
         }
@@ -287,6 +321,7 @@ struct RolloutEngine::Impl {
                 slots.push_back(s.slot);
             }
             model::GenerationStep out = gen->prefill(slots, contexts);
+            prompt_tokens_shared += out.shared_tokens;
             logits = out.logits;
             if (record_routing) {
                 at::Tensor routing = out.routing.to(at::kCPU);
@@ -521,7 +556,8 @@ std::vector<GenResult> RolloutEngine::step(int64_t policy_version) {
     if (!spread_) return impl_->step(policy_version);
     Spread& sp = *spread_;
     MOERL_CHECK(sp.rank == 0, "rollout engine rank ", sp.rank, ": only rank 0 steps; the others follow()");
-    // New requests go to the ranks holding the fewest sequences (rank 0 keeps its own as they are).
+    // New requests go to the ranks holding the fewest sequences (rank 0 keeps its own as they are),
+    // a group's samples to one rank, where they share their prompt.
     std::vector<nlohmann::json> admit(sp.world, nlohmann::json::array());
     std::vector<GenRequest> mine;
     bool prefill = false;
@@ -529,14 +565,22 @@ std::vector<GenResult> RolloutEngine::step(int64_t policy_version) {
         int q = 0;
         for (int r = 1; r < sp.world; ++r)
             if (sp.held[r] < sp.held[q]) q = r;
-        if (sp.held[q] >= impl_->max_batch) break;
-        if (q == 0) {
-            mine.push_back(std::move(sp.pending.front()));
-        } else {
-            admit[q].push_back(request_to_json(sp.pending.front()));
+        const size_t room = static_cast<size_t>(std::max(0, impl_->max_batch - sp.held[q]));
+        const size_t take =
+            !impl_->shares_prompts()
+                ? std::min<size_t>(room, 1)
+                : std::min(whole_groups(sp.pending, room, impl_->max_batch, sp.held[q] == 0, true),
+                           same_context_run(sp.pending, 0));
+        if (take == 0) break;
+        for (size_t i = 0; i < take; ++i) {
+            if (q == 0) {
+                mine.push_back(std::move(sp.pending.front()));
+            } else {
+                admit[q].push_back(request_to_json(sp.pending.front()));
+            }
+            sp.pending.pop_front();
         }
-        sp.pending.pop_front();
-        ++sp.held[q];
+        sp.held[q] += static_cast<int>(take);
         prefill = true;
     }
     // Every rank decodes (or joins the decode empty) while any rank holds a sequence.
@@ -644,6 +688,9 @@ size_t RolloutEngine::num_active() const {
 size_t RolloutEngine::num_waiting() const {
     return spread_ ? spread_->pending.size() : impl_->waiting.size();
 }
+int64_t RolloutEngine::prompt_tokens() const { return impl_->prompt_tokens; }
+int64_t RolloutEngine::prompt_tokens_shared() const { return impl_->prompt_tokens_shared; }
+
 int64_t RolloutEngine::tokens_generated() const {
     if (!spread_) return impl_->tokens;
     int64_t n = 0;

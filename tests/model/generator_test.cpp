@@ -380,5 +380,171 @@ TEST(Generator, BadInputIsRefusedAndTheEngineStaysUsable) {
     EXPECT_EQ(small.acquire(), -1);
 }
 
+// Greedy continuation of one prompt after one forced token (so the samples of a group diverge), by
+// the model's eager path.
+std::vector<int64_t> greedy_after(const MoeModel& m, const std::vector<int64_t>& prompt, int64_t forced,
+                                  int steps) {
+    c10::NoGradGuard no_grad;
+    KvCache cache = m.new_cache(1, static_cast<int64_t>(prompt.size()) + steps + 2);
+    m.prefill(cache, at::tensor(prompt, at::kLong).unsqueeze(0), at::Tensor());
+    at::Tensor next = m.decode(cache, at::tensor({forced})).logits.argmax(-1);
+    std::vector<int64_t> out;
+    for (int s = 0; s < steps; ++s) {
+        out.push_back(next.item<int64_t>());
+        next = m.decode(cache, next).logits.argmax(-1);
+    }
+    return out;
+}
+
+// GRPO groups in one prefill: each distinct prompt runs through the model once, the samples of a
+// prompt share its full blocks and copy its partial last block, and each sample then continues as it
+// would alone (a different first token each, so a block written by two samples would show), also
+// after the sample that prefilled the group leaves. Shared blocks return with their last holder.
+TEST(Generator, SharedPromptGroupsDecodeAsIfAlone) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    const int kSteps = 8;
+    const std::vector<int64_t> a = random_prompt(13, c.vocab_size, 21);  // 3 full blocks + 1 token
+    const std::vector<int64_t> b = random_prompt(12, c.vocab_size, 22);  // 3 full blocks
+    const std::vector<int64_t> lone = random_prompt(5, c.vocab_size, 23);
+    const std::vector<std::vector<int64_t>> prompts = {a, b, a, lone, b, a, b};
+    const int n = static_cast<int>(prompts.size());
+    for (const bool share : {true, false}) {
+        SCOPED_TRACE(share ? "shared" : "unshared");
+        Generator gen(t.gpu, {.max_batch = 8, .max_seq_len = 40, .block_size = 4, .share_prompts = share});
+        const int64_t usable = gen.free_blocks();
+        std::vector<int> slots;
+        for (int i = 0; i < n; ++i) slots.push_back(gen.acquire());
+        GenerationStep first = gen.prefill(slots, prompts);
+        const int64_t shared_tokens = share ? 2 * 13 + 2 * 12 : 0;
+        EXPECT_EQ(first.shared_tokens, shared_tokens);
+        EXPECT_EQ(gen.stats().prefill_tokens, share ? 13 + 12 + 5 : 3 * 13 + 3 * 12 + 5);
+        EXPECT_EQ(gen.stats().prefill_tokens_shared, shared_tokens);
+        // a: 4 blocks, its two other samples 1 each (the partial copy); b: 3; lone: 2.
+        EXPECT_EQ(gen.shared_blocks(), share ? 2 * 3 + 2 * 3 : 0);
+        EXPECT_EQ(usable - gen.free_blocks(), share ? 4 + 2 + 3 + 2 : 3 * 4 + 3 * 3 + 2);
+        {
+            c10::NoGradGuard no_grad;
+            const at::Tensor got = first.logits.cpu();
+            for (int i = 0; i < n; ++i) {
+                KvCache cache = t.cpu.new_cache(1, 16);
+                const at::Tensor ref =
+                    t.cpu.prefill(cache, at::tensor(prompts[i], at::kLong).unsqueeze(0), at::Tensor()).logits;
+                EXPECT_LT((got[i] - ref[0]).abs().max().item<float>(), 1e-4) << "row " << i;
+            }
+        }
+        std::vector<int64_t> forced;
+        std::vector<std::vector<int64_t>> expected;
+        for (int i = 0; i < n; ++i) {
+            forced.push_back(1 + (7 * i) % (c.vocab_size - 1));
+            expected.push_back(greedy_after(t.cpu, prompts[i], forced[i], kSteps));
+        }
+        std::vector<std::vector<int64_t>> produced(n);
+        std::vector<int> live = slots;
+        std::vector<int> row_of_live(n);
+        for (int i = 0; i < n; ++i) row_of_live[i] = i;
+        at::Tensor next = gen.decode(live, at::tensor(forced, at::kLong)).greedy;
+        for (int step = 0; step < kSteps; ++step) {
+            const at::Tensor host = next.cpu();
+            for (size_t j = 0; j < live.size(); ++j)
+                produced[row_of_live[j]].push_back(host[static_cast<int64_t>(j)].item<int64_t>());
+            if (step == 2) {  // the sample that prefilled prompt a leaves; the others read its blocks
+                gen.release(live[0]);
+                live.erase(live.begin());
+                row_of_live.erase(row_of_live.begin());
+                next = host.narrow(0, 1, static_cast<int64_t>(live.size()));
+            }
+            if (step + 1 < kSteps) next = gen.decode(live, next).greedy;
+        }
+        for (int i = 0; i < n; ++i) {
+            const size_t want = i == 0 ? 3 : kSteps;
+            ASSERT_EQ(produced[i].size(), want) << "row " << i;
+            EXPECT_EQ(produced[i], std::vector<int64_t>(expected[i].begin(), expected[i].begin() + want))
+                << "row " << i << " (prompt length " << prompts[i].size() << ")";
+        }
+        for (int s : live) gen.release(s);
+        EXPECT_EQ(gen.free_blocks(), usable);
+        EXPECT_EQ(gen.shared_blocks(), 0);
+    }
+}
+
+// A prefill in several passes (shortest prompts first, a pass of at most prefill_chunk_tokens)
+// returns what one pass returns: the logits, and routing records left-aligned to the call's longest
+// prompt; and the cache it leaves decodes the same.
+TEST(Generator, PrefillInPassesEqualsOnePass) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    const std::vector<std::vector<int64_t>> prompts = {
+        random_prompt(9, c.vocab_size, 41), random_prompt(3, c.vocab_size, 42),
+        random_prompt(13, c.vocab_size, 43), random_prompt(9, c.vocab_size, 41)};
+    std::vector<at::Tensor> logits, routing, decoded;
+    for (const int64_t chunk : {int64_t{32768}, int64_t{12}}) {
+        Generator gen(t.gpu, {.max_batch = 4,
+                              .max_seq_len = 24,
+                              .block_size = 4,
+                              .prefill_chunk_tokens = chunk,
+                              .record_routing = true});
+        std::vector<int> slots;
+        for (size_t i = 0; i < prompts.size(); ++i) slots.push_back(gen.acquire());
+        GenerationStep r = gen.prefill(slots, prompts);
+        logits.push_back(r.logits.cpu());
+        routing.push_back(r.routing.cpu());
+        decoded.push_back(gen.decode(slots, r.greedy).logits.cpu());
+    }
+    ASSERT_EQ(routing[0].sizes(), routing[1].sizes());
+    EXPECT_EQ(routing[0].size(1), 13);
+    EXPECT_TRUE(at::equal(routing[0], routing[1])) << "routing records differ";
+    EXPECT_EQ(routing[0][1].narrow(0, 0, 10).max().item<int>(), -1) << "rows before a 3-token prompt";
+    EXPECT_LT((logits[0] - logits[1]).abs().max().item<float>(), 1e-5);
+    EXPECT_LT((decoded[0] - decoded[1]).abs().max().item<float>(), 1e-5);
+}
+
+// A group that does not fit is refused before anything changes; a released slot cannot be released
+// again; the engine then serves a group that fits.
+TEST(Generator, SharedPromptMisuseIsRefusedAndTheEngineStaysUsable) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    Generator gen(t.gpu, {.max_batch = 4, .max_seq_len = 24, .block_size = 4, .num_blocks = 6});
+    auto expect_error = [](auto&& fn, const std::string& needle) {
+        try {
+            fn();
+            ADD_FAILURE() << "no error, expected one naming: " << needle;
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+        }
+    };
+    const std::vector<int64_t> p = random_prompt(13, c.vocab_size, 31);
+    std::vector<int> slots;
+    for (int i = 0; i < 4; ++i) slots.push_back(gen.acquire());
+    // 4 blocks for the prompt and a partial copy for each of the 3 others: 7 of 6.
+    expect_error([&] { gen.prefill(slots, {p, p, p, p}); }, "the prompts need 7 KV-cache blocks, 6 are free");
+    expect_error(
+        [&] {
+            gen.prefill({slots[0], slots[0]}, {p, p});
+        },
+        "slot " + std::to_string(slots[0]) + " is listed twice");
+    EXPECT_EQ(gen.free_blocks(), 6);
+    for (int s : slots) EXPECT_EQ(gen.length(s), 0);
+    GenerationStep r = gen.prefill({slots[0], slots[1]}, {p, p});
+    EXPECT_EQ(r.shared_tokens, 13);
+    EXPECT_EQ(gen.free_blocks(), 1);
+    gen.release(slots[1]);
+    expect_error([&] { gen.release(slots[1]); }, "is not acquired");
+    EXPECT_EQ(gen.free_blocks(), 2);
+    const std::vector<int64_t> want = greedy_reference(t.cpu, p, 4);
+    std::vector<int64_t> got{r.greedy.cpu()[0].item<int64_t>()};
+    at::Tensor next = r.greedy.narrow(0, 0, 1);
+    for (int i = 1; i < 4; ++i) {
+        next = gen.decode({slots[0]}, next).greedy;
+        got.push_back(next.cpu()[0].item<int64_t>());
+    }
+    EXPECT_EQ(got, want);
+    gen.release(slots[0]);
+    EXPECT_EQ(gen.free_blocks(), 6);
+}
+
 }  // namespace
 }  // namespace moerl::model

@@ -186,6 +186,47 @@ TEST(RlGpu, RoutingRecordsOfTheFastPathEqualTheEagerPath) {
     EXPECT_GE(static_cast<double>(same), 0.995 * static_cast<double>(total)) << same << " of " << total;
 }
 
+// A GRPO group's samples on the CUDA engine join in one prefill and share their prompt's cache
+// blocks; each still samples what it samples on the CPU eager path (fp32 on both, its own seed),
+// also when a group arrives while the engine has too few free slots for all of it.
+TEST(RlGpu, AGroupsSamplesSharePromptBlocksAndSampleAsOnTheCpu) {
+    SKIP_WITHOUT_CUDA();
+    if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
+    RunConfig c = RunConfig::from_yaml_text("rollout: {max_new_tokens: 6}\n", "gpu.yaml");
+    moerl::model::MoeModel cpu(c.model, moerl::model::ModelOptions{});
+    moerl::model::ModelOptions on_gpu;
+    on_gpu.device = at::Device(at::kCUDA, 0);
+    moerl::model::MoeModel gpu(c.model, on_gpu);
+    cpu.init_random(13);
+    gpu.init_random(13);
+    RolloutEngine a(cpu, c.sampling, 6, false, c.rollout_max_seq_len);
+    RolloutEngine b(gpu, c.sampling, 6, false, c.rollout_max_seq_len);
+    ASSERT_TRUE(b.uses_generator());
+    const int kGroups = 3, kSamples = 4;
+    int64_t prompt_len = 0;
+    for (int p = 0; p < kGroups; ++p)
+        for (int g = 0; g < kSamples; ++g) {
+            const TaskPayload t = make_task_payload(c, 0, p, g);
+            prompt_len = static_cast<int64_t>(t.prompt_tokens.size());
+            const uint64_t id = static_cast<uint64_t>(p * kSamples + g);
+            a.add({id, t.prompt_tokens, {}, t.seed, 3 + g});
+            b.add({id, t.prompt_tokens, {}, t.seed, 3 + g});
+        }
+    auto by_id = [](std::vector<GenResult> v) {
+        std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
+        return v;
+    };
+    const auto want = by_id(a.run_to_completion(0)), got = by_id(b.run_to_completion(0));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i)
+        EXPECT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
+    // Six slots: the first group joins, the second waits for four free slots rather than split,
+    // and so does the third: every group prefilled once.
+    EXPECT_EQ(b.prompt_tokens(), kGroups * kSamples * prompt_len);
+    EXPECT_EQ(b.prompt_tokens_shared(), kGroups * (kSamples - 1) * prompt_len);
+    EXPECT_EQ(a.prompt_tokens_shared(), 0);
+}
+
 // On the device: the draws follow softmax(logits / T) (chi-square, 5 degrees of freedom, 0.1%
 // critical value 20.5), the same uniforms give the same tokens as on the CPU, top-k keeps k.
 TEST(RlGpu, SamplingOnTheDeviceDrawsFromTheDistribution) {

@@ -40,6 +40,14 @@ struct GeneratorOptions {
     // Blocks in the pool; 0 (default) = enough for every slot at max_seq_len. Set it lower to fit
     // long max_seq_len in less memory when most sequences end early.
     int64_t num_blocks = 0;
+    // Identical prompts of one prefill call (the samples of a GRPO group) run through the model
+    // once and share the cache blocks their prompt fills; each sample gets its own copy of a partial
+    // last block, the only one it writes. Default true; false prefills and stores every prompt.
+    bool share_prompts = true;
+    // Prompt tokens (rows x longest prompt, padding included) of one pass of the model in prefill: a
+    // call with more runs several passes, shortest prompts first, so that many long prompts fit the
+    // activations' memory. A prompt longer than this runs alone. Default 32768.
+    int64_t prefill_chunk_tokens = 32768;
     // Decode steps replayed from CUDA graphs. Default true; false launches every kernel eagerly (the
     // same results, slower): for debugging and for `profile`.
     bool cuda_graphs = true;
@@ -82,6 +90,9 @@ struct GenerationStep {
     // order; int16 on the device): prefill [n, longest prompt, num_moe_layers, K], left-aligned as
     // the prompts are right-aligned (rows of -1 before a shorter prompt); decode [n, num_moe_layers, K].
     at::Tensor routing;
+    // Prefill: prompt tokens that came from an identical prompt's cache blocks instead of the model
+    // (GeneratorOptions::share_prompts).
+    int64_t shared_tokens = 0;
 };
 
 struct GeneratorStats {
@@ -89,6 +100,8 @@ struct GeneratorStats {
     int64_t decode_rows = 0;          // tokens produced by decode steps
     int64_t expert_weight_reads = 0;  // sum over decode steps and MoE layers of distinct experts used
     int64_t kv_tokens_read = 0;       // sum over decode steps and rows of cached tokens attended (per layer)
+    int64_t prefill_tokens = 0;       // prompt tokens run through the model by prefill
+    int64_t prefill_tokens_shared = 0;  // prompt tokens taken from an identical prompt's cache instead
 };
 
 class Generator {
@@ -110,9 +123,13 @@ class Generator {
     // Cached tokens of a slot (-1 when free).
     int64_t length(int slot) const;
     int64_t free_blocks() const;
+    // Block-table entries that point at a block another slot also holds (GeneratorOptions::
+    // share_prompts): the cache blocks that sharing saves right now.
+    int64_t shared_blocks() const;
 
     // Starts each listed (acquired, empty) slot with its prompt (>= 1 token). Returns the logits of
-    // each prompt's last token.
+    // each prompt's last token. Identical prompts are prefilled once (GeneratorOptions::share_prompts).
+    // Checks every prompt and the free blocks before it changes anything.
     GenerationStep prefill(const std::vector<int>& slots, const std::vector<std::vector<int64_t>>& prompts);
     // Appends tokens [n] (int64, any device) to the n listed slots and returns the next logits.
     // Tokens that are the last step's `greedy` itself (changed in place or not) are read where they

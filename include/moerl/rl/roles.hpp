@@ -43,10 +43,12 @@ void put_step_tasks(const RunConfig& config, control::TaskQueue& tasks, int64_t 
 
 // ---- rollout ---------------------------------------------------------------------------------
 struct RolloutStats {
-    int64_t pushed = 0;         // experiences accepted by the buffer (or put on the scoring stage)
-    int64_t duplicates = 0;     // experiences the buffer already had (a redone task)
-    int64_t released = 0;       // tasks given back with a partial trajectory
-    int64_t tokens = 0;         // tokens sampled
+    int64_t pushed = 0;      // experiences accepted by the buffer (or put on the scoring stage)
+    int64_t duplicates = 0;  // experiences the buffer already had (a redone task)
+    int64_t released = 0;    // tasks given back with a partial trajectory
+    int64_t tokens = 0;      // tokens sampled
+    // Context tokens prefilled, and of them those shared with a group-mate instead of computed.
+    int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
     double seconds = 0;         // time spent in work(): generating, scoring, syncing
     double reward_seconds = 0;  // of it, scoring finished responses
     // Policy versions loaded into the rollout model, the seconds that took (in all, the newest),

@@ -99,6 +99,11 @@ class RolloutEngine {
     size_t num_waiting() const;
     bool idle() const { return num_active() == 0 && num_waiting() == 0; }
     int64_t tokens_generated() const;
+    // Context tokens (prompt and resumed response) this process's rank prefilled, and of them those
+    // taken from a group-mate's cache blocks instead (the CUDA engine: samples of one prompt that
+    // join in one prefill).
+    int64_t prompt_tokens() const;
+    int64_t prompt_tokens_shared() const;
 
   private:
     struct Impl;
