@@ -84,6 +84,7 @@ struct Row {
     bool shared = false;  // --group: the group's samples share their prompt's cache blocks
     double prefill_s = 0, step_s = 0, e2e_tok_s = 0, bytes_per_step = 0, experts_per_layer = 0;
     int64_t prefill_tokens = 0;  // prompt tokens run through the model
+    double prompt_kv_bytes = 0;  // cache blocks the prompts hold after the prefill
     double kv_bytes = 0;         // cache blocks in use at the end of the decode
     double hf_tok_s = 0;
 };
@@ -113,6 +114,8 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
     torch::cuda::synchronize();
     row.prefill_s = seconds_since(t0);
     row.prefill_tokens = gen.stats().prefill_tokens - before.prefill_tokens;
+    row.prompt_kv_bytes = static_cast<double>(free_before - gen.free_blocks()) * kBlockSize *
+                          static_cast<double>(gen.kv_bytes_per_token());
     // The first two steps capture this bucket's graphs (the prefill's tokens copied in, then the
     // step's own greedy tokens read in place); the timed steps replay the second.
     const auto t1 = Clock::now();
@@ -255,17 +258,17 @@ void bench_cuda(const RolloutArgs& args) {
     }
     std::printf(
         "\n| prompt | new | batch |%s prefill s | prefill tokens | step ms | decode tok/s | e2e tok/s | "
-        "experts/layer | bytes/step | GB/s | util | KV cache | HF e2e tok/s | ratio |\n"
-        "|---|---|---|%s---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "experts/layer | bytes/step | GB/s | util | prompt KV | KV cache | HF e2e tok/s | ratio |\n"
+        "|---|---|---|%s---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         args.group > 1 ? " prompt blocks |" : "", args.group > 1 ? "---|" : "");
     for (const Row& r : rows) {
         const double bw = r.bytes_per_step / r.step_s;
         std::printf("| %d | %d | %d |", r.prompt, r.new_tokens, r.batch);
         if (args.group > 1) std::printf(" %s |", r.shared ? "shared" : "own");
-        std::printf(" %.3f | %lld | %.3f | %.0f | %.0f | %.1f | %s | %.0f | %.1f%% | %s |", r.prefill_s,
+        std::printf(" %.3f | %lld | %.3f | %.0f | %.0f | %.1f | %s | %.0f | %.1f%% | %s | %s |", r.prefill_s,
                     static_cast<long long>(r.prefill_tokens), r.step_s * 1e3, r.batch / r.step_s, r.e2e_tok_s,
                     r.experts_per_layer, human_bytes(r.bytes_per_step).c_str(), bw / 1e9,
-                    100.0 * bw / copy_bw, human_bytes(r.kv_bytes).c_str());
+                    100.0 * bw / copy_bw, human_bytes(r.prompt_kv_bytes).c_str(), human_bytes(r.kv_bytes).c_str());
         if (r.hf_tok_s > 0)
             std::printf(" %.0f | %.1fx |\n", r.hf_tok_s, r.e2e_tok_s / r.hf_tok_s);
         else

@@ -160,6 +160,112 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttention,
                              return "b" + std::to_string(info.param.B) + "_d" + std::to_string(info.param.D);
                          });
 
+// The tensor-core attention (bf16, a block per key-value head's whole group of 4, 8 or 16 heads)
+// against a CPU reference in double on the same bf16 inputs: block sizes 16 and 7, lengths that are
+// and are not block multiples (one token, a full block, one past it), chunks split 1 to 33 ways, rows
+// whose slots differ from their index, a padding row, and NaN in every cache entry past a row's
+// length (a masked token must not reach the output).
+struct MmaAttentionCase {
+    int B, Hq, Hkv, D, bs, max_len;
+};
+
+class DecodeAttentionTensorCores : public ::testing::TestWithParam<MmaAttentionCase> {};
+
+TEST_P(DecodeAttentionTensorCores, MatchesCpuReference) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const auto [B, Hq, Hkv, D, bs, max_len] = GetParam();
+    const int group = Hq / Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
+    std::mt19937 rng(99 + B + D + bs);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<int> position(B), slot(B), table(static_cast<size_t>(B) * max_blocks);
+    const int special[] = {0, bs - 1, bs, max_len - 1};  // 1 token, a full block, one past, the longest
+    for (int b = 0; b < B; ++b) {
+        position[b] = b < 4 ? special[b] : static_cast<int>(rng() % max_len);
+        if (b == B - 1) position[b] = -1;  // the last row pads
+        slot[b] = (b * 7 + 3) % B;         // a permutation: rows and slots differ
+        for (int j = 0; j < max_blocks; ++j)
+            table[static_cast<size_t>(slot[b]) * max_blocks + j] = 1 + slot[b] * max_blocks + j;
+    }
+    const float nan = std::nanf("");
+    std::vector<float> q(static_cast<size_t>(B) * Hq * D),
+        k(static_cast<size_t>(num_blocks) * bs * Hkv * D, nan), v(k.size(), nan);
+    for (float& x : q) x = static_cast<float>(__nv_bfloat16(2.0f * normal(rng)));
+    for (int b = 0; b < B; ++b)
+        for (int t = 0; t <= position[b]; ++t)
+            for (int h = 0; h < Hkv; ++h)
+                for (int d = 0; d < D; ++d) {
+                    const int blk = table[static_cast<size_t>(slot[b]) * max_blocks + t / bs];
+                    const size_t at = ((static_cast<size_t>(blk) * bs + t % bs) * Hkv + h) * D + d;
+                    k[at] = static_cast<float>(__nv_bfloat16(normal(rng)));
+                    v[at] = static_cast<float>(__nv_bfloat16(normal(rng)));
+                }
+    auto to_bf16 = [](const std::vector<float>& x) {
+        std::vector<__nv_bfloat16> y(x.size());
+        for (size_t i = 0; i < x.size(); ++i) y[i] = __nv_bfloat16(x[i]);
+        return y;
+    };
+    const int splits = mc::attention_partial_splits(max_blocks * bs);
+    Dev<__nv_bfloat16> d_q(to_bf16(q)), d_k(to_bf16(k)), d_v(to_bf16(v)),
+        d_out(std::vector<__nv_bfloat16>(q.size(), __nv_bfloat16(7.0f)));
+    Dev<float> d_partial(std::vector<float>(static_cast<size_t>(B) * Hq * splits * (D + 2)));
+    Dev<int> d_pos(position), d_slot(slot), d_table(table),
+        d_done(std::vector<int>(static_cast<size_t>(B) * Hq));
+    for (int call = 0; call < 2; ++call)  // the second call finds the split counters back at zero
+        mc::launch_paged_attention(1, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B, Hq,
+                                   Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false});
+    CK(cudaGetLastError());
+    const std::vector<__nv_bfloat16> out = d_out.read();
+    EXPECT_EQ(d_done.read(), std::vector<int>(static_cast<size_t>(B) * Hq, 0)) << "split counters not reset";
+    double worst = 0;
+    for (int b = 0; b < B; ++b)
+        for (int h = 0; h < Hq; ++h) {
+            const __nv_bfloat16* got = out.data() + (static_cast<size_t>(b) * Hq + h) * D;
+            if (position[b] < 0) {
+                for (int d = 0; d < D; ++d)
+                    ASSERT_EQ(static_cast<float>(got[d]), 0.0f) << "padding row " << b << " head " << h;
+                continue;
+            }
+            const int n = position[b] + 1, kv = h / group;
+            const float* qh = q.data() + (static_cast<size_t>(b) * Hq + h) * D;
+            auto at = [&](const std::vector<float>& pool, int t) {
+                const int blk = table[static_cast<size_t>(slot[b]) * max_blocks + t / bs];
+                return pool.data() + ((static_cast<size_t>(blk) * bs + t % bs) * Hkv + kv) * D;
+            };
+            std::vector<double> sc(n);
+            double mx = -1e300;
+            for (int t = 0; t < n; ++t) {
+                double dot = 0;
+                for (int d = 0; d < D; ++d) dot += static_cast<double>(qh[d]) * at(k, t)[d];
+                sc[t] = dot / std::sqrt(static_cast<double>(D));
+                mx = std::max(mx, sc[t]);
+            }
+            double sum = 0;
+            for (double& x : sc) sum += (x = std::exp(x - mx));
+            for (int d = 0; d < D; ++d) {
+                double want = 0;
+                for (int t = 0; t < n; ++t) want += sc[t] / sum * at(v, t)[d];
+                const double err = std::fabs(static_cast<float>(got[d]) - want);
+                worst = std::max(worst, err);
+                ASSERT_LT(err, 5e-3 + 1e-2 * std::fabs(want))
+                    << "row " << b << " (" << n << " tokens) head " << h << " dim " << d << ": got "
+                    << static_cast<float>(got[d]) << ", want " << want;
+            }
+        }
+    RecordProperty("worst_abs_error", std::to_string(worst));
+}
+
+// Splits a chunk: 33 (8 rows of 2100 tokens), 11, 2, and 1 (1024 blocks without splitting).
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DecodeAttentionTensorCores,
+    ::testing::Values(MmaAttentionCase{8, 32, 4, 128, 16, 2100}, MmaAttentionCase{40, 8, 2, 64, 7, 700},
+                      MmaAttentionCase{300, 16, 1, 128, 16, 200}, MmaAttentionCase{256, 32, 4, 128, 16, 300},
+                      MmaAttentionCase{34, 64, 4, 128, 16, 150}),
+    [](const auto& info) {
+        const MmaAttentionCase& c = info.param;
+        return "b" + std::to_string(c.B) + "_g" + std::to_string(c.Hq / c.Hkv) + "_d" + std::to_string(c.D) +
+               "_bs" + std::to_string(c.bs);
+    });
+
 // The q/k step folded into attention (QkvInput) against the two kernels it replaces: the same
 // output and the same keys and values in the pools, bit for bit, in fp32 and bf16, one row and 20
 // rows with a padding row, the new token anywhere in its chunk.

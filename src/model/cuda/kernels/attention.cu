@@ -42,6 +42,63 @@ struct QkvTyped {
     float rope_theta = 0.0f;
 };
 
+// The end of a block of either kernel: merges the warps' (max, sum, unnormalised output) of G query
+// heads from shared memory (m_s, l_s [warps, G], acc_s [warps, G, D]) and writes the output (one
+// split) or the split's partial, the last split of (row, group) to finish merging all of them (and
+// returning the counter to 0 for the next step), so no second kernel is launched.
+template <typename T, int G, int kWarps>
+__device__ __forceinline__ void finish_split(const float* m_s, const float* l_s, const float* acc_s, int D,
+                                             int num_tokens, int chunk, const Partials& part, T* out_row) {
+    const int group = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+    const bool direct = gridDim.z == 1;
+    const size_t pidx = (static_cast<size_t>(b) * gridDim.x + group) * part.splits + split;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D;
+        float mx = -FLT_MAX;
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w * G + g]);
+        float sum = 0.0f, value = 0.0f;
+        for (int w = 0; w < kWarps; ++w) {
+            if (l_s[w * G + g] == 0.0f) continue;  // a warp that saw no token
+            const float f = __expf(m_s[w * G + g] - mx);
+            sum += l_s[w * G + g] * f;
+            value += acc_s[(w * G + g) * D + (i % D)] * f;
+        }
+        if (direct) {
+            out_row[i] = from_float<T>(value / sum);
+        } else {
+            part.acc[pidx * G * D + i] = value;
+            if (i % D == 0) {
+                part.ml[(pidx * G + g) * 2] = mx;
+                part.ml[(pidx * G + g) * 2 + 1] = sum;
+            }
+        }
+    }
+    if (direct) return;
+    const int used = (num_tokens + chunk - 1) / chunk;
+    if (!last_block_of(part.done + static_cast<size_t>(b) * gridDim.x + group, used)) return;
+    const size_t base = (static_cast<size_t>(b) * gridDim.x + group) * part.splits;
+    for (int i = threadIdx.x * 4; i < G * D; i += blockDim.x * 4) {  // D % 4 == 0: one head per float4
+        const int g = i / D;
+        float mx = -FLT_MAX;
+#pragma unroll 4
+        for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(part.ml + ((base + s) * G + g) * 2));
+        float sum = 0.0f;
+        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+        for (int s = 0; s < used; ++s) {
+            const float f = __expf(__ldcg(part.ml + ((base + s) * G + g) * 2) - mx);
+            sum += __ldcg(part.ml + ((base + s) * G + g) * 2 + 1) * f;
+            const float4 a = __ldcg(reinterpret_cast<const float4*>(part.acc + (base + s) * G * D + i));
+            value.x += a.x * f, value.y += a.y * f, value.z += a.z * f, value.w += a.w * f;
+        }
+        const float inv = 1.0f / sum;
+        out_row[i] = from_float<T>(value.x * inv);
+        out_row[i + 1] = from_float<T>(value.y * inv);
+        out_row[i + 2] = from_float<T>(value.z * inv);
+        out_row[i + 3] = from_float<T>(value.w * inv);
+    }
+}
+
 // G query heads per block (a group of one key-value head's heads); kDimsPerLane = ceil(D / 32);
 // kAttnWarps warps per block, each taking 32 / kLanes tokens of the block's chunk at a time. The
 // 4-lane shape keeps two blocks an SM (at most 128 registers; uncapped, the eight-head shape with the
@@ -80,7 +137,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
     const int kv_head = group * G / (Hq / Hkv);  // the groups of a key-value head are adjacent
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = position[b];
-    const bool direct = gridDim.z == 1;
     T* out_row = out + (static_cast<size_t>(b) * Hq + group * G) * D;  // out [B, Hq, D]
     if (pos < 0) {
         if (split == 0)
@@ -231,54 +287,235 @@ __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
             if (d < D) acc_s[(warp * G + g) * D + d] = acc[g][i];
         }
     __syncthreads();
-    const size_t pidx = (static_cast<size_t>(b) * gridDim.x + group) * part.splits + split;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D;
-        float mx = -FLT_MAX;
-        for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, m_s[w * G + g]);
-        float sum = 0.0f, value = 0.0f;
-        for (int w = 0; w < kAttnWarps; ++w) {
-            if (l_s[w * G + g] == 0.0f) continue;  // a warp that saw no token
-            const float f = __expf(m_s[w * G + g] - mx);
-            sum += l_s[w * G + g] * f;
-            value += acc_s[(w * G + g) * D + (i % D)] * f;
+    finish_split<T, G, kAttnWarps>(m_s, l_s, acc_s, D, num_tokens, chunk, part, out_row);
+}
+
+// ---- the tensor-core kernel (bf16, a block per key-value head) ----------------------------------
+//
+// Block (key-value head, row, split) serves all G query heads of the key-value head over one chunk;
+// each of its kMmaAttnWarps warps takes 16 tokens at a time. Scores and outputs come transposed,
+// tokens and dims on the rows of mma.m16n8k16 and the heads on its 8 columns (G = 16 takes two
+// column tiles), so a group of 8 wastes none of the tensor cores' work and a lane holds a quarter of
+// the registers an untransposed output would:
+//   S^T [16 tokens, heads] = K [16 tokens, D] Q^T:  A = the keys, each lane loading 16-byte pieces of
+//       rows g and g + 8 straight from the pool (the k order of a dot product is free: logical k
+//       2t, 2t + 1 of a 16-wide step are dims 8t + {0, 1} of a 32-dim block, 2t + 8, 2t + 9 are
+//       8t + {2, 3}, the next step the other four, as in the expert kernels); B = q from shared memory.
+//   O^T [D, heads] += V^T [D, 16 tokens] P^T:  B = P^T, the probabilities packed to bf16 and moved from
+//       the score layout (lane g: a token, t: two heads) to the operand layout (g: a head, t: two
+//       tokens) by movmatrix.trans; A = V^T, whose rows may be any dims: lane g takes dims
+//       16g .. 16g + 15 of its four tokens (2t, 2t + 1, 2t + 8, 2t + 9), loaded as 16-byte pieces and
+//       paired across tokens with byte permutes, so that row g of m-tile i is dim 16g + 2i and row
+//       g + 8 is dim 16g + 2i + 1 (D = 128; D / 8 dims a lane in general).
+// The probabilities are rounded to bf16 for the second product, as flash attention does; scores,
+// softmax state and outputs stay fp32. The online softmax is per warp; the warps merge as in the
+// CUDA-core kernel (finish_split).
+constexpr int kMmaAttnWarps = 4;  // x 16 tokens = kAttentionMinChunk a pass of the block
+
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <int G, int D>
+__global__ void __launch_bounds__(kMmaAttnWarps * 32)
+    paged_attention_mma_kernel(const __nv_bfloat16* q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
+                               const int* position, const int* slot, const int* block_table, int max_blocks,
+                               int block_size, int Hkv, int chunk, Partials part, QkvTyped<__nv_bfloat16> fused,
+                               __nv_bfloat16* out) {
+    using T = __nv_bfloat16;
+    constexpr int kNT = (G + 7) / 8;  // column tiles of heads
+    constexpr int kBlocks32 = D / 32;  // 32-dim blocks of a key row
+    constexpr int kLaneDims = D / 8;   // dims of a lane in the value product
+    constexpr int kMTiles = D / 16;    // row tiles of O^T
+    const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+    const int Hq = Hkv * G;
+    const size_t head_stride = static_cast<size_t>(Hkv) * D;  // one token's row in the pools
+    // Before the wait: L2 requests for the first pass of this block's chunk (up to the token the
+    // previous kernel stores); more would only push lines out of L2 before they are read.
+    {
+        const int pos = position[b];
+        const int first = split * chunk, last = min(min(pos, first + chunk), first + kAttentionMinChunk);
+        const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
+        constexpr int lines = (D * 2 + 127) / 128;
+        for (int i = threadIdx.x; i < (last - first) * 2 * lines; i += blockDim.x) {
+            const int t = first + i / (2 * lines), r = i % (2 * lines);
+            const size_t row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) *
+                                   head_stride +
+                               static_cast<size_t>(kv_head) * D;
+            const T* base = (r < lines ? k_pool : v_pool) + row;
+            asm volatile(
+                "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(base) + (r % lines) * 128));
         }
-        if (direct) {
-            out_row[i] = from_float<T>(value / sum);
-        } else {
-            part.acc[pidx * G * D + i] = value;
-            if (i % D == 0) {
-                part.ml[(pidx * G + g) * 2] = mx;
-                part.ml[(pidx * G + g) * 2 + 1] = sum;
+    }
+    griddep_wait();
+    griddep_launch_dependents();
+    extern __shared__ __align__(16) float smem[];
+    float* m_s = smem;                       // [warps, G]
+    float* l_s = m_s + kMmaAttnWarps * G;    // [warps, G]
+    float* acc_s = l_s + kMmaAttnWarps * G;  // [warps, G, D]
+    T* q_s = reinterpret_cast<T*>(acc_s + kMmaAttnWarps * G * D);  // [8 kNT, D], heads past G zero
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int pos = position[b];
+    T* out_row = out + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // out [B, Hq, D]
+    if (pos < 0) {
+        if (split == 0)
+            for (int i = threadIdx.x; i < G * D; i += blockDim.x) out_row[i] = from_float<T>(0.0f);
+        return;
+    }
+    const int num_tokens = pos + 1;
+    const int first = split * chunk, last = min(num_tokens, first + chunk);
+    if (first >= last) return;  // past the sequence: not counted among the splits to merge
+    const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
+    auto row_of = [&](int token) {  // element offset of the token's (kv_head) row in the pools
+        return (static_cast<size_t>(table[token / block_size]) * block_size + token % block_size) * head_stride +
+               static_cast<size_t>(kv_head) * D;
+    };
+    for (int i = threadIdx.x * 8; i < (8 * kNT - G) * D; i += blockDim.x * 8)
+        *reinterpret_cast<uint4*>(q_s + G * D + i) = make_uint4(0, 0, 0, 0);
+    if (fused.qkv != nullptr) {
+        // As in the CUDA-core kernel: a warp a query head, normalised and rotated from the
+        // projection (rounded to bf16 as launch_qk_norm_rope_store rounds it); the chunk holding the
+        // new token stores its key (last warp) and value (the one before) first.
+        const T* qkv_row = fused.qkv + static_cast<size_t>(b) * (Hq + 2 * Hkv) * D;
+        for (int h = warp; h < G; h += kMmaAttnWarps)
+            norm_rope_head(qkv_row + static_cast<size_t>(kv_head * G + h) * D, fused.q_norm, fused.eps,
+                           fused.rope_theta, pos, D, [&](int j, T lo, T hi) {
+                               q_s[h * D + j] = lo;
+                               q_s[h * D + j + D / 2] = hi;
+                           });
+        if (pos < last) {
+            const size_t row = row_of(pos);
+            if (warp == kMmaAttnWarps - 1) {
+                norm_rope_head_to(qkv_row + static_cast<size_t>(Hq + kv_head) * D, fused.k_norm, fused.eps,
+                                  fused.rope_theta, pos, D, k_pool + row);
+            } else if (warp == kMmaAttnWarps - 2) {
+                const T* v_src = qkv_row + static_cast<size_t>(Hq + Hkv + kv_head) * D;
+                for (int c = lane * 8; c < D; c += 256)
+                    *reinterpret_cast<uint4*>(v_pool + row + c) = *reinterpret_cast<const uint4*>(v_src + c);
+            }
+        }
+    } else {
+        const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
+        for (int i = threadIdx.x * 8; i < G * D; i += blockDim.x * 8)
+            *reinterpret_cast<uint4*>(q_s + i) = *reinterpret_cast<const uint4*>(q_row + i);
+    }
+    __syncthreads();  // q_s, and the new token's key and value, visible to every warp
+
+    // q as the B operand of the scores: column (head) g of tile n, dims 32s + 8t .. 8t + 7.
+    uint4 qf[kNT][kBlocks32];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int s = 0; s < kBlocks32; ++s)
+            qf[n][s] = *reinterpret_cast<const uint4*>(q_s + (8 * n + g) * D + 32 * s + 8 * t);
+    // Softmax state of the lane's heads 8n + 2t + c (max in log2 units, the lane's share of the sum),
+    // and O^T: o[n][i] rows dims 16g + 2i (0, 1) and 16g + 2i + 1 (2, 3), columns heads 2t, 2t + 1.
+    float m[kNT][2], l[kNT][2], o[kNT][kMTiles][4];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+        m[n][0] = m[n][1] = -FLT_MAX;
+        l[n][0] = l[n][1] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kMTiles; ++i) o[n][i][0] = o[n][i][1] = o[n][i][2] = o[n][i][3] = 0.0f;
+    }
+    const float scale = rsqrtf(static_cast<float>(D)) * 1.4426950408889634f;  // log2(e) / sqrt(D)
+    for (int base = first + warp * 16; base < last; base += kMmaAttnWarps * 16) {
+        // Keys of tokens base + g and base + g + 8; values of tokens base + 2t, + 1, + 8, + 9 (a token
+        // past the chunk reads the chunk's first and is masked: its probability and value are zero).
+        uint4 kf[2][kBlocks32], vf[4][kLaneDims / 8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int token = base + g + 8 * h;
+            const T* k_row = k_pool + row_of(token < last ? token : first);
+#pragma unroll
+            for (int s = 0; s < kBlocks32; ++s) kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int token = base + 2 * t + (j & 1) + 8 * (j >> 1);
+            const T* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
+#pragma unroll
+            for (int w = 0; w < kLaneDims / 8; ++w)
+                vf[j][w] = token < last ? *reinterpret_cast<const uint4*>(v_row + 8 * w) : make_uint4(0, 0, 0, 0);
+        }
+        const bool valid_lo = base + g < last, valid_hi = base + g + 8 < last;
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) {
+            // S^T: c0, c1 token base + g, heads 2t, 2t + 1; c2, c3 token base + g + 8.
+            float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int s = 0; s < kBlocks32; ++s) {
+                mma_bf16(sc, kf[0][s].x, kf[1][s].x, kf[0][s].y, kf[1][s].y, qf[n][s].x, qf[n][s].y);
+                mma_bf16(sc, kf[0][s].z, kf[1][s].z, kf[0][s].w, kf[1][s].w, qf[n][s].z, qf[n][s].w);
+            }
+            float p[4];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float lo = valid_lo ? sc[c] * scale : -FLT_MAX, hi = valid_hi ? sc[2 + c] * scale : -FLT_MAX;
+                float tile_max = fmaxf(lo, hi);
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, off));
+                const float m_new = fmaxf(m[n][c], tile_max);
+                const float correction = exp2f(m[n][c] - m_new);
+                p[c] = valid_lo ? exp2f(lo - m_new) : 0.0f;
+                p[2 + c] = valid_hi ? exp2f(hi - m_new) : 0.0f;
+                l[n][c] = l[n][c] * correction + p[c] + p[2 + c];
+                m[n][c] = m_new;
+#pragma unroll
+                for (int i = 0; i < kMTiles; ++i) {
+                    o[n][i][c] *= correction;
+                    o[n][i][2 + c] *= correction;
+                }
+            }
+            // P^T as the B operand: column (head) g, tokens 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1).
+            const uint32_t b0 = transpose_8x8(pack_bf16(p[0], p[1]));
+            const uint32_t b1 = transpose_8x8(pack_bf16(p[2], p[3]));
+#pragma unroll
+            for (int i = 0; i < kMTiles; ++i) {
+                // Dims 16g + 2i (low halves) and 16g + 2i + 1 (high halves) of the lane's four tokens.
+                const int w = i / 4, e = i % 4;  // the 16-byte piece and its 32-bit word
+                auto word = [&](int j) {
+                    const uint4& v = vf[j][w];
+                    return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+                };
+                const uint32_t a0 = __byte_perm(word(0), word(1), 0x5410);
+                const uint32_t a1 = __byte_perm(word(0), word(1), 0x7632);
+                const uint32_t a2 = __byte_perm(word(2), word(3), 0x5410);
+                const uint32_t a3 = __byte_perm(word(2), word(3), 0x7632);
+                mma_bf16(o[n][i], a0, a1, a2, a3, b0, b1);
             }
         }
     }
-    if (direct) return;
-    // The last split of (row, kv head) to finish merges all of them (and returns the counter to 0
-    // for the next step), so no second kernel is launched.
-    const int used = (num_tokens + chunk - 1) / chunk;
-    if (!last_block_of(part.done + static_cast<size_t>(b) * gridDim.x + group, used)) return;
-    const size_t base = (static_cast<size_t>(b) * gridDim.x + group) * part.splits;
-    for (int i = threadIdx.x * 4; i < G * D; i += blockDim.x * 4) {  // D % 4 == 0: one head per float4
-        const int g = i / D;
-        float mx = -FLT_MAX;
-#pragma unroll 4
-        for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(part.ml + ((base + s) * G + g) * 2));
-        float sum = 0.0f;
-        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-        for (int s = 0; s < used; ++s) {
-            const float f = __expf(__ldcg(part.ml + ((base + s) * G + g) * 2) - mx);
-            sum += __ldcg(part.ml + ((base + s) * G + g) * 2 + 1) * f;
-            const float4 a = __ldcg(reinterpret_cast<const float4*>(part.acc + (base + s) * G * D + i));
-            value.x += a.x * f, value.y += a.y * f, value.z += a.z * f, value.w += a.w * f;
+    // The warp's state into shared memory: lanes of one t hold the same heads; their sums add up.
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            float sum = l[n][c];
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) sum += __shfl_xor_sync(kFullMask, sum, off);
+            const int head = 8 * n + 2 * t + c;
+            if (head >= G) continue;
+            if (g == 0) {
+                m_s[warp * G + head] = m[n][c] * 0.6931471805599453f;  // natural log units, as finish_split
+                l_s[warp * G + head] = sum;
+            }
+#pragma unroll
+            for (int i = 0; i < kMTiles; ++i) {
+                float* acc = acc_s + (warp * G + head) * D + kLaneDims * g + 2 * i;
+                acc[0] = o[n][i][c];
+                acc[1] = o[n][i][2 + c];
+            }
         }
-        const float inv = 1.0f / sum;
-        out_row[i] = from_float<T>(value.x * inv);
-        out_row[i + 1] = from_float<T>(value.y * inv);
-        out_row[i + 2] = from_float<T>(value.z * inv);
-        out_row[i + 3] = from_float<T>(value.w * inv);
-    }
+    __syncthreads();
+    finish_split<T, G, kMmaAttnWarps>(m_s, l_s, acc_s, D, num_tokens, chunk, part, out_row);
 }
 
 // What one launch needs, passed down the template dispatch.
@@ -338,6 +575,43 @@ int heads_per_block(int B, int Hq, int Hkv) {
     return 1;
 }
 
+template <int G, int D>
+void launch_mma_shape(const AttnLaunch& l) {
+    const size_t smem = sizeof(float) * (2 * kMmaAttnWarps * G + kMmaAttnWarps * G * D) +
+                        sizeof(__nv_bfloat16) * 8 * ((G + 7) / 8) * D;
+    auto kernel = paged_attention_mma_kernel<G, D>;
+    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+    using T = __nv_bfloat16;
+    launch_kernel(kernel, dim3(l.Hkv, l.B, l.splits), kMmaAttnWarps * 32, smem, l.launch,
+                  static_cast<const T*>(l.q), static_cast<T*>(l.k_pool), static_cast<T*>(l.v_pool), l.position,
+                  l.slot, l.block_table, l.max_blocks, l.block_size, l.Hkv, l.chunk, l.part,
+                  QkvTyped<T>{static_cast<const T*>(l.fused.qkv), static_cast<const T*>(l.fused.q_norm),
+                              static_cast<const T*>(l.fused.k_norm), l.fused.eps, l.fused.rope_theta},
+                  static_cast<T*>(l.out));
+}
+
+// The tensor-core kernel serves bf16 blocks of a whole group of 4, 8 or 16 heads of 64 or 128 dims.
+bool mma_supported(int dtype, int heads, int Hq, int Hkv, int D) {
+    return dtype == 1 && heads == Hq / Hkv && (heads == 4 || heads == 8 || heads == 16) && (D == 64 || D == 128);
+}
+
+template <int G>
+void launch_mma_dims(const AttnLaunch& l) {
+    if (l.D == 64) return launch_mma_shape<G, 64>(l);
+    launch_mma_shape<G, 128>(l);
+}
+
+void launch_mma(const AttnLaunch& l) {
+    switch (l.heads) {
+        case 4:
+            return launch_mma_dims<4>(l);
+        case 8:
+            return launch_mma_dims<8>(l);
+        default:
+            return launch_mma_dims<16>(l);
+    }
+}
+
 template <typename T>
 void launch_typed(const AttnLaunch& l) {
     switch (l.heads) {
@@ -387,7 +661,9 @@ void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool
     l.part.done = split_done;
     l.part.ml = partial;
     l.part.acc = partial + static_cast<size_t>(B) * Hq * l.part.splits * 2;  // after ml [B, Hq, splits, 2]
-    if (dtype == 0)
+    if (mma_supported(dtype, heads, Hq, Hkv, D))
+        launch_mma(l);
+    else if (dtype == 0)
         launch_typed<float>(l);
     else
         launch_typed<__nv_bfloat16>(l);

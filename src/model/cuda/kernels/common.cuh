@@ -68,6 +68,18 @@ inline void ensure_dynamic_smem(const void* kernel, size_t bytes) {
     g = bytes;
 }
 
+// c += a b on the tensor cores: m16n8k16, bf16 in, fp32 accumulation. a0..a3 and b0, b1 hold bf16
+// pairs in the PTX fragment layout (lane = 4 g + t: a0 row g, a1 row g + 8, a2 and a3 the same rows
+// eight k on; b0 column g, b1 eight k on; c0, c1 row g and c2, c3 row g + 8, columns 2t and 2t + 1).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 

@@ -20,15 +20,6 @@ constexpr int kMmaRowsPerBlock = 16 * kMmaWarps;
 // reads start 64 bytes apart modulo 128 (no bank conflicts).
 int token_pad(int cols) { return (cols / 32) % 2 == 0 ? 32 : 0; }
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // kGated: act[s] = silu(in[s / row_div] gate^T) * (in[s / row_div] up^T) (w0 = gate, w1 = up);
 // else y[s] = in[s] w0^T (fp32 out). Weights [E, out_rows, cols]; cols a multiple of 32. Rounding as
 // in expert_rows_kernel (each product rounded to bf16 before the activation).
