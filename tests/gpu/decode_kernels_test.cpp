@@ -1,7 +1,8 @@
 // The decode step's attention, routing and expert kernels (src/model/cuda, no LibTorch) against plain
 // CPU references: attention in both block shapes (head dims up to 128 and above) over a paged cache
 // with rows of different lengths, few rows (a query head a block) and many (a block per key-value
-// head's group), a padding row (fp32); the q/k step folded into attention against the two kernels it
+// head's group), a padding row (fp32); the tensor-core attention (bf16, whole head groups) at long
+// and odd lengths and every split count; the q/k step folded into attention against the two kernels it
 // replaces; routing with exact ties, padding rows and expert counts that need 1 and 16 probabilities a
 // lane; the tensor-core expert kernels against the CUDA-core ones and a CPU reference (bf16); the dense
 // GEMV with and without its weights in shared memory (fp32); the fused one-row MoE kernels against the

@@ -78,6 +78,9 @@ struct QkvInput {
 };
 
 // out [B, Hq * D] = softmax(q k^T / sqrt(D)) v over the position[b] + 1 cached tokens of row b.
+// bf16 steps whose blocks take a whole group of 4, 8 or 16 query heads of 64 or 128 dims (B * Hkv >=
+// 32) run on the tensor cores, the probabilities rounded to bf16 for the product with the values;
+// the others on the CUDA cores in fp32.
 // partial: fp32 scratch of B * Hkv * attention_partial_splits(max_blocks * block_size) * (Hq / Hkv)
 // * (D + 2) elements (split-sequence partial results); split_done: B * Hq ints, zero before the
 // first call (each call leaves them zero). With qkv.qkv set, q is ignored (may be nullptr) and the

@@ -13,6 +13,12 @@
 // what bounds the kernel when a step has only a few rows and the GPU holds a few warps per SM.
 // The warps' states are merged in shared memory; with one split the block writes the output,
 // otherwise a partial (max, sum, unnormalised output) that the last block of the row merges.
+//
+// With many rows in bf16 a second kernel (paged_attention_mma_kernel, below) takes a whole head group
+// a block on the tensor cores: at 4 query heads per key-value head and more, the CUDA cores' eight
+// FMAs and the shared-memory reads of q per cached byte bound the kernel above at about a quarter of
+// the memory bandwidth, while the tensor cores keep it near the copy bandwidth at RL lengths
+// (bench/RESULTS.md, "Rollout at RL lengths").
 #include <cfloat>
 
 #include "common.cuh"
