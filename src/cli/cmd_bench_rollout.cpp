@@ -268,7 +268,8 @@ void bench_cuda(const RolloutArgs& args) {
         std::printf(" %.3f | %lld | %.3f | %.0f | %.0f | %.1f | %s | %.0f | %.1f%% | %s | %s |", r.prefill_s,
                     static_cast<long long>(r.prefill_tokens), r.step_s * 1e3, r.batch / r.step_s, r.e2e_tok_s,
                     r.experts_per_layer, human_bytes(r.bytes_per_step).c_str(), bw / 1e9,
-                    100.0 * bw / copy_bw, human_bytes(r.prompt_kv_bytes).c_str(), human_bytes(r.kv_bytes).c_str());
+                    100.0 * bw / copy_bw, human_bytes(r.prompt_kv_bytes).c_str(),
+                    human_bytes(r.kv_bytes).c_str());
         if (r.hf_tok_s > 0)
             std::printf(" %.0f | %.1fx |\n", r.hf_tok_s, r.e2e_tok_s / r.hf_tok_s);
         else

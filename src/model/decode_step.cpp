@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -40,9 +41,21 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
 #endif
     auto t = at::TensorOptions().device(m.options.device).dtype(m.options.dtype);
     auto i32 = t.dtype(at::kInt);
-    for (size_t l = 0; l < m.layers.size(); ++l) {
-        k_pool.push_back(at::zeros({num_blocks, opt.block_size, Hkv_, D_}, t));
-        v_pool.push_back(at::zeros_like(k_pool.back()));
+    {
+        // Every layer's pools in one region of device memory (zeroed), 256-byte aligned each.
+        const int64_t pool_elems = num_blocks * opt.block_size * Hkv_ * D_;
+        const size_t pool_bytes =
+            (static_cast<size_t>(pool_elems) * at::elementSize(m.options.dtype) + 255) / 256 * 256;
+        const int device =
+            m.options.device.has_index() ? m.options.device.index() : c10::cuda::current_device();
+        cache_memory = std::make_unique<DeviceRegion>(device, 2 * m.layers.size() * pool_bytes);
+        char* base = static_cast<char*>(cache_memory->data());
+        for (size_t l = 0; l < m.layers.size(); ++l) {
+            k_pool.push_back(
+                at::from_blob(base + 2 * l * pool_bytes, {num_blocks, opt.block_size, Hkv_, D_}, t));
+            v_pool.push_back(
+                at::from_blob(base + (2 * l + 1) * pool_bytes, {num_blocks, opt.block_size, Hkv_, D_}, t));
+        }
     }
     fuse_qkv();
     const int64_t B = opt.max_batch;

@@ -5,9 +5,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cuda/decode_kernels.hpp"
+#include "device_region.hpp"
 #include "model_impl.hpp"
 #include "moerl/model/generator.hpp"
 #include "step_profiler.hpp"
@@ -40,8 +42,10 @@ class Generator::DecodeStep {
     // With GeneratorOptions::record_routing: [max_batch, num_moe_layers, K] int32, the experts each
     // row used in each MoE layer of the last step.
     at::Tensor routing_record;
-    // Per layer: paged keys and values [num_blocks, block_size, Hkv, D].
+    // Per layer: paged keys and values [num_blocks, block_size, Hkv, D], views of cache_memory
+    // (whose GPU memory can be given back while no sequence is held, at unchanged addresses).
     std::vector<at::Tensor> k_pool, v_pool;
+    std::unique_ptr<DeviceRegion> cache_memory;
     StepProfiler profiler;
 
   private:

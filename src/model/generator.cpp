@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "decode_step.hpp"
 #include "kv_block_pool.hpp"
 #include "model_impl.hpp"
+#include "moerl/core/cuda_check.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "step_graphs.hpp"
@@ -200,6 +202,7 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
     MOERL_CHECK(!slots.empty(), "prefill: no sequences");
     const int64_t n = static_cast<int64_t>(slots.size());
     const int bs = g.opt.block_size;
+    restore_cache_memory();
     // Identical prompts (the samples of a GRPO group) run through the model once: row_of[i] is the
     // model row of prompt i, and leaders[r] the first prompt of row r.
     std::vector<int64_t> row_of(n);
@@ -431,6 +434,36 @@ void Generator::idle_step() {
     c10::NoGradGuard no_grad;
     c10::cuda::CUDAGuard device_guard(g.device);
     g.step.idle_ep();
+}
+
+int64_t Generator::release_cache_memory() {
+    Impl& g = *impl_;
+    DeviceRegion& region = *g.step.cache_memory;
+    if (!region.mapped()) return 0;
+    std::string holding;
+    for (int s = 0; s < g.opt.max_batch; ++s)
+        if (g.length[s] > 0) holding += (holding.empty() ? "" : ", ") + std::to_string(s);
+    MOERL_CHECK(holding.empty(), "release_cache_memory: slots ", holding,
+                " still hold sequences in the KV cache (release them first)");
+    c10::cuda::CUDAGuard device_guard(g.device);
+    MOERL_CUDA_CHECK(cudaDeviceSynchronize());  // the last steps reading the pools
+    region.unmap();
+    return static_cast<int64_t>(region.size());
+}
+
+void Generator::restore_cache_memory() {
+    DeviceRegion& region = *impl_->step.cache_memory;
+    if (region.mapped()) return;
+    c10::cuda::CUDAGuard device_guard(impl_->device);
+    if (region.map(/*may_fail=*/true)) return;
+    // What training left in LibTorch's cache goes back to the driver first.
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    region.map();
+}
+
+int64_t Generator::cache_memory_bytes() const {
+    const DeviceRegion& region = *impl_->step.cache_memory;
+    return region.mapped() ? static_cast<int64_t>(region.size()) : 0;
 }
 
 void Generator::refresh_weights() {

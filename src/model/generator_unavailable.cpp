@@ -23,6 +23,9 @@ void Generator::release(int) { unavailable(); }
 int64_t Generator::length(int) const { unavailable(); }
 int64_t Generator::free_blocks() const { unavailable(); }
 int64_t Generator::shared_blocks() const { unavailable(); }
+int64_t Generator::release_cache_memory() { unavailable(); }
+void Generator::restore_cache_memory() { unavailable(); }
+int64_t Generator::cache_memory_bytes() const { unavailable(); }
 GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std::vector<int64_t>>&) {
     unavailable();
 }

@@ -688,6 +688,11 @@ size_t RolloutEngine::num_active() const {
 size_t RolloutEngine::num_waiting() const {
     return spread_ ? spread_->pending.size() : impl_->waiting.size();
 }
+int64_t RolloutEngine::release_cache_memory() {
+    if (!impl_->gen || !idle()) return 0;
+    return impl_->gen->release_cache_memory();
+}
+
 int64_t RolloutEngine::prompt_tokens() const { return impl_->prompt_tokens; }
 int64_t RolloutEngine::prompt_tokens_shared() const { return impl_->prompt_tokens_shared; }
 

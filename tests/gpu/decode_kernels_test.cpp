@@ -212,8 +212,8 @@ TEST_P(DecodeAttentionTensorCores, MatchesCpuReference) {
     Dev<int> d_pos(position), d_slot(slot), d_table(table),
         d_done(std::vector<int>(static_cast<size_t>(B) * Hq));
     for (int call = 0; call < 2; ++call)  // the second call finds the split counters back at zero
-        mc::launch_paged_attention(1, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B, Hq,
-                                   Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false});
+        mc::launch_paged_attention(1, d_q.p, d_k.p, d_v.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs, B,
+                                   Hq, Hkv, D, d_partial.p, d_done.p, d_out.p, {nullptr, false});
     CK(cudaGetLastError());
     const std::vector<__nv_bfloat16> out = d_out.read();
     EXPECT_EQ(d_done.read(), std::vector<int>(static_cast<size_t>(B) * Hq, 0)) << "split counters not reset";
@@ -256,16 +256,17 @@ TEST_P(DecodeAttentionTensorCores, MatchesCpuReference) {
 }
 
 // Splits a chunk: 33 (8 rows of 2100 tokens), 11, 2, and 1 (1024 blocks without splitting).
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, DecodeAttentionTensorCores,
-    ::testing::Values(MmaAttentionCase{8, 32, 4, 128, 16, 2100}, MmaAttentionCase{40, 8, 2, 64, 7, 700},
-                      MmaAttentionCase{300, 16, 1, 128, 16, 200}, MmaAttentionCase{256, 32, 4, 128, 16, 300},
-                      MmaAttentionCase{34, 64, 4, 128, 16, 150}),
-    [](const auto& info) {
-        const MmaAttentionCase& c = info.param;
-        return "b" + std::to_string(c.B) + "_g" + std::to_string(c.Hq / c.Hkv) + "_d" + std::to_string(c.D) +
-               "_bs" + std::to_string(c.bs);
-    });
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeAttentionTensorCores,
+                         ::testing::Values(MmaAttentionCase{8, 32, 4, 128, 16, 2100},
+                                           MmaAttentionCase{40, 8, 2, 64, 7, 700},
+                                           MmaAttentionCase{300, 16, 1, 128, 16, 200},
+                                           MmaAttentionCase{256, 32, 4, 128, 16, 300},
+                                           MmaAttentionCase{34, 64, 4, 128, 16, 150}),
+                         [](const auto& info) {
+                             const MmaAttentionCase& c = info.param;
+                             return "b" + std::to_string(c.B) + "_g" + std::to_string(c.Hq / c.Hkv) + "_d" +
+                                    std::to_string(c.D) + "_bs" + std::to_string(c.bs);
+                         });
 
 // The q/k step folded into attention (QkvInput) against the two kernels it replaces: the same
 // output and the same keys and values in the pools, bit for bit, in fp32 and bf16, one row and 20

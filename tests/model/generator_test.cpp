@@ -7,6 +7,9 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#if defined(MOERL_TEST_CUDART)
+#include <cuda_runtime.h>
+#endif
 
 #include <map>
 #include <string>
@@ -545,6 +548,63 @@ TEST(Generator, SharedPromptMisuseIsRefusedAndTheEngineStaysUsable) {
     gen.release(slots[0]);
     EXPECT_EQ(gen.free_blocks(), 6);
 }
+
+#if defined(MOERL_TEST_CUDART)
+size_t free_device_bytes() {
+    size_t free = 0, total = 0;
+    EXPECT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+    return free;
+}
+
+// Colocated RL: the KV cache's memory goes back to the GPU between rollouts (the driver's free
+// memory grows by it), the next prefill takes it back, and generation through the graphs captured
+// before gives the same tokens. A sequence still in the cache keeps it, with an error naming its slot.
+TEST(Generator, CacheMemoryGoesBackAndGenerationResumes) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c, at::kBFloat16);
+    Generator gen(t.gpu, {.max_batch = 8, .max_seq_len = 16384, .block_size = 16});
+    const std::vector<int64_t> prompt = random_prompt(37, c.vocab_size, 51);
+    auto generate = [&] {
+        const int s = gen.acquire();
+        at::Tensor next = gen.prefill({s}, {prompt}).greedy;
+        std::vector<int64_t> out{next.cpu().item<int64_t>()};
+        for (int i = 0; i < 6; ++i) {
+            next = gen.decode({s}, next).greedy;
+            out.push_back(next.cpu().item<int64_t>());
+        }
+        return std::make_pair(s, out);
+    };
+    auto [s, before] = generate();
+    const int64_t held = gen.cache_memory_bytes();
+    ASSERT_GT(held, 64LL << 20);
+    try {
+        gen.release_cache_memory();
+        ADD_FAILURE() << "released the memory of a held sequence";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("slots " + std::to_string(s) + " still hold"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(gen.cache_memory_bytes(), held);
+    gen.release(s);
+    torch::cuda::synchronize();
+    const size_t free0 = free_device_bytes();
+    EXPECT_EQ(gen.release_cache_memory(), held);
+    const size_t free1 = free_device_bytes();
+    EXPECT_GE(static_cast<double>(free1) - static_cast<double>(free0), 0.95 * static_cast<double>(held));
+    EXPECT_EQ(gen.cache_memory_bytes(), 0);
+    EXPECT_EQ(gen.release_cache_memory(), 0) << "already released";
+    {
+        // What training would do with it meanwhile.
+        at::Tensor scratch = at::ones({held / 4}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+        EXPECT_EQ(scratch.sum().item<double>(), static_cast<double>(held / 4));
+    }
+    auto [s2, after] = generate();  // the prefill takes the memory back
+    EXPECT_EQ(gen.cache_memory_bytes(), held);
+    EXPECT_EQ(after, before);
+    gen.release(s2);
+}
+#endif
 
 }  // namespace
 }  // namespace moerl::model

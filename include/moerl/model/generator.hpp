@@ -140,6 +140,16 @@ class Generator {
     // rank with nothing to decode does while the others decode.
     void idle_step();
 
+    // The KV cache's GPU memory, for a GPU shared with training (colocated RL): release gives it back
+    // to the driver while no sequence holds a block (throws naming the slots that do) and returns
+    // the bytes given back (0 when already released); the addresses stay, and so do the captured
+    // CUDA graphs. restore takes it back (the next prefill does it itself), first emptying LibTorch's
+    // allocator cache when the GPU lacks the bytes; it throws naming them when even that is not
+    // enough. cache_memory_bytes: the bytes held now.
+    int64_t release_cache_memory();
+    void restore_cache_memory();
+    int64_t cache_memory_bytes() const;
+
     // Re-reads weights the generator keeps in its own layout (the fused q/k/v projection); call
     // after the model's weights changed in place.
     void refresh_weights();

@@ -56,6 +56,7 @@ struct RolloutStats {
     int64_t syncs = 0;
     double sync_seconds = 0, last_sync_seconds = 0;
     int64_t sync_bytes = 0;
+    int64_t cache_bytes_released = 0;  // KV-cache memory given back for training, the last time
 };
 
 class RolloutWorker {
@@ -79,6 +80,9 @@ class RolloutWorker {
     size_t work(control::Millis wait, const std::atomic<bool>* stop = nullptr, int max_engine_steps = 0);
     // Preemption: gives every leased task back with its partial trajectory.
     size_t release_all();
+    // The engine's KV-cache memory back to the GPU while it holds no sequence (colocated with the
+    // trainer on one GPU: the trainer uses it until the next work()). Returns the bytes.
+    int64_t release_cache_memory();
     const RolloutStats& stats() const;
     int64_t policy_version() const;
     // False once a rank of the engine has failed (the engine cannot generate again).

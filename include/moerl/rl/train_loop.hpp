@@ -23,10 +23,11 @@ namespace moerl::rl {
 
 // What producing one step's experiences took.
 struct ProducedStep {
-    double tokens_per_s = 0;  // sampled tokens per second of generation
-    double generate_s = 0;    // decoding
-    double reward_s = 0;      // scoring the responses
-    double sync_s = 0;        // loading the newest policy into the rollout model
+    double tokens_per_s = 0;           // sampled tokens per second of generation
+    double generate_s = 0;             // decoding
+    double reward_s = 0;               // scoring the responses
+    double sync_s = 0;                 // loading the newest policy into the rollout model
+    int64_t cache_released_bytes = 0;  // KV-cache memory the rollout gave back for training
 };
 
 // Produces the experiences the trainer takes, in this process, before each step.
