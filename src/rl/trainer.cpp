@@ -774,7 +774,19 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
         for (const auto& e : batch) records.push_back(to_json(e));
         m.call({{"call", "update"}, {"batch", records}, {"advantages", advantages}});
     }
-    return m.update_here(batch, advantages);
+    try {
+        return m.update_here(batch, advantages);
+    } catch (const c10::OutOfMemoryError& e) {
+        int64_t tokens = 0;
+        for (const auto& r : batch)
+            tokens += static_cast<int64_t>(r.task.prompt_tokens.size() + r.trajectory.tokens.size());
+        const std::string what = e.what_without_backtrace();
+        MOERL_FAIL("train: the GPU ran out of memory in the update of ", batch.size(), " samples (", tokens,
+                   " tokens, train.micro_batch_tokens = ", m.cfg.micro_batch_tokens,
+                   "): lower train.micro_batch_tokens (0 trains the whole batch at once), "
+                   "prompts_per_step or group_size, or rollout.max_new_tokens. LibTorch: ",
+                   what.substr(0, what.find('\n')));
+    }
 }
 
 void PolicyTrainer::save_weights(const std::string& dir) const {

@@ -504,6 +504,24 @@ TEST(Generator, PrefillInPassesEqualsOnePass) {
     EXPECT_LT((decoded[0] - decoded[1]).abs().max().item<float>(), 1e-5);
 }
 
+// A KV cache larger than the GPU is refused, naming the bytes and the settings to lower.
+TEST(Generator, AKvCacheLargerThanTheGpuIsRefusedByName) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    try {
+        Generator gen(t.gpu, {.max_batch = 1024, .max_seq_len = 1 << 18});  // about 200 GiB of cache
+        FAIL() << "a cache of " << gen.cache_memory_bytes() << " bytes was allocated";
+    } catch (const Error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("out of memory: the KV cache needs"), std::string::npos) << what;
+        EXPECT_NE(what.find("rollout.max_batch"), std::string::npos) << what;
+    }
+    Generator fits(t.gpu, {.max_batch = 2, .max_seq_len = 64});  // and the GPU is still usable
+    const int s = fits.acquire();
+    EXPECT_EQ(fits.prefill({s}, {{1, 2, 3}}).greedy.numel(), 1);
+}
+
 // A group that does not fit is refused before anything changes; a released slot cannot be released
 // again; the engine then serves a group that fits.
 TEST(Generator, SharedPromptMisuseIsRefusedAndTheEngineStaysUsable) {

@@ -19,6 +19,10 @@
 #include "moerl/rl/rollout.hpp"
 #include "moerl/rl/trainer.hpp"
 #include "rl_test_util.hpp"
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)  // LibTorch built with CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#define MOERL_TEST_CUDA_ALLOCATOR 1
+#endif
 
 using namespace moerl::rl;
 using namespace moerl::rl::test;
@@ -87,6 +91,42 @@ TEST(RlGpu, CudaTrainerMatchesTheCpuTrainer) {
     }
     EXPECT_GT(scale, 0.0);
     EXPECT_LT(diff, 1e-3 * scale);
+}
+
+// A GPU that runs out of memory in training: the error names the batch and the settings to lower,
+// not only LibTorch's allocator message. (LibTorch's allocator is held to a sliver of the GPU.)
+TEST(RlGpu, OutOfMemoryInTrainingNamesWhatToLower) {
+    SKIP_WITHOUT_CUDA();
+#if !defined(MOERL_TEST_CUDA_ALLOCATOR)
+    GTEST_SKIP() << "LibTorch without CUDA headers";
+#else
+    TempDir t("gpuoom");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.train_device = "cuda";
+    const auto batch = batch_of(c);
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    const auto adv = group_advantages(rewards, c.group_size);
+    PolicyTrainer trainer(c, (t.path / "w").string());
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(1e-6, 0);
+    std::string what;
+    try {
+        trainer.update(batch, adv);
+    } catch (const moerl::Error& e) {
+        what = e.what();
+    }
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, 0);
+    EXPECT_NE(what.find("train: the GPU ran out of memory in the update of " + std::to_string(batch.size()) +
+                        " samples"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("lower train.micro_batch_tokens"), std::string::npos) << what;
+    // With the memory back, the same trainer trains.
+    const TrainStats st = trainer.update(batch, adv);
+    EXPECT_TRUE(std::isfinite(st.loss));
+#endif
 }
 
 // The optimizer step on the GPU (LibTorch's fused AdamW where it has one) against the CPU's loop:
