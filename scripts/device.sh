@@ -222,7 +222,7 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
   step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"
   tail -n 3 "$OUT/rl-quickstart.log"
   cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
-  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0)))' \
+  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' \
     "$OUT/rl-quickstart-metrics.txt" 2>&1 | tee -a "$OUT/rl-quickstart.log"
   # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
   # all) sharing the GPU, one EP rank each, cuda transport; rollout decodes through the fused engine.
