@@ -595,7 +595,7 @@ TEST(Generator, CacheMemoryGoesBackAndGenerationResumes) {
     };
     auto [s, before] = generate();
     const int64_t held = gen.cache_memory_bytes();
-    ASSERT_GT(held, 64LL << 20);
+    ASSERT_GT(held, 32LL << 20);  // 50 MiB: 8 slots x 16k tokens x 3 layers
     try {
         gen.release_cache_memory();
         ADD_FAILURE() << "released the memory of a held sequence";

@@ -114,7 +114,7 @@ TEST(RlGpu, OutOfMemoryInTrainingNamesWhatToLower) {
     std::string what;
     try {
         trainer.update(batch, adv);
-    } catch (const moerl::Error& e) {
+    } catch (const std::exception& e) {
         what = e.what();
     }
     c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, 0);
