@@ -21,6 +21,7 @@
 #include <numeric>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "group_admission.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
@@ -75,18 +76,16 @@ model::KvCache merge_caches(model::KvCache& a, model::KvCache& b, int64_t room) 
     return out;
 }
 
-// Requests from `from` on with the same context (prompt and resumed tokens): the samples of a GRPO
-// group, which the CUDA engine prefills once and whose prompt blocks it shares when they join in
-// one prefill.
+}  // namespace
+
+namespace detail {
+
 size_t same_context_run(const std::deque<GenRequest>& q, size_t from) {
     size_t i = from + 1;
     while (i < q.size() && q[i].prompt == q[from].prompt && q[i].prefix.tokens == q[from].prefix.tokens) ++i;
     return i - from;
 }
 
-// Of the first requests of q, how many join when `room` slots are free: whole groups only (so a
-// group's samples share their prompt), but a group larger than the engine (max_batch) is split, and
-// an engine with nothing running takes what fits. Without sharing, what fits.
 size_t whole_groups(const std::deque<GenRequest>& q, size_t room, size_t max_batch, bool idle, bool share) {
     if (!share) return std::min(q.size(), room);
     size_t n = 0;
@@ -103,7 +102,7 @@ size_t whole_groups(const std::deque<GenRequest>& q, size_t room, size_t max_bat
     return n;
 }
 
-}  // namespace
+}  // namespace detail
 
 double uniform_draw(uint64_t seed, uint64_t draw) {
     return static_cast<double>(splitmix64(splitmix64(seed) ^ (draw * 0xD1B54A32D192ED03ULL)) >> 11) *
@@ -286,8 +285,8 @@ struct RolloutEngine::Impl {
     // prefill_pass: another rank of the engine prefills now (this one joins the collectives).
     void admit(int64_t version, std::vector<GenResult>& done, bool prefill_pass) {
         const size_t n =
-            whole_groups(waiting, static_cast<size_t>(std::max(0, max_batch - (int)active.size())),
-                         static_cast<size_t>(max_batch), active.empty(), shares_prompts());
+            detail::whole_groups(waiting, static_cast<size_t>(std::max(0, max_batch - (int)active.size())),
+                                 static_cast<size_t>(max_batch), active.empty(), shares_prompts());
         if (n == 0) {
             if (prefill_pass) model.idle_pass();
             return;
@@ -569,8 +568,8 @@ std::vector<GenResult> RolloutEngine::step(int64_t policy_version) {
         const size_t take =
             !impl_->shares_prompts()
                 ? std::min<size_t>(room, 1)
-                : std::min(whole_groups(sp.pending, room, impl_->max_batch, sp.held[q] == 0, true),
-                           same_context_run(sp.pending, 0));
+                : std::min(detail::whole_groups(sp.pending, room, impl_->max_batch, sp.held[q] == 0, true),
+                           detail::same_context_run(sp.pending, 0));
         if (take == 0) break;
         for (size_t i = 0; i < take; ++i) {
             if (q == 0) {

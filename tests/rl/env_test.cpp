@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <fstream>
 #include <map>
 #include <random>
 
+#include "group_admission.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/model/generator.hpp"
 #include "moerl/model/model.hpp"
@@ -294,4 +296,45 @@ TEST(RewardSvg, TitleIsXmlEscaped) {
     std::remove(path.c_str());
     EXPECT_NE(svg.find("R&amp;D &lt;/text&gt;&lt;script&gt;"), std::string::npos) << svg;
     EXPECT_EQ(svg.find("<script>"), std::string::npos);
+}
+
+// Which waiting requests join the CUDA engine together: a GRPO group's samples (consecutive, same
+// prompt) are not split between prefills unless the group is larger than the engine; an idle engine
+// takes what fits; a resumed sample (its own partial response) is a group of its own.
+TEST(GroupAdmission, WholeGroupsJoinTogether) {
+    using moerl::rl::detail::same_context_run;
+    using moerl::rl::detail::whole_groups;
+    std::deque<GenRequest> q;
+    auto add = [&](std::vector<int> prompt, int n, std::vector<int> resumed = {}) {
+        for (int i = 0; i < n; ++i) {
+            GenRequest r;
+            r.id = q.size();
+            r.prompt = prompt;
+            r.prefix.tokens = resumed;
+            q.push_back(r);
+        }
+    };
+    add({1, 5, 6}, 4);
+    add({1, 7}, 4);
+    add({1, 7}, 1, {3});  // the same prompt, resumed: another context
+    add({1, 8}, 10);
+    EXPECT_EQ(same_context_run(q, 0), 4u);
+    EXPECT_EQ(same_context_run(q, 4), 4u);
+    EXPECT_EQ(same_context_run(q, 8), 1u);
+    EXPECT_EQ(same_context_run(q, 9), 10u);
+    EXPECT_EQ(same_context_run(q, 12), 7u);
+    // 6 free slots of 16: the first group, not half of the second.
+    EXPECT_EQ(whole_groups(q, 6, 16, false, true), 4u);
+    EXPECT_EQ(whole_groups(q, 8, 16, false, true), 8u);
+    EXPECT_EQ(whole_groups(q, 9, 16, false, true), 9u);
+    // The group of 10 waits for 10 slots; larger than an engine of 8, it is split.
+    EXPECT_EQ(whole_groups(q, 15, 16, false, true), 9u);
+    EXPECT_EQ(whole_groups(q, 19, 16, false, true), 19u);
+    std::deque<GenRequest> big(q.begin() + 9, q.end());
+    EXPECT_EQ(whole_groups(big, 8, 8, false, true), 8u);
+    EXPECT_EQ(whole_groups(big, 5, 16, false, true), 0u);
+    EXPECT_EQ(whole_groups(big, 5, 16, /*idle=*/true, true), 5u);
+    // Without sharing (the CPU engine): what fits.
+    EXPECT_EQ(whole_groups(q, 6, 16, false, false), 6u);
+    EXPECT_EQ(whole_groups(q, 100, 128, false, false), q.size());
 }
