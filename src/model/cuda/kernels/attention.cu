@@ -333,10 +333,10 @@ template <int G, int D>
 __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     paged_attention_mma_kernel(const __nv_bfloat16* q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
                                const int* position, const int* slot, const int* block_table, int max_blocks,
-                               int block_size, int Hkv, int chunk, Partials part, QkvTyped<__nv_bfloat16> fused,
-                               __nv_bfloat16* out) {
+                               int block_size, int Hkv, int chunk, Partials part,
+                               QkvTyped<__nv_bfloat16> fused, __nv_bfloat16* out) {
     using T = __nv_bfloat16;
-    constexpr int kNT = (G + 7) / 8;  // column tiles of heads
+    constexpr int kNT = (G + 7) / 8;   // column tiles of heads
     constexpr int kBlocks32 = D / 32;  // 32-dim blocks of a key row
     constexpr int kLaneDims = D / 8;   // dims of a lane in the value product
     constexpr int kMTiles = D / 16;    // row tiles of O^T
@@ -352,9 +352,9 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
         constexpr int lines = (D * 2 + 127) / 128;
         for (int i = threadIdx.x; i < (last - first) * 2 * lines; i += blockDim.x) {
             const int t = first + i / (2 * lines), r = i % (2 * lines);
-            const size_t row = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) *
-                                   head_stride +
-                               static_cast<size_t>(kv_head) * D;
+            const size_t row =
+                (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
+                static_cast<size_t>(kv_head) * D;
             const T* base = (r < lines ? k_pool : v_pool) + row;
             asm volatile(
                 "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(base) + (r % lines) * 128));
@@ -363,9 +363,9 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     griddep_wait();
     griddep_launch_dependents();
     extern __shared__ __align__(16) float smem[];
-    float* m_s = smem;                       // [warps, G]
-    float* l_s = m_s + kMmaAttnWarps * G;    // [warps, G]
-    float* acc_s = l_s + kMmaAttnWarps * G;  // [warps, G, D]
+    float* m_s = smem;                                             // [warps, G]
+    float* l_s = m_s + kMmaAttnWarps * G;                          // [warps, G]
+    float* acc_s = l_s + kMmaAttnWarps * G;                        // [warps, G, D]
     T* q_s = reinterpret_cast<T*>(acc_s + kMmaAttnWarps * G * D);  // [8 kNT, D], heads past G zero
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int pos = position[b];
@@ -380,7 +380,8 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     if (first >= last) return;  // past the sequence: not counted among the splits to merge
     const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
     auto row_of = [&](int token) {  // element offset of the token's (kv_head) row in the pools
-        return (static_cast<size_t>(table[token / block_size]) * block_size + token % block_size) * head_stride +
+        return (static_cast<size_t>(table[token / block_size]) * block_size + token % block_size) *
+                   head_stride +
                static_cast<size_t>(kv_head) * D;
     };
     for (int i = threadIdx.x * 8; i < (8 * kNT - G) * D; i += blockDim.x * 8)
@@ -441,7 +442,8 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
             const int token = base + g + 8 * h;
             const T* k_row = k_pool + row_of(token < last ? token : first);
 #pragma unroll
-            for (int s = 0; s < kBlocks32; ++s) kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
+            for (int s = 0; s < kBlocks32; ++s)
+                kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -449,7 +451,8 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
             const T* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
 #pragma unroll
             for (int w = 0; w < kLaneDims / 8; ++w)
-                vf[j][w] = token < last ? *reinterpret_cast<const uint4*>(v_row + 8 * w) : make_uint4(0, 0, 0, 0);
+                vf[j][w] =
+                    token < last ? *reinterpret_cast<const uint4*>(v_row + 8 * w) : make_uint4(0, 0, 0, 0);
         }
         const bool valid_lo = base + g < last, valid_hi = base + g + 8 < last;
 #pragma unroll
@@ -464,10 +467,12 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
             float p[4];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const float lo = valid_lo ? sc[c] * scale : -FLT_MAX, hi = valid_hi ? sc[2 + c] * scale : -FLT_MAX;
+                const float lo = valid_lo ? sc[c] * scale : -FLT_MAX,
+                            hi = valid_hi ? sc[2 + c] * scale : -FLT_MAX;
                 float tile_max = fmaxf(lo, hi);
 #pragma unroll
-                for (int off = 4; off < 32; off <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, off));
+                for (int off = 4; off < 32; off <<= 1)
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, off));
                 const float m_new = fmaxf(m[n][c], tile_max);
                 const float correction = exp2f(m[n][c] - m_new);
                 p[c] = valid_lo ? exp2f(lo - m_new) : 0.0f;
@@ -589,8 +594,8 @@ void launch_mma_shape(const AttnLaunch& l) {
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     using T = __nv_bfloat16;
     launch_kernel(kernel, dim3(l.Hkv, l.B, l.splits), kMmaAttnWarps * 32, smem, l.launch,
-                  static_cast<const T*>(l.q), static_cast<T*>(l.k_pool), static_cast<T*>(l.v_pool), l.position,
-                  l.slot, l.block_table, l.max_blocks, l.block_size, l.Hkv, l.chunk, l.part,
+                  static_cast<const T*>(l.q), static_cast<T*>(l.k_pool), static_cast<T*>(l.v_pool),
+                  l.position, l.slot, l.block_table, l.max_blocks, l.block_size, l.Hkv, l.chunk, l.part,
                   QkvTyped<T>{static_cast<const T*>(l.fused.qkv), static_cast<const T*>(l.fused.q_norm),
                               static_cast<const T*>(l.fused.k_norm), l.fused.eps, l.fused.rope_theta},
                   static_cast<T*>(l.out));
@@ -598,7 +603,8 @@ void launch_mma_shape(const AttnLaunch& l) {
 
 // The tensor-core kernel serves bf16 blocks of a whole group of 4, 8 or 16 heads of 64 or 128 dims.
 bool mma_supported(int dtype, int heads, int Hq, int Hkv, int D) {
-    return dtype == 1 && heads == Hq / Hkv && (heads == 4 || heads == 8 || heads == 16) && (D == 64 || D == 128);
+    return dtype == 1 && heads == Hq / Hkv && (heads == 4 || heads == 8 || heads == 16) &&
+           (D == 64 || D == 128);
 }
 
 template <int G>
