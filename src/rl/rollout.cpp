@@ -207,8 +207,14 @@ struct RolloutEngine::Impl {
     }
 
     ~Impl() {
+        if (abandoned) {
+            // A rank is gone: the EP buffer's teardown is collective, and the generator's waits for
+            // the device, where a step may still wait for that rank. Both are left to the process's end.
+            (void)gen.release();
+            (void)decode_ep.release();
+            return;
+        }
         gen.reset();
-        if (abandoned) (void)decode_ep.release();  // its teardown is collective: a rank is gone
     }
     bool abandoned = false;
 
