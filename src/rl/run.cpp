@@ -51,6 +51,8 @@ class LocalProducer final : public ExperienceProducer {
         p.generate_s = std::max(0.0, after.seconds - before.seconds - p.reward_s - p.sync_s);
         const double work_s = after.seconds - before.seconds;
         p.tokens_per_s = work_s > 0 ? static_cast<double>(after.tokens - before.tokens) / work_s : 0.0;
+        p.prompt_tokens = after.prompt_tokens - before.prompt_tokens;
+        p.prompt_tokens_shared = after.prompt_tokens_shared - before.prompt_tokens_shared;
         if (reward_) {  // the reward model's pass over what this step generated
             const auto t0 = std::chrono::steady_clock::now();
             reward_->work(control::Millis(0));

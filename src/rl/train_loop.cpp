@@ -132,6 +132,8 @@ nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step
             {"reward_s", here(p ? p->reward_s : 0)},
             {"sync_s", here(p ? p->sync_s : 0)},
             {"kv_released_bytes", p ? nlohmann::json(p->cache_released_bytes) : nlohmann::json(nullptr)},
+            {"prompt_tokens", p ? nlohmann::json(p->prompt_tokens) : nlohmann::json(nullptr)},
+            {"prompt_tokens_shared", p ? nlohmann::json(p->prompt_tokens_shared) : nlohmann::json(nullptr)},
             {"train_s", r.train_seconds},
             {"train_tokens", r.train.total_tokens},
             {"publish_s", r.publish_seconds}};

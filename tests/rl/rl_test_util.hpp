@@ -50,6 +50,10 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
             for (const char* timing :
                  {"tokens_per_s", "step_seconds", "rollout_s", "reward_s", "sync_s", "train_s", "publish_s"})
                 j.erase(timing);
+            // What the producer's call before the step did (a resumed run regenerates the steps
+            // ahead that the stopped one had generated).
+            for (const char* work : {"prompt_tokens", "prompt_tokens_shared", "kv_released_bytes"})
+                j.erase(work);
         }
         out.push_back(j);
     }

@@ -28,6 +28,8 @@ struct ProducedStep {
     double reward_s = 0;               // scoring the responses
     double sync_s = 0;                 // loading the newest policy into the rollout model
     int64_t cache_released_bytes = 0;  // KV-cache memory the rollout gave back for training
+    // Context tokens prefilled, and of them those taken from a group-mate's cache blocks.
+    int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
 };
 
 // Produces the experiences the trainer takes, in this process, before each step.
