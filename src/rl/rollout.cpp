@@ -33,6 +33,11 @@ namespace moerl::rl {
 
 namespace {
 
+// A rank's counts so far: tokens sampled, context tokens prefilled, and of them shared.
+struct RankCounts {
+    int64_t tokens = 0, prompt_tokens = 0, prompt_tokens_shared = 0;
+};
+
 uint64_t splitmix64(uint64_t x) {
     x += 0x9E3779B97F4A7C15ULL;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -175,6 +180,7 @@ struct RolloutEngine::Impl {
     int max_seq_len = 0;
     int64_t tokens = 0;
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;  // prefilled contexts; of them from a group-mate
+    RankCounts counts() const { return {tokens, prompt_tokens, prompt_tokens_shared}; }
 
     // Over processes on a GPU: the decode steps' low-latency EP buffer (the model's own serves the
     // prefill).
@@ -463,11 +469,15 @@ GenRequest request_from_json(const nlohmann::json& j) {
     return r;
 }
 
-// What a rank hands rank 0 after a call: the sequences that left it, and its tokens so far.
-std::string results_to_bytes(const std::vector<GenResult>& results, int64_t tokens) {
+// What a rank hands rank 0 after a call: the sequences that left it, and its counts so far.
+std::string results_to_bytes(const std::vector<GenResult>& results, const RankCounts& c) {
     nlohmann::json out = nlohmann::json::array();
     for (const GenResult& r : results) out.push_back({{"id", r.id}, {"trajectory", to_json(r.trajectory)}});
-    return nlohmann::json{{"results", out}, {"tokens", tokens}}.dump();
+    return nlohmann::json{{"results", out},
+                          {"tokens", c.tokens},
+                          {"prompt_tokens", c.prompt_tokens},
+                          {"prompt_tokens_shared", c.prompt_tokens_shared}}
+        .dump();
 }
 
 }  // namespace
@@ -478,7 +488,7 @@ struct RolloutEngine::Spread {
     int rank = 0, world = 1;
     std::deque<GenRequest> pending;  // rank 0: added, not yet handed to a rank
     std::vector<int> held;           // rank 0: sequences each rank holds
-    std::vector<int64_t> tokens;     // rank 0: tokens each rank sampled
+    std::vector<RankCounts> counts;  // rank 0: what each rank sampled and prefilled
     std::string failure;             // why the engine cannot go on (a call over the ranks failed)
 
     // Runs a call over the ranks; any failure leaves the engine unusable.
@@ -494,12 +504,12 @@ struct RolloutEngine::Spread {
         }
     }
 
-    // Rank 0: `mine` (the sequences that left rank 0, which has sampled `my_tokens`) and what every
-    // other rank handed back.
-    std::vector<GenResult> collect(std::vector<GenResult> mine, int64_t my_tokens) {
+    // Rank 0: `mine` (the sequences that left rank 0, with its counts) and what every other rank
+    // handed back.
+    std::vector<GenResult> collect(std::vector<GenResult> mine, const RankCounts& my_counts) {
         std::vector<GenResult> all = std::move(mine);
         held[0] -= static_cast<int>(all.size());
-        tokens[0] = my_tokens;
+        counts[0] = my_counts;
         const std::vector<std::string> parts = group->gather("");
         for (int q = 1; q < world; ++q) {
             const nlohmann::json j = nlohmann::json::parse(parts[q]);
@@ -508,7 +518,8 @@ struct RolloutEngine::Spread {
                                trajectory_from_json(r.at("trajectory").get<std::string>())});
                 --held[q];
             }
-            tokens[q] = j.at("tokens").get<int64_t>();
+            counts[q] = {j.at("tokens").get<int64_t>(), j.at("prompt_tokens").get<int64_t>(),
+                         j.at("prompt_tokens_shared").get<int64_t>()};
         }
         return all;
     }
@@ -530,7 +541,7 @@ RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams&
     spread_->rank = processes->rank;
     spread_->world = processes->world_size;
     spread_->held.assign(spread_->world, 0);
-    spread_->tokens.assign(spread_->world, 0);
+    spread_->counts.assign(spread_->world, RankCounts{});
     spread_->group = detail::make_process_group(*processes, "rollout");
 }
 
@@ -598,7 +609,7 @@ std::vector<GenResult> RolloutEngine::step(int64_t policy_version) {
             {"admit", admit}}.dump());
         for (GenRequest& r : mine) impl_->waiting.push_back(std::move(r));
         std::vector<GenResult> done = impl_->step(policy_version, prefill, /*decode_pass=*/true);
-        return sp.collect(std::move(done), impl_->tokens);
+        return sp.collect(std::move(done), impl_->counts());
     });
 }
 
@@ -619,7 +630,7 @@ std::vector<GenResult> RolloutEngine::drain() {
             out = sp.guarded([&] {
                 sp.group->send_call(nlohmann::json{{"call", "drain"}}.dump());
                 std::vector<GenResult> drained = impl_->drain();
-                return sp.collect(std::move(drained), impl_->tokens);
+                return sp.collect(std::move(drained), impl_->counts());
             });
         } else {
             impl_->drain();
@@ -654,10 +665,10 @@ bool RolloutEngine::carry_out(const std::string& bytes, const std::function<void
         for (const auto& r : c.at("admit").at(sp.rank)) impl_->waiting.push_back(request_from_json(r));
         const std::vector<GenResult> done =
             impl_->step(c.at("version").get<int64_t>(), c.at("prefill").get<bool>(), /*decode_pass=*/true);
-        sp.group->gather(results_to_bytes(done, impl_->tokens));
+        sp.group->gather(results_to_bytes(done, impl_->counts()));
     } else if (what == "drain") {
         const std::vector<GenResult> drained = impl_->drain();
-        sp.group->gather(results_to_bytes(drained, impl_->tokens));
+        sp.group->gather(results_to_bytes(drained, impl_->counts()));
     } else if (what == "refresh") {
         std::string error;
         try {
@@ -698,14 +709,25 @@ int64_t RolloutEngine::release_cache_memory() {
     return impl_->gen->release_cache_memory();
 }
 
-int64_t RolloutEngine::prompt_tokens() const { return impl_->prompt_tokens; }
-int64_t RolloutEngine::prompt_tokens_shared() const { return impl_->prompt_tokens_shared; }
-
-int64_t RolloutEngine::tokens_generated() const {
-    if (!spread_) return impl_->tokens;
+namespace {
+template <class Field>
+int64_t engine_total(const RankCounts& mine, const std::vector<RankCounts>* ranks, Field field) {
+    if (ranks == nullptr) return mine.*field;
     int64_t n = 0;
-    for (int64_t t : spread_->tokens) n += t;
+    for (const RankCounts& c : *ranks) n += c.*field;
     return n;
+}
+}  // namespace
+
+int64_t RolloutEngine::prompt_tokens() const {
+    return engine_total(impl_->counts(), spread_ ? &spread_->counts : nullptr, &RankCounts::prompt_tokens);
+}
+int64_t RolloutEngine::prompt_tokens_shared() const {
+    return engine_total(impl_->counts(), spread_ ? &spread_->counts : nullptr,
+                        &RankCounts::prompt_tokens_shared);
+}
+int64_t RolloutEngine::tokens_generated() const {
+    return engine_total(impl_->counts(), spread_ ? &spread_->counts : nullptr, &RankCounts::tokens);
 }
 
 }  // namespace moerl::rl
