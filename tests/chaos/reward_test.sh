@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reward workers killed while a distributed run trains: trainer, env, one rollout and two reward
 # worker processes (`moerl worker --role reward`, a random reward model from `moerl model init
-# --reward`) on the test Redis; every 2 s a reward worker gets SIGKILL and a replacement starts.
+# --reward`) on the test Redis; every 0.75 to 2.75 s a reward worker gets SIGKILL and a replacement starts.
 # Then: every experience went through the scoring stage (acknowledged, or left open by a worker
 # killed after its push) and into the buffer exactly once, and the trainer trained every step exactly once on exactly its
 # tasks.
@@ -31,7 +31,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A small reward model over the built-in 18-token vocabulary, and the chaos run shortened to 24 steps (12 could end before a second kill).
+# A small reward model over the built-in 18-token vocabulary, and the chaos run shortened to 48 steps
+# (24 took 5 s on a fast machine: one kill only).
 cat >"$tmp/rm.json" <<'EOF'
 {"model_type": "qwen3_moe", "vocab_size": 18, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
  "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
@@ -40,9 +41,9 @@ EOF
 "$moerl" model init --reward --config "$tmp/rm.json" --out "$tmp/rm" --pad-token-id 0 >"$tmp/logs/init.log" 2>&1 ||
     { fail "model init --reward failed"; exit 1; }
 run_cfg=$tmp/run.yaml
-sed 's/steps: 90,/steps: 24,/' "$cfg" >"$run_cfg"
+sed 's/steps: 90,/steps: 48,/' "$cfg" >"$run_cfg"
 echo "reward: {model_path: $tmp/rm, model_weight: 0.2, batch_size: 8}" >>"$run_cfg"
-grep -q 'steps: 24,' "$run_cfg" || { echo "reward chaos: cannot shorten $cfg" >&2; exit 1; }
+grep -q 'steps: 48,' "$run_cfg" || { echo "reward chaos: cannot shorten $cfg" >&2; exit 1; }
 
 worker() {  # worker ROLE LOG [extra args]
     local role=$1 log=$2
@@ -73,13 +74,13 @@ start_reward
 start_reward
 
 # SIGKILL, the case that must lose nothing (a SIGTERMed worker finishes or releases its batch;
-# tests/rl covers that): every 1.5 to 3.5 s a reward worker goes, one caught holding leases within
+# tests/rl covers that): every 0.75 to 2.75 s a reward worker goes, one caught holding leases within
 # 2 s if there is one, else the oldest; a fresh one replaces it.
 num_kill=0 num_holding=0
 start_time=$SECONDS
 while kill -0 "$trainer" 2>/dev/null; do
     ((SECONDS - start_time <= 200)) || { fail "the run did not finish within 200 s"; exit 1; }
-    sleep 1.5
+    sleep 0.75
     victim=""
     for _ in $(seq 20); do
         for pid in "${!reward[@]}"; do holds_leases "${reward[$pid]}" && victim=$pid && break; done

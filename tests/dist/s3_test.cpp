@@ -239,7 +239,20 @@ TEST(S3Store, UploadSurvivesAServerRestartMidUpload) {
         }
         finished = true;
     });
-    std::this_thread::sleep_for(300ms);  // some parts are up
+    // Stop the server once its first part has landed (s3rver writes uploads/ID/N.md5 after part N),
+    // not after a fixed sleep: how long 40 MiB takes depends on the machine.
+    auto a_part_is_up = [&] {
+        std::error_code ec;
+        for (auto it = std::filesystem::recursive_directory_iterator(dir / "data", ec);
+             !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec))
+            if (it->path().extension() == ".md5" &&
+                it->path().string().find("._S3rver_uploads/") != std::string::npos)
+                return true;
+        return false;
+    };
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (!a_part_is_up() && !finished.load() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(1ms);
     s3.server.stop();
     EXPECT_FALSE(finished.load())
         << "the upload ended before the server was stopped: the test proves nothing";
