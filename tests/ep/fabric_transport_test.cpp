@@ -61,12 +61,18 @@ void expect_bytes(const std::byte* got, size_t bytes, const std::string& what,
 struct Case {
     std::string provider;
     int world_size;
+    // kHostAsDevice: the region goes through the device-memory path (FI_HMEM registration apart
+    // from the scratch, reached only by copies), as a GPU region would on EFA.
+    RegionMemory memory = RegionMemory::kHost;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.provider << " x" << c.world_size; }
+void PrintTo(const Case& c, std::ostream* os) {
+    *os << c.provider << " x" << c.world_size << " " << region_memory_name(c.memory);
+}
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
-    return info.param.provider + "_" + std::to_string(info.param.world_size) + "ranks";
+    return info.param.provider + "_" + std::to_string(info.param.world_size) + "ranks" +
+           (info.param.memory == RegionMemory::kHostAsDevice ? "_hmem" : "");
 }
 
 // Runs fn(rank) in world_size processes and fails the test with every failing rank's message.
@@ -97,7 +103,8 @@ class FabricTransportTest : public testing::TestWithParam<Case> {
         // Probed in a child: the parent must not initialise libfabric before it forks the ranks.
         const auto results = test::run_ranks(1, [&](int) {
             std::string why;
-            if (!fabric_provider_available(GetParam().provider, &why)) throw std::runtime_error(why);
+            if (!fabric_provider_available(GetParam().provider, &why, GetParam().memory))
+                throw std::runtime_error(why);
         });
         if (results[0].exit_code == 1) GTEST_SKIP() << "provider unavailable: " << results[0].message;
         ASSERT_EQ(results[0].exit_code, 0) << "the provider probe crashed";
@@ -108,6 +115,14 @@ class FabricTransportTest : public testing::TestWithParam<Case> {
     }
     const std::string& provider() const { return GetParam().provider; }
     int world() const { return GetParam().world_size; }
+    // options_for with the case's region memory.
+    TransportOptions options(int rank, size_t region_bytes, Store* store, double timeout_s = 10.0,
+                             size_t chunk_bytes = size_t{8} << 20) const {
+        TransportOptions o =
+            options_for(provider(), rank, world(), region_bytes, store, timeout_s, chunk_bytes);
+        o.region_memory = GetParam().memory;
+        return o;
+    }
 
     std::string store_dir_;
 };
@@ -132,13 +147,15 @@ TEST_P(FabricTransportTest, ExchangesPatternedMessages) {
     expect_ranks_succeed(world_size, [&](int rank) {
         auto store = make_file_store(dir);
         const SlotLayout layout{64 * 1024, world_size};
-        auto t = make_fabric_transport(
-            options_for(prov, rank, world_size, layout.region_bytes(), store.get(), 10.0, kSmallChunk));
+        auto t = make_fabric_transport(options(rank, layout.region_bytes(), store.get(), 10.0, kSmallChunk));
         MOERL_CHECK(t->name() == "fabric/" + prov, "name() = ", t->name());
         MOERL_CHECK(t->rank() == rank && t->world_size() == world_size, "rank/world mismatch");
         MOERL_CHECK(t->region_bytes() == layout.region_bytes(), "region_bytes() = ", t->region_bytes());
+        MOERL_CHECK(t->region_memory() == GetParam().memory,
+                    "region_memory() = ", region_memory_name(t->region_memory()));
         MOERL_CHECK(t->peer_region(0) == nullptr, "peer_region must be null for fabric");
-        std::byte* region = t->region();
+        // The region is reached only through copies, as a device region would be.
+        std::vector<std::byte> region(layout.region_bytes());
 
         // Message sizes per round: the three parts of one round land back to back in the slot.
         const std::vector<std::vector<size_t>> rounds = {
@@ -155,12 +172,13 @@ TEST_P(FabricTransportTest, ExchangesPatternedMessages) {
 
         for (size_t round = 0; round < rounds.size(); ++round) {
             // Poison what peers will write, then tell them they may write (round barrier).
-            std::memset(region, kPoison, layout.send_offset(0));
+            std::memset(region.data(), kPoison, layout.send_offset(0));
             for (int dst = 0; dst < world_size; ++dst) {
-                std::byte* send = region + layout.send_offset(dst);
+                std::byte* send = region.data() + layout.send_offset(dst);
                 for (size_t i = 0; i < layout.slot_bytes; ++i)
                     send[i] = std::byte{pattern(rank, dst, static_cast<int>(round), i)};
             }
+            t->copy_into_region(0, region.data(), region.size());
             for (int peer = 0; peer < world_size; ++peer) t->signal(peer, barrier_channel);
             for (int peer = 0; peer < world_size; ++peer)
                 t->wait(barrier_channel, peer, 2 * round + 1, deadline(), "round start");
@@ -190,7 +208,8 @@ TEST_P(FabricTransportTest, ExchangesPatternedMessages) {
                             messages_so_far);
                 size_t total = 0;
                 for (size_t bytes : sizes) total += bytes;
-                const std::byte* got = region + layout.recv_offset(src);
+                std::byte* got = region.data() + layout.recv_offset(src);
+                t->copy_from_region(layout.recv_offset(src), got, layout.slot_bytes);
                 expect_bytes(got, total,
                              "round " + std::to_string(round) + " from rank " + std::to_string(src),
                              [&](size_t i) { return pattern(src, rank, static_cast<int>(round), i); });
@@ -222,16 +241,18 @@ TEST_P(FabricTransportTest, SplitsWritesBiggerThanTheDefaultChunk) {
         const int prev = (rank + world_size - 1) % world_size;
         const size_t recv_offset = 0;
         const size_t send_offset = bytes + 64;
-        auto t = make_fabric_transport(options_for(prov, rank, world_size, 2 * bytes + 64, store.get()));
-        std::byte* region = t->region();
-        std::memset(region, kPoison, send_offset);
+        auto t = make_fabric_transport(options(rank, 2 * bytes + 64, store.get()));
+        std::vector<std::byte> region(2 * bytes + 64);
+        std::memset(region.data(), kPoison, send_offset);
         for (size_t i = 0; i < bytes; ++i) region[send_offset + i] = std::byte{pattern(rank, next, 0, i)};
+        t->copy_into_region(0, region.data(), region.size());
         t->signal(prev, 1);  // prev may write: the receive slot is poisoned
         t->wait(1, next, 1, Clock::now() + 10s, "ready");
         t->write(next, send_offset, recv_offset + 5, bytes, 0);
         t->wait(0, prev, 1, Clock::now() + 15s, "large write");
         MOERL_CHECK(t->signals(0, prev) == 1, "one message, ", t->signals(0, prev), " signals");
-        const std::byte* got = region + recv_offset;
+        std::byte* got = region.data() + recv_offset;
+        t->copy_from_region(recv_offset, got, send_offset);
         expect_bytes(got, 5, "before the large write", [](size_t) { return kPoison; });
         expect_bytes(got + 5, bytes, "large write", [&](size_t i) { return pattern(prev, rank, 0, i); });
         expect_bytes(got + 5 + bytes, send_offset - 5 - bytes, "after the large write",
@@ -254,13 +275,13 @@ TEST_P(FabricTransportTest, BurstBeyondTheSignalWindow) {
         size_t total = 0;
         for (int m = 0; m < kNumMessages; ++m) total += message_bytes(m);
         const SlotLayout layout{total, world_size};
-        auto t = make_fabric_transport(
-            options_for(prov, rank, world_size, layout.region_bytes(), store.get(), 10.0, kSmallChunk));
-        std::byte* region = t->region();
-        std::memset(region, kPoison, layout.send_offset(0));
+        auto t = make_fabric_transport(options(rank, layout.region_bytes(), store.get(), 10.0, kSmallChunk));
+        std::vector<std::byte> region(layout.region_bytes());
+        std::memset(region.data(), kPoison, layout.send_offset(0));
         for (int dst = 0; dst < world_size; ++dst)
             for (size_t i = 0; i < total; ++i)
                 region[layout.send_offset(dst) + i] = std::byte{pattern(rank, dst, 1, i)};
+        t->copy_into_region(0, region.data(), region.size());
         for (int peer = 0; peer < world_size; ++peer) t->signal(peer, 15);
         for (int peer = 0; peer < world_size; ++peer) t->wait(15, peer, 1, Clock::now() + 10s, "ready");
 
@@ -276,7 +297,9 @@ TEST_P(FabricTransportTest, BurstBeyondTheSignalWindow) {
             t->wait(channel, src, kNumMessages, Clock::now() + 15s, "burst");
             MOERL_CHECK(t->signals(channel, src) == kNumMessages, "got ", t->signals(channel, src),
                         " signals");
-            expect_bytes(region + layout.recv_offset(src), total, "burst from rank " + std::to_string(src),
+            t->copy_from_region(layout.recv_offset(src), region.data() + layout.recv_offset(src), total);
+            expect_bytes(region.data() + layout.recv_offset(src), total,
+                         "burst from rank " + std::to_string(src),
                          [&](size_t i) { return pattern(src, rank, 1, i); });
         }
         t->destroy();
@@ -293,7 +316,7 @@ TEST_P(FabricTransportTest, PeerThatNeverArrivesTimesOut) {
         auto store = make_file_store(dir);
         const auto start = Clock::now();
         try {
-            auto t = make_fabric_transport(options_for(prov, rank, world_size, 4096, store.get(), 1.5));
+            auto t = make_fabric_transport(options(rank, 4096, store.get(), 1.5));
         } catch (const TimeoutError& e) {
             const double waited = std::chrono::duration<double>(Clock::now() - start).count();
             const std::string what = e.what();
@@ -316,7 +339,7 @@ TEST_P(FabricTransportTest, WaitTimesOutNamingPhaseAndPeer) {
     const std::string dir = store_dir_;
     expect_ranks_succeed(world_size, [&](int rank) {
         auto store = make_file_store(dir);
-        auto t = make_fabric_transport(options_for(prov, rank, world_size, 4096, store.get()));
+        auto t = make_fabric_transport(options(rank, 4096, store.get()));
         if (rank == 0) {
             const int silent = world_size - 1;
             const auto start = Clock::now();
@@ -354,7 +377,7 @@ TEST_P(FabricTransportTest, PeerThatDiesIsReportedNotWaitedForForever) {
         world_size,
         [&](int rank) {
             auto store = make_file_store(dir);
-            auto t = make_fabric_transport(options_for(prov, rank, world_size, 64 * 1024, store.get(), 1.5));
+            auto t = make_fabric_transport(options(rank, 64 * 1024, store.get(), 1.5));
             if (rank == dead) _exit(3);  // no destroy, no goodbye
             const auto names_dead_rank = [&](const std::string& what) {
                 return what.find("rank " + std::to_string(dead)) != std::string::npos;
@@ -390,7 +413,9 @@ TEST_P(FabricTransportTest, PeerThatDiesIsReportedNotWaitedForForever) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, FabricTransportTest,
-                         testing::Values(Case{"tcp", 2}, Case{"tcp", 3}, Case{"shm", 2}, Case{"shm", 3}),
+                         testing::Values(Case{"tcp", 2}, Case{"tcp", 3}, Case{"shm", 2}, Case{"shm", 3},
+                                         Case{"shm", 2, RegionMemory::kHostAsDevice},
+                                         Case{"shm", 3, RegionMemory::kHostAsDevice}),
                          case_name);
 
 // A single rank needs no store; writes to itself are copies.
@@ -462,6 +487,66 @@ TEST(FabricTransportSingleRank, ShmEndpointOfAnEarlierProcessWithTheSameId) {
         kTestLimit);
     EXPECT_EQ(results[0].exit_code, 0)
         << "the re-executed rank could not open its shm endpoint " << results[0].message;
+}
+
+// The device-memory path on one rank: a self write is a copy within the region, and the CPU reaches
+// the region only through the copy calls, which check their range.
+TEST(FabricTransportSingleRank, HostAsDeviceRegionCopiesAndSelfWrites) {
+    const auto results = test::run_ranks(
+        1,
+        [](int) {
+            if (!fabric_provider_available("shm", nullptr, RegionMemory::kHostAsDevice)) return;
+            auto o = options_for("shm", 0, 1, 1000, nullptr);
+            o.region_memory = RegionMemory::kHostAsDevice;
+            auto t = make_fabric_transport(o);
+            MOERL_CHECK(t->region_memory() == RegionMemory::kHostAsDevice,
+                        "region_memory() = ", region_memory_name(t->region_memory()));
+            std::vector<std::byte> bytes(100);
+            for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = std::byte{pattern(0, 0, 0, i)};
+            t->copy_into_region(0, bytes.data(), bytes.size());
+            t->write(0, 0, 900, 100, 4);
+            t->quiet();
+            std::vector<std::byte> back(100);
+            t->copy_from_region(900, back.data(), back.size());
+            expect_bytes(back.data(), back.size(), "self write",
+                         [](size_t i) { return pattern(0, 0, 0, i); });
+            MOERL_CHECK(t->signals(4, 0) == 1, "self signals = ", t->signals(4, 0));
+            bool refused = false;
+            try {
+                t->copy_from_region(901, back.data(), back.size());
+            } catch (const Error& e) {
+                refused = std::string(e.what()).find("outside the region of 1000 bytes") != std::string::npos;
+            }
+            MOERL_CHECK(refused, "a copy past the region's end was not refused by name");
+            t->destroy();
+        },
+        kTestLimit);
+    EXPECT_EQ(results[0].exit_code, 0) << results[0].message;
+}
+
+// A provider without FI_HMEM (tcp here) cannot register device memory: the error says so and names
+// the memory, instead of failing later in registration.
+TEST(FabricTransportSingleRank, ProviderWithoutHmemRefusesADeviceRegionByName) {
+    const auto results = test::run_ranks(
+        1,
+        [](int) {
+            if (!fabric_provider_available("tcp")) return;
+            if (fabric_provider_available("tcp", nullptr, RegionMemory::kHostAsDevice))
+                return;  // tcp with FI_HMEM
+            auto o = options_for("tcp", 0, 1, 64, nullptr);
+            o.region_memory = RegionMemory::kHostAsDevice;
+            try {
+                make_fabric_transport(o);
+            } catch (const Error& e) {
+                const std::string what = e.what();
+                for (const char* want : {"'tcp'", "FI_HMEM", "host-as-device"})
+                    MOERL_CHECK(what.find(want) != std::string::npos, "'", want, "' not in: ", what);
+                return;
+            }
+            MOERL_FAIL("tcp without FI_HMEM accepted a device-memory region");
+        },
+        kTestLimit);
+    EXPECT_EQ(results[0].exit_code, 0) << results[0].message;
 }
 
 TEST(FabricTransportSingleRank, UnknownProviderIsAClearError) {

@@ -24,6 +24,20 @@ constexpr int kNumChannels = 16;  // signal channels per source rank
 
 using Clock = std::chrono::steady_clock;
 
+// Where a transport's region lives.
+//  kHost: this process's memory; the CPU reads and writes it (host engine, host and fabric transports).
+//  kCuda: device memory of TransportOptions::device. The fabric transport registers it with the NIC
+//    (libfabric FI_HMEM, GPU-direct RDMA on EFA and verbs), so bytes go from GPU to GPU without a
+//    host copy; kernels fill and read it, and the CPU reaches it only through copy_into_region and
+//    copy_from_region.
+//  kHostAsDevice: host memory that the fabric transport registers and moves exactly as it does
+//    device memory (FI_HMEM capability, its own registration apart from the signal scratch,
+//    reached only through the copy calls): the device-memory path, run where no provider here
+//    can reach a GPU.
+enum class RegionMemory { kHost, kCuda, kHostAsDevice };
+
+const char* region_memory_name(RegionMemory memory);
+
 class Transport {
   public:
     virtual ~Transport() = default;
@@ -35,6 +49,12 @@ class Transport {
     // Local symmetric region, region_bytes() long, writable by peers.
     virtual std::byte* region() = 0;
     virtual size_t region_bytes() const = 0;
+    virtual RegionMemory region_memory() const { return RegionMemory::kHost; }
+    // Copies between this process's memory and the local region at `offset`, whatever memory the
+    // region is in (the only way the CPU reaches a device region). Synchronous. The range must lie
+    // inside the region.
+    virtual void copy_into_region(size_t offset, const void* src, size_t bytes);
+    virtual void copy_from_region(size_t offset, void* dst, size_t bytes);
     // Optional: a pointer through which this process can store into peer's region directly
     // (shared memory). nullptr when the transport cannot (the caller then uses write()).
     virtual std::byte* peer_region(int /*peer*/) { return nullptr; }
@@ -61,8 +81,10 @@ struct TransportOptions {
     size_t region_bytes = 0;
     std::string job_id = "moerl";
     std::string fabric_provider = "tcp";
-    std::string fabric_domain;                    // Config::fabric_domain
-    size_t fabric_chunk_bytes = size_t{8} << 20;  // Config::fabric_chunk_bytes
+    std::string fabric_domain;                         // Config::fabric_domain
+    size_t fabric_chunk_bytes = size_t{8} << 20;       // Config::fabric_chunk_bytes
+    RegionMemory region_memory = RegionMemory::kHost;  // fabric only; the host transport refuses others
+    int device = 0;                                    // the CUDA device of a kCuda region
     double timeout_s = 60.0;
     Store* store = nullptr;  // bootstrap; required when world_size > 1
 };

@@ -1,5 +1,6 @@
 // Provider selection for the fabric transport: one set of hints that every supported provider (tcp,
-// shm, efa, verbs) can answer, so that changing provider is a change of name only.
+// shm, efa, verbs) can answer, so that changing provider is a change of name only; FI_HMEM on top
+// for a region in device memory.
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_errno.h>
@@ -25,7 +26,7 @@ bool provider_matches(const char* prov_name, const std::string& wanted) {
 
 }  // namespace
 
-Info select_info(const std::string& provider, const std::string& domain) {
+Info select_info(const std::string& provider, const std::string& domain, RegionMemory memory) {
     MOERL_CHECK(!provider.empty(),
                 "fabric transport: fabric_provider is empty (expected e.g. tcp, shm, efa, verbs)");
     Info hints(fi_allocinfo());
@@ -36,6 +37,12 @@ Info select_info(const std::string& provider, const std::string& domain) {
     hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
     hints->ep_attr->type = FI_EP_RDM;
     hints->domain_attr->mr_mode = static_cast<int>(kMrModes);
+    const bool hmem = memory != RegionMemory::kHost;
+    if (hmem) {
+        // Device memory registered with the NIC; FI_MR_HMEM: the provider may require it be registered.
+        hints->caps |= FI_HMEM;
+        hints->domain_attr->mr_mode |= FI_MR_HMEM;
+    }
     // All calls into the domain are serialised by the transport's mutex.
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->fabric_attr->prov_name = strdup(provider.c_str());  // fi_freeinfo frees it
@@ -65,6 +72,11 @@ Info select_info(const std::string& provider, const std::string& domain) {
     }
     MOERL_FAIL("libfabric provider '", provider, "'", domain.empty() ? "" : " in domain '" + domain + "'",
                " offers no FI_EP_RDM endpoint with RMA writes and remote CQ data",
+               hmem ? detail::concat(" for a region in ", region_memory_name(memory),
+                                     " memory (FI_HMEM: efa, verbs and shm have it where libfabric was "
+                                     "built with CUDA; `fi_info -p ",
+                                     provider, " -c FI_HMEM`)")
+                    : std::string(),
                rejected.empty()
                    ? std::string(" (fi_getinfo found nothing; try `fi_info -p ") + provider + "`)"
                    : " (rejected:" + rejected + ")");
@@ -72,9 +84,9 @@ Info select_info(const std::string& provider, const std::string& domain) {
 
 }  // namespace fabric
 
-bool fabric_provider_available(const std::string& provider, std::string* why) {
+bool fabric_provider_available(const std::string& provider, std::string* why, RegionMemory memory) {
     try {
-        fabric::select_info(provider, "");
+        fabric::select_info(provider, "", memory);
         return true;
     } catch (const Error& e) {
         if (why != nullptr) *why = e.message();

@@ -3,9 +3,10 @@
 // does not order them). A progress thread per rank reads the completion queue: remote CQ data becomes
 // signal counters, local completions retire in-flight writes for quiet().
 //
-// Region layout on every rank: [region_bytes of user data][pad to 64][scratch][pad to page]
-// scratch: [0,8) source of pure signals, [64,72) where peers' pure signals land, [128,192) the
-// buffer that receives posted for FI_RX_CQ_DATA point at (no data ever arrives there).
+// Two registrations a rank: the region (region_bytes of user data, in host or device memory: see
+// RegionMemory) and a host page of scratch: [0,8) source of pure signals, [64,72) where peers' pure
+// signals land, [128,192) the buffer that receives posted for FI_RX_CQ_DATA point at (no data ever
+// arrives there). The signals never touch the region, so a device region needs no host copy.
 #include "fabric/fabric_transport.hpp"
 
 #include <rdma/fabric.h>
@@ -34,6 +35,10 @@
 #include "fabric/record.hpp"
 #include "fabric/signal_code.hpp"
 #include "moerl/core/error.hpp"
+
+#if MOERL_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace moerl::ep {
 
@@ -97,6 +102,52 @@ class Mapping {
     size_t bytes_ = 0;
 };
 
+// A region in device memory (RegionMemory::kCuda), freed on the device it came from.
+class DeviceMemory {
+  public:
+    DeviceMemory() = default;
+    DeviceMemory(const DeviceMemory&) = delete;
+    DeviceMemory& operator=(const DeviceMemory&) = delete;
+    ~DeviceMemory() { reset(); }
+#if MOERL_HAVE_CUDA
+    void allocate(int device, size_t bytes) {
+        reset();
+        int previous = 0;
+        check(cudaGetDevice(&previous), "cudaGetDevice");
+        check(cudaSetDevice(device), "cudaSetDevice");
+        void* p = nullptr;
+        const cudaError_t rc = cudaMalloc(&p, bytes);
+        cudaSetDevice(previous);
+        check(rc, "cudaMalloc of the region");
+        base_ = static_cast<std::byte*>(p);
+        device_ = device;
+    }
+    void reset() noexcept {
+        if (base_ == nullptr) return;
+        int previous = 0;
+        cudaGetDevice(&previous);
+        cudaSetDevice(device_);
+        cudaFree(base_);
+        cudaSetDevice(previous);
+        base_ = nullptr;
+    }
+    static void check(cudaError_t rc, const char* what) {
+        MOERL_CHECK(rc == cudaSuccess, "fabric transport: ", what, " failed: ", cudaGetErrorString(rc));
+    }
+#else
+    [[noreturn]] void allocate(int, size_t) {
+        MOERL_FAIL(
+            "fabric transport: region_memory = cuda, but this build has no CUDA (MOERL_WITH_CUDA=OFF)");
+    }
+    void reset() noexcept {}
+#endif
+    std::byte* get() const { return base_; }
+
+  private:
+    std::byte* base_ = nullptr;
+    int device_ = 0;
+};
+
 enum class OpKind : uint32_t { kWrite = 0x57524954, kRecv = 0x52454356 };
 
 // Per-operation context: libfabric hands `fi` back in the completion; FI_CONTEXT/FI_CONTEXT2 providers
@@ -109,11 +160,17 @@ struct OpContext {
     uint32_t seq = 0;
 };
 
-struct Peer {
-    fi_addr_t addr = FI_ADDR_UNSPEC;
-    uint64_t base = 0;  // the peer's region address when FI_MR_VIRT_ADDR, else 0
+// Where writes to a peer land: its region or its scratch.
+struct RemoteMemory {
+    uint64_t base = 0;  // the peer's address when FI_MR_VIRT_ADDR, else 0
     uint64_t key = 0;
     bool key_mapped = false;  // FI_MR_RAW: key came from fi_mr_map_raw and must be unmapped
+};
+
+struct Peer {
+    fi_addr_t addr = FI_ADDR_UNSPEC;
+    RemoteMemory region;
+    RemoteMemory scratch;
 };
 
 struct SendLane {
@@ -128,6 +185,8 @@ class FabricTransport final : public Transport {
           world_size_(options.world_size),
           region_bytes_(options.region_bytes),
           provider_(options.fabric_provider),
+          memory_(options.region_memory),
+          device_(options.device),
           job_id_(options.job_id),
           timeout_(
               std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.timeout_s))),
@@ -150,7 +209,7 @@ class FabricTransport final : public Transport {
         peers_.resize(world_size_);
 
         try {
-            info_ = fabric::select_info(provider_, options.fabric_domain);
+            info_ = fabric::select_info(provider_, options.fabric_domain, memory_);
             mr_mode_ = static_cast<uint64_t>(info_->domain_attr->mr_mode);
             rx_cq_data_ = (info_->mode & FI_RX_CQ_DATA) != 0;
             MOERL_CHECK(options.fabric_chunk_bytes >= kSignalBytes, name(),
@@ -160,7 +219,7 @@ class FabricTransport final : public Transport {
             MOERL_CHECK(chunk_bytes_ >= kSignalBytes, name(),
                         ": provider max_msg_size = ", info_->ep_attr->max_msg_size, " is too small");
             open_endpoint();
-            register_region();
+            register_memory();
             post_initial_receives();
             progress_ = std::thread([this] { progress_loop(); });
             connect_peers();
@@ -187,15 +246,21 @@ class FabricTransport final : public Transport {
     int world_size() const override { return world_size_; }
     std::byte* region() override { return base_; }
     size_t region_bytes() const override { return region_bytes_; }
+    RegionMemory region_memory() const override { return memory_; }
+
+    void copy_into_region(size_t offset, const void* src, size_t bytes) override {
+        check_range(offset, bytes, "copy_into_region");
+        copy(base_ + offset, src, bytes, kIntoRegion);
+    }
+    void copy_from_region(size_t offset, void* dst, size_t bytes) override {
+        check_range(offset, bytes, "copy_from_region");
+        copy(dst, base_ + offset, bytes, kFromRegion);
+    }
 
     void write(int peer, size_t src_offset, size_t dst_offset, size_t bytes, int channel) override {
         check_peer_channel(peer, channel, "write");
-        MOERL_CHECK(src_offset <= region_bytes_ && bytes <= region_bytes_ - src_offset, name(),
-                    " write: source [", src_offset, ", +", bytes, ") is outside the region of ",
-                    region_bytes_, " bytes");
-        MOERL_CHECK(dst_offset <= region_bytes_ && bytes <= region_bytes_ - dst_offset, name(),
-                    " write: destination [", dst_offset, ", +", bytes, ") is outside the region of ",
-                    region_bytes_, " bytes");
+        check_range(src_offset, bytes, "write: source");
+        check_range(dst_offset, bytes, "write: destination");
         post_message(peer, channel, src_offset, dst_offset, bytes);
     }
 
@@ -268,6 +333,30 @@ class FabricTransport final : public Transport {
     }
 
   private:
+    enum CopyKind { kIntoRegion, kFromRegion, kWithinRegion };
+
+    void check_range(size_t offset, size_t bytes, const char* what) const {
+        MOERL_CHECK(offset <= region_bytes_ && bytes <= region_bytes_ - offset, name(), " ", what, " [",
+                    offset, ", +", bytes, ") is outside the region of ", region_bytes_, " bytes");
+    }
+
+    // Copies where one side (or both, kWithinRegion) is the region, in whatever memory it is.
+    void copy(void* dst, const void* src, size_t bytes, CopyKind kind) {
+        if (bytes == 0) return;
+#if MOERL_HAVE_CUDA
+        if (memory_ == RegionMemory::kCuda) {
+            const cudaMemcpyKind cuda_kind = kind == kIntoRegion   ? cudaMemcpyHostToDevice
+                                             : kind == kFromRegion ? cudaMemcpyDeviceToHost
+                                                                   : cudaMemcpyDeviceToDevice;
+            // cudaMemcpy: the copy is done (and a device-to-device one ordered) when it returns.
+            DeviceMemory::check(cudaMemcpy(dst, src, bytes, cuda_kind), "cudaMemcpy");
+            return;
+        }
+#endif
+        (void)kind;
+        std::memmove(dst, src, bytes);
+    }
+
     size_t lane_idx(int peer, int channel) const {
         return static_cast<size_t>(peer) * kNumChannels + channel;
     }
@@ -337,31 +426,57 @@ class FabricTransport final : public Transport {
         }
     }
 
-    void register_region() {
-        scratch_offset_ = round_up(region_bytes_, 64);
+    // The region (host or device memory, as options.region_memory says) and the host scratch, each
+    // registered on its own: FI_MR_LOCAL providers get a descriptor for each.
+    void register_memory() {
         const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-        const size_t mapped_bytes = round_up(scratch_offset_ + kScratchBytes, page);
-        mapping_.map(mapped_bytes);
-        base_ = mapping_.get();
+        const size_t region_mapped_bytes = round_up(std::max<size_t>(region_bytes_, 1), page);
+        if (memory_ == RegionMemory::kCuda) {
+            device_memory_.allocate(device_, region_mapped_bytes);
+            base_ = device_memory_.get();
+        } else {
+            region_mapping_.map(region_mapped_bytes);
+            base_ = region_mapping_.get();
+        }
+        scratch_mapping_.map(round_up(kScratchBytes, page));
+        scratch_ = scratch_mapping_.get();
 
-        uint64_t requested_key = 0;
-        if ((mr_mode_ & FI_MR_PROV_KEY) == 0) {
-            // Keys need only be unique within this rank's domain; the rank keeps them readable in dumps.
-            requested_key = static_cast<uint64_t>(rank_);
-            const size_t key_size = info_->domain_attr->mr_key_size;
-            MOERL_CHECK(key_size >= 8 || requested_key < (uint64_t{1} << (8 * key_size)), name(),
-                        ": mr_key_size = ", key_size, " bytes cannot hold key ", requested_key);
-        }
-        // One registration covers data and scratch: FI_MR_LOCAL providers need descriptors for both.
-        const uint64_t access = FI_WRITE | FI_REMOTE_WRITE | (rx_cq_data_ ? FI_RECV : 0);
-        MOERL_FI_CHECK(
-            fi_mr_reg(domain_.get(), base_, mapped_bytes, access, 0, requested_key, 0, mr_.out(), nullptr),
-            "fi_mr_reg");
+        const fi_hmem_iface iface = memory_ == RegionMemory::kCuda ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
+        // Keys (when the provider lets us choose) need only be unique within this rank's domain.
+        mr_ = register_mr(base_, region_mapped_bytes, FI_WRITE | FI_REMOTE_WRITE, 2 * uint64_t(rank_), iface,
+                          "the region");
+        scratch_mr_ = register_mr(scratch_, round_up(kScratchBytes, page),
+                                  FI_WRITE | FI_REMOTE_WRITE | (rx_cq_data_ ? FI_RECV : 0),
+                                  2 * uint64_t(rank_) + 1, FI_HMEM_SYSTEM, "the signal scratch");
+        const bool local = (mr_mode_ & FI_MR_LOCAL) != 0;
+        region_desc_ = local ? fi_mr_desc(mr_.get()) : nullptr;
+        scratch_desc_ = local ? fi_mr_desc(scratch_mr_.get()) : nullptr;
+    }
+
+    Fid<fid_mr> register_mr(std::byte* addr, size_t bytes, uint64_t access, uint64_t key, fi_hmem_iface iface,
+                            const char* what) {
+        if ((mr_mode_ & FI_MR_PROV_KEY) != 0) key = 0;
+        const size_t key_size = info_->domain_attr->mr_key_size;
+        MOERL_CHECK(key_size >= 8 || key < (uint64_t{1} << (8 * key_size)), name(),
+                    ": mr_key_size = ", key_size, " bytes cannot hold key ", key);
+        iovec iov{addr, bytes};
+        fi_mr_attr attr{};
+        attr.mr_iov = &iov;
+        attr.iov_count = 1;
+        attr.access = access;
+        attr.requested_key = key;
+        attr.iface = iface;
+        if (iface == FI_HMEM_CUDA) attr.device.cuda = device_;
+        Fid<fid_mr> mr;
+        const int rc = fi_mr_regattr(domain_.get(), &attr, 0, mr.out());
+        MOERL_CHECK(rc == 0, name(), " rank ", rank_, ": registering ", what, " (", bytes, " bytes of ",
+                    iface == FI_HMEM_CUDA ? "CUDA device " + std::to_string(device_) : std::string("host"),
+                    " memory) failed: ", fi_strerror(-rc), " (", rc, ")");
         if (mr_mode_ & FI_MR_ENDPOINT) {
-            MOERL_FI_CHECK(fi_mr_bind(mr_.get(), ep_.as_fid(), 0), "fi_mr_bind(ep)");
-            MOERL_FI_CHECK(fi_mr_enable(mr_.get()), "fi_mr_enable");
+            MOERL_FI_CHECK(fi_mr_bind(mr.get(), ep_.as_fid(), 0), "fi_mr_bind(ep)");
+            MOERL_FI_CHECK(fi_mr_enable(mr.get()), "fi_mr_enable");
         }
-        desc_ = (mr_mode_ & FI_MR_LOCAL) ? fi_mr_desc(mr_.get()) : nullptr;
+        return mr;
     }
 
     void post_initial_receives() {
@@ -375,6 +490,48 @@ class FabricTransport final : public Transport {
         }
     }
 
+    // What a peer needs to write into `mr` at `addr`: base address, key, and the raw key (FI_MR_RAW).
+    struct LocalKey {
+        uint64_t base = 0;
+        uint64_t key = 0;
+        std::vector<uint8_t> raw_key;
+    };
+    LocalKey local_key(fid_mr* mr, const std::byte* addr) const {
+        LocalKey k;
+        k.base = reinterpret_cast<uint64_t>(addr);
+        if (mr_mode_ & FI_MR_RAW) {
+            size_t key_size = 0;
+            const int size_rc = fi_mr_raw_attr(mr, &k.base, nullptr, &key_size, 0);
+            MOERL_CHECK(size_rc == -FI_ETOOSMALL || size_rc == 0,
+                        "libfabric: fi_mr_raw_attr (size query) failed: ", fi_strerror(-size_rc));
+            k.raw_key.resize(key_size);
+            MOERL_FI_CHECK(fi_mr_raw_attr(mr, &k.base, k.raw_key.data(), &key_size, 0), "fi_mr_raw_attr");
+            k.raw_key.resize(key_size);
+        } else {
+            k.key = fi_mr_key(mr);
+            MOERL_CHECK(k.key != FI_KEY_NOTAVAIL, name(), ": fi_mr_key returned FI_KEY_NOTAVAIL");
+        }
+        return k;
+    }
+    static void pack_key(fabric::Packer& packer, const LocalKey& k) {
+        packer.put(k.base);
+        packer.put(k.key);
+        packer.put_bytes(k.raw_key);
+    }
+    RemoteMemory unpack_key(fabric::Unpacker& in) {
+        RemoteMemory m;
+        const auto base = in.get<uint64_t>();
+        m.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? base : 0;
+        m.key = in.get<uint64_t>();
+        auto raw_key = in.get_bytes();
+        if (mr_mode_ & FI_MR_RAW) {
+            MOERL_FI_CHECK(fi_mr_map_raw(domain_.get(), base, raw_key.data(), raw_key.size(), &m.key, 0),
+                           "fi_mr_map_raw");
+            m.key_mapped = true;
+        }
+        return m;
+    }
+
     // Exchanges endpoint names and memory keys through the store, then fills the address vector.
     void connect_peers() {
         size_t name_len = 0;
@@ -385,30 +542,16 @@ class FabricTransport final : public Transport {
         MOERL_FI_CHECK(fi_getname(ep_.as_fid(), ep_name.data(), &name_len), "fi_getname");
         ep_name.resize(name_len);
 
-        uint64_t base = reinterpret_cast<uint64_t>(base_);
-        uint64_t key = 0;
-        std::vector<uint8_t> raw_key;
-        if (mr_mode_ & FI_MR_RAW) {
-            size_t key_size = 0;
-            const int size_rc = fi_mr_raw_attr(mr_.get(), &base, nullptr, &key_size, 0);
-            MOERL_CHECK(size_rc == -FI_ETOOSMALL || size_rc == 0,
-                        "libfabric: fi_mr_raw_attr (size query) failed: ", fi_strerror(-size_rc));
-            raw_key.resize(key_size);
-            MOERL_FI_CHECK(fi_mr_raw_attr(mr_.get(), &base, raw_key.data(), &key_size, 0), "fi_mr_raw_attr");
-            raw_key.resize(key_size);
-        } else {
-            key = fi_mr_key(mr_.get());
-            MOERL_CHECK(key != FI_KEY_NOTAVAIL, name(), ": fi_mr_key returned FI_KEY_NOTAVAIL");
-        }
+        const LocalKey region_key = local_key(mr_.get(), base_);
+        const LocalKey scratch_key = local_key(scratch_mr_.get(), scratch_);
 
         if (world_size_ == 1) return;  // writes to self never reach the provider
 
         fabric::Packer packer;
         packer.put(static_cast<uint64_t>(region_bytes_));
         packer.put_bytes(ep_name);
-        packer.put(base);
-        packer.put(key);
-        packer.put_bytes(raw_key);
+        pack_key(packer, region_key);
+        pack_key(packer, scratch_key);
         const auto records = gather("bootstrap (exchanging endpoint addresses)", "addr", packer.bytes());
 
         std::lock_guard lock(mu_);
@@ -421,19 +564,11 @@ class FabricTransport final : public Transport {
                         " (regions must be symmetric)");
             const auto peer_name = in.get_bytes();
             Peer& p = peers_[peer];
-            const auto peer_base = in.get<uint64_t>();
-            p.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? peer_base : 0;
-            p.key = in.get<uint64_t>();
-            auto peer_raw_key = in.get_bytes();
+            p.region = unpack_key(in);
+            p.scratch = unpack_key(in);
             const int inserted = fi_av_insert(av_.get(), peer_name.data(), 1, &p.addr, 0, nullptr);
             MOERL_CHECK(inserted == 1, name(), ": fi_av_insert of rank ", peer,
                         "'s address failed: ", inserted < 0 ? fi_strerror(-inserted) : "not inserted");
-            if (mr_mode_ & FI_MR_RAW) {
-                MOERL_FI_CHECK(fi_mr_map_raw(domain_.get(), peer_base, peer_raw_key.data(),
-                                             peer_raw_key.size(), &p.key, 0),
-                               "fi_mr_map_raw");
-                p.key_mapped = true;
-            }
         }
     }
 
@@ -444,16 +579,22 @@ class FabricTransport final : public Transport {
         if (progress_.joinable()) progress_.join();
         ep_.reset();  // FI_MR_ENDPOINT: a bound MR cannot close before its endpoint
         for (Peer& p : peers_) {
-            if (p.key_mapped) fi_mr_unmap_key(domain_.get(), p.key);
-            p.key_mapped = false;
+            for (RemoteMemory* m : {&p.region, &p.scratch}) {
+                if (m->key_mapped) fi_mr_unmap_key(domain_.get(), m->key);
+                m->key_mapped = false;
+            }
         }
         mr_.reset();
+        scratch_mr_.reset();
         av_.reset();
         cq_.reset();
         domain_.reset();
         fabric_.reset();
-        mapping_.reset();
+        region_mapping_.reset();
+        device_memory_.reset();
+        scratch_mapping_.reset();
         base_ = nullptr;
+        scratch_ = nullptr;
         info_.reset();
     }
 
@@ -462,7 +603,7 @@ class FabricTransport final : public Transport {
         check_failed();
         if (peer == rank_) {
             // The provider is not needed to copy within one process.
-            if (bytes > 0) std::memmove(base_ + dst_offset, base_ + src_offset, bytes);
+            copy(base_ + dst_offset, base_ + src_offset, bytes, kWithinRegion);
             signals_[lane_idx(rank_, channel)].fetch_add(1, std::memory_order_release);
             return;
         }
@@ -502,9 +643,11 @@ class FabricTransport final : public Transport {
             const size_t chunk_offset = chunk_idx * chunk_bytes_;
             const size_t len = pure_signal ? kSignalBytes : std::min(chunk_bytes_, bytes - chunk_offset);
             const std::byte* src =
-                pure_signal ? base_ + scratch_offset_ + kScratchSrcOffset : base_ + src_offset + chunk_offset;
-            const uint64_t remote_offset =
-                pure_signal ? scratch_offset_ + kScratchDstOffset : dst_offset + chunk_offset;
+                pure_signal ? scratch_ + kScratchSrcOffset : base_ + src_offset + chunk_offset;
+            void* desc = pure_signal ? scratch_desc_ : region_desc_;
+            const RemoteMemory& remote = pure_signal ? p.scratch : p.region;
+            const uint64_t remote_addr =
+                remote.base + (pure_signal ? kScratchDstOffset : dst_offset + chunk_offset);
 
             OpContext* op = acquire_write_op_locked(peer, channel, seq);
             ++writes_in_flight_per_peer_[peer];
@@ -516,8 +659,8 @@ class FabricTransport final : public Transport {
                 record_error(std::make_exception_ptr(error));
             };
             while (true) {
-                const ssize_t rc = fi_writedata(ep_.get(), src, len, desc_, data, p.addr,
-                                                p.base + remote_offset, p.key, &op->fi);
+                const ssize_t rc =
+                    fi_writedata(ep_.get(), src, len, desc, data, p.addr, remote_addr, remote.key, &op->fi);
                 if (rc == 0) break;
                 if (rc != -FI_EAGAIN) {
                     Error error(
@@ -570,7 +713,7 @@ class FabricTransport final : public Transport {
     }
 
     void post_recv_locked(OpContext* op) {
-        const ssize_t rc = fi_recv(ep_.get(), base_ + scratch_offset_ + kScratchRecvOffset, kRecvBytes, desc_,
+        const ssize_t rc = fi_recv(ep_.get(), scratch_ + kScratchRecvOffset, kRecvBytes, scratch_desc_,
                                    FI_ADDR_UNSPEC, &op->fi);
         if (rc == -FI_EAGAIN) {
             recvs_to_post_.push_back(op);  // retried after the next completions
@@ -690,6 +833,8 @@ class FabricTransport final : public Transport {
     const int world_size_;
     const size_t region_bytes_;
     const std::string provider_;
+    const RegionMemory memory_;
+    const int device_;
     const std::string job_id_;
     const Clock::duration timeout_;
     Store* const store_;
@@ -705,11 +850,15 @@ class FabricTransport final : public Transport {
     Fid<fid_cq> cq_;
     Fid<fid_av> av_;
     Fid<fid_ep> ep_;
-    Fid<fid_mr> mr_;
-    Mapping mapping_;
-    std::byte* base_ = nullptr;
-    size_t scratch_offset_ = 0;
-    void* desc_ = nullptr;  // fi_mr_desc when FI_MR_LOCAL, else null
+    Fid<fid_mr> mr_;              // the region
+    Fid<fid_mr> scratch_mr_;      // the signal scratch
+    Mapping region_mapping_;      // the region in host memory (kHost, kHostAsDevice)
+    DeviceMemory device_memory_;  // the region in device memory (kCuda)
+    Mapping scratch_mapping_;
+    std::byte* base_ = nullptr;  // the region
+    std::byte* scratch_ = nullptr;
+    void* region_desc_ = nullptr;  // fi_mr_desc when FI_MR_LOCAL, else null
+    void* scratch_desc_ = nullptr;
     std::vector<Peer> peers_;
 
     // Guards every libfabric call on the domain's objects after construction (FI_THREAD_DOMAIN), and

@@ -88,6 +88,9 @@ class HostTransport final : public Transport {
         : rank_(o.rank), world_size_(o.world_size), region_bytes_(o.region_bytes), store_(o.store) {
         MOERL_CHECK(world_size_ == 1 || store_ != nullptr, "host transport: a bootstrap store is needed for ",
                     world_size_, " ranks");
+        MOERL_CHECK(o.region_memory == RegionMemory::kHost,
+                    "host transport: region_memory = ", region_memory_name(o.region_memory),
+                    ": shared host memory only (the fabric transport registers device memory)");
         const size_t seg_bytes = counters_bytes(world_size_) + region_bytes_;
         prefix_ = o.job_id + "/host";
         const auto timeout = std::chrono::milliseconds(static_cast<long>(o.timeout_s * 1000));
