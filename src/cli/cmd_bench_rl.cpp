@@ -205,8 +205,9 @@ struct TrainBenchArgs {
     int64_t response = 1024;
     int64_t steps = 6;
     int64_t warmup = 2;
-    int64_t micro_batch_tokens = -1;  // -1: the config's train.micro_batch_tokens
-    int layers = 0;                   // 0: the config's model.num_layers
+    int64_t micro_batch_tokens = -1;        // -1: the config's train.micro_batch_tokens
+    bool activation_checkpointing = false;  // true: on whatever the config says
+    int layers = 0;                         // 0: the config's model.num_layers
     std::string device, dtype;
     double peak_tflops = 989;
     std::string trace;  // a Chrome trace of the last step (LibTorch's profiler)
@@ -257,6 +258,7 @@ void bench_train(const TrainBenchArgs& a) {
         cfg.model.validate();
     }
     if (a.micro_batch_tokens >= 0) cfg.micro_batch_tokens = a.micro_batch_tokens;
+    if (a.activation_checkpointing) cfg.activation_checkpointing = true;
     MOERL_CHECK(a.samples >= 1 && a.prompt >= 1 && a.response >= 1,
                 "bench train: --samples, --prompt and "
                 "--response must be at least 1");
@@ -302,10 +304,11 @@ void bench_train(const TrainBenchArgs& a) {
             : std::string("one padded batch");
     std::printf(
         "bench train: %s, %s %s, %d layers, %lld samples x (%lld prompt + %lld response) = %.0f tokens "
-        "a step, %s, %d ppo epoch(s)\n",
+        "a step, %s, %d ppo epoch(s)%s\n",
         a.config.c_str(), cfg.train_device.c_str(), cfg.train_dtype.c_str(), cfg.model.num_hidden_layers,
         static_cast<long long>(a.samples), static_cast<long long>(a.prompt),
-        static_cast<long long>(a.response), all_tokens, micro.c_str(), cfg.ppo_epochs);
+        static_cast<long long>(a.response), all_tokens, micro.c_str(), cfg.ppo_epochs,
+        cfg.activation_checkpointing ? ", activation checkpointing" : "");
     std::printf("active parameters: layers %s + output %s; %.2f TFLOP a step",
                 human_count(trunk_parameters(cfg.model)).c_str(),
                 human_count(output_parameters(cfg.model)).c_str(), flops / 1e12);
@@ -372,6 +375,8 @@ void register_bench_rl(CLI::App& bench) {
         cmd->add_option("--micro-batch-tokens", a->micro_batch_tokens,
                         "Overrides train.micro_batch_tokens (0 = one padded batch)");
         cmd->add_option("--layers", a->layers, "Overrides model.num_layers");
+        cmd->add_flag("--activation-checkpointing", a->activation_checkpointing,
+                      "Sets train.activation_checkpointing (layers recomputed in the backward)");
         cmd->add_option("--device", a->device, "cpu or cuda: overrides train.device");
         cmd->add_option("--dtype", a->dtype, "fp32 or bf16: overrides train.dtype");
         cmd->add_option("--peak-tflops", a->peak_tflops,

@@ -284,22 +284,28 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at:
     return combine_slots(at::cat(outs, 0), w, slots);
 }
 
-void LoadBalanceLoss::add_layer(const Routing& routing) {
+LoadBalanceLoss::LayerSums LoadBalanceLoss::layer_sums(const Routing& routing) {
     const int64_t E = routing.probs.size(1);
     at::Tensor valid = (routing.topk_idx.select(1, 0) >= 0).to(at::kFloat);  // masked tokens have all -1
     at::Tensor flat = routing.topk_idx.reshape({-1});
     at::Tensor chosen = flat.masked_select(flat >= 0);
-    at::Tensor counts = at::zeros({E}, routing.probs.options().requires_grad(false));
-    counts.index_add_(0, chosen, at::ones({chosen.size(0)}, counts.options()));
-    at::Tensor prob_sum = (routing.probs * valid.unsqueeze(1)).sum(0);
+    LayerSums s;
+    s.counts = at::zeros({E}, routing.probs.options().requires_grad(false));
+    s.counts.index_add_(0, chosen, at::ones({chosen.size(0)}, s.counts.options()));
+    s.prob_sum = (routing.probs * valid.unsqueeze(1)).sum(0);
+    s.num_tokens = valid.sum();
+    return s;
+}
+
+void LoadBalanceLoss::add(const LayerSums& s) {
     if (!counts_.defined()) {
-        counts_ = counts;
-        prob_sum_ = prob_sum;
-        num_tokens_ = valid.sum();
+        counts_ = s.counts;
+        prob_sum_ = s.prob_sum;
+        num_tokens_ = s.num_tokens;
     } else {
-        counts_ = counts_ + counts;
-        prob_sum_ = prob_sum_ + prob_sum;
-        num_tokens_ = num_tokens_ + valid.sum();
+        counts_ = counts_ + s.counts;
+        prob_sum_ = prob_sum_ + s.prob_sum;
+        num_tokens_ = num_tokens_ + s.num_tokens;
     }
 }
 

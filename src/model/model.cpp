@@ -1,6 +1,8 @@
 // MoeModel construction, the transformer trunk, training forward, prefill and decode.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
 
@@ -159,62 +161,187 @@ int64_t MoeModel::weight_bytes() const {
     return n;
 }
 
+MoeModel::Impl::LayerOutput MoeModel::Impl::layer(size_t l, const at::Tensor& x_in, const LayerInputs& in,
+                                                  const at::Tensor& replay, bool want_aux) const {
+    const ModelConfig& c = config;
+    const int64_t B = in.B, S = in.S, H = c.hidden_size, D = c.head_dim;
+    const double eps = c.rms_norm_eps;
+    const LayerWeights& w = layers[l];
+    LayerOutput out;
+    at::Tensor x = x_in;
+    at::Tensor h = rms_norm(x, w.input_norm, eps);
+    at::Tensor q = rms_norm(at::matmul(h, w.q_proj.t()).view({B, S, -1, D}), w.q_norm, eps);
+    at::Tensor k = rms_norm(at::matmul(h, w.k_proj.t()).view({B, S, -1, D}), w.k_norm, eps);
+    at::Tensor v = at::matmul(h, w.v_proj.t()).view({B, S, -1, D});
+    if (in.varlen != nullptr) {
+        q = apply_rope(q, in.cos_bshd, in.sin_bshd);
+        k = apply_rope(k, in.cos_bshd, in.sin_bshd);
+        x = x + at::matmul(varlen_attention(q, k, v, *in.varlen), w.o_proj.t());
+    } else {
+        q = apply_rope(q.transpose(1, 2), in.cos, in.sin);
+        k = apply_rope(k.transpose(1, 2), in.cos, in.sin);
+        v = v.transpose(1, 2);
+        if (in.cache != nullptr) {
+            in.cache->keys[l].narrow(2, in.col0, S).copy_(k);
+            in.cache->values[l].narrow(2, in.col0, S).copy_(v);
+            k = in.cache->keys[l].narrow(2, 0, in.col0 + S);
+            v = in.cache->values[l].narrow(2, 0, in.col0 + S);
+        }
+        x = x + at::matmul(attention(q, k, v, in.allowed), w.o_proj.t());
+    }
+    h = rms_norm(x, w.post_norm, eps);
+    if (w.moe_index >= 0) {
+        at::Tensor flat = h.reshape({B * S, H});
+        Routing r = route(flat, w.router, c.num_experts_per_tok, c.norm_topk_prob, in.valid_flat, replay);
+        if (want_aux) out.balance = LoadBalanceLoss::layer_sums(r);
+        out.topk_idx = r.topk_idx;
+        at::Tensor y = moe_forward(flat, r, w.experts_gate, w.experts_up, w.experts_down, options.ep);
+        x = x + y.view({B, S, H});
+    } else {
+        x = x + swiglu(h, w.gate_proj, w.up_proj, w.down_proj);
+    }
+    out.x = x;
+    return out;
+}
+
+// Activation checkpointing of one decoder layer. The forward keeps only the layer's input and the
+// experts it chose; the backward runs the layer again, with its graph, on those same experts and
+// backpropagates through it. Parameter gradients accumulate into .grad there, as in a plain
+// backward; with EP every rank recomputes the same layers in the same order, so the dispatches
+// still pair up. Outputs: {x, prob_sum, counts, num_tokens, topk_idx} for an MoE layer, {x} for a
+// dense one. The model must outlive the backward (the trainer's does).
+struct MoeModel::Impl::CheckpointedLayer : torch::autograd::Function<CheckpointedLayer> {
+    using AutogradContext = torch::autograd::AutogradContext;
+    using variable_list = torch::autograd::variable_list;
+
+    static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const Impl* model, int64_t l,
+                                 const LayerInputs* in, const at::Tensor* replay, bool want_aux) {
+        // `replay` by pointer: an undefined tensor cannot be an input of an autograd function.
+        LayerOutput o = model->layer(static_cast<size_t>(l), x, *in, *replay, want_aux);
+        ctx->save_for_backward({x});
+        auto& d = ctx->saved_data;
+        d["model"] = reinterpret_cast<int64_t>(model);
+        d["layer"] = l;
+        d["want_aux"] = want_aux;
+        d["B"] = in->B;
+        d["S"] = in->S;
+        d["cos"] = in->cos;
+        d["sin"] = in->sin;
+        d["cos_bshd"] = in->cos_bshd;
+        d["sin_bshd"] = in->sin_bshd;
+        d["allowed"] = in->allowed;
+        d["valid_flat"] = in->valid_flat;
+        d["varlen"] = in->varlen != nullptr;
+        if (in->varlen != nullptr) {
+            d["cu_seqlens"] = in->varlen->cu_seqlens;
+            d["max_len"] = in->varlen->max_len;
+        }
+        if (!o.topk_idx.defined()) return {o.x};
+        d["topk_idx"] = o.topk_idx;
+        // Without the loss three distinct placeholders: one tensor returned twice would share its
+        // autograd edge.
+        const auto f32 = o.x.options().dtype(at::kFloat);
+        at::Tensor prob_sum = want_aux ? o.balance.prob_sum : at::zeros({0}, f32);
+        at::Tensor counts = want_aux ? o.balance.counts : at::zeros({0}, f32);
+        at::Tensor num_tokens = want_aux ? o.balance.num_tokens : at::zeros({}, f32);
+        ctx->mark_non_differentiable({counts, num_tokens, o.topk_idx});
+        return {o.x, prob_sum, counts, num_tokens, o.topk_idx};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const at::Tensor x = ctx->get_saved_variables()[0];
+        auto& d = ctx->saved_data;
+        const auto* model = reinterpret_cast<const Impl*>(d["model"].toInt());
+        const bool want_aux = d["want_aux"].toBool();
+        LayerInputs in;
+        in.B = d["B"].toInt();
+        in.S = d["S"].toInt();
+        in.cos = d["cos"].toTensor();
+        in.sin = d["sin"].toTensor();
+        in.cos_bshd = d["cos_bshd"].toTensor();
+        in.sin_bshd = d["sin_bshd"].toTensor();
+        in.allowed = d["allowed"].toTensor();
+        in.valid_flat = d["valid_flat"].toTensor();
+        VarlenLayout varlen;
+        if (d["varlen"].toBool()) {
+            varlen.cu_seqlens = d["cu_seqlens"].toTensor();
+            varlen.max_len = d["max_len"].toInt();
+            in.varlen = &varlen;
+        }
+        const at::Tensor experts = d.count("topk_idx") ? d["topk_idx"].toTensor() : at::Tensor();
+
+        at::Tensor x_again = x.detach().requires_grad_(x.requires_grad());
+        at::AutoGradMode grad_on(true);
+        Impl::LayerOutput o =
+            model->layer(static_cast<size_t>(d["layer"].toInt()), x_again, in, experts, want_aux);
+        std::vector<at::Tensor> outputs{o.x};
+        std::vector<at::Tensor> output_grads{grads[0].defined() ? grads[0] : at::zeros_like(o.x)};
+        if (want_aux && grads.size() > 1 && grads[1].defined() && o.balance.prob_sum.requires_grad()) {
+            outputs.push_back(o.balance.prob_sum);
+            output_grads.push_back(grads[1]);
+        }
+        torch::autograd::backward(outputs, output_grads);
+        return {x_again.requires_grad() ? x_again.grad() : at::Tensor(),
+                at::Tensor(),
+                at::Tensor(),
+                at::Tensor(),
+                at::Tensor(),
+                at::Tensor()};
+    }
+};
+
 MoeModel::Impl::Trunk MoeModel::Impl::run(const at::Tensor& ids, const at::Tensor& positions,
                                           const at::Tensor& allowed, const at::Tensor& token_valid,
                                           KvCache* cache, int64_t col0, const at::Tensor& replay,
-                                          bool record_routing, bool want_aux,
-                                          const VarlenLayout* varlen) const {
+                                          bool record_routing, bool want_aux, const VarlenLayout* varlen,
+                                          bool checkpoint_layers) const {
     const ModelConfig& c = config;
-    const int64_t B = ids.size(0), S = ids.size(1), H = c.hidden_size, D = c.head_dim;
+    const int64_t B = ids.size(0), S = ids.size(1), D = c.head_dim;
     const int64_t K = c.num_experts_per_tok, M = c.num_moe_layers();
-    const double eps = c.rms_norm_eps;
-    at::Tensor x = at::embedding(embed, ids);
-    auto [cos, sin] = rope_tables(positions, D, c.rope_theta, options.dtype);
+    LayerInputs in;
+    in.B = B;
+    in.S = S;
+    std::tie(in.cos, in.sin) = rope_tables(positions, D, c.rope_theta, options.dtype);
     // The varlen path keeps q/k/v as [B, S, heads, D]: the tables broadcast over heads there.
-    at::Tensor cos_bshd = varlen != nullptr ? cos.transpose(1, 2) : at::Tensor();
-    at::Tensor sin_bshd = varlen != nullptr ? sin.transpose(1, 2) : at::Tensor();
-    at::Tensor valid_flat = token_valid.reshape({B * S});
+    if (varlen != nullptr) {
+        in.cos_bshd = in.cos.transpose(1, 2);
+        in.sin_bshd = in.sin.transpose(1, 2);
+    }
+    in.allowed = allowed;
+    in.valid_flat = token_valid.reshape({B * S});
+    in.varlen = varlen;
+    in.cache = cache;
+    in.col0 = col0;
+    // Checkpointing pays off only where a backward follows: never for prefill.
+    const bool checkpoint = checkpoint_layers && cache == nullptr && at::GradMode::is_enabled();
+
+    at::Tensor x = at::embedding(embed, ids);
     LoadBalanceLoss balance;
     std::vector<at::Tensor> records;
-
     for (size_t l = 0; l < layers.size(); ++l) {
         const LayerWeights& w = layers[l];
-        at::Tensor h = rms_norm(x, w.input_norm, eps);
-        at::Tensor q = rms_norm(at::matmul(h, w.q_proj.t()).view({B, S, -1, D}), w.q_norm, eps);
-        at::Tensor k = rms_norm(at::matmul(h, w.k_proj.t()).view({B, S, -1, D}), w.k_norm, eps);
-        at::Tensor v = at::matmul(h, w.v_proj.t()).view({B, S, -1, D});
-        if (varlen != nullptr) {
-            q = apply_rope(q, cos_bshd, sin_bshd);
-            k = apply_rope(k, cos_bshd, sin_bshd);
-            x = x + at::matmul(varlen_attention(q, k, v, *varlen), w.o_proj.t());
-        } else {
-            q = apply_rope(q.transpose(1, 2), cos, sin);
-            k = apply_rope(k.transpose(1, 2), cos, sin);
-            v = v.transpose(1, 2);
-            if (cache != nullptr) {
-                cache->keys[l].narrow(2, col0, S).copy_(k);
-                cache->values[l].narrow(2, col0, S).copy_(v);
-                k = cache->keys[l].narrow(2, 0, col0 + S);
-                v = cache->values[l].narrow(2, 0, col0 + S);
+        at::Tensor rep;
+        if (w.moe_index >= 0 && replay.defined()) rep = replay.select(2, w.moe_index).reshape({B * S, K});
+        LayerOutput o;
+        if (checkpoint) {
+            torch::autograd::variable_list outs =
+                CheckpointedLayer::apply(x, this, static_cast<int64_t>(l), &in, &rep, want_aux);
+            o.x = outs[0];
+            if (outs.size() > 1) {
+                o.balance = {outs[2], outs[1], outs[3]};
+                o.topk_idx = outs[4];
             }
-            x = x + at::matmul(attention(q, k, v, allowed), w.o_proj.t());
-        }
-        h = rms_norm(x, w.post_norm, eps);
-        if (w.moe_index >= 0) {
-            at::Tensor flat = h.reshape({B * S, H});
-            at::Tensor rep;
-            if (replay.defined()) rep = replay.select(2, w.moe_index).reshape({B * S, K});
-            Routing r = route(flat, w.router, K, c.norm_topk_prob, valid_flat, rep);
-            if (want_aux) balance.add_layer(r);
-            if (record_routing) records.push_back(r.topk_idx.to(at::kShort));
-            at::Tensor y = moe_forward(flat, r, w.experts_gate, w.experts_up, w.experts_down, options.ep);
-            x = x + y.view({B, S, H});
         } else {
-            x = x + swiglu(h, w.gate_proj, w.up_proj, w.down_proj);
+            o = layer(l, x, in, rep, want_aux);
+        }
+        x = o.x;
+        if (w.moe_index >= 0) {
+            if (want_aux) balance.add(o.balance);
+            if (record_routing) records.push_back(o.topk_idx.to(at::kShort));
         }
     }
     Trunk out;
-    out.hidden = rms_norm(x, final_norm, eps);
+    out.hidden = rms_norm(x, final_norm, c.rms_norm_eps);
     if (want_aux) out.aux_loss = balance.value().to(embed.device());
     if (record_routing) {
         out.routing = M == 0 ? at::empty({B, S, 0, K}, ids.options().dtype(at::kShort))
@@ -278,7 +405,7 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
         if (!varlen) allowed = allowed_keys(valid, S, 0);
     }
     Impl::Trunk t = m.run(ids, positions, allowed, valid, nullptr, 0, replay, options.record_routing,
-                          /*want_aux=*/true, varlen ? &*varlen : nullptr);
+                          /*want_aux=*/true, varlen ? &*varlen : nullptr, options.activation_checkpointing);
     ForwardOutput out;
     const bool selected = options.compute_logprobs && options.logprob_mask.defined();
     if (options.return_logits || options.compute_logprobs) {

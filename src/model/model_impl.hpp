@@ -26,6 +26,30 @@ struct MoeModel::Impl {
 
     const at::Tensor& output_weight() const { return config.tie_word_embeddings ? embed : lm_head; }
 
+    // What every layer of one trunk pass reads besides its input.
+    struct LayerInputs {
+        int64_t B = 0, S = 0;
+        at::Tensor cos, sin;            // rope tables [B, 1, S, D]
+        at::Tensor cos_bshd, sin_bshd;  // the same as [B, S, 1, D] (varlen path)
+        at::Tensor allowed;             // [B, S, L] bool (dense attention path)
+        at::Tensor valid_flat;          // [B * S] bool
+        const VarlenLayout* varlen = nullptr;
+        KvCache* cache = nullptr;
+        int64_t col0 = 0;
+    };
+    // One decoder layer's output: the new hidden state [B, S, H] and, for an MoE layer, the experts
+    // it chose [B * S, K] int64 and its share of the load-balancing loss (when want_aux).
+    struct LayerOutput {
+        at::Tensor x;
+        at::Tensor topk_idx;
+        LoadBalanceLoss::LayerSums balance;
+    };
+    // Layer l on x. `replay` [B * S, K] (optional) forces this layer's experts where it has no -1.
+    LayerOutput layer(size_t l, const at::Tensor& x, const LayerInputs& in, const at::Tensor& replay,
+                      bool want_aux) const;
+
+    struct CheckpointedLayer;  // activation checkpointing of layer() (model.cpp)
+
     struct Trunk {
         at::Tensor hidden;  // [B, S, H] after the final norm
         at::Tensor aux_loss;
@@ -36,7 +60,8 @@ struct MoeModel::Impl {
     // With `varlen` (no cache) attention runs over its sequences and `allowed` is not read.
     Trunk run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& allowed,
               const at::Tensor& token_valid, KvCache* cache, int64_t col0, const at::Tensor& replay,
-              bool record_routing, bool want_aux, const VarlenLayout* varlen = nullptr) const;
+              bool record_routing, bool want_aux, const VarlenLayout* varlen = nullptr,
+              bool checkpoint_layers = false) const;
 };
 
 }  // namespace moerl::model

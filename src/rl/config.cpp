@@ -478,6 +478,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.choice("device", {"cpu", "cuda"}, c.train_device);
             s.choice("dtype", {"fp32", "bf16"}, c.train_dtype);
             s.integer("micro_batch_tokens", 0, INT64_C(1) << 40, c.micro_batch_tokens);
+            s.boolean("activation_checkpointing", c.activation_checkpointing);
         },
         top);
     section(

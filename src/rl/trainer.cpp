@@ -301,6 +301,7 @@ struct PolicyTrainer::Impl {
         fo.logprob_bias = token_bias;
         if (cfg.routing_replay) fo.replay_routing = b.replay;
         if (b.segments.defined()) fo.segment_ids = b.segments;
+        fo.activation_checkpointing = cfg.activation_checkpointing;
         return net.forward(b.ids, b.attn, fo);
     }
     at::Tensor token_bias;  // allowed_token_bias of the sampling config, on the device
@@ -783,9 +784,11 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
         const std::string what = e.what_without_backtrace();
         MOERL_FAIL("train: the GPU ran out of memory in the update of ", batch.size(), " samples (", tokens,
                    " tokens, train.micro_batch_tokens = ", m.cfg.micro_batch_tokens,
+                   m.cfg.activation_checkpointing ? "" : ", train.activation_checkpointing off",
                    "): lower train.micro_batch_tokens (0 trains the whole batch at once), "
-                   "prompts_per_step or group_size, or rollout.max_new_tokens. LibTorch: ",
-                   what.substr(0, what.find('\n')));
+                   "prompts_per_step or group_size, or rollout.max_new_tokens",
+                   m.cfg.activation_checkpointing ? "" : ", or set train.activation_checkpointing: true",
+                   ". LibTorch: ", what.substr(0, what.find('\n')));
     }
 }
 

@@ -103,43 +103,50 @@ TEST_P(EpTest, ModelLogitsAndGradientsMatchOneRank) {
     ForwardOutput ref = single.forward(ids, mask, test::recording());
     ((ref.logits * probe).sum() + ref.token_logprobs.sum()).backward();
 
-    std::vector<ForwardOutput> outs(world);
-    std::vector<std::vector<NamedParameter>> params(world);
-    run_ranks(world, c, static_cast<int>(B * S), at::kFloat, [&](int rank, ep::Buffer& buffer) {
-        MoeModel model(c, {at::kCPU, at::kFloat, &buffer});
-        model.init_random(9);
-        auto [begin, count] = part(B, world, rank);
-        ForwardOutput out =
-            model.forward(ids.narrow(0, begin, count), mask.narrow(0, begin, count), test::recording());
-        ((out.logits * probe.narrow(0, begin, count)).sum() + out.token_logprobs.sum()).backward();
-        outs[rank] = out;
-        params[rank] = model.named_parameters();
-    });
-    std::vector<at::Tensor> logits, logprobs, routing;
-    for (auto& o : outs) {
-        logits.push_back(o.logits.detach());
-        logprobs.push_back(o.token_logprobs.detach());
-        routing.push_back(o.routing);
-    }
-    EXPECT_CLOSE(at::cat(logits, 0), ref.logits, kTol);
-    EXPECT_CLOSE(at::cat(logprobs, 0), ref.token_logprobs, kTol);
-    EXPECT_TRUE(at::equal(at::cat(routing, 0), ref.routing));
+    // The ranks with activation checkpointing too: each recomputes its layers in the backward, and
+    // the recomputed dispatches pair up across ranks.
+    for (bool checkpoint : {false, true}) {
+        SCOPED_TRACE(checkpoint ? "activation checkpointing" : "plain backward");
+        std::vector<ForwardOutput> outs(world);
+        std::vector<std::vector<NamedParameter>> params(world);
+        run_ranks(world, c, static_cast<int>(B * S), at::kFloat, [&](int rank, ep::Buffer& buffer) {
+            MoeModel model(c, {at::kCPU, at::kFloat, &buffer});
+            model.init_random(9);
+            auto [begin, count] = part(B, world, rank);
+            ForwardOptions options = test::recording();
+            options.activation_checkpointing = checkpoint;
+            ForwardOutput out =
+                model.forward(ids.narrow(0, begin, count), mask.narrow(0, begin, count), options);
+            ((out.logits * probe.narrow(0, begin, count)).sum() + out.token_logprobs.sum()).backward();
+            outs[rank] = out;
+            params[rank] = model.named_parameters();
+        });
+        std::vector<at::Tensor> logits, logprobs, routing;
+        for (auto& o : outs) {
+            logits.push_back(o.logits.detach());
+            logprobs.push_back(o.token_logprobs.detach());
+            routing.push_back(o.routing);
+        }
+        EXPECT_CLOSE(at::cat(logits, 0), ref.logits, kTol);
+        EXPECT_CLOSE(at::cat(logprobs, 0), ref.token_logprobs, kTol);
+        EXPECT_TRUE(at::equal(at::cat(routing, 0), ref.routing));
 
-    auto ref_params = single.named_parameters();
-    for (size_t i = 0; i < ref_params.size(); ++i) {
-        const auto& rp = ref_params[i];
-        ASSERT_TRUE(rp.tensor.grad().defined()) << rp.name;
-        if (rp.expert) {
-            const int64_t L = rp.tensor.size(0) / world;
-            for (int rank = 0; rank < world; ++rank) {
-                ASSERT_EQ(params[rank][i].name, rp.name);
-                EXPECT_CLOSE(params[rank][i].tensor.grad(), rp.tensor.grad().narrow(0, rank * L, L), kTol)
-                    << rp.name << " rank " << rank;
+        auto ref_params = single.named_parameters();
+        for (size_t i = 0; i < ref_params.size(); ++i) {
+            const auto& rp = ref_params[i];
+            ASSERT_TRUE(rp.tensor.grad().defined()) << rp.name;
+            if (rp.expert) {
+                const int64_t L = rp.tensor.size(0) / world;
+                for (int rank = 0; rank < world; ++rank) {
+                    ASSERT_EQ(params[rank][i].name, rp.name);
+                    EXPECT_CLOSE(params[rank][i].tensor.grad(), rp.tensor.grad().narrow(0, rank * L, L), kTol)
+                        << rp.name << " rank " << rank;
+                }
+            } else {  // replicated: the data-parallel sum over ranks equals the one-rank gradient
+                at::Tensor sum = at::zeros_like(rp.tensor);
+                for (int rank = 0; rank < world; ++rank) sum += params[rank][i].tensor.grad();
+                EXPECT_CLOSE(sum, rp.tensor.grad(), kTol) << rp.name;
             }
-        } else {  // replicated: the data-parallel sum over ranks equals the one-rank gradient
-            at::Tensor sum = at::zeros_like(rp.tensor);
-            for (int rank = 0; rank < world; ++rank) sum += params[rank][i].tensor.grad();
-            EXPECT_CLOSE(sum, rp.tensor.grad(), kTol) << rp.name;
         }
     }
 }

@@ -108,6 +108,40 @@ TEST(TrainerMicroBatches, PackedEqualsTheFullBatch) {
     }
 }
 
+// train.activation_checkpointing: the same update (loss, gradient norm, gradients, load-balancing
+// loss included) with each layer recomputed in the backward, on one rank and over EP ranks, padded
+// and packed.
+TEST(TrainerMicroBatches, ActivationCheckpointingTrainsTheSame) {
+    for (int ranks : {1, 2}) {
+        for (int64_t budget : {int64_t{0}, int64_t{12}}) {
+            TempDir t("checkpointed");
+            RunConfig c = small_config(t.path);
+            c.ep_ranks = ranks;
+            c.micro_batch_tokens = budget;
+            const auto batch = varied_batch(c);
+            const auto adv = advantages_of(batch, c.group_size);
+            TrainStats stats[2];
+            for (bool checkpoint : {false, true}) {
+                RunConfig run = c;
+                run.activation_checkpointing = checkpoint;
+                const std::string name = checkpoint ? "checkpointed" : "plain";
+                PolicyTrainer trainer(run, (t.path / ("work-" + name)).string());
+                stats[checkpoint] = trainer.update(batch, adv);
+                trainer.save_optimizer((t.path / ("opt-" + name)).string());
+            }
+            SCOPED_TRACE(std::to_string(ranks) + " ranks, micro_batch_tokens " + std::to_string(budget));
+            EXPECT_NE(stats[0].loss, 0.0);
+            EXPECT_NEAR(stats[1].loss, stats[0].loss, 1e-6 * std::abs(stats[0].loss) + 1e-8);
+            EXPECT_NEAR(stats[1].aux_loss, stats[0].aux_loss, 1e-6);
+            EXPECT_NEAR(stats[1].grad_norm, stats[0].grad_norm, 1e-5 * stats[0].grad_norm);
+            auto [diff, scale] = max_difference(read_tensors(t.path / "opt-plain", "exp_avg."),
+                                                read_tensors(t.path / "opt-checkpointed", "exp_avg."));
+            EXPECT_GT(scale, 0.0);
+            EXPECT_LT(diff, 1e-5 * scale);
+        }
+    }
+}
+
 TEST(TrainerMicroBatches, MismatchIsZeroWhenBehaviourIsTheTrainersOwn) {
     TempDir t("mismatch");
     RunConfig c = small_config(t.path);

@@ -93,8 +93,15 @@ at::Tensor moe_forward(const at::Tensor& x, const Routing& routing, const at::Te
 // one forward (HF concatenates all layers' router logits before averaging; so does this).
 class LoadBalanceLoss {
   public:
+    // One layer's share: expert counts [E] and token count (no gradient), router probabilities
+    // summed over its valid tokens [E] (differentiable).
+    struct LayerSums {
+        at::Tensor counts, prob_sum, num_tokens;
+    };
     // probs and topk_idx from route(); tokens with topk_idx -1 are skipped.
-    void add_layer(const Routing& routing);
+    static LayerSums layer_sums(const Routing& routing);
+    void add(const LayerSums& sums);
+    void add_layer(const Routing& routing) { add(layer_sums(routing)); }
     // E * sum_e f_e * P_e with f_e the fraction of (token, slot) choices naming expert e and P_e
     // the mean router probability of e, both over all (layer, valid token) pairs. The experts
     // counted are the ones actually used (the replayed ones under routing replay). A zero scalar

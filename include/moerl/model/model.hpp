@@ -64,6 +64,10 @@ struct ForwardOptions {
     // chunks from the hidden states without a [B, S, V] logit tensor. The trainer's path at a large
     // vocabulary: it asks for the response tokens only.
     at::Tensor logprob_mask;
+    // Activation checkpointing (when a backward follows): each decoder layer keeps only its input,
+    // and the backward runs it again. Memory for activations drops from all layers' to about one
+    // layer's plus a hidden state a layer, for one more forward of compute; gradients are the same.
+    bool activation_checkpointing = false;
 };
 
 struct ForwardOutput {

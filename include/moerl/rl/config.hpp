@@ -108,6 +108,10 @@ struct RunConfig {
     // at most this many tokens (several samples per row, no padding), runs forward and backward per
     // row and steps the optimizer once (gradient accumulation). 0 (default): one padded batch.
     int64_t micro_batch_tokens = 0;
+    // Activation checkpointing: each decoder layer keeps only its input through the forward and is
+    // run again in the backward (about a third more compute, activation memory of about one layer):
+    // for long sequences or large micro-batches that do not fit otherwise.
+    bool activation_checkpointing = false;
     // reward
     double verifier_weight = 1.0;
     // data: the verifier mix, e.g. [{kind: math, weight: 1.0}, {kind: format, weight: 0.2, pattern:
