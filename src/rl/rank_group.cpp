@@ -25,6 +25,13 @@
 #define MOERL_HAVE_GLOO 1
 #endif
 
+#if MOERL_HAVE_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+#include "moerl/core/log.hpp"
+
 namespace moerl::rl::detail {
 
 namespace {
@@ -370,6 +377,129 @@ class GlooRanks final : public ProcessRanksBase {
 };
 #endif
 
+#if MOERL_HAVE_NCCL
+// Sums of CUDA tensors through NCCL, on the GPU and without host copies (one GPU a rank); the rest
+// (host tensors, barriers, broadcasts, gathers, calls) through `inner`. NCCL refuses two ranks on
+// one GPU, so where ranks share one (tests, a small machine) the sums stay with `inner`, said once.
+// The communicator is non-blocking: a rank that dies mid-sum is reported after timeout_s, naming
+// it, instead of hanging every other rank.
+class NcclSums final : public ProcessRanksBase {
+  public:
+    NcclSums(const RoleProcesses& p, const std::string& role, std::unique_ptr<RankGroup> inner, bool required)
+        : ProcessRanksBase(p, role), inner_(std::move(inner)), required_(required) {}
+    ~NcclSums() override {
+        if (comm_ != nullptr) ncclCommDestroy(comm_);
+    }
+
+    void sum(int local, at::Tensor& t) override {
+        if (!t.is_cuda() || world_ == 1) return inner_->sum(local, t);
+        if (!opened_) open(t.device().index());
+        if (comm_ == nullptr) return inner_->sum(local, t);
+        const ncclDataType_t type = t.scalar_type() == at::kFloat    ? ncclFloat32
+                                    : t.scalar_type() == at::kDouble ? ncclFloat64
+                                                                     : ncclNumTypes;
+        MOERL_CHECK(type != ncclNumTypes, role_, " rank ", rank_, ": NCCL sums take fp32 or fp64, got ",
+                    c10::toString(t.scalar_type()));
+        at::Tensor dense = t.contiguous();
+        // The legacy default stream: LibTorch's default stream, where the gradients were computed.
+        check(ncclAllReduce(dense.data_ptr(), dense.data_ptr(), static_cast<size_t>(dense.numel()), type,
+                            ncclSum, comm_, nullptr),
+              "ncclAllReduce");
+        finish("summing gradients over NCCL");
+        if (dense.data_ptr() != t.data_ptr()) t.copy_(dense);
+    }
+    void barrier(int local) override { inner_->barrier(local); }
+    void broadcast(std::string& bytes) override { inner_->broadcast(bytes); }
+    std::vector<std::string> gather(const std::string& mine) override { return inner_->gather(mine); }
+    void send_call(std::string bytes) override { inner_->send_call(std::move(bytes)); }
+    std::string receive_call() override { return inner_->receive_call(); }
+
+  private:
+    void check(ncclResult_t rc, const char* what) {
+        if (rc == ncclSuccess || rc == ncclInProgress) return;
+        const char* last = ncclGetLastError(comm_);
+        MOERL_FAIL(role_, " rank ", rank_, " of ", world_, ": ", what, " failed: ", ncclGetErrorString(rc),
+                   last != nullptr && *last ? std::string(" (") + last + ")" : std::string());
+    }
+
+    // Waits for the communicator's pending work and the default stream, up to timeout_s.
+    void finish(const char* what) {
+        const auto deadline = std::chrono::steady_clock::now() +
+                              std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
+        for (int spins = 0;; ++spins) {
+            ncclResult_t async = ncclSuccess;
+            ncclCommGetAsyncError(comm_, &async);
+            if (async != ncclSuccess && async != ncclInProgress) check(async, what);
+            if (async == ncclSuccess) {
+                const cudaError_t q = cudaStreamQuery(nullptr);
+                if (q == cudaSuccess) return;
+                MOERL_CHECK(q == cudaErrorNotReady, role_, " rank ", rank_, ": ", what,
+                            " failed on the GPU: ", cudaGetErrorString(q));
+            }
+            if (std::chrono::steady_clock::now() > deadline) {
+                ncclCommAbort(comm_);
+                comm_ = nullptr;
+                MOERL_FAIL(role_, " rank ", rank_, " of ", world_, ": ", what, " did not finish within ",
+                           timeout_s_, " s: ", missing_ranks());
+            }
+            if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+    }
+
+    // Each rank's GPU (by UUID) through the store; NCCL only when no two ranks share one.
+    void open(int device) {
+        opened_ = true;
+        cudaDeviceProp prop{};
+        MOERL_CHECK(cudaGetDeviceProperties(&prop, device) == cudaSuccess, role_, " rank ", rank_,
+                    ": cannot read the properties of CUDA device ", device);
+        const std::string uuid(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+        store_->set(prefixed("nccl/gpu/" + std::to_string(rank_)), to_bytes(uuid.data(), uuid.size()));
+        const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
+        std::vector<std::string> gpus(world_);
+        guarded("exchanging GPU ids for NCCL", [&] {
+            for (int q = 0; q < world_; ++q) {
+                const std::string key = prefixed("nccl/gpu/" + std::to_string(q));
+                store_->wait({key}, timeout);
+                const std::vector<uint8_t> v = store_->get(key);
+                gpus[q].assign(v.begin(), v.end());
+            }
+        });
+        for (int q = 0; q < world_; ++q)
+            for (int r = q + 1; r < world_; ++r)
+                if (gpus[q] == gpus[r]) {
+                    MOERL_CHECK(!required_, role_, " processes: collectives 'nccl', but ranks ", q, " and ",
+                                r, " share one GPU (NCCL needs a GPU a rank; use auto)");
+                    if (rank_ == 0)
+                        log_line(moerl::detail::concat(
+                            role_, " processes: ranks ", q, " and ", r,
+                            " share one GPU, so gradient sums go through the host, not NCCL"));
+                    return;
+                }
+        ncclUniqueId id{};
+        const std::string id_key = prefixed("nccl/id");
+        if (rank_ == 0) {
+            check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+            store_->set(id_key, to_bytes(&id, sizeof(id)));
+        }
+        guarded("receiving rank 0's NCCL id", [&] {
+            store_->wait({id_key}, timeout);
+            const std::vector<uint8_t> v = store_->get(id_key);
+            MOERL_CHECK(v.size() == sizeof(id), "the NCCL id has ", v.size(), " bytes");
+            std::memcpy(&id, v.data(), sizeof(id));
+        });
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        check(ncclCommInitRankConfig(&comm_, world_, id, rank_, &config), "ncclCommInitRankConfig");
+        finish("joining the NCCL communicator");
+    }
+
+    std::unique_ptr<RankGroup> inner_;
+    const bool required_;
+    bool opened_ = false;
+    ncclComm_t comm_ = nullptr;
+};
+#endif
+
 }  // namespace
 
 std::unique_ptr<RankGroup> make_thread_group(int world_size) {
@@ -377,16 +507,28 @@ std::unique_ptr<RankGroup> make_thread_group(int world_size) {
 }
 
 std::unique_ptr<RankGroup> make_process_group(const RoleProcesses& p, const std::string& role) {
-    MOERL_CHECK(p.collectives == "auto" || p.collectives == "gloo" || p.collectives == "store", role,
-                " processes: collectives '", p.collectives, "'; expected auto, gloo or store");
-    if (p.collectives == "store") return std::make_unique<StoreRanks>(p, role);
+    MOERL_CHECK(p.collectives == "auto" || p.collectives == "gloo" || p.collectives == "store" ||
+                    p.collectives == "nccl",
+                role, " processes: collectives '", p.collectives, "'; expected auto, nccl, gloo or store");
+    std::unique_ptr<RankGroup> host;
+    if (p.collectives == "store") {
+        host = std::make_unique<StoreRanks>(p, role);
+    } else {
 #ifdef MOERL_HAVE_GLOO
-    return std::make_unique<GlooRanks>(p, role);
+        host = std::make_unique<GlooRanks>(p, role);
 #else
-    MOERL_CHECK(p.collectives != "gloo", role,
-                " processes: collectives 'gloo', but this LibTorch has no Gloo headers");
-    return std::make_unique<StoreRanks>(p, role);
+        MOERL_CHECK(p.collectives != "gloo", role,
+                    " processes: collectives 'gloo', but this LibTorch has no Gloo headers");
+        host = std::make_unique<StoreRanks>(p, role);
 #endif
+    }
+#if MOERL_HAVE_NCCL
+    if (p.collectives == "auto" || p.collectives == "nccl")
+        return std::make_unique<NcclSums>(p, role, std::move(host), p.collectives == "nccl");
+#else
+    MOERL_CHECK(p.collectives != "nccl", role, " processes: collectives 'nccl', but this build has no NCCL");
+#endif
+    return host;
 }
 
 }  // namespace moerl::rl::detail

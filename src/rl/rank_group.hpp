@@ -1,6 +1,7 @@
 // How the ranks of one role (the trainer, a rollout engine) combine what each computed. Threads of
 // one process meet in shared slots; processes (torchrun's environment) meet through c10d's Gloo
-// process group (or the rendezvous store), which also carries rank 0's calls to the others.
+// process group (or the rendezvous store), which also carries rank 0's calls to the others; sums of
+// CUDA tensors go through NCCL where every rank has a GPU of its own.
 #pragma once
 
 #include <ATen/core/Tensor.h>

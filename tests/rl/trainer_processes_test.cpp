@@ -155,6 +155,26 @@ TEST(TrainerProcesses, TwoProcessesSharingOneGpuEqualOne) {
                                    "2 processes on one GPU", 1e-4);
 }
 
+// NCCL needs a GPU a rank: with collectives 'nccl' two processes sharing one GPU are refused by
+// name (auto, above, sums through the host instead). On a machine with a GPU a rank the same
+// two processes sum over NCCL and train as one.
+TEST(TrainerProcesses, NcclSumsNeedAGpuARank) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    if (at::getNumGPUs() >= 2) {
+        expect_two_processes_equal_one("trainer-procs-nccl", "cuda",
+                                       {"MOERL_TEST_DEVICE=cuda", "MOERL_TEST_COLLECTIVES=nccl"},
+                                       "2 processes on 2 GPUs, sums over NCCL", 1e-4);
+        return;
+    }
+    TempDir t("trainer-procs-nccl-shared");
+    const Ranks r =
+        run_ranks(2, t.path / "shared", "cuda",
+                  {"MOERL_TEST_DEVICE=cuda", "MOERL_TEST_COLLECTIVES=nccl", "MOERL_TEST_TIMEOUT_S=20"});
+    ASSERT_EQ(r.codes.size(), 2u);
+    EXPECT_NE(r.codes[0], 0) << r.log;
+    EXPECT_NE(r.log.find("share one GPU (NCCL needs a GPU a rank"), std::string::npos) << r.log;
+}
+
 TEST(TrainerProcesses, ADeadRankFailsTheOthersWithAClearError) {
     TempDir t("trainer-procs-dead");
     const Ranks r =

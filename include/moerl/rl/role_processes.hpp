@@ -21,8 +21,10 @@ struct RoleProcesses {
     // Where rank 0's store is: a loopback address keeps Gloo on loopback too (GLOO_SOCKET_IFNAME
     // names the interface otherwise).
     std::string master_addr = "127.0.0.1";
-    // How the sums travel: auto (Gloo where LibTorch has its headers, else the store), gloo, or
-    // store (through the rendezvous store: every rank posts its part; for tests and small models).
+    // How the sums travel: auto (CUDA tensors through NCCL where the build has it and every rank
+    // has a GPU of its own; the rest through Gloo where LibTorch has its headers, else the store),
+    // nccl (as auto, but ranks sharing a GPU are an error), gloo, or store (through the rendezvous
+    // store: every rank posts its part; for tests and small models).
     std::string collectives = "auto";
 };
 
