@@ -23,6 +23,8 @@
 #include <tuple>
 #include <vector>
 
+#include "moerl/ep/dtype.hpp"
+
 namespace {
 
 namespace mc = moerl::model::cuda;
@@ -511,6 +513,67 @@ TEST_P(DecodeDense, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(BatchesColumns, DecodeDense,
                          ::testing::Combine(::testing::Values(1, 3), ::testing::Values(1032, 5128)));
+
+// FP8 weights: two stacked matrices whose rows and columns end inside a 128 x 128 block, values over
+// six orders of magnitude, a block of zeros and a block with one outlier. The e4m3 bytes and the
+// block scales equal a CPU reference built on the EP library's e4m3 (an independent encoder) bit for
+// bit, and every weight comes back within half an e4m3 step, as decode_kernels.hpp states.
+TEST(DecodeFp8Quantize, BlocksMatchTheCpuAndStayWithinHalfAStep) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const int64_t batch = 2, rows = 200, cols = 300;
+    const int64_t block_rows = 2, block_cols = 3, n = batch * rows * cols;
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> decade(-3.0f, 3.0f);
+    std::vector<float> w(n);
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = (i / cols) % rows, c = i % cols;
+        const int64_t m = i / (rows * cols);
+        w[i] = normal(rng) * std::pow(10.0f, decade(rng));
+        if (m == 1 && r < 128 && c < 128) w[i] = 0.0f;                   // a block of zeros
+        if (m == 0 && r >= 128 && c >= 256) w[i] = normal(rng) * 1e-3f;  // a block of small values ...
+    }
+    w[(128 + 5) * cols + 260] = 3e4f;  // ... with one outlier
+    for_each_dtype([&](int dtype, auto zero) {
+        using T = decltype(zero);
+        SCOPED_TRACE(dtype == 0 ? "fp32" : "bf16");
+        std::vector<T> typed(n);
+        std::vector<float> as_given(n);  // the weights as the kernel sees them
+        for (int64_t i = 0; i < n; ++i) {
+            typed[i] = static_cast<T>(w[i]);
+            as_given[i] = static_cast<float>(typed[i]);
+        }
+        Dev<T> d_w(typed);
+        Dev<uint8_t> d_q(std::vector<uint8_t>(n, 0x55));
+        Dev<float> d_scales(std::vector<float>(batch * block_rows * block_cols, -1.0f));
+        mc::launch_quantize_fp8_blocks(dtype, d_w.p, batch, rows, cols, d_q.p, d_scales.p, {nullptr, false});
+        CK(cudaGetLastError());
+        const std::vector<uint8_t> q = d_q.read();
+        const std::vector<float> scales = d_scales.read();
+        for (int64_t m = 0; m < batch; ++m)
+            for (int64_t br = 0; br < block_rows; ++br)
+                for (int64_t bc = 0; bc < block_cols; ++bc) {
+                    float amax = 0.0f;
+                    for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
+                        for (int64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c)
+                            amax = std::max(amax, std::fabs(as_given[(m * rows + r) * cols + c]));
+                    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+                    const float got_scale = scales[(m * block_rows + br) * block_cols + bc];
+                    ASSERT_EQ(got_scale, scale) << "matrix " << m << " block " << br << ", " << bc;
+                    for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
+                        for (int64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c) {
+                            const int64_t at = (m * rows + r) * cols + c;
+                            const float x = as_given[at];
+                            ASSERT_EQ(q[at], moerl::ep::float_to_e4m3(x / scale))
+                                << "matrix " << m << " row " << r << " column " << c << ": " << x;
+                            const double back = static_cast<double>(moerl::ep::e4m3_to_float(q[at])) * scale;
+                            const double bound = std::max(std::fabs(x) / 16.0, scale / 1024.0) * (1 + 1e-6);
+                            ASSERT_LE(std::fabs(back - x), bound)
+                                << "row " << r << " column " << c << ": " << x;
+                        }
+                }
+    });
+}
 
 }  // namespace
 

@@ -120,6 +120,16 @@ void launch_moe_gate_up_mma(const void* h, const void* gate, const void* up, con
 void launch_moe_down_mma(const void* act, const void* down, const MoeRouting& r, int B, int K, int E, int H,
                          int I, int max_active, float* y, const Launch& launch);
 
+// FP8 weights for rollout: w [batch, rows, cols] (fp32 or bf16) to e4m3 q [batch, rows, cols] with
+// one fp32 scale per 128 x 128 block, scales [batch, ceil(rows / 128), ceil(cols / 128)] (the
+// block-scaled layout of FP8 checkpoints: w ~ q * scale). scale = amax / 448 over the block (1 for a
+// block of zeros), q = e4m3(w / scale) rounded to nearest even, saturating. Each element comes back
+// within half an e4m3 step: |w - q * scale| <= max(|w| / 16, scale / 1024).
+constexpr int kFp8BlockRows = 128;
+constexpr int kFp8BlockCols = 128;
+void launch_quantize_fp8_blocks(int dtype, const void* w, int64_t batch, int64_t rows, int64_t cols,
+                                uint8_t* q, float* scales, const Launch& launch);
+
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. A block
 // copies its weight rows into shared memory (or asks L2 for them, past 160 KB a block) before it
