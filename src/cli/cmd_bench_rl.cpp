@@ -4,6 +4,7 @@
 // bookkeeping); generated and trained tokens per second; training MFU on a GPU.
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <sys/resource.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <unistd.h>
 
@@ -342,9 +343,17 @@ void bench_train(const TrainBenchArgs& a) {
     std::printf("\nmedian over steps %lld..%lld: %.4f s a step, %.0f trained tok/s",
                 static_cast<long long>(a.warmup), static_cast<long long>(a.steps - 1), median(times),
                 median(rates));
-    if (gpu)
+    if (gpu) {
         std::printf(", training MFU %.1f%% of %.0f TFLOP/s, peak GPU memory %s", 100 * median(mfus),
                     a.peak_tflops, human_bytes(static_cast<double>(peak)).c_str());
+    } else {
+        // The CPU allocator keeps no statistics: the process's high-water mark stands in (weights,
+        // optimizer state and the largest step's activations, as the GPU figure counts them).
+        rusage usage{};
+        getrusage(RUSAGE_SELF, &usage);
+        std::printf(", peak host memory (RSS) %s",
+                    human_bytes(static_cast<double>(usage.ru_maxrss) * 1024).c_str());
+    }
     std::printf("\n");
     if (!a.trace.empty()) {
         // One more update, outside the figures above (the profiler slows it down).
