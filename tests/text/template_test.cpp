@@ -124,6 +124,41 @@ TEST(TemplateErrors, EndlessMacroRecursionIsAnError) {
     EXPECT_NE(f.message.find("nested deeper than 256 calls"), std::string::npos) << f.message;
 }
 
+// A template from a user's file must not hang the process or exhaust its memory: each of these
+// would run for hours or allocate far past the machine's memory without the renderer's limits.
+TEST(TemplateErrors, RenderLimitsStopRunawayTemplates) {
+    auto fails_with = [](const std::string& source, const std::string& expected) {
+        auto f = failure_of(source);
+        EXPECT_NE(f.message.find(expected), std::string::npos) << source << ": " << f.message;
+    };
+    // A billion-item range, and a step too small to move past its start.
+    fails_with("{% for i in range(1000000000) %}{% endfor %}", "over the renderer's limit of 131072");
+    fails_with("{{ range(1, 2, 0.0000000000000000000001) | length }}", "over the renderer's limit");
+    // Nested loops of allowed size whose work multiplies.
+    fails_with("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+               "more than 2000000 steps");
+    // A macro that calls itself twice: shallow, but 2^200 calls.
+    fails_with(
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(200) }}",
+        "more than 2000000 steps");
+    // Text that doubles: in a variable, in the output, through replace and indent.
+    fails_with(
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "more than 16 MiB");
+    fails_with(
+        "{{ ('a' ~ range(100000) | join('aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa')) | "
+        "replace('a', "
+        "range(1000) | join) }}",
+        "more than 16 MiB");
+    fails_with("{{ 'a\\nb' | indent(1000000000) }}", "more than 16 MiB");
+    fails_with("{{ [1] | tojson(indent=1000000000) }}", "more than 16 MiB");
+    // A namespace that holds itself, printed as JSON.
+    fails_with("{% set ns = namespace(a=1) %}{% set ns.a = [ns] %}{{ ns | tojson }}",
+               "nested deeper than 256");
+    // Within the limits, the same constructs render.
+    EXPECT_EQ(Template("{{ range(131072) | length }}").render(ordered_json::object()), "131072");
+}
+
 TEST(TemplateErrors, RaiseExceptionCarriesTheTemplatesMessage) {
     auto f = failure_of("{% if messages|length == 0 %}\n{{ raise_exception('No messages!') }}{% endif %}",
                         {{"messages", ordered_json::array()}});

@@ -220,6 +220,7 @@ std::string js_replace(const std::string& s, const std::string& from, const std:
         while (true) {
             if (remaining > 0) {
                 out += to;
+                check_string_bytes(out.size());
                 --remaining;
             }
             if (i >= s.size()) break;
@@ -235,6 +236,7 @@ std::string js_replace(const std::string& s, const std::string& from, const std:
         if (at == std::string::npos) break;
         out.append(s, start, at - start);
         out += to;
+        check_string_bytes(out.size());
         start = at + from.size();
         --remaining;
     }
@@ -420,6 +422,8 @@ EnvPtr make_global_env() {
                  double start = n.size() > 1 ? n[0] : 0, stop = n.size() > 1 ? n[1] : n[0];
                  double step = n.size() > 2 ? n[2] : 1;
                  if (step == 0) fail("range() step must not be zero");
+                 // Counted first: a step too small to move `i` would otherwise never end the loop.
+                 check_items(std::max(0.0, std::ceil((stop - start) / step)));
                  Array out;
                  for (double i = start; step > 0 ? i < stop : i > stop; i += step)
                      out.push_back(std::trunc(i) == i ? Value::integer(i) : Value::floating(i));

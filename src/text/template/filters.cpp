@@ -58,6 +58,7 @@ std::string indent_lines(const std::string& s, const std::string& pad, bool firs
         if (line > 0) out += '\n';
         if (!((!first && line == 0) || (!blank && x.empty()))) out += pad;
         out += x;
+        check_string_bytes(out.size());
         if (nl == std::string::npos) break;
         start = nl + 1;
     }
@@ -70,6 +71,7 @@ std::string join_values(const Array& items, const std::string& sep) {
     for (std::size_t i = 0; i < items.size(); ++i) {
         if (i) out += sep;
         if (items[i].kind != Kind::Null && items[i].kind != Kind::Undefined) out += to_js_string(items[i]);
+        check_string_bytes(out.size());
     }
     return out;
 }
@@ -185,7 +187,10 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
         Value indent = kw(kwargs, "indent", Value::null());
         if (indent.kind != Kind::Integer && indent.kind != Kind::Null)
             fail("If set, indent must be a number");
-        if (indent.kind == Kind::Integer) o.indent = static_cast<int>(indent.number);
+        if (indent.kind == Kind::Integer) {
+            check_string_bytes(static_cast<std::size_t>(std::clamp(indent.number, 0.0, 1e18)));
+            o.indent = static_cast<int>(indent.number);
+        }
         if (o.indent < 0) fail("indent must not be negative");
         Value ascii = kw(kwargs, "ensure_ascii", Value::of_bool(false));
         if (ascii.kind != Kind::Boolean) fail("If set, ensure_ascii must be a boolean");
@@ -309,6 +314,7 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
             if (width.kind != Kind::Integer) fail("width must be a number");
             Value first = pos_or_kw(args, 1, kwargs, "first", Value::of_bool(false));
             Value blank = pos_or_kw(args, 2, kwargs, "blank", Value::of_bool(false));
+            check_string_bytes(static_cast<std::size_t>(std::clamp(width.number, 0.0, 1e18)));
             std::string pad(static_cast<std::size_t>(std::max(0.0, width.number)), ' ');
             return Value::string(indent_lines(operand.str(), pad, truthy(first), truthy(blank)));
         }

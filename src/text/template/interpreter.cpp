@@ -99,6 +99,12 @@ Value Env::lookup(const std::string& name) const {
 }
 
 std::string Interpreter::run(const Node& program, const EnvPtr& global) {
+    struct ReleaseNamespaces {
+        std::unordered_map<const void*, Value>& assigned;
+        ~ReleaseNamespaces() {
+            for (auto& [identity, ns] : assigned) ns.obj().entries.clear();
+        }
+    } release{assigned_namespaces_};
     std::string out;
     try {
         exec_block(program.body, global, out);
@@ -114,11 +120,20 @@ void Interpreter::exec_block(const std::vector<NodePtr>& body, const EnvPtr& env
     for (const auto& n : body) exec(*n, env, out);
 }
 
+void Interpreter::take_steps(std::size_t count) {
+    steps_ += count;
+    if (steps_ > kMaxRenderSteps)
+        fail("rendering took more than " + std::to_string(kMaxRenderSteps) +
+             " steps (the renderer's limit on the work of one render; an endless loop?)");
+}
+
 void Interpreter::exec(const Node& n, const EnvPtr& env, std::string& out) {
     try {
+        take_steps(1);
         switch (n.kind) {
             case NodeKind::Text:
                 out += n.text;
+                check_string_bytes(out.size());
                 return;
             case NodeKind::Comment:
                 return;
@@ -143,6 +158,7 @@ void Interpreter::exec(const Node& n, const EnvPtr& env, std::string& out) {
             default: {
                 Value v = eval(n, env);
                 if (v.kind != Kind::Null && v.kind != Kind::Undefined) out += to_display(v);
+                check_string_bytes(out.size());
                 return;
             }
         }
@@ -155,7 +171,15 @@ void Interpreter::exec(const Node& n, const EnvPtr& env, std::string& out) {
 
 Value Interpreter::eval(const Node& n, const EnvPtr& env) {
     try {
-        return eval_inner(n, env);
+        take_steps(1);
+        Value v = eval_inner(n, env);
+        // What calls, filters and operators build costs its size; a name or member only reads.
+        if (n.kind == NodeKind::Call || n.kind == NodeKind::Filter || n.kind == NodeKind::FilterBlock ||
+            n.kind == NodeKind::Binary) {
+            if (v.is_array()) take_steps(v.items().size());
+            if (v.kind == Kind::String) take_steps(v.str().size() / 64);
+        }
+        return v;
     } catch (const EvalError& e) {
         throw TemplateError("chat template error at line " + std::to_string(n.line) + ", column " +
                                 std::to_string(n.column) + " (" + node_name(n.kind) + "): " + e.message,
@@ -235,6 +259,7 @@ Value Interpreter::eval_inner(const Node& n, const EnvPtr& env) {
             const Node* block = &n;
             Value caller = Value::function(
                 [this, params, kw, va, defining, block](std::vector<Value>& args, const EnvPtr&) {
+                    take_steps(kStepsPerCall);
                     auto scope = std::make_shared<Env>(defining);
                     bind_macro_arguments("None", params, kw, va, args, scope);
                     return Value::string(render_block(block->body, scope));
@@ -445,6 +470,7 @@ void Interpreter::exec_for(const Node& n, const EnvPtr& env, std::string& out) {
 
     const Node& target = *n.a;
 
+    take_steps(all.size());
     Array items;
     for (const auto& current : all) {
         if (test) {
@@ -474,6 +500,7 @@ void Interpreter::exec_for(const Node& n, const EnvPtr& env, std::string& out) {
         loop.entries.emplace_back("nextitem", i + 1 < count ? items[i + 1] : Value::undefined());
         scope->set("loop", Value::object(std::move(loop)));
         bind_target(target, items[i], *scope, "");
+        take_steps(kStepsPerIteration);  // an empty body still costs each iteration
         std::string body;
         try {
             exec_block(n.body, scope, body);
@@ -483,6 +510,7 @@ void Interpreter::exec_for(const Node& n, const EnvPtr& env, std::string& out) {
             break;
         }
         out += body;
+        check_string_bytes(out.size());
         no_iteration = false;
     }
     if (no_iteration) exec_block(n.alternate, scope, out);
@@ -498,6 +526,7 @@ void Interpreter::exec_set(const Node& n, const EnvPtr& env) {
         if (object.kind != Kind::Namespace) fail("cannot assign attribute on non-namespace object");
         if (target.flag || target.b->kind != NodeKind::Identifier)
             fail("Cannot assign to member with non-identifier property");
+        assigned_namespaces_.emplace(object.identity(), object);
         object.obj().set(target.b->text, std::move(rhs));
     } else {
         fail("invalid target of {% set %}");
@@ -561,6 +590,7 @@ Value Interpreter::make_macro(const std::string& display_name, const std::vector
             int& d;
             ~Depth() { --d; }
         } depth{++macro_depth_};
+        take_steps(kStepsPerCall);
         auto scope = std::make_shared<Env>(caller_scope);
         bind_macro_arguments(display_name, *params_ptr, kw, va, args, scope);
         return Value::string(render_block(*body_ptr, scope));

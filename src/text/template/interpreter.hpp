@@ -50,6 +50,18 @@ class Interpreter {
     // Recursive macros are allowed; this bounds them before the C++ stack runs out.
     static constexpr int kMaxMacroDepth = 256;
     int macro_depth_ = 0;
+    // Bounds the work of one render, so that a template from a user's file cannot hang the
+    // process: a step is one template node evaluated, a loop iteration and a macro call cost more
+    // (their scopes), and a computed list or string costs its items (a string one step per 64
+    // bytes). The limit lets a runaway render end within seconds.
+    static constexpr std::size_t kMaxRenderSteps = 2'000'000;
+    static constexpr std::size_t kStepsPerIteration = 8;
+    static constexpr std::size_t kStepsPerCall = 32;
+    std::size_t steps_ = 0;
+    void take_steps(std::size_t count);
+    // Namespaces given an attribute during the render. An attribute may hold its own namespace (a
+    // reference cycle of shared containers), so run() empties them all when the render ends.
+    std::unordered_map<const void*, Value> assigned_namespaces_;
 
     void exec(const Node& n, const EnvPtr& env, std::string& out);
     void exec_block(const std::vector<NodePtr>& body, const EnvPtr& env, std::string& out);

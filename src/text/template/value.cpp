@@ -40,13 +40,27 @@ Value Value::null() { return scalar(Kind::Null); }
 Value Value::of_bool(bool b) { return scalar(Kind::Boolean, 0, b); }
 Value Value::integer(double n) { return scalar(Kind::Integer, n); }
 Value Value::floating(double n) { return scalar(Kind::Float, n); }
+void check_string_bytes(std::size_t bytes) {
+    if (bytes > kMaxStringBytes)
+        throw EvalError{"a string of more than " + std::to_string(kMaxStringBytes >> 20) +
+                        " MiB (the renderer's limit on text it builds)"};
+}
+
+void check_items(double count) {
+    if (!(count <= static_cast<double>(kMaxItems)))
+        throw EvalError{"a list of " + js_number(count) + " items, over the renderer's limit of " +
+                        std::to_string(kMaxItems)};
+}
+
 Value Value::string(std::string s) {
+    check_string_bytes(s.size());
     Value v;
     v.kind = Kind::String;
     v.payload = std::make_shared<const std::string>(std::move(s));
     return v;
 }
 Value Value::array(Array items, Kind kind) {
+    check_items(static_cast<double>(items.size()));
     Value v;
     v.kind = kind;
     v.payload = std::make_shared<Array>(std::move(items));
@@ -318,6 +332,7 @@ std::string to_js_string(const Value& v) {
             for (std::size_t i = 0; i < items.size(); ++i) {
                 if (i) out += ',';
                 out += to_display(items[i]);
+                check_string_bytes(out.size());
             }
             return out;
         }
@@ -386,7 +401,15 @@ void append_json_string(std::string& out, std::string_view s, bool ensure_ascii)
 }
 
 namespace {
+// Containers deeper than this are refused: a namespace may hold itself, and JSON of it would
+// otherwise recurse until the stack runs out.
+constexpr int kMaxJsonDepth = 256;
+
 void json_into(std::string& out, const Value& v, const JsonOptions& o, int depth, bool undefined_as_null) {
+    check_string_bytes(out.size());
+    if (depth > kMaxJsonDepth)
+        throw EvalError{"a value nested deeper than " + std::to_string(kMaxJsonDepth) +
+                        " lists and objects (does a namespace hold itself?)"};
     std::string item_sep = o.custom_separators ? o.item_separator : o.indent ? "," : ", ";
     std::string key_sep = o.custom_separators ? o.key_separator : ": ";
     switch (v.kind) {

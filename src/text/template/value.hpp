@@ -50,6 +50,16 @@ struct EvalError {
     std::string message;
 };
 
+// What one render may build, so that a template from a user's file cannot exhaust the memory of the
+// process: a string (the rendered prompt included) and the items of one list. Real chat templates
+// stay far below both (a prompt of 16 MiB is millions of tokens).
+constexpr std::size_t kMaxStringBytes = std::size_t{16} << 20;
+constexpr std::size_t kMaxItems = std::size_t{1} << 17;
+// Throw EvalError naming the limit when a string of `bytes` or a list of `count` items would pass
+// it. `count` is a double so that range() and slices can check before they build.
+void check_string_bytes(std::size_t bytes);
+void check_items(double count);
+
 struct Value {
     Kind kind = Kind::Undefined;
     bool boolean = false;

@@ -51,6 +51,10 @@ bool byte_level_bytes(std::string_view token, std::string& out) {
 }
 }  // namespace
 
+// Ids index the embedding rows and size the id-to-token table; real vocabularies have a few
+// hundred thousand, so an id past this is a broken file rather than a big model.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+
 Bpe::Bpe(const JsonNode& model) {
     JsonNode vocab = model.at("vocab");
     if (!vocab.raw().is_object()) vocab.fail("is not an object of token: id");
@@ -58,9 +62,9 @@ Bpe::Bpe(const JsonNode& model) {
     vocab_.reserve(vocab.raw().size());
     for (auto it = vocab.raw().begin(); it != vocab.raw().end(); ++it) {
         if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
-            it.value().get<int64_t>() > INT32_MAX)
+            it.value().get<int64_t>() > kMaxTokenId)
             JsonNode(it.value(), vocab.file(), vocab.path() + "['" + it.key() + "']")
-                .fail("is not a token id");
+                .fail("is not a token id (0 to " + std::to_string(kMaxTokenId) + ")");
         auto id = static_cast<int32_t>(it.value().get<int64_t>());
         vocab_.emplace(it.key(), id);
         max_id = std::max(max_id, id);
@@ -69,6 +73,7 @@ Bpe::Bpe(const JsonNode& model) {
     for (const auto& [tok, id] : vocab_) id_to_token_[id] = tok;
 
     if (model.has("dropout")) {
+        if (!model.at("dropout").raw().is_number()) model.at("dropout").fail("is not a number");
         double d = model.raw()["dropout"].get<double>();
         if (d != 0.0) model.at("dropout").fail("is not supported (encoding would not be deterministic)");
     }

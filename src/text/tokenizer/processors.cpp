@@ -1,10 +1,18 @@
 #include "processors.hpp"
 
+#include <cstdint>
 #include <cstdlib>
 
 namespace moerl::text::detail {
 
 namespace {
+
+// A token id the post-processor adds; load_tokenizer checks it against the vocabulary.
+int32_t token_id(const JsonNode& node) {
+    const int64_t id = node.integer();
+    if (id < 0 || id > INT32_MAX) node.fail("is not a token id");
+    return static_cast<int32_t>(id);
+}
 
 void add_template(const JsonNode& node, PostProcessor& pp) {
     JsonNode items = node.at("single");
@@ -23,7 +31,7 @@ void add_template(const JsonNode& node, PostProcessor& pp) {
             item.at("SpecialToken").at("id").fail("'" + name + "' is not in special_tokens");
         JsonNode ids = specials.at(name.c_str()).at("ids");
         auto& dst = seen_sequence ? pp.after : pp.before;
-        for (size_t k = 0; k < ids.size(); ++k) dst.push_back(static_cast<int32_t>(ids.at(k).integer()));
+        for (size_t k = 0; k < ids.size(); ++k) dst.push_back(token_id(ids.at(k)));
     }
 }
 
@@ -32,8 +40,8 @@ void add_processor(const JsonNode& node, PostProcessor& pp) {
     if (type == "ByteLevel") return;  // offsets only
     if (type == "TemplateProcessing") return add_template(node, pp);
     if (type == "BertProcessing" || type == "RobertaProcessing") {
-        pp.before.push_back(static_cast<int32_t>(node.at("cls").at(1).integer()));
-        pp.after.push_back(static_cast<int32_t>(node.at("sep").at(1).integer()));
+        pp.before.push_back(token_id(node.at("cls").at(1)));
+        pp.after.push_back(token_id(node.at("sep").at(1)));
         return;
     }
     if (type == "Sequence") {
@@ -149,8 +157,9 @@ class ByteFallbackDecoder : public Decoder {
         };
         for (std::string& t : tokens) {
             if (t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>') {
+                const std::string hex = t.substr(3, 2);  // `end` points into it
                 char* end = nullptr;
-                long b = std::strtol(t.substr(3, 2).c_str(), &end, 16);
+                long b = std::strtol(hex.c_str(), &end, 16);
                 if (end != nullptr && *end == '\0') {
                     pending.push_back(static_cast<char>(b));
                     ++pending_count;

@@ -60,6 +60,8 @@ json parse_json(std::string_view text, const std::string& name) {
         return json::parse(text.begin(), text.end());
     } catch (const json::parse_error& e) {
         MOERL_FAIL(name, ": not valid JSON at byte ", e.byte, ": ", e.what());
+    } catch (const json::out_of_range& e) {  // a number past a double's range, such as 1e400
+        MOERL_FAIL(name, ": not valid JSON: ", e.what());
     }
 }
 
@@ -158,6 +160,13 @@ void load_tokenizer(TokenizerImpl& t, const json& j, const std::string& name) {
         }
     }
     t.vocab_size = max_id + 1;
+    // An id the post-processor adds past the vocabulary would index past the embedding rows.
+    for (const std::vector<int32_t>* ids : {&t.post.before, &t.post.after})
+        for (int32_t id : *ids)
+            if (id >= t.vocab_size)
+                root.at("post_processor")
+                    .fail("adds token id " + std::to_string(id) + ", but the vocabulary has " +
+                          std::to_string(t.vocab_size) + " ids");
     t.added_by_id.assign(t.vocab_size, -1);
     std::vector<const AddedToken*> raw, norm;
     std::vector<std::string> raw_patterns, norm_patterns;
