@@ -240,15 +240,17 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
     timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
     step bench_rl_big "rc=$?"
   fi
-  # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro" each).
+  # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro[:ckpt]"
+  # each; ckpt 1 = activation checkpointing, next to the same case without it for the memory it saves).
   # The first case also traces one more update; bench/trace_kernels.py sums its kernels by kind.
   : >"$OUT/bench-train.log"
   trace=(--trace "$RL_TMP/train-trace.json")
-  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 8:16:512:512:8192}; do
+  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 8:16:512:512:8192 8:16:512:512:8192:1}; do
     [ "$case" = none ] && continue  # MOERL_DEVICE_TRAIN_CASES=none: no trainer benchmark
-    IFS=: read -r tl ts tp tr tm <<<"$case"
+    IFS=: read -r tl ts tp tr tm tc <<<"$case"
+    ckpt=(); [ "${tc:-0}" = 1 ] && ckpt=(--activation-checkpointing)
     timeout 240 "$MOERL" bench train examples/gpu-qwen3-30b-a3b.yaml --layers "$tl" --samples "$ts" --prompt "$tp" \
-      --response "$tr" --micro-batch-tokens "$tm" --steps 5 --warmup 2 "${trace[@]}" >>"$OUT/bench-train.log" 2>&1
+      --response "$tr" --micro-batch-tokens "$tm" --steps 5 --warmup 2 "${ckpt[@]}" "${trace[@]}" >>"$OUT/bench-train.log" 2>&1
     rc=$?; [ $rc != 0 ] && tail -n 4 "$OUT/bench-train.log"
     step bench_train "rc=$rc $(grep -E '^median' "$OUT/bench-train.log" | tail -1 | grep -oE 'MFU [0-9.]+%')"
     echo >>"$OUT/bench-train.log"
