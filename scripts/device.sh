@@ -12,6 +12,8 @@
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
 # "--no-attention") narrows the kernel bench.
 # MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k, GRPO groups of 8).
+# MOERL_DEVICE_FABRIC_ROOT=DIR (DIR/include/rdma: libfabric headers brought along) builds the fabric
+# transport against the machine's libfabric.so.1 and runs its tests (GPU memory regions included).
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
 # end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
 # the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one).
@@ -31,7 +33,14 @@ NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "GPUs: $NGPU"; cat "$OUT/gpu.txt"
 
 # --- configure ------------------------------------------------------------------------------------
-ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOERL_WITH_CUDA=ON -DMOERL_WITH_FABRIC=OFF -DMOERL_WITH_REDIS=OFF
+# The fabric transport needs libfabric's headers, which this machine lacks: MOERL_DEVICE_FABRIC_ROOT names
+# a copy (ROOT/include/rdma, e.g. from a libfabric-dev package, brought along with the tree) and the
+# runtime's libfabric.so.1 is linked; without it the fabric transport is left out.
+FABRIC=(-DMOERL_WITH_FABRIC=OFF)
+if [ -n "${MOERL_DEVICE_FABRIC_ROOT:-}" ] && [ -f "$MOERL_DEVICE_FABRIC_ROOT/include/rdma/fabric.h" ]; then
+  FABRIC=(-DMOERL_WITH_FABRIC=ON "-DMOERL_FABRIC_ROOT=$(realpath "$MOERL_DEVICE_FABRIC_ROOT")")
+fi
+ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOERL_WITH_CUDA=ON "${FABRIC[@]}" -DMOERL_WITH_REDIS=OFF
       -DMOERL_WITH_RL=${MOERL_DEVICE_RL:-ON}
       -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-lineinfo
       -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
@@ -81,6 +90,13 @@ fi
 [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && (cd "$BUILD" && timeout 280 ctest -L gpu -R "${MOERL_DEVICE_CTEST_REGEX:-.}" --output-on-failure --timeout 140 -j1) >"$OUT/ctest.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*|Not Run|Passed|Skipped" "$OUT/ctest.log" | tail -40
 step ctest_gpu "$(grep -E 'tests passed' "$OUT/ctest.log" | tail -1)"
+# With the fabric transport built: its tests, the region in GPU memory among them (shm, CUDA IPC), and
+# the write proxy's over it.
+if [ "${FABRIC[0]}" = -DMOERL_WITH_FABRIC=ON ] && [ "${MOERL_DEVICE_TESTS:-1}" = 1 ]; then
+  (cd "$BUILD" && timeout 200 ctest -R 'FabricTransport|WriteProxy' --output-on-failure --timeout 60 -j1) >"$OUT/ctest-fabric.log" 2>&1
+  grep -E "tests passed|Failed|_cuda" "$OUT/ctest-fabric.log" | tail -12
+  step ctest_fabric "$(grep -E 'tests passed' "$OUT/ctest-fabric.log" | tail -1)"
+fi
 
 # --- benchmarks ---------------------------------------------------------------------------------------
 MOERL=$BUILD/src/cli/moerl
@@ -324,7 +340,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-python.log; do [
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

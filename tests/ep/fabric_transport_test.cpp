@@ -72,7 +72,9 @@ void PrintTo(const Case& c, std::ostream* os) {
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
     return info.param.provider + "_" + std::to_string(info.param.world_size) + "ranks" +
-           (info.param.memory == RegionMemory::kHostAsDevice ? "_hmem" : "");
+           (info.param.memory == RegionMemory::kHostAsDevice ? "_hmem"
+            : info.param.memory == RegionMemory::kCuda       ? "_cuda"
+                                                             : "");
 }
 
 // Runs fn(rank) in world_size processes and fails the test with every failing rank's message.
@@ -105,6 +107,12 @@ class FabricTransportTest : public testing::TestWithParam<Case> {
             std::string why;
             if (!fabric_provider_available(GetParam().provider, &why, GetParam().memory))
                 throw std::runtime_error(why);
+            if (GetParam().memory == RegionMemory::kCuda) {
+                // A GPU, and a libfabric built with CUDA memory support: one rank registers a region.
+                auto o = options_for(GetParam().provider, 0, 1, 4096, nullptr);
+                o.region_memory = RegionMemory::kCuda;
+                make_fabric_transport(o)->destroy();
+            }
         });
         if (results[0].exit_code == 1) GTEST_SKIP() << "provider unavailable: " << results[0].message;
         ASSERT_EQ(results[0].exit_code, 0) << "the provider probe crashed";
@@ -412,11 +420,22 @@ TEST_P(FabricTransportTest, PeerThatDiesIsReportedNotWaitedForForever) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Providers, FabricTransportTest,
-                         testing::Values(Case{"tcp", 2}, Case{"tcp", 3}, Case{"shm", 2}, Case{"shm", 3},
-                                         Case{"shm", 2, RegionMemory::kHostAsDevice},
-                                         Case{"shm", 3, RegionMemory::kHostAsDevice}),
-                         case_name);
+std::vector<Case> provider_cases() {
+    std::vector<Case> cases = {{"tcp", 2},
+                               {"tcp", 3},
+                               {"shm", 2},
+                               {"shm", 3},
+                               {"shm", 2, RegionMemory::kHostAsDevice},
+                               {"shm", 3, RegionMemory::kHostAsDevice}};
+#if MOERL_HAVE_CUDA
+    // GPU memory, where a GPU and libfabric's CUDA support are here (ranks sharing the GPU; shm
+    // moves the bytes by CUDA IPC).
+    cases.push_back({"shm", 2, RegionMemory::kCuda});
+#endif
+    return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, FabricTransportTest, testing::ValuesIn(provider_cases()), case_name);
 
 // A single rank needs no store; writes to itself are copies.
 TEST(FabricTransportSingleRank, SelfWritesAndBadArguments) {
