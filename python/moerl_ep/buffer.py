@@ -36,8 +36,17 @@ def _is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == torch.uint8 or (_FP8 is not None and t.dtype == _FP8)
 
 
+# The raw handle of a device's current stream without building a torch.cuda.Stream (a few
+# microseconds a call, on every dispatch and combine); older torch builds lack it.
+_current_raw_stream = getattr(torch._C, '_cuda_getCurrentRawStream', None)
+
+
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    if not t.is_cuda:
+        return 0
+    if _current_raw_stream is not None:
+        return _current_raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _event(async_finish: bool) -> EventOverlap:

@@ -19,6 +19,11 @@ def _compare(rank, world):
     rdma = moerl_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E, K)
     gpu = moerl_ep.Buffer(dist.group.WORLD, size, rdma, transport='cuda', timeout_s=30)
     cpu = moerl_ep.Buffer(dist.group.WORLD, size, rdma, transport='host', timeout_s=30)
+    # The stream handed to the library is the current one, on a side stream too.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        probe = torch.zeros(1, device='cuda')
+        assert moerl_ep.buffer._stream(probe) == side.cuda_stream, 'dispatch would run on another stream'
     torch.manual_seed(rank)
     x = torch.randn(T, H).bfloat16()
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
