@@ -129,6 +129,14 @@ TEST(Cuda, PackedVarlenForwardAndGradientsMatchCpuFp32) {
     out.token_logprobs.sum().backward();
     (ref.token_logprobs * keep).sum().backward();
     expect_same_gradient_directions(gpu, cpu);
+    // With activation checkpointing: each layer runs again in the backward (varlen attention and
+    // the grouped experts included), and the gradients still point where the CPU's do.
+    gpu.zero_grad();
+    o.activation_checkpointing = true;
+    ForwardOutput again = gpu.forward(ids, at::Tensor(), o);
+    EXPECT_CLOSE(again.token_logprobs.cpu(), out.token_logprobs.cpu(), kBf16Tol);
+    again.token_logprobs.sum().backward();
+    expect_same_gradient_directions(gpu, cpu);
 }
 
 // The response log-probs of training on the GPU, in fp32 and bf16, against the CPU's full

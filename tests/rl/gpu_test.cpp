@@ -67,30 +67,36 @@ TEST(RlGpu, CudaTrainerMatchesTheCpuTrainer) {
     std::vector<double> rewards;
     for (const auto& e : batch) rewards.push_back(e.reward);
     const auto adv = group_advantages(rewards, c.group_size);
-    TrainStats st[2];
-    for (int gpu = 0; gpu < 2; ++gpu) {
+    // 0: CPU; 1: CUDA; 2: CUDA with activation checkpointing.
+    TrainStats st[3];
+    for (int v = 0; v < 3; ++v) {
         RunConfig run = c;
-        run.train_device = gpu ? "cuda" : "cpu";
-        run.micro_batch_tokens = gpu ? 16 : 0;  // packed on the GPU, one padded batch on the CPU
-        PolicyTrainer trainer(run, (t.path / ("w" + std::to_string(gpu))).string());
-        st[gpu] = trainer.update(batch, adv);
-        trainer.save_optimizer((t.path / ("o" + std::to_string(gpu))).string());
+        run.train_device = v > 0 ? "cuda" : "cpu";
+        run.micro_batch_tokens = v > 0 ? 16 : 0;  // packed on the GPU, one padded batch on the CPU
+        run.activation_checkpointing = v == 2;
+        PolicyTrainer trainer(run, (t.path / ("w" + std::to_string(v))).string());
+        st[v] = trainer.update(batch, adv);
+        trainer.save_optimizer((t.path / ("o" + std::to_string(v))).string());
     }
-    EXPECT_NEAR(st[1].loss, st[0].loss, 1e-4 * std::abs(st[0].loss) + 1e-6);
-    EXPECT_NEAR(st[1].grad_norm, st[0].grad_norm, 1e-3 * st[0].grad_norm);
-    const auto cpu = moments(t.path / "o0"), gpu = moments(t.path / "o1");
-    ASSERT_EQ(cpu.size(), gpu.size());
-    double diff = 0, scale = 0;
-    for (const auto& [name, a] : cpu) {
-        const auto& b = gpu.at(name);
-        ASSERT_EQ(a.size(), b.size()) << name;
-        for (size_t i = 0; i < a.size(); ++i) {
-            diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-            scale = std::max(scale, std::abs(static_cast<double>(a[i])));
+    const auto cpu = moments(t.path / "o0");
+    for (int v = 1; v < 3; ++v) {
+        SCOPED_TRACE(v == 2 ? "CUDA, activation checkpointing" : "CUDA");
+        EXPECT_NEAR(st[v].loss, st[0].loss, 1e-4 * std::abs(st[0].loss) + 1e-6);
+        EXPECT_NEAR(st[v].grad_norm, st[0].grad_norm, 1e-3 * st[0].grad_norm);
+        const auto gpu = moments(t.path / ("o" + std::to_string(v)));
+        ASSERT_EQ(cpu.size(), gpu.size());
+        double diff = 0, scale = 0;
+        for (const auto& [name, a] : cpu) {
+            const auto& b = gpu.at(name);
+            ASSERT_EQ(a.size(), b.size()) << name;
+            for (size_t i = 0; i < a.size(); ++i) {
+                diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+                scale = std::max(scale, std::abs(static_cast<double>(a[i])));
+            }
         }
+        EXPECT_GT(scale, 0.0);
+        EXPECT_LT(diff, 1e-3 * scale);
     }
-    EXPECT_GT(scale, 0.0);
-    EXPECT_LT(diff, 1e-3 * scale);
 }
 
 // A GPU that runs out of memory in training: the error names the batch and the settings to lower,
