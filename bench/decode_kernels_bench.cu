@@ -202,10 +202,20 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         const int max_b = *std::max_element(batches.begin(), batches.end());
         auto* in = pool.bf16_filled(static_cast<size_t>(max_b) * d.cols);
         auto* out = pool.bf16_filled(static_cast<size_t>(max_b) * d.out_rows);
+        // The same weights in e4m3 with their block scales (FP8 rollout): a byte a weight.
+        auto* q = pool.zeros<uint8_t>(elems * copies);
+        const size_t num_scales = static_cast<size_t>((d.out_rows + 127) / 128) * ((d.cols + 127) / 128);
+        auto* scales = pool.zeros<float>(num_scales * copies);
+        mc::launch_quantize_fp8_blocks(1, w, copies, d.out_rows, d.cols, q, scales, {stream, false});
         for (int B : batches) {
             if (B > 4) continue;  // larger batches go to cuBLAS
             row(d.name, B, "cuda cores", elems * 2e-6, [&](int i, const mc::Launch& l) {
                 mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows, out, l);
+            });
+            row(d.name, B, "fp8 weights", (elems + num_scales * 4) * 1e-6, [&](int i, const mc::Launch& l) {
+                const int k = i % copies;
+                mc::launch_dense_rows_fp8(in, q + k * elems, scales + k * num_scales, B, d.cols, d.out_rows,
+                                          out, l);
             });
         }
     }

@@ -514,6 +514,54 @@ TEST_P(DecodeDense, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(BatchesColumns, DecodeDense,
                          ::testing::Combine(::testing::Values(1, 3), ::testing::Values(1032, 5128)));
 
+// The FP8 dense GEMV against a CPU product of the dequantised weights (quantised on the GPU by
+// launch_quantize_fp8_blocks, whose own test checks it): one token, a few, exactly a pass of 8 and
+// past it; columns of one and of several 512-column steps, rows that end inside a block of 8.
+class DecodeDenseFp8 : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(DecodeDenseFp8, MatchesTheDequantisedProduct) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const auto [B, cols] = GetParam();
+    const int out_rows = 301;
+    std::mt19937 rng(3 + B);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<__nv_bfloat16> in(static_cast<size_t>(B) * cols), w(static_cast<size_t>(out_rows) * cols);
+    for (auto& x : in) x = __float2bfloat16(normal(rng));
+    for (size_t i = 0; i < w.size(); ++i)
+        w[i] = __float2bfloat16(normal(rng) * (i % 977 == 0 ? 20.0f : 1.0f));
+    const int block_rows = (out_rows + 127) / 128, block_cols = (cols + 127) / 128;
+    Dev<__nv_bfloat16> d_in(in), d_w(w);
+    Dev<uint8_t> d_q(std::vector<uint8_t>(w.size()));
+    Dev<float> d_scales(std::vector<float>(static_cast<size_t>(block_rows) * block_cols));
+    Dev<__nv_bfloat16> d_out(std::vector<__nv_bfloat16>(static_cast<size_t>(B) * out_rows));
+    mc::launch_quantize_fp8_blocks(1, d_w.p, 1, out_rows, cols, d_q.p, d_scales.p, {nullptr, false});
+    mc::launch_dense_rows_fp8(d_in.p, d_q.p, d_scales.p, B, cols, out_rows, d_out.p, {nullptr, false});
+    CK(cudaGetLastError());
+    const std::vector<uint8_t> q = d_q.read();
+    const std::vector<float> scales = d_scales.read();
+    const std::vector<__nv_bfloat16> out = d_out.read();
+    for (int b = 0; b < B; ++b)
+        for (int o = 0; o < out_rows; ++o) {
+            double want = 0, magnitude = 0;
+            for (int c = 0; c < cols; ++c) {
+                const double wq =
+                    static_cast<double>(moerl::ep::e4m3_to_float(q[static_cast<size_t>(o) * cols + c])) *
+                    scales[static_cast<size_t>(o / 128) * block_cols + c / 128];
+                const double x = __bfloat162float(in[static_cast<size_t>(b) * cols + c]);
+                want += wq * x;
+                magnitude += std::fabs(wq * x);
+            }
+            const double got = __bfloat162float(out[static_cast<size_t>(b) * out_rows + o]);
+            // fp32 sums in another order, then one bf16 rounding of the result.
+            ASSERT_NEAR(got, want, 1e-5 * magnitude + 8e-3 * std::fabs(want))
+                << "token " << b << " row " << o << ", " << cols << " columns";
+        }
+}
+
+INSTANTIATE_TEST_SUITE_P(BatchesColumns, DecodeDenseFp8,
+                         ::testing::Combine(::testing::Values(1, 3, 8, 11),
+                                            ::testing::Values(128, 2064, 4096)));
+
 // FP8 weights: two stacked matrices whose rows and columns end inside a 128 x 128 block, values over
 // six orders of magnitude, a block of zeros and a block with one outlier. The e4m3 bytes and the
 // block scales equal a CPU reference built on the EP library's e4m3 (an independent encoder) bit for

@@ -130,6 +130,12 @@ constexpr int kFp8BlockCols = 128;
 void launch_quantize_fp8_blocks(int dtype, const void* w, int64_t batch, int64_t rows, int64_t cols,
                                 uint8_t* q, float* scales, const Launch& launch);
 
+// out [B, out_rows] (bf16) = in [B, cols] (bf16) (q * scale)^T with q [out_rows, cols] e4m3 and its
+// block scales (launch_quantize_fp8_blocks): the dense GEMV of FP8 rollout, reading a byte a weight.
+// cols a multiple of 16, at most kMaxHidden; tokens in passes of 8 over the weights.
+void launch_dense_rows_fp8(const void* in, const uint8_t* q, const float* scales, int B, int cols,
+                           int out_rows, void* out, const Launch& launch);
+
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. A block
 // copies its weight rows into shared memory (or asks L2 for them, past 160 KB a block) before it
