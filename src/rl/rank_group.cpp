@@ -393,6 +393,8 @@ class NcclSums final : public ProcessRanksBase {
 
     void sum(int local, at::Tensor& t) override {
         if (!t.is_cuda() || world_ == 1) return inner_->sum(local, t);
+        MOERL_CHECK(broken_.empty(), role_, " rank ", rank_, ": the NCCL communicator was aborted after ",
+                    broken_);
         if (!opened_) open(t.device().index());
         if (comm_ == nullptr) return inner_->sum(local, t);
         const ncclDataType_t type = t.scalar_type() == at::kFloat    ? ncclFloat32
@@ -415,11 +417,19 @@ class NcclSums final : public ProcessRanksBase {
     std::string receive_call() override { return inner_->receive_call(); }
 
   private:
+    // A failed NCCL call aborts the communicator (a later sum fails at once rather than falling back
+    // to the host path or waiting on a broken one) and throws naming the call.
     void check(ncclResult_t rc, const char* what) {
         if (rc == ncclSuccess || rc == ncclInProgress) return;
         const char* last = ncclGetLastError(comm_);
-        MOERL_FAIL(role_, " rank ", rank_, " of ", world_, ": ", what, " failed: ", ncclGetErrorString(rc),
-                   last != nullptr && *last ? std::string(" (") + last + ")" : std::string());
+        const std::string said = last != nullptr && *last ? std::string(" (") + last + ")" : std::string();
+        abort_communicator(moerl::detail::concat(what, " failed: ", ncclGetErrorString(rc), said));
+        MOERL_FAIL(role_, " rank ", rank_, " of ", world_, ": ", broken_);
+    }
+    void abort_communicator(const std::string& why) {
+        if (comm_ != nullptr) ncclCommAbort(comm_);
+        comm_ = nullptr;
+        broken_ = why;
     }
 
     // Waits for the communicator's pending work and the default stream, up to timeout_s.
@@ -437,10 +447,8 @@ class NcclSums final : public ProcessRanksBase {
                             " failed on the GPU: ", cudaGetErrorString(q));
             }
             if (std::chrono::steady_clock::now() > deadline) {
-                ncclCommAbort(comm_);
-                comm_ = nullptr;
-                MOERL_FAIL(role_, " rank ", rank_, " of ", world_, ": ", what, " did not finish within ",
-                           timeout_s_, " s: ", missing_ranks());
+                abort_communicator(moerl::detail::concat(what, " did not finish within ", timeout_s_, " s"));
+                MOERL_FAIL(role_, " rank ", rank_, " of ", world_, ": ", broken_, ": ", missing_ranks());
             }
             if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
@@ -497,6 +505,7 @@ class NcclSums final : public ProcessRanksBase {
     const bool required_;
     bool opened_ = false;
     ncclComm_t comm_ = nullptr;
+    std::string broken_;  // why the communicator was aborted; empty while it works
 };
 #endif
 
