@@ -323,7 +323,9 @@ MoeModel::Impl::Trunk MoeModel::Impl::run(const at::Tensor& ids, const at::Tenso
         at::Tensor rep;
         if (w.moe_index >= 0 && replay.defined()) rep = replay.select(2, w.moe_index).reshape({B * S, K});
         LayerOutput o;
-        if (checkpoint) {
+        // The layer's input must carry the graph: the function's backward is what reaches the
+        // layer's weights, and autograd calls it only for inputs that need a gradient.
+        if (checkpoint && x.requires_grad()) {
             torch::autograd::variable_list outs =
                 CheckpointedLayer::apply(x, this, static_cast<int64_t>(l), &in, &rep, want_aux);
             o.x = outs[0];
