@@ -348,8 +348,10 @@ class FabricTransport final : public Transport {
             const cudaMemcpyKind cuda_kind = kind == kIntoRegion   ? cudaMemcpyHostToDevice
                                              : kind == kFromRegion ? cudaMemcpyDeviceToHost
                                                                    : cudaMemcpyDeviceToDevice;
-            // cudaMemcpy: the copy is done (and a device-to-device one ordered) when it returns.
-            DeviceMemory::check(cudaMemcpy(dst, src, bytes, cuda_kind), "cudaMemcpy");
+            // Done when this returns: a device-to-device cudaMemcpy alone may still be running, and the
+            // signal that follows a self write must not overtake it.
+            DeviceMemory::check(cudaMemcpyAsync(dst, src, bytes, cuda_kind, nullptr), "cudaMemcpyAsync");
+            DeviceMemory::check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
             return;
         }
 #endif
