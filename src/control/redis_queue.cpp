@@ -55,12 +55,17 @@ until cursor == '0-0'
 return false
 )lua";
 
-// KEYS: stream, open, done. ARGV: group, entry id, task id.
+// KEYS: stream, open, done. ARGV: group, entry id, task id. Only a lease the stream still holds makes
+// the task done: after the control plane lost its data (a Redis restarted empty), a worker's late
+// ack of a lease from before must not mark done a task whose experience went with the data, or the
+// trainer's re-issue would skip it and wait for that experience forever. A second ack finds nothing.
 constexpr const char* kAckScript = R"lua(
+local n = redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
+if type(n) ~= 'number' then n = 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+if n == 0 then return 0 end
 redis.call('SADD', KEYS[3], ARGV[3])
 redis.call('SREM', KEYS[2], ARGV[3])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 )lua";
 

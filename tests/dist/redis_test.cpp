@@ -65,6 +65,32 @@ TEST(RedisTaskQueue, LeaseAndAck) {
     EXPECT_EQ(q->outstanding(), 0u);
 }
 
+// The control plane loses its data (a Redis restarted empty) while a worker holds a lease, and the
+// worker acknowledges it afterwards: its experience may have gone with the data, so the late ack
+// must not mark the task done. The trainer then puts the task again, and it is handed out.
+TEST(RedisTaskQueue, AnAckAfterTheDataWasLostLeavesTheTaskToBePutAgain) {
+    REQUIRE_REDIS();
+    const std::string name = unique_name("queue");
+    auto q = make_task_queue(redis_url(), name, 5000ms);
+    q->put(task("t1", "p1"));
+    auto lease = q->lease("w1", 1000ms);
+    ASSERT_TRUE(lease);
+    // What a FLUSHALL does to this queue's keys (other tests share the server).
+    const std::string url = redis_url().substr(0, redis_url().find('?'));
+    const std::string cli = "redis-cli -u '" + url + "' ";
+    ASSERT_EQ(
+        std::system(
+            (cli + "--scan --pattern 'moerl:{" + name + "}:*' | xargs -r " + cli + "DEL >/dev/null").c_str()),
+        0);
+    q->ack(*lease);
+    q->put(task("t1", "p1"));
+    auto again = q->lease("w2", 2000ms);
+    ASSERT_TRUE(again) << "the late ack marked the lost task done";
+    EXPECT_EQ(again->task.id, "t1");
+    q->ack(*again);
+    EXPECT_EQ(q->outstanding(), 0u);
+}
+
 TEST(RedisTaskQueue, ExpiredLeaseGoesToAnotherWorkerWithNextAttempt) {
     REQUIRE_REDIS();
     auto q = make_task_queue(redis_url(), unique_name("queue"), 300ms);
