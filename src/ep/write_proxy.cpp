@@ -8,7 +8,7 @@
 #include "moerl/core/error.hpp"
 
 #if MOERL_HAVE_CUDA
-#include <cuda_runtime.h>
+#include "moerl/core/cuda_check.hpp"
 #endif
 
 namespace moerl::ep::proxy {
@@ -41,12 +41,6 @@ void idle(int& rounds) {
     }
     std::this_thread::sleep_for(std::chrono::microseconds(rounds < 20000 ? 20 : 200));
 }
-
-#if MOERL_HAVE_CUDA
-void check_cuda(cudaError_t rc, const char* what) {
-    MOERL_CHECK(rc == cudaSuccess, "write proxy: ", what, " failed: ", cudaGetErrorString(rc));
-}
-#endif
 
 }  // namespace
 
@@ -86,12 +80,11 @@ WriteProxy::WriteProxy(Transport& transport, const ProxyOptions& options)
     block_bytes_ = QueueView::bytes_for(rings, capacity, num_signals);
     if (options.memory == QueueMemory::kCudaMapped) {
 #if MOERL_HAVE_CUDA
-        check_cuda(cudaHostAlloc(&block_, block_bytes_, cudaHostAllocMapped | cudaHostAllocPortable),
-                   "cudaHostAlloc of the queues");
+        MOERL_CUDA_CHECK(cudaHostAlloc(&block_, block_bytes_, cudaHostAllocMapped | cudaHostAllocPortable));
         void* device_base = nullptr;
         const cudaError_t rc = cudaHostGetDevicePointer(&device_base, block_, 0);
         if (rc != cudaSuccess) cudaFreeHost(block_);
-        check_cuda(rc, "cudaHostGetDevicePointer");
+        MOERL_CUDA_CHECK(rc);
         device_ = QueueView::at(device_base, rings, capacity, num_signals);
 #else
         MOERL_FAIL("write proxy: queue memory cuda-mapped needs a CUDA build (MOERL_WITH_CUDA=ON)");
@@ -230,28 +223,16 @@ void HostProducer::push(const Command& c) {
 }
 
 void HostProducer::write(int peer, size_t src_offset, size_t dst_offset, size_t bytes, int channel) {
-    Command c;
-    c.kind = kWrite;
-    c.peer = static_cast<uint32_t>(peer);
-    c.channel = static_cast<uint32_t>(channel);
-    c.src_offset = src_offset;
-    c.dst_offset = dst_offset;
-    c.bytes = bytes;
-    push(c);
+    push(Command{kWrite, static_cast<uint32_t>(peer), static_cast<uint32_t>(channel), 0, src_offset,
+                 dst_offset, bytes});
 }
 
 void HostProducer::signal(int peer, int channel) {
-    Command c;
-    c.kind = kSignal;
-    c.peer = static_cast<uint32_t>(peer);
-    c.channel = static_cast<uint32_t>(channel);
-    push(c);
+    push(Command{kSignal, static_cast<uint32_t>(peer), static_cast<uint32_t>(channel)});
 }
 
 void HostProducer::quiet(Clock::time_point deadline) {
-    Command c;
-    c.kind = kQuiet;
-    push(c);
+    push(Command{kQuiet});
     ++quiets_;
     for (int rounds = 0; load_acquire(q_.quiets_done[ring_].value) < quiets_;) {
         check_proxy();

@@ -37,7 +37,7 @@
 #include "moerl/core/error.hpp"
 
 #if MOERL_HAVE_CUDA
-#include <cuda_runtime.h>
+#include "moerl/core/cuda_check.hpp"
 #endif
 
 namespace moerl::ep {
@@ -113,12 +113,12 @@ class DeviceMemory {
     void allocate(int device, size_t bytes) {
         reset();
         int previous = 0;
-        check(cudaGetDevice(&previous), "cudaGetDevice");
-        check(cudaSetDevice(device), "cudaSetDevice");
+        MOERL_CUDA_CHECK(cudaGetDevice(&previous));
+        MOERL_CUDA_CHECK(cudaSetDevice(device));
         void* p = nullptr;
         const cudaError_t rc = cudaMalloc(&p, bytes);
         cudaSetDevice(previous);
-        check(rc, "cudaMalloc of the region");
+        MOERL_CUDA_CHECK(rc);
         base_ = static_cast<std::byte*>(p);
         device_ = device;
     }
@@ -130,9 +130,6 @@ class DeviceMemory {
         cudaFree(base_);
         cudaSetDevice(previous);
         base_ = nullptr;
-    }
-    static void check(cudaError_t rc, const char* what) {
-        MOERL_CHECK(rc == cudaSuccess, "fabric transport: ", what, " failed: ", cudaGetErrorString(rc));
     }
 #else
     [[noreturn]] void allocate(int, size_t) {
@@ -350,8 +347,8 @@ class FabricTransport final : public Transport {
                                                                    : cudaMemcpyDeviceToDevice;
             // Done when this returns: a device-to-device cudaMemcpy alone may still be running, and the
             // signal that follows a self write must not overtake it.
-            DeviceMemory::check(cudaMemcpyAsync(dst, src, bytes, cuda_kind, nullptr), "cudaMemcpyAsync");
-            DeviceMemory::check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
+            MOERL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cuda_kind, nullptr));
+            MOERL_CUDA_CHECK(cudaStreamSynchronize(nullptr));
             return;
         }
 #endif

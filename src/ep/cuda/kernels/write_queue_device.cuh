@@ -54,30 +54,20 @@ __device__ __forceinline__ bool push(const QueueView& q, int ring, RingCursor& c
 __device__ __forceinline__ bool push_write(const QueueView& q, int ring, RingCursor& cursor, int peer,
                                            uint64_t src_offset, uint64_t dst_offset, uint64_t bytes,
                                            int channel) {
-    Command c;
-    c.kind = kWrite;
-    c.peer = static_cast<uint32_t>(peer);
-    c.channel = static_cast<uint32_t>(channel);
-    c.src_offset = src_offset;
-    c.dst_offset = dst_offset;
-    c.bytes = bytes;
-    return push(q, ring, cursor, c);
+    return push(q, ring, cursor,
+                Command{kWrite, static_cast<uint32_t>(peer), static_cast<uint32_t>(channel), 0, src_offset,
+                        dst_offset, bytes});
 }
 
 __device__ __forceinline__ bool push_signal(const QueueView& q, int ring, RingCursor& cursor, int peer,
                                             int channel) {
-    Command c;
-    c.kind = kSignal;
-    c.peer = static_cast<uint32_t>(peer);
-    c.channel = static_cast<uint32_t>(channel);
-    return push(q, ring, cursor, c);
+    return push(q, ring, cursor,
+                Command{kSignal, static_cast<uint32_t>(peer), static_cast<uint32_t>(channel)});
 }
 
 // Returns once the writes queued on this ring have left the local region (it may be refilled).
 __device__ __forceinline__ bool quiet(const QueueView& q, int ring, RingCursor& cursor) {
-    Command c;
-    c.kind = kQuiet;
-    if (!push(q, ring, cursor, c)) return false;
+    if (!push(q, ring, cursor, Command{kQuiet})) return false;
     ++cursor.quiets;
     while (load_acquire_sys(&q.quiets_done[ring].value) < cursor.quiets) {
         if (!proxy_running(q)) return false;
