@@ -72,7 +72,8 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test)
 for t in moerl model_test generator_test model_hf_dump decode_kernels_bench decode_kernels_test rl_unit_test rl_run_test rl_gpu_test \
-  rl_trainer_processes_test rl_trainer_rank rl_rollout_processes_test rl_rollout_rank moerl_ep_python; do
+  rl_trainer_processes_test rl_trainer_rank rl_rollout_processes_test rl_rollout_rank moerl_ep_python write_proxy_gpu_test \
+  ep_write_proxy_test ep_fabric_transport_test; do
   grep -q "build $t:" "$BUILD/build.ninja" 2>/dev/null && TARGETS+=("$t")
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
@@ -210,7 +211,7 @@ fi
 
 # --- the model layer on CUDA (bf16 against CPU fp32) and its parity with Hugging Face transformers ----
 if [ "${MOERL_DEVICE_TESTS:-1}" = 1 ] && [ -x "$BUILD/tests/model/model_test" ]; then
-  (cd "$BUILD" && timeout 100 ctest -L model -R "Cuda|hf_parity|hf_reward_parity" --output-on-failure --timeout 90) >"$OUT/ctest-model.log" 2>&1
+  (cd "$BUILD" && timeout 100 ctest -L model -R "${MOERL_DEVICE_MODEL_REGEX:-Cuda|hf_parity|hf_reward_parity}" --output-on-failure --timeout 90) >"$OUT/ctest-model.log" 2>&1
   grep -E "tests passed|Failed|Passed" "$OUT/ctest-model.log" | tail -12
   step ctest_model_cuda "$(grep -E 'tests passed' "$OUT/ctest-model.log" | tail -1)"
 fi
@@ -231,37 +232,39 @@ if [ -x "$MOERL" ] && [ "${MOERL_DEVICE_ROLLOUT_SHARED:-1}" = 1 ]; then
   grep -E "^\| (fused|cuda) " "$OUT/bench-rollout-ep-shared.log" | head -6
 fi
 # An RL job end to end on the GPU: the quickstart task to reward 0.9, then the loop's phase times.
-# MOERL_DEVICE_RL_LOOP=0 leaves it out (a shorter call).
+# MOERL_DEVICE_RL_LOOP=0 leaves it out (a shorter call); MOERL_DEVICE_RL_RUNS=0 keeps only the trainer benchmark.
 if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && [ -x "$MOERL" ] && "$MOERL" run --help >/dev/null 2>&1; then
   RL_TMP=${TMPDIR:-/tmp}/moerl-rl; rm -rf "$RL_TMP"; mkdir -p "$RL_TMP"
-  timeout 240 "$MOERL" run examples/gpu-quickstart.yaml --out "$RL_TMP/quickstart" --quiet >"$OUT/rl-quickstart.log" 2>&1
-  step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"
-  tail -n 3 "$OUT/rl-quickstart.log"
-  cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
-  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' \
-    "$OUT/rl-quickstart-metrics.txt" 2>&1 | tee -a "$OUT/rl-quickstart.log"
-  # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
-  # all) sharing the GPU, one EP rank each, cuda transport; rollout decodes through the fused engine.
-  sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2\n  rollout: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
-  timeout 120 "$MOERL" run "$RL_TMP/gpu-quickstart-2.yaml" --steps 60 --out "$RL_TMP/quickstart-2" --quiet >"$OUT/rl-quickstart-2.log" 2>&1
-  step rl_quickstart_2proc "rc=$? $(grep -E '^final' "$OUT/rl-quickstart-2.log" | tail -1)"
-  tail -n 3 "$OUT/rl-quickstart-2.log"
-  timeout 120 "$MOERL" bench rl examples/gpu-quickstart.yaml --steps 12 --warmup 2 --out "$RL_TMP/bench-small" >"$OUT/bench-rl.log" 2>&1
-  step bench_rl "rc=$?"
-  # The same with the trainer and the rollout engine over 2 processes each sharing the GPU (functional).
-  timeout 120 "$MOERL" bench rl "$RL_TMP/gpu-quickstart-2.yaml" --steps 12 --warmup 2 --out "$RL_TMP/bench-ranks" \
-    >"$OUT/bench-rl-ranks.log" 2>&1
-  step bench_rl_ranks "rc=$?"
-  if [ "${MOERL_DEVICE_RL_BIG:-1}" = 1 ]; then
-    timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
-    step bench_rl_big "rc=$?"
+  if [ "${MOERL_DEVICE_RL_RUNS:-1}" = 1 ]; then
+    timeout 240 "$MOERL" run examples/gpu-quickstart.yaml --out "$RL_TMP/quickstart" --quiet >"$OUT/rl-quickstart.log" 2>&1
+    step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"
+    tail -n 3 "$OUT/rl-quickstart.log"
+    cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
+    python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' \
+      "$OUT/rl-quickstart-metrics.txt" 2>&1 | tee -a "$OUT/rl-quickstart.log"
+    # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
+    # all) sharing the GPU, one EP rank each, cuda transport; rollout decodes through the fused engine.
+    sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2\n  rollout: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
+    timeout 120 "$MOERL" run "$RL_TMP/gpu-quickstart-2.yaml" --steps 60 --out "$RL_TMP/quickstart-2" --quiet >"$OUT/rl-quickstart-2.log" 2>&1
+    step rl_quickstart_2proc "rc=$? $(grep -E '^final' "$OUT/rl-quickstart-2.log" | tail -1)"
+    tail -n 3 "$OUT/rl-quickstart-2.log"
+    timeout 120 "$MOERL" bench rl examples/gpu-quickstart.yaml --steps 12 --warmup 2 --out "$RL_TMP/bench-small" >"$OUT/bench-rl.log" 2>&1
+    step bench_rl "rc=$?"
+    # The same with the trainer and the rollout engine over 2 processes each sharing the GPU (functional).
+    timeout 120 "$MOERL" bench rl "$RL_TMP/gpu-quickstart-2.yaml" --steps 12 --warmup 2 --out "$RL_TMP/bench-ranks" \
+      >"$OUT/bench-rl-ranks.log" 2>&1
+    step bench_rl_ranks "rc=$?"
+    if [ "${MOERL_DEVICE_RL_BIG:-1}" = 1 ]; then
+      timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
+      step bench_rl_big "rc=$?"
+    fi
   fi
   # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro[:ckpt]"
   # each; ckpt 1 = activation checkpointing, next to the same case without it for the memory it saves).
   # The first case also traces one more update; bench/trace_kernels.py sums its kernels by kind.
   : >"$OUT/bench-train.log"
   trace=(--trace "$RL_TMP/train-trace.json")
-  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 8:16:512:512:8192 8:16:512:512:8192:1}; do
+  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 4:64:1024:1024:16384 4:16:1024:1024:32768 4:16:1024:1024:32768:1}; do
     [ "$case" = none ] && continue  # MOERL_DEVICE_TRAIN_CASES=none: no trainer benchmark
     IFS=: read -r tl ts tp tr tm tc <<<"$case"
     ckpt=(); [ "${tc:-0}" = 1 ] && ckpt=(--activation-checkpointing)

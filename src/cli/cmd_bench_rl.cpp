@@ -44,9 +44,9 @@ struct RlBenchArgs {
     double peak_tflops = 989;  // dense bf16 peak of the GPU (H100/H200 SXM)
 };
 
-// Parameters a token passes through in training (6 x this x tokens = forward + backward FLOPs,
-// attention scores left out): the layers, top_k of the experts. The output projection is counted
-// apart: the trainer computes it for response tokens only (output_parameters).
+// Parameters a token passes through in training (6 x this x tokens = forward + backward FLOPs;
+// attention's scores and values are counted apart): the layers, top_k of the experts. The output projection
+// is counted apart: the trainer computes it for response tokens only (output_parameters).
 double trunk_parameters(const model::ModelConfig& c) {
     const double H = c.hidden_size, D = c.head_dim;
     const double attention = H * D * (2.0 * c.num_attention_heads + 2.0 * c.num_key_value_heads);
@@ -63,9 +63,15 @@ double trunk_parameters(const model::ModelConfig& c) {
 
 double output_parameters(const model::ModelConfig& c) { return double{1} * c.vocab_size * c.hidden_size; }
 
-// Training FLOPs of a step: every token through the layers, response tokens through the head.
-double training_flops(const model::ModelConfig& c, double all_tokens, double response_tokens) {
-    return 6 * (trunk_parameters(c) * all_tokens + output_parameters(c) * response_tokens);
+// Training FLOPs of a step: every token through the layers, response tokens through the head, and
+// per layer the causal attention's two products (q.k and p.v, 2 x 2 x D FLOPs a query head and
+// query-key pair forward, three times that with the backward; the recomputation inside flash
+// attention's backward is not counted).
+double training_flops(const model::ModelConfig& c, double all_tokens, double response_tokens,
+                      double attention_pairs) {
+    const double attention =
+        12.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * attention_pairs;
+    return 6 * (trunk_parameters(c) * all_tokens + output_parameters(c) * response_tokens) + attention;
 }
 
 double number(const nlohmann::json& row, const char* key) {
@@ -147,7 +153,8 @@ void bench_rl(const RlBenchArgs& a) {
     }
     std::printf(
         "active parameters %s in the layers + %s in the output projection (training FLOPs: 6 x "
-        "layers x all tokens + 6 x output x response tokens)\n\n",
+        "layers x all tokens + 6 x output x response tokens + 12 x layers x heads x head_dim x causal "
+        "query-key pairs)\n\n",
         human_count(trunk_parameters(cfg.model)).c_str(), human_count(output_parameters(cfg.model)).c_str());
     std::printf("%5s %9s %9s %9s %9s %9s %9s %9s %11s %11s %7s\n", "step", "rollout_s", "reward_s", "sync_s",
                 "train_s", "publish_s", "other_s", "step_s", "gen_tok/s", "train_tok/s", "mfu");
@@ -158,8 +165,8 @@ void bench_rl(const RlBenchArgs& a) {
         const double other = std::max(0.0, st - ro - rw - sy - tr - pu);
         const double gen = ro > 0 ? number(r, "response_tokens") / ro : 0;
         const double trained = tr > 0 ? number(r, "train_tokens") / tr : 0;
-        const double flops =
-            training_flops(cfg.model, number(r, "train_tokens"), number(r, "response_tokens"));
+        const double flops = training_flops(cfg.model, number(r, "train_tokens"),
+                                            number(r, "response_tokens"), number(r, "attention_pairs"));
         const double util = gpu && tr > 0 ? flops / tr / (a.peak_tflops * 1e12) : 0;
         char mfu_text[16] = "-";
         if (gpu) std::snprintf(mfu_text, sizeof mfu_text, "%.1f%%", 100 * util);
@@ -298,7 +305,9 @@ void bench_train(const TrainBenchArgs& a) {
     }
     const double all_tokens = static_cast<double>(a.samples * (a.prompt + a.response));
     const double response_tokens = static_cast<double>(a.samples * a.response);
-    const double flops = training_flops(cfg.model, all_tokens, response_tokens);
+    const double length = static_cast<double>(a.prompt + a.response);
+    const double pairs = static_cast<double>(a.samples) * length * (length + 1) / 2;
+    const double flops = training_flops(cfg.model, all_tokens, response_tokens, pairs);
     const std::string micro =
         cfg.micro_batch_tokens > 0
             ? "packed micro-batches of " + std::to_string(cfg.micro_batch_tokens) + " tokens"
@@ -310,9 +319,10 @@ void bench_train(const TrainBenchArgs& a) {
         static_cast<long long>(a.samples), static_cast<long long>(a.prompt),
         static_cast<long long>(a.response), all_tokens, micro.c_str(), cfg.ppo_epochs,
         cfg.activation_checkpointing ? ", activation checkpointing" : "");
-    std::printf("active parameters: layers %s + output %s; %.2f TFLOP a step",
+    std::printf("active parameters: layers %s + output %s; %.2f TFLOP a step (%.2f of them attention's)",
                 human_count(trunk_parameters(cfg.model)).c_str(),
-                human_count(output_parameters(cfg.model)).c_str(), flops / 1e12);
+                human_count(output_parameters(cfg.model)).c_str(), flops / 1e12,
+                (flops - training_flops(cfg.model, all_tokens, response_tokens, 0)) / 1e12);
     if (gpu)
         std::printf("; weights, masters and moments %s",
                     human_bytes(static_cast<double>(setup_peak)).c_str());

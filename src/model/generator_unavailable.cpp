@@ -2,6 +2,7 @@
 // toolkit at configure time): each reports what the build lacks.
 #include "moerl/core/error.hpp"
 #include "moerl/model/generator.hpp"
+#include "train_rows.hpp"
 
 namespace moerl::model {
 
@@ -38,5 +39,15 @@ void Generator::reset_stats() { unavailable(); }
 int64_t Generator::dense_bytes_per_step() const { unavailable(); }
 int64_t Generator::expert_bytes() const { unavailable(); }
 int64_t Generator::kv_bytes_per_token() const { unavailable(); }
+
+// No CUDA row kernels either: the trainer keeps its LibTorch compositions.
+bool cuda_rows_serve(const at::Tensor&) { return false; }
+at::Tensor cuda_rms_norm(const at::Tensor&, const at::Tensor&, double) {
+    MOERL_FAIL("rms_norm: this build has no CUDA row kernels");
+}
+void cuda_selected_logprob_rows(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
+                                const at::Tensor&) {
+    MOERL_FAIL("selected_logprobs: this build has no CUDA row kernels");
+}
 
 }  // namespace moerl::model

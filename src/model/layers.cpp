@@ -11,6 +11,7 @@
 
 #include "moerl/core/error.hpp"
 #include "moerl/core/log.hpp"
+#include "train_rows.hpp"
 
 // Grouped GEMM (one kernel per projection for all experts, no host sync) from LibTorch 2.8 on.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
@@ -98,6 +99,27 @@ at::Tensor combine_slots(const at::Tensor& out, const at::Tensor& w, const SlotO
 }
 
 #ifdef MOERL_HAVE_GROUPED_MM
+// y = x W_e^T for the rows of each expert e (rows [offsets[e-1], offsets[e]) of x, weights [L, out,
+// in]). The backward gives W's gradient in W's own layout: differentiating the grouped GEMM of a
+// transposed view gave it transposed, and every micro-batch then copied it into place.
+struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& offsets) {
+        ctx->save_for_backward({x, weight, offsets});
+        return at::_grouped_mm(x, weight.transpose(-2, -1), offsets);
+    }
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0], &weight = saved[1], &offsets = saved[2];
+        at::Tensor dy = grads[0].contiguous();
+        at::Tensor dx, dw;
+        if (ctx->needs_input_grad(0)) dx = at::_grouped_mm(dy, weight, offsets);
+        // [out, rows] x [rows, in] with the rows split by expert: one [out, in] block per expert.
+        if (ctx->needs_input_grad(1)) dw = at::_grouped_mm(dy.t(), x, offsets);
+        return {dx, dw, at::Tensor()};
+    }
+};
+
 std::atomic<bool> grouped_mm_failed{false};
 
 // Whether this LibTorch differentiates the grouped GEMM (asked once, on a tiny problem).
@@ -106,15 +128,22 @@ bool grouped_mm_has_backward(const at::Device& device) {
         try {
             c10::AutoGradMode grad(true);
             auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
-            // The layout of the real call: weights stored [groups, out, in], passed transposed.
+            // The real call's layout: weights stored [groups, out, in]; the middle group gets no
+            // rows, and its weight gradient must come out zero.
             at::Tensor a = at::ones({32, 16}, opts).requires_grad_(true);
-            at::Tensor b = at::ones({2, 16, 16}, opts).requires_grad_(true);
-            at::Tensor offsets = at::tensor({16, 32}, at::TensorOptions().device(device).dtype(at::kInt));
+            at::Tensor b = at::ones({3, 16, 16}, opts).requires_grad_(true);
+            at::Tensor offsets = at::tensor({16, 16, 32}, at::TensorOptions().device(device).dtype(at::kInt));
             // A dense output gradient, as the real backward gets (sum()'s is a zero-stride view
             // the grouped kernel rejects).
-            at::Tensor out = at::_grouped_mm(a, b.transpose(-2, -1), offsets);
+            at::Tensor out = GroupedLinear::apply(a, b, offsets);
             (out * at::ones_like(out)).sum().backward();
-            return a.grad().defined() && b.grad().defined();
+            if (!a.grad().defined() || !b.grad().defined()) return false;
+            const bool empty_is_zero = b.grad()[1].abs().max().item<float>() == 0.0f;
+            const bool full_is_right = b.grad()[0].sub(16.0f).abs().max().item<float>() == 0.0f;
+            if (!empty_is_zero || !full_is_right)
+                log_line(
+                    "the grouped GEMM's weight gradient is wrong here, training uses the per-expert loop");
+            return empty_is_zero && full_is_right;
         } catch (const c10::Error& e) {
             log_line(
                 std::string("the grouped GEMM has no backward here, training uses the per-expert loop: ") +
@@ -136,7 +165,8 @@ bool use_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 // Slots sorted by expert (slots without one last, past the final offset); all experts in one
-// grouped GEMM per projection.
+// grouped GEMM per projection. The routing weights scale the rows of silu(g) * u, which the down
+// projection maps linearly: a third of the bytes of scaling its output.
 at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                            const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
     const int64_t L = gate.size(0);
@@ -153,17 +183,19 @@ at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at:
     if (!all_routed) with_expert = (keys < L).unsqueeze(1), zero = at::zeros({}, x.options());
     at::Tensor xs = ToSlots::apply(x, slots);
     if (!all_routed) xs = at::where(with_expert, xs, zero);
-    at::Tensor g = at::_grouped_mm(xs, gate.transpose(-2, -1), offsets);
-    at::Tensor u = at::_grouped_mm(xs, up.transpose(-2, -1), offsets);
-    at::Tensor o = at::_grouped_mm(at::silu(g) * u, down.transpose(-2, -1), offsets);
+    at::Tensor g = GroupedLinear::apply(xs, gate, offsets);
+    at::Tensor u = GroupedLinear::apply(xs, up, offsets);
+    at::Tensor weights = w.reshape({-1}).index_select(0, slots.order).to(x.scalar_type()).unsqueeze(1);
+    at::Tensor o = GroupedLinear::apply(at::silu(g) * u * weights, down, offsets);
     if (!all_routed) o = at::where(with_expert, o, zero);
-    return combine_slots(o, w, slots);
+    return FromSlots::apply(o, slots);
 }
 #endif
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    if (cuda_rows_serve(x) && x.size(-1) > 0) return cuda_rms_norm(x, weight, eps);
     at::Tensor x32 = x.to(at::kFloat);
     at::Tensor inv = at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
     return weight * (x32 * inv).to(x.scalar_type());

@@ -2,10 +2,10 @@
 // tensor: what the trainer needs per response token at a 151k vocabulary.
 //
 // Forward, per chunk of rows: logits = hidden . weight^T written into one [N, V] buffer of the
-// compute dtype, log_softmax in fp32 (a chunk-sized temporary), the chosen entry read, then the
-// buffer overwritten with softmax - onehot (the target entry as expm1 of its log-probability, so
-// it keeps its precision when near 0). Backward needs nothing else: with s = -grad / temperature
-// per row, grad_hidden = s * (buffer . weight) and grad_weight = buffer^T . (s * hidden), two
+// compute dtype, log_softmax in fp32 (a chunk-sized temporary; on CUDA one row kernel instead), the
+// chosen entry read, then the buffer overwritten with softmax - onehot (the target entry as expm1 of its
+// log-probability, so it keeps its precision when near 0). Backward needs nothing else: with s = -grad /
+// temperature per row, grad_hidden = s * (buffer . weight) and grad_weight = buffer^T . (s * hidden), two
 // GEMMs over the whole batch.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -15,6 +15,7 @@
 
 #include "moerl/core/error.hpp"
 #include "moerl/model/layers.hpp"
+#include "train_rows.hpp"
 
 namespace moerl::model {
 namespace {
@@ -53,6 +54,11 @@ void chunked_forward(const at::Tensor& hidden, const at::Tensor& weight, const a
             if (!scratch.defined()) scratch = at::empty({std::min(step, N), V}, hidden.options());
             logits = scratch.narrow(0, 0, n);
             at::mm_out(logits, hidden.narrow(0, r0, n), wt);
+        }
+        if (cuda_rows_serve(logits)) {  // one kernel: log-probabilities, then softmax - onehot in place
+            cuda_selected_logprob_rows(logits, targets.narrow(0, r0, n), bias, temperature, keep.defined(),
+                                       lp.narrow(0, r0, n));
+            continue;
         }
         at::Tensor ls = chunk_log_softmax(logits, temperature, bias);
         at::Tensor tgt = targets.narrow(0, r0, n).unsqueeze(1);
@@ -105,7 +111,7 @@ at::Tensor selected_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
                 bias.sizes(), " must be [", V, "]");
     at::Tensor h = hidden.contiguous();
     at::Tensor tgt = targets.to(hidden.device(), at::kLong);
-    at::Tensor b = bias.defined() ? bias.to(hidden.device(), at::kFloat) : bias;
+    at::Tensor b = bias.defined() ? bias.to(hidden.device(), at::kFloat).contiguous() : bias;
     if (h.size(0) > 0) {
         // One sync; a wrong id would otherwise index out of the logits.
         const bool bad = tgt.lt(0).logical_or(tgt.ge(V)).any().item<bool>();

@@ -136,6 +136,7 @@ nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step
             {"prompt_tokens_shared", p ? nlohmann::json(p->prompt_tokens_shared) : nlohmann::json(nullptr)},
             {"train_s", r.train_seconds},
             {"train_tokens", r.train.total_tokens},
+            {"attention_pairs", r.train.attention_pairs},
             {"publish_s", r.publish_seconds}};
 }
 

@@ -49,8 +49,9 @@ std::string unique_job() {
 // Packed: one row holding the samples one after another, each its own segment (no padding).
 struct Batch {
     at::Tensor ids, attn, segments, resp_mask, behaviour, advantages, replay;
-    int64_t num_tokens = 0;    // response tokens
-    int64_t total_tokens = 0;  // prompt + response
+    int64_t num_tokens = 0;      // response tokens
+    int64_t total_tokens = 0;    // prompt + response
+    double attention_pairs = 0;  // L (L + 1) / 2 a sequence
 };
 
 Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::vector<double>& adv, int M,
@@ -100,6 +101,7 @@ Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::ve
         }
         b.num_tokens += static_cast<int64_t>(t.tokens.size());
         b.total_tokens += L;
+        b.attention_pairs += 0.5 * static_cast<double>(L) * static_cast<double>(L + 1);
         col += L;
     }
     b.ids = ids.to(device);
@@ -163,7 +165,7 @@ struct RankSums {
             std::vector<double>{t.loss, t.aux_loss, t.clip_fraction, t.mean_ratio, t.mean_is_weight,
                                 t.truncated_fraction, t.kl, static_cast<double>(t.num_tokens),
                                 static_cast<double>(t.total_tokens), weighted_tokens, diff_sum, ratio_sum,
-                                ratio_sq_sum},
+                                ratio_sq_sum, t.attention_pairs},
             at::kDouble);
     }
     static RankSums unpack(const at::Tensor& packed) {
@@ -176,6 +178,7 @@ struct RankSums {
         t.truncated_fraction = v[5], t.kl = v[6];
         t.num_tokens = std::llround(v[7]), t.total_tokens = std::llround(v[8]);
         s.weighted_tokens = v[9], s.diff_sum = v[10], s.ratio_sum = v[11], s.ratio_sq_sum = v[12];
+        t.attention_pairs = v[13];
         return s;
     }
 };
@@ -378,7 +381,8 @@ struct PolicyTrainer::Impl {
             sums.stats.clip_fraction = weighted > 0 ? clip : 0;
         }
         for (auto& b : batches)
-            sums.stats.num_tokens += b.num_tokens, sums.stats.total_tokens += b.total_tokens;
+            sums.stats.num_tokens += b.num_tokens, sums.stats.total_tokens += b.total_tokens,
+                sums.stats.attention_pairs += b.attention_pairs;
         at::Tensor every_rank = sums.pack();
         if (W > 1) group->sum(r, every_rank);
         if (r == 0) total = RankSums::unpack(every_rank);
@@ -435,12 +439,17 @@ struct PolicyTrainer::Impl {
 #ifdef MOERL_HAVE_FUSED_ADAMW
         if (k.weights.front().is_cuda()) {
             // One fused kernel over every tensor (PyTorch's AdamW(fused=True) step); the step count
-            // is the one after this step, as torch.optim passes it.
-            if (scale != 1.0) at::_foreach_mul_(grads, scale);
+            // is the one after this step, as torch.optim passes it. The clipping goes in as its
+            // gradient scale (the kernel divides by it): no pass of its own over the gradients.
             std::vector<at::Tensor> steps(grads.size(),
                                           at::full({}, static_cast<double>(t), grads.front().options()));
-            at::_fused_adamw_(k.weights, grads, k.m, k.v, {}, steps, lr, cfg.beta1, cfg.beta2,
-                              cfg.weight_decay, cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false);
+            if (scale != 1.0)
+                at::_fused_adamw_(k.weights, grads, k.m, k.v, {}, steps, lr, cfg.beta1, cfg.beta2,
+                                  cfg.weight_decay, cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false,
+                                  at::full({1}, 1.0 / scale, grads.front().options()));
+            else
+                at::_fused_adamw_(k.weights, grads, k.m, k.v, {}, steps, lr, cfg.beta1, cfg.beta2,
+                                  cfg.weight_decay, cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false);
             k.model->zero_grad();
             copy_master(k);
             if (W > 1) group->barrier(r);

@@ -169,6 +169,60 @@ TEST(Cuda, SelectedLogprobsMatchCpuFp32) {
     }
 }
 
+// The row kernels' RMSNorm (forward and both gradients) against the LibTorch composition it
+// replaces, on the vectorised widths (head 128, hidden 2048) and a width that is not a multiple of 8.
+TEST(Cuda, RmsNormKernelMatchesTheComposition) {
+    SKIP_WITHOUT_CUDA();
+    at::manual_seed(11);
+    for (const int64_t W : {128, 2048, 36}) {
+        for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+            const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+            const auto opts = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+            at::Tensor x0 = (at::randn({3, 77, W}) * 3).to(opts), w0 = (1 + 0.5 * at::randn({W})).to(opts);
+            at::Tensor g = at::randn({3, 77, W}).to(opts);
+            at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+            at::Tensor y = rms_norm(x, w, 1e-6);
+            (y * g).sum().backward();
+            at::Tensor xr = x0.to(at::kDouble).requires_grad_(true),
+                       wr = w0.to(at::kDouble).requires_grad_(true);
+            at::Tensor yr = wr * (xr * at::rsqrt(xr.pow(2).mean(-1, true) + 1e-6));
+            (yr * g.to(at::kDouble)).sum().backward();
+            const std::string what = "width " + std::to_string(W) + (dtype == at::kFloat ? " fp32" : " bf16");
+            EXPECT_CLOSE(y.to(at::kCPU, at::kFloat), yr.detach().to(at::kCPU, at::kFloat), tol) << what;
+            EXPECT_CLOSE(x.grad().to(at::kCPU, at::kFloat), xr.grad().to(at::kCPU, at::kFloat), tol) << what;
+            EXPECT_CLOSE(w.grad().to(at::kCPU, at::kFloat), wr.grad().to(at::kCPU, at::kFloat), tol) << what;
+        }
+    }
+}
+
+// The log-probability row kernel off its vectorised path: a vocabulary that is not a multiple of
+// 8, no temperature, no bias, and a bias of -inf on some tokens.
+TEST(Cuda, SelectedLogprobsOnAnOddVocabularyWithMaskedTokens) {
+    SKIP_WITHOUT_CUDA();
+    at::manual_seed(6);
+    const int64_t N = 50, H = 32, V = 1003;
+    at::Tensor hidden0 = at::randn({N, H}), weight0 = at::randn({V, H}) * 0.3;
+    at::Tensor targets = at::randint(0, 900, {N}, at::kLong);
+    at::Tensor g = at::randn({N});
+    at::Tensor masked = at::zeros({V});
+    masked.narrow(0, 950, 53).fill_(-INFINITY);
+    for (const bool with_bias : {false, true}) {
+        at::Tensor bias = with_bias ? masked : at::Tensor();
+        at::Tensor h_ref = hidden0.clone().requires_grad_(true), w_ref = weight0.clone().requires_grad_(true);
+        at::Tensor z = at::matmul(h_ref, w_ref.t());
+        if (with_bias) z = z + bias;
+        at::Tensor ref = at::log_softmax(z, 1).gather(1, targets.unsqueeze(1)).squeeze(1);
+        (ref * g).sum().backward();
+        at::Tensor h = hidden0.cuda().requires_grad_(true), w = weight0.cuda().requires_grad_(true);
+        at::Tensor lp =
+            selected_logprobs(h, w, targets.cuda(), 1.0, with_bias ? bias.cuda() : bias, 16 * V * 4);
+        EXPECT_CLOSE(lp.cpu(), ref, 1e-4) << "bias " << with_bias;
+        (lp * g.cuda()).sum().backward();
+        EXPECT_CLOSE(h.grad().cpu(), h_ref.grad(), 1e-4) << "bias " << with_bias;
+        EXPECT_CLOSE(w.grad().cpu(), w_ref.grad(), 1e-4) << "bias " << with_bias;
+    }
+}
+
 TEST(Cuda, Bf16DecodeMatchesRecompute) {
     SKIP_WITHOUT_CUDA();
     ModelConfig c = gpu_config();

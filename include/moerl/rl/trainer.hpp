@@ -28,10 +28,11 @@ struct TrainStats {
     double mean_is_weight = 0;
     double truncated_fraction = 0;
     double kl = 0;
-    double grad_norm = 0;      // before clipping
-    double lr = 0;             // learning rate of the update
-    int64_t num_tokens = 0;    // response tokens
-    int64_t total_tokens = 0;  // prompt + response tokens through forward and backward
+    double grad_norm = 0;        // before clipping
+    double lr = 0;               // learning rate of the update
+    int64_t num_tokens = 0;      // response tokens
+    int64_t total_tokens = 0;    // prompt + response tokens through forward and backward
+    double attention_pairs = 0;  // causal query-key pairs: L (L + 1) / 2 summed over the sequences
     // Training-inference mismatch over response tokens, on the trainer's weights at the start of
     // the update (the sampling weights when on-policy): mean |behaviour - trainer| log-prob and the
     // standard deviation of the ratio exp(trainer - behaviour).

@@ -1,0 +1,262 @@
+// Row kernels of the trainer's forward and backward: RMSNorm both ways, and the chosen tokens'
+// log-probabilities over the vocabulary with softmax - onehot left for the backward. Each replaces a
+// chain of LibTorch element-wise passes (casts to fp32, powers, means, products) with one or two
+// reads of the row. Rounding follows the eager path: the normalised values are rounded to the model
+// dtype before the weight product.
+#include <cmath>
+
+#include "../train_kernels.hpp"
+#include "common.cuh"
+
+namespace moerl::model::cuda {
+namespace {
+
+constexpr int kRowWarps = 8;  // rows (one a warp) of a norm block
+constexpr int kVocabThreads = 512;
+
+// Elements [i, i + V) of a row as floats, V = 8 (16-byte loads) or 1.
+template <int V, typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[V]) {
+    if constexpr (V == 8) {
+        load8(p, out);
+    } else {
+        out[0] = to_float(p[0]);
+    }
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
+    if constexpr (V == 8) {
+        store8(p, v);
+    } else {
+        p[0] = from_float<T>(v[0]);
+    }
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    rms_norm_forward_kernel(const T* x, const T* w, float eps, int64_t rows, int width, T* y, float* rstd) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const T* xr = x + row * width;
+    float sum_sq = 0.0f;
+    for (int c = lane * V; c < width; c += 32 * V) {
+        float v[V];
+        load_vec<V>(xr + c, v);
+#pragma unroll
+        for (int k = 0; k < V; ++k) sum_sq += v[k] * v[k];
+    }
+    const float inv = rsqrtf(warp_sum(sum_sq) / static_cast<float>(width) + eps);
+    if (lane == 0) rstd[row] = inv;
+    T* yr = y + row * width;
+    for (int c = lane * V; c < width; c += 32 * V) {
+        float v[V], g[V];
+        load_vec<V>(xr + c, v);
+        load_vec<V>(w + c, g);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] = g[k] * round_to<T>(v[k] * inv);
+        store_vec<V>(yr + c, v);
+    }
+}
+
+// dx = rstd (g - n mean(g n)) with n = x rstd and g = dy w; the block's sum over its rows of
+// dy round(n) goes to dw_partial[blockIdx.x] (shared-memory accumulation, width floats).
+template <typename T, int V>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    rms_norm_backward_kernel(const T* dy, const T* x, const T* w, const float* rstd, int64_t rows, int width,
+                             T* dx, float* dw_partial) {
+    extern __shared__ float dw[];
+    for (int c = threadIdx.x; c < width; c += blockDim.x) dw[c] = 0.0f;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
+    for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); row < rows;
+         row += warps) {
+        const T* xr = x + row * width;
+        const T* dyr = dy + row * width;
+        const float inv = rstd[row];
+        float dot = 0.0f;
+        for (int c = lane * V; c < width; c += 32 * V) {
+            float xv[V], gv[V], wv[V];
+            load_vec<V>(xr + c, xv);
+            load_vec<V>(dyr + c, gv);
+            load_vec<V>(w + c, wv);
+#pragma unroll
+            for (int k = 0; k < V; ++k) dot += gv[k] * wv[k] * xv[k] * inv;
+        }
+        const float mean = warp_sum(dot) / static_cast<float>(width);
+        T* dxr = dx + row * width;
+        for (int c = lane * V; c < width; c += 32 * V) {
+            float xv[V], gv[V], wv[V], out[V];
+            load_vec<V>(xr + c, xv);
+            load_vec<V>(dyr + c, gv);
+            load_vec<V>(w + c, wv);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const float n = xv[k] * inv;
+                out[k] = inv * (gv[k] * wv[k] - n * mean);
+                atomicAdd(&dw[c + k], gv[k] * round_to<T>(n));
+            }
+            store_vec<V>(dxr + c, out);
+        }
+    }
+    __syncthreads();
+    float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) part[c] = dw[c];
+}
+
+// (max, sum of exp(z - max)) pairs, merged.
+__device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2) {
+    const float top = fmaxf(m, m2);
+    if (top == -INFINITY) return;  // both empty (every logit masked so far)
+    s = s * __expf(m - top) + s2 * __expf(m2 - top);
+    m = top;
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kVocabThreads)
+    selected_logprob_rows_kernel(T* logits, int64_t ld, const int64_t* targets, const float* bias,
+                                 float temperature, int vocab, bool write_softmax, float* lp) {
+    __shared__ float red_m[32], red_s[32];
+    __shared__ float lse_shared;
+    const int64_t row = blockIdx.x;
+    T* lr = logits + row * ld;
+    float m = -INFINITY, s = 0.0f;
+    for (int c = threadIdx.x * V; c < vocab; c += kVocabThreads * V) {
+        float z[V];
+        load_vec<V>(lr + c, z);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float v = z[k] / temperature + (bias != nullptr ? bias[c + k] : 0.0f);
+            if (v > m) {
+                s = (m == -INFINITY ? 0.0f : s * __expf(m - v)) + 1.0f;
+                m = v;
+            } else if (v != -INFINITY) {
+                s += __expf(v - m);
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
+        merge_lse(m, s, m2, s2);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) red_m[warp] = m, red_s[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = kVocabThreads / 32;
+        m = lane < nw ? red_m[lane] : -INFINITY;
+        s = lane < nw ? red_s[lane] : 0.0f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
+            merge_lse(m, s, m2, s2);
+        }
+        if (lane == 0) lse_shared = m + logf(s);
+    }
+    __syncthreads();
+    const float lse = lse_shared;
+    const int64_t t = targets[row];
+    const float zt = to_float(lr[t]) / temperature + (bias != nullptr ? bias[t] : 0.0f);
+    const float chosen = zt - lse;
+    if (threadIdx.x == 0) lp[row] = chosen;
+    if (!write_softmax) return;
+    __syncthreads();  // every thread has read lr[t]
+    for (int c = threadIdx.x * V; c < vocab; c += kVocabThreads * V) {
+        float z[V];
+        load_vec<V>(lr + c, z);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float v = z[k] / temperature + (bias != nullptr ? bias[c + k] : 0.0f);
+            z[k] = c + k == t ? expm1f(chosen) : __expf(v - lse);
+        }
+        store_vec<V>(lr + c, z);
+    }
+}
+
+template <typename T, int V>
+void norm_forward(const void* x, const void* w, float eps, int64_t rows, int width, void* y, float* rstd,
+                  cudaStream_t stream) {
+    const auto blocks = static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps);
+    rms_norm_forward_kernel<T, V><<<blocks, kRowWarps * 32, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), eps, rows, width, static_cast<T*>(y), rstd);
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int V>
+void norm_backward(const void* dy, const void* x, const void* w, const float* rstd, int64_t rows, int width,
+                   void* dx, float* dw_partial, int blocks, cudaStream_t stream) {
+    const size_t smem = static_cast<size_t>(width) * sizeof(float);
+    ensure_dynamic_smem(reinterpret_cast<const void*>(&rms_norm_backward_kernel<T, V>), smem);
+    rms_norm_backward_kernel<T, V><<<blocks, kRowWarps * 32, smem, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd, rows, width,
+        static_cast<T*>(dx), dw_partial);
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int V>
+void logprob_rows(void* logits, int64_t ld, const int64_t* targets, const float* bias, float temperature,
+                  int64_t rows, int vocab, bool write_softmax, float* lp, cudaStream_t stream) {
+    selected_logprob_rows_kernel<T, V><<<static_cast<unsigned>(rows), kVocabThreads, 0, stream>>>(
+        static_cast<T*>(logits), ld, targets, bias, temperature, vocab, write_softmax, lp);
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+bool vec8(int64_t a, int64_t b, const void* p, const void* q = nullptr) {
+    auto aligned = [](const void* ptr) {
+        return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+    };
+    return a % 8 == 0 && b % 8 == 0 && aligned(p) && aligned(q);
+}
+
+}  // namespace
+
+int rms_norm_backward_blocks(int64_t rows) {
+    const int64_t want = (rows + kRowWarps - 1) / kRowWarps;
+    return static_cast<int>(want < 264 ? (want < 1 ? 1 : want) : 264);
+}
+
+void launch_rms_norm_forward(int dtype, const void* x, const void* w, float eps, int64_t rows, int width,
+                             void* y, float* rstd, cudaStream_t stream) {
+    if (rows == 0) return;
+    const bool v8 = vec8(width, 8, x, y) && vec8(8, 8, w);
+    if (dtype == 1)
+        v8 ? norm_forward<__nv_bfloat16, 8>(x, w, eps, rows, width, y, rstd, stream)
+           : norm_forward<__nv_bfloat16, 1>(x, w, eps, rows, width, y, rstd, stream);
+    else
+        v8 ? norm_forward<float, 8>(x, w, eps, rows, width, y, rstd, stream)
+           : norm_forward<float, 1>(x, w, eps, rows, width, y, rstd, stream);
+}
+
+void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const void* w, const float* rstd,
+                              int64_t rows, int width, void* dx, float* dw_partial, int blocks,
+                              cudaStream_t stream) {
+    if (rows == 0) return;
+    const bool v8 = vec8(width, 8, x, dx) && vec8(8, 8, dy, w);
+    if (dtype == 1)
+        v8 ? norm_backward<__nv_bfloat16, 8>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream)
+           : norm_backward<__nv_bfloat16, 1>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
+    else
+        v8 ? norm_backward<float, 8>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream)
+           : norm_backward<float, 1>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
+}
+
+void launch_selected_logprob_rows(int dtype, void* logits, int64_t ld, const int64_t* targets,
+                                  const float* bias, float temperature, int64_t rows, int vocab,
+                                  bool write_softmax, float* lp, cudaStream_t stream) {
+    if (rows == 0) return;
+    const bool v8 = vec8(vocab, ld, logits);
+    if (dtype == 1)
+        v8 ? logprob_rows<__nv_bfloat16, 8>(logits, ld, targets, bias, temperature, rows, vocab,
+                                            write_softmax, lp, stream)
+           : logprob_rows<__nv_bfloat16, 1>(logits, ld, targets, bias, temperature, rows, vocab,
+                                            write_softmax, lp, stream);
+    else
+        v8 ? logprob_rows<float, 8>(logits, ld, targets, bias, temperature, rows, vocab, write_softmax, lp,
+                                    stream)
+           : logprob_rows<float, 1>(logits, ld, targets, bias, temperature, rows, vocab, write_softmax, lp,
+                                    stream);
+}
+
+}  // namespace moerl::model::cuda

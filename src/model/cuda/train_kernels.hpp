@@ -1,0 +1,33 @@
+// Internal: row kernels of the trainer (no LibTorch inside), plain launchers taking pointers, sizes
+// and a stream. `dtype` 0 = fp32, 1 = bf16 for every element pointer but rstd, bias, lp and the
+// partial sums (fp32); math is in fp32. Rows are contiguous, `width` (or `ld`) elements apart.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moerl::model::cuda {
+
+// y[r] = w * round(x[r] * rstd[r]), rstd[r] = rsqrt(mean(x[r]^2) + eps).
+void launch_rms_norm_forward(int dtype, const void* x, const void* w, float eps, int64_t rows, int width,
+                             void* y, float* rstd, cudaStream_t stream);
+
+// Blocks of the backward for `rows` rows: dw_partial holds that many rows of `width` floats.
+int rms_norm_backward_blocks(int64_t rows);
+
+// dx of the forward above for output gradient dy, and per block the sum over its rows of
+// dy * round(x rstd) in dw_partial [blocks, width] (their sum is the weight's gradient).
+void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const void* w, const float* rstd,
+                              int64_t rows, int width, void* dx, float* dw_partial, int blocks,
+                              cudaStream_t stream);
+
+// Per row r of logits [rows, vocab] (row stride ld): z = logits / temperature + bias (bias [vocab]
+// or null), lp[r] = z[t] - logsumexp(z) for t = targets[r] (in [0, vocab), checked by the caller).
+// With write_softmax the row is overwritten with softmax(z) - onehot(t): exp(z - lse) rounded to the
+// dtype, and expm1(lp[r]) at t.
+void launch_selected_logprob_rows(int dtype, void* logits, int64_t ld, const int64_t* targets,
+                                  const float* bias, float temperature, int64_t rows, int vocab,
+                                  bool write_softmax, float* lp, cudaStream_t stream);
+
+}  // namespace moerl::model::cuda

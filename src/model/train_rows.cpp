@@ -1,0 +1,87 @@
+// The trainer's CUDA row kernels under LibTorch: an autograd function for RMSNorm and the
+// log-probability rows of selected_logprobs.
+#include "train_rows.hpp"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "cuda/train_kernels.hpp"
+#include "moerl/core/error.hpp"
+
+namespace moerl::model {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+int dtype_code(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
+
+cudaStream_t stream_of(const at::Tensor& t) {
+    return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
+}
+
+struct RmsNormRows : torch::autograd::Function<RmsNormRows> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                              double eps) {
+        c10::cuda::CUDAGuard guard(x.device());
+        at::Tensor xc = x.contiguous(), w = weight.contiguous();
+        const int width = static_cast<int>(x.size(-1));
+        const int64_t rows = width == 0 ? 0 : xc.numel() / width;
+        at::Tensor y = at::empty_like(xc);
+        at::Tensor rstd = at::empty({rows}, xc.options().dtype(at::kFloat));
+        cuda::launch_rms_norm_forward(dtype_code(xc), xc.data_ptr(), w.data_ptr(), static_cast<float>(eps),
+                                      rows, width, y.data_ptr(), rstd.data_ptr<float>(), stream_of(xc));
+        ctx->save_for_backward({xc, w, rstd});
+        return y;
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0], &w = saved[1], &rstd = saved[2];
+        c10::cuda::CUDAGuard guard(x.device());
+        at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+        const int width = static_cast<int>(x.size(-1));
+        const int64_t rows = rstd.size(0);
+        at::Tensor dx = at::empty_like(x);
+        const int blocks = cuda::rms_norm_backward_blocks(rows);
+        at::Tensor partial = at::empty({blocks, width}, x.options().dtype(at::kFloat));
+        cuda::launch_rms_norm_backward(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(),
+                                       rstd.data_ptr<float>(), rows, width, dx.data_ptr(),
+                                       partial.data_ptr<float>(), blocks, stream_of(x));
+        at::Tensor dw = rows == 0 ? at::zeros_like(w) : partial.sum(0).to(w.scalar_type());
+        return {dx, dw, at::Tensor()};
+    }
+};
+
+}  // namespace
+
+bool cuda_rows_serve(const at::Tensor& t) {
+    return t.defined() && t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat);
+}
+
+at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    MOERL_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: input ",
+                x.sizes(), " and weight ", weight.sizes(), " do not match");
+    MOERL_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
+                "rms_norm: the weight's dtype and device differ from the input's");
+    return RmsNormRows::apply(x, weight, eps);
+}
+
+void cuda_selected_logprob_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& bias,
+                                double temperature, bool write_softmax, const at::Tensor& lp) {
+    MOERL_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && targets.scalar_type() == at::kLong &&
+                    targets.is_contiguous() && lp.scalar_type() == at::kFloat && lp.is_contiguous() &&
+                    lp.size(0) == logits.size(0) && targets.size(0) == logits.size(0),
+                "selected_logprobs: logits ", logits.sizes(), ", targets ", targets.sizes(), " and lp ",
+                lp.sizes(), " are not rows the kernel takes");
+    MOERL_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous()),
+                "selected_logprobs: the bias must be contiguous fp32");
+    c10::cuda::CUDAGuard guard(logits.device());
+    cuda::launch_selected_logprob_rows(
+        dtype_code(logits), logits.data_ptr(), logits.stride(0), targets.data_ptr<int64_t>(),
+        bias.defined() ? bias.data_ptr<float>() : nullptr, static_cast<float>(temperature), logits.size(0),
+        static_cast<int>(logits.size(1)), write_softmax, lp.data_ptr<float>(), stream_of(logits));
+}
+
+}  // namespace moerl::model

@@ -1,0 +1,22 @@
+// Internal: the trainer's CUDA row kernels (src/model/cuda/train_kernels.hpp) on LibTorch tensors.
+// In a build without the CUDA kernels cuda_rows_serve() is false and the callers keep their
+// LibTorch compositions.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace moerl::model {
+
+// Whether the row kernels take `t`: a CUDA tensor of fp32 or bf16 in a build that has them.
+bool cuda_rows_serve(const at::Tensor& t);
+
+// weight * round(x * rsqrt(mean(x^2) + eps)) over the last dimension, differentiable in x and
+// weight: one pass forward, two backward, instead of the composition's eight.
+at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// lp [rows] fp32 <- the targets' log-probabilities under logits [rows, V] / temperature + bias; with
+// write_softmax the logits become softmax - onehot (see launch_selected_logprob_rows).
+void cuda_selected_logprob_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& bias,
+                                double temperature, bool write_softmax, const at::Tensor& lp);
+
+}  // namespace moerl::model
