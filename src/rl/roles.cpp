@@ -11,17 +11,21 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <utility>
 
+#include "cuda_ipc.hpp"
 #include "model_options.hpp"
 #include "moerl/control/run_store.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/core/log.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
 #include "moerl/model/model.hpp"
@@ -43,24 +47,45 @@ std::string checkpoint_name(int64_t next_step) {
 }
 
 // Policy versions live in the store as "policy-v{N}" checkpoints, as a plain directory
-// ("file:///dir") when trainer and workers share a file system, or in the trainer's memory
-// ("mem://{id}") when they share this process (the embedded control plane).
+// ("file:///dir") when trainer and workers share a file system, in the trainer's memory
+// ("mem://{id}") when they share this process (the embedded control plane), or as CUDA IPC
+// handles on the trainer's GPU weights ("cuda-ipc:///dir/ipc-v{N}.json", cuda_ipc.hpp) when they
+// are processes of one machine launched together.
 constexpr const char* kStorePrefix = "store:";
 constexpr const char* kMemoryPrefix = "mem://";
+constexpr const char* kCudaIpcPrefix = "cuda-ipc://";
 
-// The trainers of this process whose weights rollout workers here copy directly, by the run's
-// checkpoint store (a trainer resumed on the same run takes its predecessor's place).
+bool is_cuda_ipc(const std::string& uri) { return uri.rfind(kCudaIpcPrefix, 0) == 0; }
+
+// How a policy URI arrives (RolloutStats::sync_path).
+std::string policy_path(const std::string& uri) {
+    if (uri.rfind(kMemoryPrefix, 0) == 0) return "memory";
+    if (is_cuda_ipc(uri)) return "cuda-ipc";
+    if (uri.rfind("file://", 0) == 0) return "file";
+    return "store";
+}
+
+// The trainers of this process, by the run's checkpoint store (a trainer resumed on the same run
+// takes its predecessor's place): rollout workers here copy their weights directly (mem://), and
+// readers of their CUDA IPC exports ask them whether the weights changed during a copy, or for a
+// version as files when CUDA IPC fails.
 class InProcessPolicies {
   public:
-    static std::string add(const std::string& store_uri, const PolicyTrainer* trainer) {
+    struct Entry {
+        const PolicyTrainer* trainer = nullptr;
+        // Writes policy `version` as files, publishing files from then on (why: CUDA IPC failed);
+        // returns its file:// URI. Empty where the trainer publishes no CUDA IPC.
+        std::function<std::string(int64_t version, const std::string& why)> files_instead;
+    };
+    static std::string add(const std::string& store_uri, Entry entry) {
         std::lock_guard lock(mutex());
-        table()[store_uri] = trainer;
+        table()[store_uri] = std::move(entry);
         return store_uri;
     }
     static void remove(const std::string& id, const PolicyTrainer* trainer) {
         std::lock_guard lock(mutex());
         auto it = table().find(id);
-        if (it != table().end() && it->second == trainer) table().erase(it);
+        if (it != table().end() && it->second.trainer == trainer) table().erase(it);
     }
     // Copies the trainer's current weights into `dst` (HF name -> tensor); returns the bytes read.
     static int64_t copy(const std::string& id, const std::map<std::string, at::Tensor>& dst) {
@@ -71,7 +96,7 @@ class InProcessPolicies {
         c10::NoGradGuard no_grad;
         int64_t bytes = 0;
         std::set<std::string> done;
-        for (const auto& [name, src] : it->second->weights()) {
+        for (const auto& [name, src] : it->second.trainer->weights()) {
             if (!done.insert(name).second) continue;  // dense weights: on every EP rank
             auto d = dst.find(name);
             MOERL_CHECK(d != dst.end(), "rollout: the trainer's weight ", name,
@@ -85,17 +110,61 @@ class InProcessPolicies {
                     " of the rollout model's ", dst.size(), " weights");
         return bytes;
     }
+    // The trainer's PolicyTrainer::weight_writes(); nullopt when it is not in this process.
+    static std::optional<int64_t> weight_writes(const std::string& id) {
+        std::lock_guard lock(mutex());
+        auto it = table().find(id);
+        if (it == table().end()) return std::nullopt;
+        return it->second.trainer->weight_writes();
+    }
+    // Entry::files_instead of the trainer `id`; nullopt when it is not here or publishes no CUDA IPC.
+    static std::optional<std::string> files_instead(const std::string& id, int64_t version,
+                                                    const std::string& why) {
+        std::function<std::string(int64_t, const std::string&)> fn;
+        {
+            std::lock_guard lock(mutex());
+            auto it = table().find(id);
+            if (it == table().end() || !it->second.files_instead) return std::nullopt;
+            fn = it->second.files_instead;
+        }
+        return fn(version, why);  // without the lock: it writes files through the trainer's ranks
+    }
 
   private:
     static std::mutex& mutex() {
         static std::mutex m;
         return m;
     }
-    static std::map<std::string, const PolicyTrainer*>& table() {
-        static std::map<std::string, const PolicyTrainer*> t;
+    static std::map<std::string, Entry>& table() {
+        static std::map<std::string, Entry> t;  // GUARDED_BY(mutex())
         return t;
     }
 };
+
+std::string read_text(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    MOERL_CHECK(in.good(), "cannot read ", path);
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+// Writes `text` to `path` whole: a reader sees the old file or the new one.
+void write_text(const fs::path& path, const std::string& text) {
+    const fs::path tmp = path.string() + ".part";
+    {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        out << text;
+        out.close();
+        MOERL_CHECK(out.good(), "cannot write ", tmp.string());
+    }
+    fs::rename(tmp, path);
+}
+
+std::string error_text(const std::exception& e) {
+    const auto* m = dynamic_cast<const Error*>(&e);
+    return m ? m->message() : e.what();
+}
 
 model::ModelOptions rollout_model_options(const RunConfig& c) {
     return role_model_options(c, c.rollout_device, c.rollout_dtype, "rollout.device");
@@ -167,20 +236,83 @@ std::string policy_dir(ControlPlane& cp, const std::string& uri, const std::stri
     return dir;
 }
 
-// Loads the published policy `uri` into `model`: copied from the trainer's memory for mem://
-// (slots: the model's weights by name, filled on first use), else read from its files. Returns
-// the bytes copied in memory (0 for files).
-int64_t load_policy(ControlPlane& cp, const std::string& uri, const std::string& cache_dir,
-                    model::MoeModel& model, std::map<std::string, at::Tensor>& slots) {
-    if (uri.rfind(kMemoryPrefix, 0) != 0) {
-        model.load_weights(policy_dir(cp, uri, cache_dir));
-        return 0;
+// Loads published policies into one model.
+class PolicyLoader {
+  public:
+    explicit PolicyLoader(model::MoeModel& model) : model_(model) {}
+
+    // Loads `uri` into the model: copied from the trainer's memory for mem:// (this process) and
+    // cuda-ipc:// (processes of this machine), else read from its files. Returns the bytes copied
+    // (0 for files).
+    int64_t load(ControlPlane& cp, const std::string& uri, const std::string& cache_dir) {
+        last_ipc_.reset();
+        if (is_cuda_ipc(uri)) {
+            const std::string file = uri.substr(std::string(kCudaIpcPrefix).size());
+            detail::IpcPolicy policy = detail::ipc_policy_from_json(read_text(file), file);
+            if (!ipc_) ipc_ = std::make_unique<detail::IpcImporter>(model_);
+            const int64_t bytes = ipc_->copy(policy);
+            last_ipc_ = std::move(policy);
+            return bytes;
+        }
+        if (uri.rfind(kMemoryPrefix, 0) != 0) {
+            model_.load_weights(policy_dir(cp, uri, cache_dir));
+            return 0;
+        }
+        if (slots_.empty())
+            for (auto& [name, t] : model_.state_dict()) slots_.emplace(name, t);
+        const int64_t bytes = InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), slots_);
+        if (model_.options().device.is_cuda()) at::zeros({1}, model_.options().device).item();  // copies done
+        return bytes;
     }
-    if (slots.empty())
-        for (auto& [name, t] : model.state_dict()) slots.emplace(name, t);
-    const int64_t bytes = InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), slots);
-    if (model.options().device.is_cuda()) at::zeros({1}, model.options().device).item();  // copies done
-    return bytes;
+
+    // After a cuda-ipc:// load, this rank's and every other's: whether the trainer began no update
+    // or load since it exported the weights, so that no copy mixed two versions. (Every write to
+    // the trainer's weights begins on its rank 0, which is in this process with the rollout's rank
+    // 0: the trainer publishes CUDA IPC only then.) True after other loads.
+    bool unchanged_since_export() const {
+        if (!last_ipc_) return true;
+        const std::optional<int64_t> writes = InProcessPolicies::weight_writes(last_ipc_->publisher);
+        MOERL_CHECK(writes.has_value(), "cuda-ipc policy v", last_ipc_->version,
+                    ": its trainer is not in this process, so nothing tells whether it changed the weights "
+                    "during the copy");
+        return *writes == last_ipc_->writes;
+    }
+
+  private:
+    model::MoeModel& model_;
+    std::map<std::string, at::Tensor> slots_;    // mem://: the model's weights by HF name
+    std::unique_ptr<detail::IpcImporter> ipc_;   // cuda-ipc://: the handles opened
+    std::optional<detail::IpcPolicy> last_ipc_;  // the last cuda-ipc:// policy loaded
+};
+
+// Loads the registry's `latest` policy with load_all(uri) (this rank's load and, for an engine over
+// processes, every rank's). Where CUDA IPC fails on a rank, the trainer (in this process) writes the
+// version as files, and publishes files from then on; where the trainer changed its weights during
+// the copies, they are made again from the newest version. Returns the bytes copied; `latest`
+// becomes what was loaded. `healthy`, when given, says whether a failure leaves the loaders able to
+// load again (an engine that lost a rank does not: its failure is rethrown as it is).
+int64_t load_latest(ControlPlane& cp, const PolicyLoader& loader, std::pair<int64_t, std::string>& latest,
+                    const std::function<int64_t(const std::string&)>& load_all,
+                    const std::function<bool()>& healthy = {}) {
+    for (int attempt = 1;; ++attempt) {
+        int64_t bytes = 0;
+        try {
+            bytes = load_all(latest.second);
+        } catch (const std::exception& e) {
+            if (!is_cuda_ipc(latest.second) || (healthy && !healthy())) throw;
+            std::optional<std::string> files =
+                InProcessPolicies::files_instead(cp.store->uri(), latest.first, error_text(e));
+            if (!files) throw;
+            latest.second = *files;
+            bytes = load_all(latest.second);
+        }
+        if (loader.unchanged_since_export()) return bytes;
+        MOERL_CHECK(attempt < 3, "rollout: the trainer changed its weights during each of ", attempt,
+                    " copies of a policy by CUDA IPC (the newest: v", latest.first, ")");
+        auto newest = cp.registry->latest();
+        MOERL_CHECK(newest.has_value(), "rollout: the registry lost its policies");
+        latest = *newest;
+    }
 }
 }  // namespace
 
@@ -288,7 +420,7 @@ struct RolloutWorker::Impl {
         TaskPayload payload;
     };
     std::map<uint64_t, InFlight> in_flight;
-    std::map<std::string, at::Tensor> weight_slots;  // the rollout model's weights by HF name
+    PolicyLoader loader{model};
 
     ~Impl() {
         if (!engine->healthy()) owned.abandon_buffer();
@@ -315,13 +447,23 @@ struct RolloutWorker::Impl {
         auto latest = cp.registry->latest();
         if (!latest || latest->first <= version) return version;
         const auto t0 = Clock::now();
-        const std::string& uri = latest->second;
-        stats.sync_bytes += load_policy(cp, uri, cache_dir, model, weight_slots);
-        engine->refresh_weights(uri);
+        // Every rank of the engine loads at once (rank 0 here, the others through follow()).
+        const int64_t bytes = load_latest(
+            cp, loader, *latest,
+            [&](const std::string& uri) {
+                return engine->refresh_weights(uri, [&] { return loader.load(cp, uri, cache_dir); });
+            },
+            [&] { return engine->healthy(); });
         version = latest->first;
         ++stats.syncs;
         stats.last_sync_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
         stats.sync_seconds += stats.last_sync_seconds;
+        stats.sync_bytes += bytes;
+        const std::string path = policy_path(latest->second);
+        if (path == "cuda-ipc" && stats.sync_path != path)
+            log_line(moerl::detail::concat("rollout worker ", name, ": policy v", version, " by CUDA IPC, ",
+                                           bytes, " bytes in ", stats.last_sync_seconds, " s"));
+        stats.sync_path = path;
         return version;
     }
 
@@ -475,8 +617,8 @@ void follow_rollout_engine(const RunConfig& config, ControlPlane& control, const
     RolloutModel m(config, &processes);
     RolloutEngine engine(*m.model, config.sampling, config.rollout_max_batch, config.record_routing,
                          config.rollout_max_seq_len, &processes);
-    std::map<std::string, at::Tensor> slots;
-    engine.follow([&](const std::string& uri) { load_policy(control, uri, cache_dir, *m.model, slots); });
+    PolicyLoader loader(*m.model);
+    engine.follow([&](const std::string& uri) { return loader.load(control, uri, cache_dir); });
 }
 RolloutWorker::~RolloutWorker() = default;
 int64_t RolloutWorker::sync_policy() { return impl_->sync(); }
@@ -502,7 +644,7 @@ struct Evaluator::Impl {
     std::unique_ptr<PromptSource> source;
     std::unique_ptr<Rewarder> rewarder;
     model::MoeModel model;
-    std::map<std::string, at::Tensor> weight_slots;  // the model's weights by HF name
+    PolicyLoader loader{model};
     int64_t loaded = -1;
 
     Impl(const RunConfig& c, ControlPlane& control, std::string cache)
@@ -517,7 +659,9 @@ struct Evaluator::Impl {
         const auto t0 = Clock::now();
         auto latest = cp.registry->latest();
         MOERL_CHECK(latest.has_value(), "eval: no policy published in the registry yet");
-        if (latest->first != loaded) load_policy(cp, latest->second, cache_dir, model, weight_slots);
+        if (latest->first != loaded)
+            load_latest(cp, loader, *latest,
+                        [&](const std::string& uri) { return loader.load(cp, uri, cache_dir); });
         loaded = latest->first;
         SamplingParams greedy = cfg.sampling;
         greedy.temperature = 1.0;
@@ -578,21 +722,110 @@ struct TrainerRole::Impl {
     std::set<std::string> consumed;
     int64_t duplicates = 0;  // dropped by take_available since the last step
 
-    std::string in_process_id;   // set when rollout workers here copy the weights from memory
+    // How new versions reach the rollout workers (PolicyHandoff, resolved): from memory, by CUDA
+    // IPC, or as files (also where CUDA IPC failed).
+    enum class Route { kFiles, kMemory, kCudaIpc };
+    Route route = Route::kFiles;
+    std::string in_process_id;   // set when readers here ask this trainer (InProcessPolicies)
     double publish_seconds = 0;  // of the last publish_policy()
+    int64_t files_version = -1;  // the version whose files publish_policy or files_instead wrote last
 
-    Impl(const RunConfig& c, ControlPlane& control, std::string dir, bool in_process_weights,
+    Impl(const RunConfig& c, ControlPlane& control, std::string dir, PolicyHandoff handoff,
          const RoleProcesses* processes)
         : cfg(c), cp(control), work_dir(std::move(dir)) {
         fs::create_directories(work_dir);
         trainer = std::make_unique<PolicyTrainer>(cfg, work_dir, processes);
-        // Over processes this one holds only its own experts: the weights go through files.
+        // Over processes this one holds only its own experts: memory will not do.
         const bool spread = processes != nullptr && processes->world_size > 1;
-        if (in_process_weights && !spread)
-            in_process_id = InProcessPolicies::add(cp.store->uri(), trainer.get());
+        if (handoff == PolicyHandoff::kInProcess && !spread) {
+            route = Route::kMemory;
+            in_process_id = InProcessPolicies::add(cp.store->uri(), {trainer.get(), nullptr});
+        } else if (handoff != PolicyHandoff::kFiles) {
+            const std::string why = cuda_ipc_unavailable();
+            if (why.empty()) {
+                route = Route::kCudaIpc;
+                in_process_id = InProcessPolicies::add(
+                    cp.store->uri(), {trainer.get(), [this](int64_t v, const std::string& failure) {
+                                          return files_instead(v, failure);
+                                      }});
+            } else {
+                log_line("policies go between the processes as files: " + why);
+            }
+        }
     }
     ~Impl() {
         if (!in_process_id.empty()) InProcessPolicies::remove(in_process_id, trainer.get());
+    }
+
+    // Why CUDA IPC cannot carry the policies ("" where it may: the export may still fail).
+    std::string cuda_ipc_unavailable() const {
+        if (cfg.train_device != "cuda" || cfg.rollout_device != "cuda")
+            return "CUDA IPC needs train.device and rollout.device cuda (here " + cfg.train_device + " and " +
+                   cfg.rollout_device + ")";
+        if (!detail::cuda_ipc_compiled())
+            return "this build has no CUDA runtime (MOERL_WITH_CUDA off), so no CUDA IPC";
+        return "";
+    }
+
+    void fall_back_to_files(const std::string& why) {
+        route = Route::kFiles;
+        log_line("policies go between the processes as files from v" + std::to_string(version) +
+                 " on: " + why);
+    }
+
+    // A rollout rank could not take version v by CUDA IPC: its files instead, and files from now on.
+    std::string files_instead(int64_t v, const std::string& why) {
+        MOERL_CHECK(v == version, "trainer: asked for policy v", v, " as files, but its weights are v",
+                    version);
+        if (route == Route::kCudaIpc) fall_back_to_files("CUDA IPC failed in the rollout: " + why);
+        const fs::path dir = files_version == v ? policy_files_dir(v) : write_policy_files();
+        return "file://" + fs::absolute(dir).string();
+    }
+
+    fs::path policy_files_dir(int64_t v) const {
+        return fs::path(work_dir) / "policy" / ("v" + std::to_string(v));
+    }
+    // The current version's files (every rank's experts), the version before last removed: a worker
+    // may still be loading the previous one.
+    fs::path write_policy_files() {
+        const fs::path dir = policy_files_dir(version);
+        trainer->save_weights(dir.string());
+        copy_tokenizer_files(cfg, dir.string());
+        files_version = version;
+        std::error_code ec;
+        fs::remove_all(policy_files_dir(version - 2), ec);
+        return dir;
+    }
+
+    // Registers `uri` for the current version (a restarted trainer finds its version registered
+    // already in a persistent registry).
+    void register_version(const std::string& uri) {
+        auto latest = cp.registry->latest();
+        if (!latest || latest->first < version) cp.registry->publish(version, uri);
+    }
+
+    // Exports the weights' CUDA IPC handles of every trainer process and registers them; false, having
+    // said why, when a rank cannot export them.
+    bool publish_cuda_ipc() {
+        std::string why;
+        const std::vector<std::string> parts = trainer->export_weights_ipc(why);
+        if (parts.empty()) {
+            fall_back_to_files("the CUDA IPC export failed: " + why);
+            return false;
+        }
+        detail::IpcPolicy policy;
+        policy.version = version;
+        policy.publisher = in_process_id;
+        policy.writes = trainer->weight_writes();
+        for (const std::string& part : parts) policy.processes.push_back(detail::ipc_process_from_json(part));
+        const fs::path dir = fs::path(work_dir) / "policy";
+        fs::create_directories(dir);
+        const fs::path file = fs::absolute(dir / ("ipc-v" + std::to_string(version) + ".json"));
+        write_text(file, detail::ipc_policy_to_json(policy));
+        register_version(kCudaIpcPrefix + file.string());
+        std::error_code ec;
+        fs::remove(dir / ("ipc-v" + std::to_string(version - 2) + ".json"), ec);
+        return true;
     }
 
     bool consumed_by_watermark(const std::string& id) const {
@@ -605,24 +838,11 @@ struct TrainerRole::Impl {
 
     void publish_policy() {
         const auto t0 = Clock::now();
-        if (!in_process_id.empty()) {  // no files: the workers copy the weights when they sync
-            auto latest = cp.registry->latest();
-            if (!latest || latest->first < version)
-                cp.registry->publish(version, kMemoryPrefix + in_process_id);
-            publish_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-            return;
+        if (route == Route::kMemory) {  // no files: the workers copy the weights when they sync
+            register_version(kMemoryPrefix + in_process_id);
+        } else if (route != Route::kCudaIpc || !publish_cuda_ipc()) {
+            register_version("file://" + fs::absolute(write_policy_files()).string());
         }
-        const std::string dir = (fs::path(work_dir) / "policy" / ("v" + std::to_string(version))).string();
-        trainer->save_weights(dir);
-        copy_tokenizer_files(cfg, dir);
-        // A restarted trainer finds its version already registered (a persistent registry).
-        auto latest = cp.registry->latest();
-        if (!latest || latest->first < version)
-            cp.registry->publish(version, "file://" + fs::absolute(dir).string());
-        // Keep the last two versions: a worker may still be loading the previous one.
-        const fs::path old = fs::path(work_dir) / "policy" / ("v" + std::to_string(version - 2));
-        std::error_code ec;
-        fs::remove_all(old, ec);
         publish_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     }
 
@@ -776,8 +996,8 @@ struct TrainerRole::Impl {
 };
 
 TrainerRole::TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
-                         bool in_process_weights, const RoleProcesses* processes)
-    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir), in_process_weights, processes)) {}
+                         PolicyHandoff handoff, const RoleProcesses* processes)
+    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir), handoff, processes)) {}
 TrainerRole::~TrainerRole() = default;
 int64_t TrainerRole::start(bool resume) { return impl_->start(resume); }
 std::optional<StepResult> TrainerRole::train_step(int64_t step, control::Millis wait) {

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <exception>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -643,20 +644,38 @@ std::vector<GenResult> RolloutEngine::drain() {
     return impl_->drain();
 }
 
-void RolloutEngine::refresh_weights(const std::string& source) {
-    if (impl_->gen) impl_->gen->refresh_weights();
-    if (!spread_) return;
+int64_t RolloutEngine::refresh_weights(const std::string& source, const std::function<int64_t()>& load_here) {
+    if (!spread_) {
+        const int64_t bytes = load_here ? load_here() : 0;
+        if (impl_->gen) impl_->gen->refresh_weights();
+        return bytes;
+    }
     Spread& sp = *spread_;
-    const std::vector<std::string> errors = sp.guarded([&] {
+    int64_t bytes = 0;
+    std::exception_ptr failed_here;
+    const std::vector<std::string> replies = sp.guarded([&] {
         sp.group->send_call(nlohmann::json{{"call", "refresh"}, {"source", source}}.dump());
+        // Rank 0 loads while the others do; every rank answers the gather, whatever happened here.
+        try {
+            if (load_here) bytes = load_here();
+            if (impl_->gen) impl_->gen->refresh_weights();
+        } catch (...) {
+            failed_here = std::current_exception();
+        }
         return sp.group->gather("");
     });
-    for (int q = 1; q < sp.world; ++q)
-        MOERL_CHECK(errors[q].empty(), "rollout rank ", q, " of ", sp.world, " could not load ", source, ": ",
-                    errors[q]);
+    if (failed_here) std::rethrow_exception(failed_here);
+    for (int q = 1; q < sp.world; ++q) {
+        const nlohmann::json reply = nlohmann::json::parse(replies[q]);
+        MOERL_CHECK(!reply.contains("error"), "rollout rank ", q, " of ", sp.world, " could not load ",
+                    source, ": ", reply.value("error", ""));
+        bytes += reply.at("bytes").get<int64_t>();
+    }
+    return bytes;
 }
 
-bool RolloutEngine::carry_out(const std::string& bytes, const std::function<void(const std::string&)>& load) {
+bool RolloutEngine::carry_out(const std::string& bytes,
+                              const std::function<int64_t(const std::string&)>& load) {
     Spread& sp = *spread_;
     const nlohmann::json c = nlohmann::json::parse(bytes);
     const std::string what = c.at("call").get<std::string>();
@@ -670,21 +689,21 @@ bool RolloutEngine::carry_out(const std::string& bytes, const std::function<void
         const std::vector<GenResult> drained = impl_->drain();
         sp.group->gather(results_to_bytes(drained, impl_->counts()));
     } else if (what == "refresh") {
-        std::string error;
+        nlohmann::json reply;
         try {
-            load(c.at("source").get<std::string>());
+            reply["bytes"] = load(c.at("source").get<std::string>());
             if (impl_->gen) impl_->gen->refresh_weights();
         } catch (const std::exception& e) {
-            error = e.what();
+            reply = {{"error", e.what()}};
         }
-        sp.group->gather(error);
+        sp.group->gather(reply.dump());
     } else {
         MOERL_FAIL("rollout rank ", sp.rank, ": rank 0 made an unknown call '", what, "'");
     }
     return true;
 }
 
-void RolloutEngine::follow(const std::function<void(const std::string&)>& load) {
+void RolloutEngine::follow(const std::function<int64_t(const std::string&)>& load) {
     MOERL_CHECK(spread_ && spread_->rank > 0,
                 "follow: only ranks 1.. of a rollout engine over processes follow rank 0");
     while (carry_out(spread_->group->receive_call(), load)) {

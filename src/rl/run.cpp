@@ -48,6 +48,8 @@ class LocalProducer final : public ExperienceProducer {
         ProducedStep p;
         p.reward_s = after.reward_seconds - before.reward_seconds;
         p.sync_s = after.sync_seconds - before.sync_seconds;
+        p.sync_bytes = after.sync_bytes - before.sync_bytes;
+        if (after.syncs > before.syncs) p.sync_path = after.sync_path;
         p.generate_s = std::max(0.0, after.seconds - before.seconds - p.reward_s - p.sync_s);
         const double work_s = after.seconds - before.seconds;
         p.tokens_per_s = work_s > 0 ? static_cast<double>(after.tokens - before.tokens) / work_s : 0.0;
@@ -96,8 +98,11 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     loop.resume = opt.resume;
     loop.stop_after = opt.stop_after;
     loop.final_checkpoint = opt.final_checkpoint;
-    // The producer's worker is in this process; its engine's other ranks are not.
-    loop.in_process_weights = embedded && !rollout_spread;
+    // Every worker is in this process, or in the processes launched with it on this machine.
+    const bool trainer_spread = opt.trainer_processes != nullptr && opt.trainer_processes->world_size > 1;
+    loop.handoff = !embedded                          ? PolicyHandoff::kFiles
+                   : rollout_spread || trainer_spread ? PolicyHandoff::kThisMachine
+                                                      : PolicyHandoff::kInProcess;
     loop.trainer_processes = opt.trainer_processes;
     loop.step_timeout_s = 60;  // everything was generated before the step: only a bug waits
     loop.progress = opt.progress;

@@ -107,37 +107,40 @@ std::string fit_line(std::vector<std::pair<std::string, int>> parts, size_t widt
 // The producer's phase times are null where the rollout runs elsewhere.
 nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step_s, const ProducedStep* p) {
     auto here = [p](double v) { return p ? nlohmann::json(v) : nlohmann::json(nullptr); };
-    return {{"step", r.step},
-            {"version", r.version},
-            {"reward", r.reward_mean},
-            {"reward_std", r.reward_std},
-            {"exact", r.exact_fraction},
-            {"loss", r.train.loss},
-            {"aux_loss", r.train.aux_loss},
-            {"clip_fraction", r.train.clip_fraction},
-            {"ratio", r.train.mean_ratio},
-            {"is_weight", r.train.mean_is_weight},
-            {"kl", r.train.kl},
-            {"grad_norm", r.train.grad_norm},
-            {"lr", r.train.lr},
-            {"response_tokens", r.response_tokens},
-            {"staleness", r.staleness_mean},
-            {"staleness_max", r.staleness_max},
-            {"retried", r.retried},
-            {"tokens_per_s", tokens_per_s},
-            {"step_seconds", step_s},
-            {"logprob_diff", r.train.logprob_diff},
-            {"ratio_std", r.train.behaviour_ratio_std},
-            {"rollout_s", here(p ? p->generate_s : 0)},
-            {"reward_s", here(p ? p->reward_s : 0)},
-            {"sync_s", here(p ? p->sync_s : 0)},
-            {"kv_released_bytes", p ? nlohmann::json(p->cache_released_bytes) : nlohmann::json(nullptr)},
-            {"prompt_tokens", p ? nlohmann::json(p->prompt_tokens) : nlohmann::json(nullptr)},
-            {"prompt_tokens_shared", p ? nlohmann::json(p->prompt_tokens_shared) : nlohmann::json(nullptr)},
-            {"train_s", r.train_seconds},
-            {"train_tokens", r.train.total_tokens},
-            {"attention_pairs", r.train.attention_pairs},
-            {"publish_s", r.publish_seconds}};
+    return {
+        {"step", r.step},
+        {"version", r.version},
+        {"reward", r.reward_mean},
+        {"reward_std", r.reward_std},
+        {"exact", r.exact_fraction},
+        {"loss", r.train.loss},
+        {"aux_loss", r.train.aux_loss},
+        {"clip_fraction", r.train.clip_fraction},
+        {"ratio", r.train.mean_ratio},
+        {"is_weight", r.train.mean_is_weight},
+        {"kl", r.train.kl},
+        {"grad_norm", r.train.grad_norm},
+        {"lr", r.train.lr},
+        {"response_tokens", r.response_tokens},
+        {"staleness", r.staleness_mean},
+        {"staleness_max", r.staleness_max},
+        {"retried", r.retried},
+        {"tokens_per_s", tokens_per_s},
+        {"step_seconds", step_s},
+        {"logprob_diff", r.train.logprob_diff},
+        {"ratio_std", r.train.behaviour_ratio_std},
+        {"rollout_s", here(p ? p->generate_s : 0)},
+        {"reward_s", here(p ? p->reward_s : 0)},
+        {"sync_s", here(p ? p->sync_s : 0)},
+        {"sync_bytes", p ? nlohmann::json(p->sync_bytes) : nlohmann::json(nullptr)},
+        {"sync_path", p && !p->sync_path.empty() ? nlohmann::json(p->sync_path) : nlohmann::json(nullptr)},
+        {"kv_released_bytes", p ? nlohmann::json(p->cache_released_bytes) : nlohmann::json(nullptr)},
+        {"prompt_tokens", p ? nlohmann::json(p->prompt_tokens) : nlohmann::json(nullptr)},
+        {"prompt_tokens_shared", p ? nlohmann::json(p->prompt_tokens_shared) : nlohmann::json(nullptr)},
+        {"train_s", r.train_seconds},
+        {"train_tokens", r.train.total_tokens},
+        {"attention_pairs", r.train.attention_pairs},
+        {"publish_s", r.publish_seconds}};
 }
 
 class Loop {
@@ -165,8 +168,7 @@ class Loop {
         acks_ = deferred.get();
         cp_.experience = std::move(deferred);
         role_metrics_.time_publishes(cp_);
-        TrainerRole trainer(cfg_, cp_, (out_ / "trainer").string(), opt_.in_process_weights,
-                            opt_.trainer_processes);
+        TrainerRole trainer(cfg_, cp_, (out_ / "trainer").string(), opt_.handoff, opt_.trainer_processes);
         trainer_ = &trainer;
         const std::string resumed_from = opt_.resume ? describe_resume() : "";
         const int64_t first = trainer.start(opt_.resume);

@@ -21,6 +21,7 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "cuda_ipc.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
@@ -711,6 +712,27 @@ struct PolicyTrainer::Impl {
         forget_received(dir);
     }
 
+    // ---- CUDA IPC export of this process's ranks ----
+    std::unique_ptr<detail::IpcExporter> exporter;  // made at the first export
+    int64_t writes = 0;                             // rank 0: updates and loads begun
+
+    // {"export": IpcProcess JSON} or {"error": why this process cannot export its weights}.
+    std::string export_here() {
+        try {
+            if (!exporter) exporter = std::make_unique<detail::IpcExporter>();
+            std::vector<detail::IpcSource> sources;
+            for (size_t r = 0; r < ranks.size(); ++r)
+                sources.push_back({first_rank + static_cast<int>(r), ranks[r].model->first_local_expert(),
+                                   ranks[r].model->named_parameters()});
+            return nlohmann::json{{"export", detail::ipc_process_to_json(exporter->export_weights(sources))}}
+                .dump();
+        } catch (const Error& e) {
+            return nlohmann::json{{"error", e.message()}}.dump();
+        } catch (const std::exception& e) {
+            return nlohmann::json{{"error", e.what()}}.dump();
+        }
+    }
+
     // ---- rank 0's calls, carried to the other processes ----
     void call(const nlohmann::json& what) {
         if (processes) group->send_call(what.dump());
@@ -779,6 +801,7 @@ PolicyTrainer::~PolicyTrainer() {
 TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
                                  const std::vector<double>& advantages) {
     Impl& m = *impl_;
+    ++m.writes;
     if (m.processes) {
         nlohmann::json records = nlohmann::json::array();
         for (const auto& e : batch) records.push_back(to_json(e));
@@ -813,12 +836,34 @@ std::vector<std::pair<std::string, at::Tensor>> PolicyTrainer::weights() const {
     return all;
 }
 
+std::vector<std::string> PolicyTrainer::export_weights_ipc(std::string& why_not) {
+    Impl& m = *impl_;
+    m.call({{"call", "export_ipc"}});
+    const std::string mine = m.export_here();
+    const std::vector<std::string> parts =
+        m.processes ? m.group->gather(mine) : std::vector<std::string>{mine};
+    std::vector<std::string> out;
+    for (size_t q = 0; q < parts.size(); ++q) {
+        const nlohmann::json j = nlohmann::json::parse(parts[q]);
+        if (j.contains("error")) {
+            why_not = (m.processes ? "trainer rank " + std::to_string(q) + ": " : std::string()) +
+                      j.at("error").get<std::string>();
+            return {};
+        }
+        out.push_back(j.at("export").get<std::string>());
+    }
+    return out;
+}
+
+int64_t PolicyTrainer::weight_writes() const { return impl_->writes; }
+
 void PolicyTrainer::save_optimizer(const std::string& dir) const {
     impl_->call({{"call", "save_optimizer"}, {"dir", dir}});
     impl_->save_optimizer_here(dir);
 }
 
 void PolicyTrainer::load(const std::string& dir) {
+    ++impl_->writes;
     impl_->call({{"call", "load"}, {"dir", dir}});
     impl_->load_here(dir);
 }
@@ -842,6 +887,8 @@ void PolicyTrainer::follow() {
             m.save_optimizer_here(c.at("dir").get<std::string>());
         } else if (what == "load") {
             m.load_here(c.at("dir").get<std::string>());
+        } else if (what == "export_ipc") {
+            m.group->gather(m.export_here());
         } else {
             MOERL_FAIL("trainer rank ", m.first_rank, ": rank 0 made an unknown call '", what, "'");
         }

@@ -12,7 +12,8 @@ rm -rf threads procs split bad.yaml procs.yaml long dist.yaml rollout.yaml rollo
 sed 's/^  ep: 2$/  ep: 2\n  train: 2/' "$src/examples/quickstart.yaml" >procs.yaml
 grep -q "train: 2" procs.yaml || fail "could not write procs.yaml"
 
-# The same metrics, step for step (timings aside).
+# The same metrics, step for step (timings aside, and how the weights got to the rollout: memory
+# in one process, files between CPU processes).
 "$moerl" run "$src/examples/quickstart.yaml" --steps 20 --out threads --quiet >threads.log 2>&1 ||
   fail "threads run: $(cat threads.log)"
 "$moerl" run procs.yaml --steps 20 --out procs --quiet >procs.log 2>&1 || fail "processes run: $(cat procs.log)"
@@ -28,7 +29,8 @@ def rows(p):
     out = []
     for line in open(p):
         j = json.loads(line)
-        out.append({k: v for k, v in j.items() if not (k.endswith("_s") or k in ("step_seconds", "tokens_per_s"))})
+        out.append({k: v for k, v in j.items()
+                    if not (k.endswith("_s") or k.startswith("sync_") or k in ("step_seconds", "tokens_per_s"))})
     return out
 a, b = rows(sys.argv[1]), rows(sys.argv[2])
 assert len(a) == 20 and len(b) == 20, (len(a), len(b))
@@ -46,7 +48,8 @@ close_metrics() {
 import json, sys
 def rows(p):
     return [{k: v for k, v in json.loads(line).items()
-             if not (k.endswith("_s") or k in ("step_seconds", "tokens_per_s", "logprob_diff"))} for line in open(p)]
+             if not (k.endswith("_s") or k.startswith("sync_") or k in ("step_seconds", "tokens_per_s", "logprob_diff"))}
+            for line in open(p)]
 a, b = rows(sys.argv[1]), rows(sys.argv[2])
 assert len(a) == 20 and len(b) == 20, (len(a), len(b))
 for s, (x, y) in enumerate(zip(a, b)):

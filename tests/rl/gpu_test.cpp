@@ -1,6 +1,7 @@
 // The rl layer on a GPU (label gpu; each test skips without a CUDA device): the CUDA trainer
 // against the CPU's, routing records of the fast decode path against the eager path's, sampling on
-// the device, and a generator that took new weights in place against one built with them.
+// the device, a generator that took new weights in place against one built with them, and the CUDA
+// IPC export read in the trainer's own process.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <map>
 #include <vector>
 
+#include "cuda_ipc.hpp"
 #include "moerl/model/generator.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/model/safetensors.hpp"
@@ -350,4 +352,62 @@ TEST(RlGpu, GeneratorAfterAnInPlaceSyncEqualsAFreshOne) {
         ta = ra.greedy;
         tb = rb.greedy;
     }
+}
+
+namespace {
+// Bit for bit: bf16 weights as 16-bit integers (NaN and -0 compare as themselves).
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+    if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+    return at::equal(a.contiguous().view(at::kShort).cpu(), b.contiguous().view(at::kShort).cpu());
+}
+}  // namespace
+
+// The CUDA IPC export read in the trainer's own process, as the rollout's rank 0 reads trainer rank 0
+// (the other processes open its handles: rollout_processes_test): the rollout model's bf16 weights
+// equal the trainer's bit for bit, in one copy of their bytes; a second export takes no new handles,
+// and each update counts as a write.
+TEST(RlGpu, CudaIpcExportReadInTheTrainersProcessEqualsItsWeights) {
+    SKIP_WITHOUT_CUDA();
+    using namespace moerl::rl::detail;
+    TempDir t("gpuipc");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.train_device = "cuda";
+    c.train_dtype = "bf16";
+    PolicyTrainer trainer(c, (t.path / "work").string());
+    const auto batch = batch_of(c);
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    const auto adv = group_advantages(rewards, c.group_size);
+    trainer.update(batch, adv);
+    std::string why;
+    const std::vector<std::string> parts = trainer.export_weights_ipc(why);
+    ASSERT_EQ(parts.size(), 1u) << why;
+    IpcPolicy p;
+    p.version = 1;
+    p.publisher = "test";
+    p.writes = trainer.weight_writes();
+    p.processes.push_back(ipc_process_from_json(parts[0]));
+    EXPECT_EQ(p.writes, 1);
+    EXPECT_GT(p.processes[0].allocations.size(), 0u);
+    moerl::model::ModelOptions o;
+    o.device = at::Device(at::kCUDA, 0);
+    o.dtype = at::kBFloat16;
+    moerl::model::MoeModel rollout(c.model, o);
+    rollout.init_random(99);  // other weights to start from
+    IpcImporter reader(rollout);
+    EXPECT_EQ(reader.copy(p), rollout.weight_bytes());
+    EXPECT_EQ(reader.num_open(), 0u) << "this process's own allocations are read where they are";
+    std::map<std::string, at::Tensor> mine;
+    for (auto& [name, tensor] : trainer.weights()) mine.emplace(name, tensor);
+    size_t compared = 0;
+    for (const auto& [name, tensor] : rollout.state_dict()) {
+        ASSERT_TRUE(mine.count(name)) << name;
+        EXPECT_TRUE(same_bits(tensor, mine.at(name))) << name;
+        ++compared;
+    }
+    EXPECT_EQ(compared, mine.size());
+    EXPECT_EQ(trainer.export_weights_ipc(why), parts) << "nothing moved: the same handles";
+    trainer.update(batch, adv);
+    EXPECT_EQ(trainer.weight_writes(), 2);
 }

@@ -52,7 +52,8 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
                 j.erase(timing);
             // What the producer's call before the step did (a resumed run regenerates the steps
             // ahead that the stopped one had generated).
-            for (const char* work : {"prompt_tokens", "prompt_tokens_shared", "kv_released_bytes"})
+            for (const char* work :
+                 {"prompt_tokens", "prompt_tokens_shared", "kv_released_bytes", "sync_bytes", "sync_path"})
                 j.erase(work);
         }
         out.push_back(j);

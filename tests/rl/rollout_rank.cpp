@@ -65,6 +65,7 @@ int main(int argc, char** argv) {
             engine.follow([&](const std::string& seed) {
                 if (die && p.rank == 1) _exit(9);
                 m.init_random(std::stoull(seed));
+                return int64_t{0};
             });
             return 0;  // the engine, then the buffers go, in rank 0's order (their teardown is collective)
         }

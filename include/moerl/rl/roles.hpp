@@ -52,10 +52,12 @@ struct RolloutStats {
     double seconds = 0;         // time spent in work(): generating, scoring, syncing
     double reward_seconds = 0;  // of it, scoring finished responses
     // Policy versions loaded into the rollout model, the seconds that took (in all, the newest),
-    // and the weight bytes in-process syncs copied.
+    // the weight bytes copied from the trainer's memory (mem://, cuda-ipc://; over processes every
+    // rank's), and how the newest arrived: "memory", "cuda-ipc", "file" or "store".
     int64_t syncs = 0;
     double sync_seconds = 0, last_sync_seconds = 0;
     int64_t sync_bytes = 0;
+    std::string sync_path;
     int64_t cache_bytes_released = 0;  // KV-cache memory given back for training, the last time
 };
 
@@ -99,6 +101,20 @@ void follow_rollout_engine(const RunConfig& config, ControlPlane& control, const
                            const RoleProcesses& processes);
 
 // ---- train -----------------------------------------------------------------------------------
+// How the trainer hands new policy versions to the rollout workers.
+enum class PolicyHandoff {
+    // Files: a directory (file://), turned into store checkpoints by a StorePolicyRegistry for
+    // workers on other machines. Works everywhere.
+    kFiles,
+    // The workers are in this process, holding every expert, and the trainer too: they copy its
+    // tensors in memory (mem://).
+    kInProcess,
+    // The workers are this run's processes on this machine (`moerl run` over ranks.train or
+    // ranks.rollout, launched together): by CUDA IPC (cuda-ipc://) where the trainer's and the
+    // rollout's weights are on CUDA devices, else files; a fallback says why in one log line.
+    kThisMachine,
+};
+
 struct StepResult {
     int64_t step = 0;
     int64_t version = 0;  // published after this step
@@ -117,12 +133,12 @@ struct StepResult {
 
 class TrainerRole {
   public:
-    // in_process_weights: the rollout workers live in this process (and outlive no trainer): new
-    // versions are published as mem:// and the workers copy the weights from memory, no files.
-    // With `processes` (more than one), this is their rank 0 and the weights are published as
-    // files every rank writes its experts to.
+    // handoff: where the rollout workers are, so how new versions reach them (PolicyHandoff). With
+    // `processes` (more than one), this is their rank 0: files hold every rank's experts, CUDA IPC
+    // hands every rank's handles. The rollout workers sync between training steps (the loop runs
+    // them in turn), and a cuda-ipc:// reader checks that no update began while it copied.
     TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
-                bool in_process_weights = false, const RoleProcesses* processes = nullptr);
+                PolicyHandoff handoff = PolicyHandoff::kFiles, const RoleProcesses* processes = nullptr);
     ~TrainerRole();
     // Fresh start: publishes version 0. Resume: restores the newest checkpoint in the store
     // (weights, optimizer, consumed data, experiences taken but not yet trained on) and publishes

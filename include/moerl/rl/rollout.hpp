@@ -79,13 +79,15 @@ class RolloutEngine {
     // Removes every unfinished sequence and returns its partial trajectory (preemption).
     std::vector<GenResult> drain();
 
-    // Re-reads what the engine keeps of the weights (the CUDA engine's fused projections). Over
-    // processes, ranks 1.. first load `source` (what rank 0 loaded, e.g. a policy URI) through
-    // follow()'s loader; a rank that cannot makes this throw with its message.
-    void refresh_weights(const std::string& source = "");
+    // Loads new weights into this rank's model with load_here() (when given), then re-reads what
+    // the engine keeps of them (the CUDA engine's fused projections). Over processes, ranks 1.. load
+    // `source` (what rank 0 loads, e.g. a policy URI) through follow()'s loader at the same time; a
+    // rank that cannot makes this throw with its message. Returns the bytes every loader reported.
+    int64_t refresh_weights(const std::string& source = "", const std::function<int64_t()>& load_here = {});
     // Ranks 1.. of an engine over processes: carries out rank 0's calls until rank 0's engine is
-    // destroyed. load(source) puts the weights rank 0 names in refresh_weights into this rank's model.
-    void follow(const std::function<void(const std::string& source)>& load);
+    // destroyed. load(source) puts the weights rank 0 names in refresh_weights into this rank's model
+    // and returns the bytes it copied (0 when it read files).
+    void follow(const std::function<int64_t(const std::string& source)>& load);
     // Sequences the engine holds at once: max_batch on each rank.
     int capacity() const;
     // False once a call over the engine's processes failed (a rank died or timed out): the engine
@@ -114,7 +116,7 @@ class RolloutEngine {
     std::unique_ptr<Impl> impl_;
     std::unique_ptr<Spread> spread_;  // over processes
     // Ranks 1..: what rank 0's call `bytes` asks; false for stop.
-    bool carry_out(const std::string& bytes, const std::function<void(const std::string&)>& load);
+    bool carry_out(const std::string& bytes, const std::function<int64_t(const std::string&)>& load);
 };
 
 }  // namespace moerl::rl

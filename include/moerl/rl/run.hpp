@@ -30,7 +30,8 @@ struct RunOptions {
     // runs on the others).
     const RoleProcesses* trainer_processes = nullptr;
     // config.rollout_ranks > 1: this process is rank 0 of the rollout engine's processes
-    // (follow_rollout runs on the others); policies then travel as files of the run's store.
+    // (follow_rollout runs on the others). Over processes policies travel by CUDA IPC where the
+    // trainer and the rollout run on CUDA (PolicyHandoff::kThisMachine), else as files.
     const RoleProcesses* rollout_processes = nullptr;
 };
 

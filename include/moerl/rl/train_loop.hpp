@@ -27,6 +27,8 @@ struct ProducedStep {
     double generate_s = 0;             // decoding
     double reward_s = 0;               // scoring the responses
     double sync_s = 0;                 // loading the newest policy into the rollout model
+    int64_t sync_bytes = 0;            // of it, weight bytes copied from the trainer's memory
+    std::string sync_path;             // how the newest arrived (RolloutStats::sync_path), "" for none
     int64_t cache_released_bytes = 0;  // KV-cache memory the rollout gave back for training
     // Context tokens prefilled, and of them those taken from a group-mate's cache blocks.
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
@@ -45,8 +47,8 @@ class ExperienceProducer {
 
 struct TrainLoopOptions {
     bool final_checkpoint = true;  // false: the end of the run writes no checkpoint (benchmarks)
-    // The producer's rollout worker copies new weights from the trainer's memory (TrainerRole).
-    bool in_process_weights = false;
+    // How new policy versions reach the rollout workers (TrainerRole).
+    PolicyHandoff handoff = PolicyHandoff::kFiles;
     // The trainer is rank 0 of these processes (config.train_ranks); none: one process.
     const RoleProcesses* trainer_processes = nullptr;
     bool resume = false;        // start from the newest checkpoint in the store

@@ -57,6 +57,15 @@ class PolicyTrainer {
     // The weights forward runs on (train.dtype, train.device), HF names, every rank's experts;
     // they change in place with each update. What in-process weight sync copies from.
     std::vector<std::pair<std::string, at::Tensor>> weights() const;
+    // CUDA IPC handles on the weights forward runs on (those weights() returns), every rank's: one
+    // description per process (JSON, src/rl/cuda_ipc.hpp's IpcProcess), taken after each process's
+    // device work finished. Empty, with `why_not` naming the rank and the reason, where a rank cannot
+    // export them (weights on the CPU, a build without CUDA, cudaIpcGetMemHandle failing); a rank
+    // that is gone makes it throw, naming it.
+    std::vector<std::string> export_weights_ipc(std::string& why_not);
+    // How often the weights forward runs on were changed in place (updates, loads): a reader of
+    // exported weights compares it before and after its copy.
+    int64_t weight_writes() const;
     // optimizer-rank{r}.safetensors (AdamW moments) and optimizer.json (step count).
     void save_optimizer(const std::string& dir) const;
     // Restores weights and (when present) optimizer state written by the two above.
