@@ -6,9 +6,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <random>
-#include <sstream>
 #include <thread>
 
 #include "builtin.hpp"
@@ -107,10 +107,14 @@ class HostTransport final : public Transport {
                 peer_pid_.assign(world_size_, 0);
                 for (int r = 0; r < world_size_; ++r) {
                     if (r == rank_) continue;
-                    std::istringstream in(std::string(peers[r].begin(), peers[r].end()));
-                    std::string segment, ns;
-                    pid_t pid = 0;
-                    in >> segment >> pid >> ns;
+                    // Split by hand: no iostreams here. Inside Python after torch they bound to the
+                    // wheel's libstdc++ copies and crashed (the Python module's GPU smoke test).
+                    const std::string line(peers[r].begin(), peers[r].end());
+                    const size_t a = line.find(' '), b = a == std::string::npos ? a : line.find(' ', a + 1);
+                    const std::string segment = line.substr(0, a);
+                    const pid_t pid =
+                        a == std::string::npos ? 0 : static_cast<pid_t>(std::atol(line.c_str() + a + 1));
+                    const std::string ns = b == std::string::npos ? std::string() : line.substr(b + 1);
                     maps_[r] = map_segment(segment, seg_bytes, false);
                     // Threads of this process share its pid; pids of other namespaces mean nothing here.
                     if (pid != ::getpid() && !ns.empty() && ns == pid_namespace()) peer_pid_[r] = pid;
