@@ -71,8 +71,9 @@ print(f"on-policy: {len(rows)} steps, {len(bad)} with staleness_max > 0: {bad[:1
 sys.exit(0 if len(rows) == 20 and not bad else 1)
 PY
 
-# 3. FLUSHALL mid-run, then a SIGKILLed trainer.
-sed 's/steps: 90,/steps: 40,/; s/checkpoint_every: 0/checkpoint_every: 5/' "$cfg" >"$tmp/flush.yaml"
+# 3. FLUSHALL mid-run, then a SIGKILLed trainer. 150 steps: at 40 an idle machine had finished the
+# run (13 steps a second) before the FLUSHALL reached Redis.
+sed 's/steps: 90,/steps: 150,/; s/checkpoint_every: 0/checkpoint_every: 5/' "$cfg" >"$tmp/flush.yaml"
 start flush "$tmp/flush.yaml"
 wait_log "$tmp/flush.log" "step 6/" 120 || fail "flush: the trainer did not reach step 6"
 redis-cli -p "$port" FLUSHALL >/dev/null
@@ -84,7 +85,7 @@ wait_log "$tmp/flush.log" "restarting it (it resumes" 20 || fail "flush: the SIG
 finish 240
 ((rc == 0)) || fail "the flushed cluster exited with $rc"
 rows=$(wc -l <"$tmp/flush-out/metrics.jsonl")
-((rows == 40)) || fail "the flushed run's metrics.jsonl has $rows rows; expected 40"
+((rows == 150)) || fail "the flushed run's metrics.jsonl has $rows rows; expected 150"
 
 # 4. SIGTERM mid-run.
 sed 's/steps: 90,/steps: 100000,/' "$cfg" >"$tmp/long.yaml"
