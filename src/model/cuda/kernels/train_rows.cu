@@ -113,6 +113,20 @@ __device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2
     m = top;
 }
 
+// The (max, sum) pair merged over the warp; every lane gets the result.
+__device__ __forceinline__ void warp_merge_lse(float& m, float& s) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
+        merge_lse(m, s, m2, s2);
+    }
+}
+
+// Logit c of a row after temperature and bias.
+__device__ __forceinline__ float scaled_logit(float z, int64_t c, float temperature, const float* bias) {
+    return z / temperature + (bias != nullptr ? bias[c] : 0.0f);
+}
+
 template <typename T, int V>
 __global__ void __launch_bounds__(kVocabThreads)
     selected_logprob_rows_kernel(T* logits, int64_t ld, const int64_t* targets, const float* bias,
@@ -127,7 +141,7 @@ __global__ void __launch_bounds__(kVocabThreads)
         load_vec<V>(lr + c, z);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            const float v = z[k] / temperature + (bias != nullptr ? bias[c + k] : 0.0f);
+            const float v = scaled_logit(z[k], c + k, temperature, bias);
             if (v > m) {
                 s = (m == -INFINITY ? 0.0f : s * __expf(m - v)) + 1.0f;
                 m = v;
@@ -136,11 +150,7 @@ __global__ void __launch_bounds__(kVocabThreads)
             }
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
-        merge_lse(m, s, m2, s2);
-    }
+    warp_merge_lse(m, s);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) red_m[warp] = m, red_s[warp] = s;
     __syncthreads();
@@ -148,17 +158,13 @@ __global__ void __launch_bounds__(kVocabThreads)
         const int nw = kVocabThreads / 32;
         m = lane < nw ? red_m[lane] : -INFINITY;
         s = lane < nw ? red_s[lane] : 0.0f;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
-            merge_lse(m, s, m2, s2);
-        }
+        warp_merge_lse(m, s);
         if (lane == 0) lse_shared = m + logf(s);
     }
     __syncthreads();
     const float lse = lse_shared;
     const int64_t t = targets[row];
-    const float zt = to_float(lr[t]) / temperature + (bias != nullptr ? bias[t] : 0.0f);
+    const float zt = scaled_logit(to_float(lr[t]), t, temperature, bias);
     const float chosen = zt - lse;
     if (threadIdx.x == 0) lp[row] = chosen;
     if (!write_softmax) return;
@@ -168,7 +174,7 @@ __global__ void __launch_bounds__(kVocabThreads)
         load_vec<V>(lr + c, z);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            const float v = z[k] / temperature + (bias != nullptr ? bias[c + k] : 0.0f);
+            const float v = scaled_logit(z[k], c + k, temperature, bias);
             z[k] = c + k == t ? expm1f(chosen) : __expf(v - lse);
         }
         store_vec<V>(lr + c, z);
