@@ -21,6 +21,8 @@ TEST(PinThreads, OverridesTheEnvironment) {
     EXPECT_EQ(at::get_num_threads(), 1);
     EXPECT_EQ(at::get_num_interop_threads(), 1);
     pin_threads(2);
-    if (before >= 2) EXPECT_EQ(blas_threads(), 2);
+    if (before >= 2) {
+        EXPECT_EQ(blas_threads(), 2);
+    }
     EXPECT_EQ(at::get_num_threads(), 2);
 }
