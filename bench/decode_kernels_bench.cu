@@ -208,7 +208,14 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         auto* scales = pool.zeros<float>(num_scales * copies);
         mc::launch_quantize_fp8_blocks(1, w, copies, d.out_rows, d.cols, q, scales, {stream, false});
         for (int B : batches) {
-            if (B > 4) continue;  // larger batches go to cuBLAS
+            if (B > 8) continue;  // larger batches go to cuBLAS (bf16 weights, FP8 rollout too)
+            const double fp8_mb = (elems + num_scales * 4) * 1e-6;
+            row(d.name, B, "fp8 tensor cores", fp8_mb, [&](int i, const mc::Launch& l) {
+                const int k = i % copies;
+                mc::launch_dense_fp8(in, q + k * elems, scales + k * num_scales, B, d.cols, d.out_rows, out,
+                                     l);
+            });
+            if (B > 4) continue;
             row(d.name, B, "cuda cores", elems * 2e-6, [&](int i, const mc::Launch& l) {
                 mc::launch_dense_rows(1, in, w + (i % copies) * elems, B, d.cols, d.out_rows, out, l);
             });
@@ -231,11 +238,31 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         row("lm head (norm inside)", 1, "cuda cores", elems * 2e-6, [&](int, const mc::Launch& l) {
             mc::launch_norm_dense_rows(1, x, norm_w, 1e-6f, w, 1, kH, kVocab, out, l);
         });
+        // FP8 rollout's LM head (the final norm in the kernel before it): 311 MB.
+        const size_t num_scales = static_cast<size_t>((kVocab + 127) / 128) * (kH / 128);
+        auto* q = pool.zeros<uint8_t>(elems);
+        auto* scales = pool.zeros<float>(num_scales);
+        mc::launch_quantize_fp8_blocks(1, w, 1, kVocab, kH, q, scales, {stream, false});
+        row("lm head", 1, "fp8 tensor cores", (elems + num_scales * 4) * 1e-6,
+            [&](int, const mc::Launch& l) { mc::launch_dense_fp8(x, q, scales, 1, kH, kVocab, out, l); });
     }
     // Experts: gate/up [E, I, H] and down [E, H, I], one routing per launch out of 16 (random logits).
     auto* gate = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);
     auto* up = pool.bf16_filled(static_cast<size_t>(kE) * kI * kH);
     auto* down = pool.bf16_filled(static_cast<size_t>(kE) * kH * kI);
+    // Their e4m3 copies (FP8 rollout): a byte a weight and a scale per 128 x 128 block.
+    const size_t expert_elems = static_cast<size_t>(kE) * kI * kH;
+    const size_t gate_scales = static_cast<size_t>(kE) * ((kI + 127) / 128) * (kH / 128);
+    const size_t down_scales = static_cast<size_t>(kE) * (kH / 128) * ((kI + 127) / 128);
+    auto* gate_q = pool.zeros<uint8_t>(expert_elems);
+    auto* up_q = pool.zeros<uint8_t>(expert_elems);
+    auto* down_q = pool.zeros<uint8_t>(expert_elems);
+    auto* gate_s = pool.zeros<float>(gate_scales);
+    auto* up_s = pool.zeros<float>(gate_scales);
+    auto* down_s = pool.zeros<float>(down_scales);
+    mc::launch_quantize_fp8_blocks(1, gate, kE, kI, kH, gate_q, gate_s, {stream, false});
+    mc::launch_quantize_fp8_blocks(1, up, kE, kI, kH, up_q, up_s, {stream, false});
+    mc::launch_quantize_fp8_blocks(1, down, kE, kH, kI, down_q, down_s, {stream, false});
     constexpr int kRoutings = 16;
     for (int B : batches) {
         std::vector<int> position(B, 10);
@@ -273,6 +300,14 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
                 mc::launch_moe_down_mma(act, down, routes[i % kRoutings], B, kK, kE, kH, kI, max_active, y,
                                         l);
             });
+        row("experts gate+up", B, "fp8 tensor cores", gate_up_mb / 2, [&](int i, const mc::Launch& l) {
+            mc::launch_moe_gate_up_fp8(h, gate_q, gate_s, up_q, up_s, routes[i % kRoutings], B, kK, kH, kI,
+                                       max_active, act, l);
+        });
+        row("experts down", B, "fp8 tensor cores", down_mb / 2, [&](int i, const mc::Launch& l) {
+            mc::launch_moe_down_fp8(act, down_q, down_s, routes[i % kRoutings], B, kK, kH, kI, max_active, y,
+                                    l);
+        });
     }
 }
 

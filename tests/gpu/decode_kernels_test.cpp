@@ -10,6 +10,7 @@
 #include "decode_kernels.hpp"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -406,6 +407,34 @@ std::vector<__nv_bfloat16> random_bf16(size_t n, float scale, std::mt19937& rng)
 float bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
 float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// A routed batch for the expert kernels: B rows of h, E experts' gate and up [E, I, H] and down
+// [E, H, I] in bf16 (seeded), and the top-K routing of random logits on the device (expert `idle`
+// routed to by no row when >= 0).
+struct RoutedBatch {
+    int B, E, K, H, I, S;
+    std::vector<__nv_bfloat16> h, gate, up, down;
+    RoutingBuffers rb;
+    std::vector<int> idx;  // [S] the expert of each (row, k) slot
+    RoutedBatch(int b, int e, int k, int hidden, int inter, unsigned seed, int idle = -1)
+        : B(b), E(e), K(k), H(hidden), I(inter), S(b * k), rb(b, k, e, 0) {
+        std::mt19937 rng(seed);
+        std::vector<float> logits(static_cast<size_t>(B) * E);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (float& x : logits) x = normal(rng);
+        if (idle >= 0)
+            for (int r = 0; r < B; ++r) logits[static_cast<size_t>(r) * E + idle] = -30.0f;
+        h = random_bf16(static_cast<size_t>(B) * H, 1.0f, rng);
+        gate = random_bf16(static_cast<size_t>(E) * I * H, 0.06f, rng);
+        up = random_bf16(gate.size(), 0.06f, rng);
+        down = random_bf16(static_cast<size_t>(E) * H * I, 0.1f, rng);
+        Dev<float> d_logits(logits);
+        Dev<int> d_pos{std::vector<int>(B, 3)};
+        mc::launch_route(0, d_logits.p, d_pos.p, B, E, K, true, rb.routing(), {nullptr, false});
+        idx = rb.idx.read();
+    }
+    int max_active() const { return std::min(E, S); }
+};
+
 // Batches with fewer and more tokens per expert than one tensor-core pass takes (8, or 16 with two
 // tiles), output rows that do not fill the last block.
 class DecodeExperts : public ::testing::TestWithParam<int> {};
@@ -414,22 +443,12 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
     const int B = GetParam(), E = 16, K = 4, H = 256, I = 96, S = B * K;
     ASSERT_TRUE(mc::moe_tensor_cores_supported(1, H, I));
-    std::mt19937 rng(B);
-    std::vector<float> logits(static_cast<size_t>(B) * E);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (float& x : logits) x = normal(rng);
-    const auto h = random_bf16(static_cast<size_t>(B) * H, 1.0f, rng);
-    const auto gate = random_bf16(static_cast<size_t>(E) * I * H, 0.06f, rng);
-    const auto up = random_bf16(gate.size(), 0.06f, rng);
-    const auto down = random_bf16(static_cast<size_t>(E) * H * I, 0.1f, rng);
-    Dev<float> d_logits(logits);
-    Dev<int> d_pos{std::vector<int>(B, 3)};
-    RoutingBuffers rb(B, K, E, 0);
-    const mc::MoeRouting r = rb.routing();
+    const RoutedBatch rbatch(B, E, K, H, I, B);
+    const auto &h = rbatch.h, &gate = rbatch.gate, &up = rbatch.up, &down = rbatch.down;
+    const auto& idx = rbatch.idx;
+    const mc::MoeRouting r = rbatch.rb.routing();
     const mc::Launch launch{nullptr, false};
-    mc::launch_route(0, d_logits.p, d_pos.p, B, E, K, true, r, launch);
-    const auto idx = rb.idx.read();
-    const int max_active = std::min(E, S);
+    const int max_active = rbatch.max_active();
 
     Dev<__nv_bfloat16> d_h(h), d_gate(gate), d_up(up), d_down(down);
     Dev<__nv_bfloat16> act_core{std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I)},
@@ -561,6 +580,132 @@ TEST_P(DecodeDenseFp8, MatchesTheDequantisedProduct) {
 INSTANTIATE_TEST_SUITE_P(BatchesColumns, DecodeDenseFp8,
                          ::testing::Combine(::testing::Values(1, 3, 8, 11),
                                             ::testing::Values(128, 2064, 4096)));
+
+// The FP8 products on the tensor cores against CPU products of the dequantised weights with the
+// inputs rounded to fp16 as the kernels round them. Dense: tokens in one pass and in several, column
+// counts that end inside a scale block, rows that end inside a block; on a 132-SM GPU the row counts
+// take each of the three column splits (4, 2 and 1 warps a row group). Experts: batches with fewer
+// and more tokens an expert than a pass, a routing with idle experts.
+float f16(float x) { return __half2float(__float2half_rn(std::clamp(x, -65504.0f, 65504.0f))); }
+
+struct Fp8Weights {
+    std::vector<uint8_t> q;
+    std::vector<float> scales;
+    int rows, cols, block_cols;
+    double at(int m, int r, int c) const {
+        const int block_rows = (rows + 127) / 128;
+        return static_cast<double>(
+                   moerl::ep::e4m3_to_float(q[(static_cast<size_t>(m) * rows + r) * cols + c])) *
+               scales[(static_cast<size_t>(m) * block_rows + r / 128) * block_cols + c / 128];
+    }
+};
+
+// w [batch, rows, cols] bf16 quantised on the GPU; the e4m3 bytes and scales back on the host.
+struct QuantisedOnDevice {
+    Dev<uint8_t> q;
+    Dev<float> scales;
+    Fp8Weights host;
+    QuantisedOnDevice(const std::vector<__nv_bfloat16>& w, int batch, int rows, int cols)
+        : q(std::vector<uint8_t>(w.size())),
+          scales(
+              std::vector<float>(static_cast<size_t>(batch) * ((rows + 127) / 128) * ((cols + 127) / 128))) {
+        Dev<__nv_bfloat16> d_w(w);
+        mc::launch_quantize_fp8_blocks(1, d_w.p, batch, rows, cols, q.p, scales.p, {nullptr, false});
+        host = {q.read(), scales.read(), rows, cols, (cols + 127) / 128};
+    }
+};
+
+class DecodeFp8Dense : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(DecodeFp8Dense, MatchesTheDequantisedProduct) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const auto [B, out_rows, cols] = GetParam();
+    ASSERT_TRUE(mc::fp8_products_supported(cols));
+    std::mt19937 rng(5 + B);
+    const auto in = random_bf16(static_cast<size_t>(B) * cols, 1.0f, rng);
+    auto w = random_bf16(static_cast<size_t>(out_rows) * cols, 0.05f, rng);
+    w[3 * static_cast<size_t>(cols) + 7] = __float2bfloat16(2.0f);  // an outlier in one block
+    QuantisedOnDevice qw(w, 1, out_rows, cols);
+    Dev<__nv_bfloat16> d_in(in);
+    Dev<__nv_bfloat16> d_out(
+        std::vector<__nv_bfloat16>(static_cast<size_t>(B) * out_rows, __float2bfloat16(9.0f)));
+    mc::launch_dense_fp8(d_in.p, qw.q.p, qw.scales.p, B, cols, out_rows, d_out.p, {nullptr, false});
+    CK(cudaGetLastError());
+    const auto out = d_out.read();
+    for (int b = 0; b < B; ++b)
+        for (int o = 0; o < out_rows; ++o) {
+            double want = 0, magnitude = 0;
+            for (int c = 0; c < cols; ++c) {
+                const double p = qw.host.at(0, o, c) * f16(as_float(in[static_cast<size_t>(b) * cols + c]));
+                want += p;
+                magnitude += std::fabs(p);
+            }
+            ASSERT_NEAR(as_float(out[static_cast<size_t>(b) * out_rows + o]), want,
+                        1e-5 * magnitude + 8e-3 * std::fabs(want))
+                << "token " << b << " row " << o << " of " << out_rows << ", " << cols << " columns";
+        }
+}
+
+INSTANTIATE_TEST_SUITE_P(TokensRowsColumns, DecodeFp8Dense,
+                         ::testing::Values(std::make_tuple(1, 301, 320), std::make_tuple(3, 9001, 128),
+                                           std::make_tuple(11, 17003, 192), std::make_tuple(40, 150, 4096)));
+
+class DecodeFp8Experts : public ::testing::TestWithParam<int> {};
+
+TEST_P(DecodeFp8Experts, MatchTheDequantisedProducts) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    const int B = GetParam(), E = 16, K = 4, H = 320, I = 192, S = B * K;
+    ASSERT_TRUE(mc::fp8_products_supported(H) && mc::fp8_products_supported(I));
+    const RoutedBatch rbatch(B, E, K, H, I, 17 + B, /*idle=*/15);
+    const auto &h = rbatch.h, &gate = rbatch.gate, &up = rbatch.up, &down = rbatch.down;
+    const auto& idx = rbatch.idx;
+    QuantisedOnDevice qg(gate, E, I, H), qu(up, E, I, H), qd(down, E, H, I);
+    const mc::MoeRouting r = rbatch.rb.routing();
+    const mc::Launch launch{nullptr, false};
+    const int max_active = rbatch.max_active();
+    Dev<__nv_bfloat16> d_h(h);
+    Dev<__nv_bfloat16> d_act(std::vector<__nv_bfloat16>(static_cast<size_t>(S) * I));
+    Dev<float> d_y(std::vector<float>(static_cast<size_t>(S) * H, -3.0f));
+    mc::launch_moe_gate_up_fp8(d_h.p, qg.q.p, qg.scales.p, qu.q.p, qu.scales.p, r, B, K, H, I, max_active,
+                               d_act.p, launch);
+    mc::launch_moe_down_fp8(d_act.p, qd.q.p, qd.scales.p, r, B, K, H, I, max_active, d_y.p, launch);
+    CK(cudaGetLastError());
+    const auto act = d_act.read();
+    const auto y = d_y.read();
+    auto close = [](float got, double want, double magnitude) {
+        return std::fabs(got - want) <= 0.02 * std::fabs(want) + 1e-5 * magnitude + 1e-3;
+    };
+    for (int s = 0; s < S; ++s) {
+        const int e = idx[s], b = s / K;
+        ASSERT_TRUE(e >= 0 && e < 15) << "slot " << s << " routed to " << e;
+        for (int i = 0; i < I; ++i) {
+            double g = 0, u = 0, magnitude = 0;
+            for (int c = 0; c < H; ++c) {
+                const double x = f16(as_float(h[static_cast<size_t>(b) * H + c]));
+                g += x * qg.host.at(e, i, c);
+                u += x * qu.host.at(e, i, c);
+                magnitude += std::fabs(x * qg.host.at(e, i, c)) + std::fabs(x * qu.host.at(e, i, c));
+            }
+            const float v0 = bf(static_cast<float>(g)), v1 = bf(static_cast<float>(u));
+            const double want = bf(bf(v0 / (1.0f + std::exp(-v0))) * v1);
+            const float got = as_float(act[static_cast<size_t>(s) * I + i]);
+            ASSERT_TRUE(close(got, want, magnitude))
+                << "gate/up slot " << s << " row " << i << ": " << got << ", cpu " << want;
+        }
+        for (int o = 0; o < H; ++o) {
+            double want = 0, magnitude = 0;
+            for (int i = 0; i < I; ++i) {
+                const double p = f16(as_float(act[static_cast<size_t>(s) * I + i])) * qd.host.at(e, o, i);
+                want += p;
+                magnitude += std::fabs(p);
+            }
+            const float got = y[static_cast<size_t>(s) * H + o];
+            ASSERT_NEAR(got, want, 1e-5 * magnitude + 1e-6) << "down slot " << s << " row " << o;
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Batches, DecodeFp8Experts, ::testing::Values(1, 5, 24, 64));
 
 // FP8 weights: two stacked matrices whose rows and columns end inside a 128 x 128 block, values over
 // six orders of magnitude, a block of zeros and a block with one outlier. The e4m3 bytes and the

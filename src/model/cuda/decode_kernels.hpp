@@ -136,6 +136,23 @@ void launch_quantize_fp8_blocks(int dtype, const void* w, int64_t batch, int64_t
 void launch_dense_rows_fp8(const void* in, const uint8_t* q, const float* scales, int B, int cols,
                            int out_rows, void* out, const Launch& launch);
 
+// The FP8 products of a decode step on the tensor cores, for any batch: the e4m3 weights (and their
+// block scales, as launch_quantize_fp8_blocks lays them out) widen to fp16 exactly, the bf16 inputs
+// are rounded to fp16 (saturating at +-65504), fp32 accumulation. Whether a matrix of `cols` columns
+// can run them (a multiple of 64, at most kMaxHidden).
+bool fp8_products_supported(int cols);
+// out [B, out_rows] (bf16) = in [B, cols] (q * scale)^T.
+void launch_dense_fp8(const void* in, const uint8_t* q, const float* scales, int B, int cols, int out_rows,
+                      void* out, const Launch& launch);
+// launch_moe_gate_up_mma and launch_moe_down_mma over e4m3 experts: gate/up [E, I, H], down [E, H, I],
+// scales [E, ceil(rows / 128), ceil(cols / 128)] each; the same act and y, the same roundings.
+void launch_moe_gate_up_fp8(const void* h, const uint8_t* gate_q, const float* gate_scales,
+                            const uint8_t* up_q, const float* up_scales, const MoeRouting& r, int B, int K,
+                            int H, int I, int max_active, void* act, const Launch& launch);
+void launch_moe_down_fp8(const void* act, const uint8_t* down_q, const float* down_scales,
+                         const MoeRouting& r, int B, int K, int H, int I, int max_active, float* y,
+                         const Launch& launch);
+
 // out [B, out_rows] = in [B, cols] weight^T with weight [out_rows, cols]: a GEMV for a few rows
 // (weights read once; CUDA cores), in place of a GEMM library call at decode batch sizes. A block
 // copies its weight rows into shared memory (or asks L2 for them, past 160 KB a block) before it

@@ -68,17 +68,21 @@ inline void ensure_dynamic_smem(const void* kernel, size_t bytes) {
     g = bytes;
 }
 
-// c += a b on the tensor cores: m16n8k16, bf16 in, fp32 accumulation. a0..a3 and b0, b1 hold bf16
-// pairs in the PTX fragment layout (lane = 4 g + t: a0 row g, a1 row g + 8, a2 and a3 the same rows
-// eight k on; b0 column g, b1 eight k on; c0, c1 row g and c2, c3 row g + 8, columns 2t and 2t + 1).
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+// c += a b on the tensor cores: m16n8k16 with fp32 accumulation, bf16 operands (mma_bf16) or fp16
+// (mma_f16: FP8 weights widen to fp16 exactly). a0..a3 and b0, b1 hold pairs in the PTX fragment
+// layout (lane = 4 g + t: a0 row g, a1 row g + 8, a2 and a3 the same rows eight k on; b0 column g,
+// b1 eight k on; c0, c1 row g and c2, c3 row g + 8, columns 2t and 2t + 1).
+#define MOERL_DEFINE_MMA(name, type)                                                                       \
+    __device__ __forceinline__ void name(float(&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, \
+                                         uint32_t b0, uint32_t b1) {                                       \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." type "." type                                \
+                     ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                \
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                              \
+    }
+MOERL_DEFINE_MMA(mma_bf16, "bf16")
+MOERL_DEFINE_MMA(mma_f16, "f16")
+#undef MOERL_DEFINE_MMA
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }

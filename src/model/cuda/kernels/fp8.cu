@@ -161,3 +161,314 @@ void launch_dense_rows_fp8(const void* in, const uint8_t* q, const float* scales
 }
 
 }  // namespace moerl::model::cuda
+
+namespace moerl::model::cuda {
+namespace {
+
+// The products of FP8 rollout on the tensor cores, for any number of tokens: a block takes 64 /
+// kSplit output rows of one weight matrix (the dense projection's, or one routed expert's: gate and
+// up rows alike for the gated experts) and every token of that matrix, in passes of 8 * kNTiles
+// tokens held in shared memory as fp16. Warp w takes 16 of the rows (group w / kSplit) and every
+// kSplit-th 128-column scale block from w % kSplit on; the kSplit warps of a row group sum their
+// results in shared memory at the end of a pass. Each lane loads 16 e4m3 bytes of its two weight rows
+// (g and g + 8) per 64-column chunk, widens them to fp16 pairs (exactly) and feeds 4 mma.m16n8k16
+// steps: logical k = 2t + u of step j is column 16t + 4j + u and k = 2t + 8 + u is column 16t + 4j + 2
+// + u, in the weights and the tokens alike, so the fragments need no shuffles. A scale block's
+// products sum in fp32 and take the block's scale once.
+constexpr int kF8Warps = 4;
+constexpr int kF8Pad =
+    8;  // halves after a token row: the rows a quarter warp reads start 16 bytes apart mod 128
+
+enum class Fp8Product { kDense, kGated, kDown };
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// 8 bf16 to 8 fp16, saturating at fp16's largest finite magnitude.
+__device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& raw) {
+    const auto* in = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    uint4 out;
+    auto* o = reinterpret_cast<__half2*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(in[i]);
+        o[i] =
+            __floats2half2_rn(fminf(fmaxf(f.x, -65504.0f), 65504.0f), fminf(fmaxf(f.y, -65504.0f), 65504.0f));
+    }
+    return out;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// kDense: out[b] = in[b] (q0 * s0)^T for b < B (bf16 out). kGated: act[s] = silu(in[s / row_div] gate^T)
+// * (in[s / row_div] up^T) for every slot s routed to the block's expert (q0, s0 gate; q1, s1 up; each
+// product rounded to bf16 before the activation, as the bf16 kernels round). kDown: y[s] = in[s] w^T
+// (fp32 out). Weights [groups, out_rows, cols] e4m3 with scales [groups, ceil(out_rows / 128),
+// ceil(cols / 128)]; cols a multiple of 64.
+template <Fp8Product kP, int kNTiles, int kSplit>
+__global__ void __launch_bounds__(kF8Warps * 32)
+    fp8_rows_mma_kernel(const __nv_bfloat16* in, const uint8_t* q0, const float* s0, const uint8_t* q1,
+                        const float* s1, MoeRouting r, int B, int row_div, int cols, int out_rows,
+                        __nv_bfloat16* out, float* y) {
+    constexpr bool kDense = kP == Fp8Product::kDense;
+    constexpr int kMats = kP == Fp8Product::kGated ? 2 : 1;
+    constexpr int kTokens = 8 * kNTiles;
+    constexpr int kRowGroups = kF8Warps / kSplit;
+    extern __shared__ __align__(16) unsigned char f8_smem[];
+    auto* tile = reinterpret_cast<__half*>(f8_smem);    // [kTokens, cols + kF8Pad] during the products
+    auto* partial = reinterpret_cast<float*>(f8_smem);  // [kF8Warps, kMats, kNTiles, 32, 4] after them
+    const int stride = cols + kF8Pad;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int split = warp % kSplit;
+    const int row0 = (blockIdx.x * kRowGroups + warp / kSplit) * 16;
+    const int block_cols = (cols + kFp8BlockCols - 1) / kFp8BlockCols;
+    const int block_rows = (out_rows + kFp8BlockRows - 1) / kFp8BlockRows;
+    const uint8_t* w[kMats]
+                    [2];     // rows row0 + g and row0 + g + 8 (the last row past the end), lane's 16 bytes
+    const float* sc[kMats];  // the scale blocks of row0's 128 rows
+    auto point_at = [&](int e) {
+        const size_t matrix = static_cast<size_t>(e) * out_rows * cols;
+        const int rb = min(row0, out_rows - 1) / kFp8BlockRows;
+#pragma unroll
+        for (int m = 0; m < kMats; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = min(row0 + g + 8 * h, out_rows - 1);
+                w[m][h] = (m == 0 ? q0 : q1) + matrix + static_cast<size_t>(row) * cols + 16 * t;
+            }
+            sc[m] = (m == 0 ? s0 : s1) + (static_cast<size_t>(e) * block_rows + rb) * block_cols;
+        }
+    };
+    int first = 0, n = B;
+    if constexpr (kDense) {
+        point_at(0);
+        // The weights come from no kernel before this one: L2 gets this warp's first block now.
+        if (split < block_cols)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                for (int ch = 0; ch < 2 && split * kFp8BlockCols + 64 * ch < cols; ++ch)
+                    prefetch_l2(w[0][h] + split * kFp8BlockCols + 64 * ch);
+        griddep_wait();
+        griddep_launch_dependents();
+    } else {
+        griddep_wait();
+        griddep_launch_dependents();
+        if (static_cast<int>(blockIdx.y) >= *r.num_active) return;
+        const int e = r.active_experts[blockIdx.y];
+        first = r.expert_offset[e];
+        n = r.expert_offset[e + 1] - first;
+        point_at(e);
+    }
+    // This warp's weights of scale block kb (two 64-column chunks, the second absent past the end)
+    // and its scales: loaded one block ahead of the products.
+    auto load = [&](int kb, uint4(&wq)[2][kMats][2], float(&scale)[kMats]) {
+        const int base = kb * kFp8BlockCols;
+#pragma unroll
+        for (int ch = 0; ch < 2; ++ch)
+            if (base + 64 * ch < cols)
+#pragma unroll
+                for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        wq[ch][m][h] = *reinterpret_cast<const uint4*>(w[m][h] + base + 64 * ch);
+#pragma unroll
+        for (int m = 0; m < kMats; ++m) scale[m] = sc[m][kb];
+    };
+    const bool has_rows = row0 < out_rows;
+    for (int c0 = 0; c0 < n; c0 += kTokens) {
+        const int nt = min(kTokens, n - c0);
+        uint4 cur[2][kMats][2];
+        float cur_scale[kMats];
+        if (has_rows && split < block_cols) load(split, cur, cur_scale);  // in flight while the tile loads
+        __syncthreads();  // the previous pass's partial sums have been read
+        for (int i = threadIdx.x * 8; i < kTokens * cols; i += kF8Warps * 32 * 8) {
+            const int j = i / cols, c = i - j * cols;
+            uint4 v = make_uint4(0, 0, 0, 0);  // rows past the tokens multiply as zeros
+            if (j < nt) {
+                const int src = kDense ? c0 + j : r.expert_slots[first + c0 + j] / row_div;
+                v = bf16x8_to_f16x8(
+                    *reinterpret_cast<const uint4*>(in + static_cast<size_t>(src) * cols + c));
+            }
+            *reinterpret_cast<uint4*>(tile + j * stride + c) = v;
+        }
+        __syncthreads();
+        float acc[kMats][kNTiles][4] = {};
+        for (int kb = split; has_rows && kb < block_cols; kb += kSplit) {
+            uint4 next[2][kMats][2];
+            float next_scale[kMats];
+            if (kb + kSplit < block_cols) load(kb + kSplit, next, next_scale);
+            const int base = kb * kFp8BlockCols;
+            float part[kMats][kNTiles][4] = {};
+#pragma unroll
+            for (int ch = 0; ch < 2; ++ch) {
+                if (base + 64 * ch >= cols) break;
+                uint32_t a[kMats][4][4];  // [matrix][mma step][fragment register]
+#pragma unroll
+                for (int m = 0; m < kMats; ++m) {
+                    const auto* lo = reinterpret_cast<const uint32_t*>(&cur[ch][m][0]);  // row g
+                    const auto* hi = reinterpret_cast<const uint32_t*>(&cur[ch][m][1]);  // row g + 8
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        a[m][j][0] = e4m3x2_to_f16x2(lo[j]);
+                        a[m][j][1] = e4m3x2_to_f16x2(hi[j]);
+                        a[m][j][2] = e4m3x2_to_f16x2(lo[j] >> 16);
+                        a[m][j][3] = e4m3x2_to_f16x2(hi[j] >> 16);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < kNTiles; ++q) {
+                    const __half* tp = tile + (q * 8 + g) * stride + base + 64 * ch + 16 * t;
+                    const uint4 b0 = *reinterpret_cast<const uint4*>(tp);
+                    const uint4 b1 = *reinterpret_cast<const uint4*>(tp + 8);
+                    const uint32_t b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+                    for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+                            mma_f16(part[m][q], a[m][j][0], a[m][j][1], a[m][j][2], a[m][j][3], b[2 * j],
+                                    b[2 * j + 1]);
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < kMats; ++m) {
+#pragma unroll
+                for (int q = 0; q < kNTiles; ++q)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[m][q][i] += cur_scale[m] * part[m][q][i];
+                cur_scale[m] = next_scale[m];
+#pragma unroll
+                for (int ch = 0; ch < 2; ++ch) cur[ch][m][0] = next[ch][m][0], cur[ch][m][1] = next[ch][m][1];
+            }
+        }
+        __syncthreads();  // every warp is done with the tile: its memory takes the partial sums
+        float* mine = partial + static_cast<size_t>(warp) * kMats * kNTiles * 128;
+#pragma unroll
+        for (int m = 0; m < kMats; ++m)
+#pragma unroll
+            for (int q = 0; q < kNTiles; ++q)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) mine[((m * kNTiles + q) * 32 + lane) * 4 + i] = acc[m][q][i];
+        __syncthreads();
+        // Item (row group, tile q, lane l, register i): row g + 8 (i / 2), token 2t + i % 2 of lane l's
+        // fragment, summed over the group's kSplit warps in their order.
+        for (int idx = threadIdx.x; idx < kRowGroups * kNTiles * 128; idx += kF8Warps * 32) {
+            const int group = idx / (kNTiles * 128), q = idx / 128 % kNTiles, l = idx / 4 % 32, i = idx % 4;
+            const int row = (blockIdx.x * kRowGroups + group) * 16 + l / 4 + 8 * (i / 2);
+            const int token = q * 8 + 2 * (l % 4) + i % 2;
+            if (token >= nt || row >= out_rows) continue;
+            float v[kMats];
+#pragma unroll
+            for (int m = 0; m < kMats; ++m) {
+                float s = 0.0f;
+                for (int k = 0; k < kSplit; ++k)
+                    s += partial[(((group * kSplit + k) * kMats + m) * kNTiles + q) * 128 + l * 4 + i];
+                v[m] = s;
+            }
+            if constexpr (kDense) {
+                out[static_cast<size_t>(c0 + token) * out_rows + row] = __float2bfloat16(v[0]);
+            } else {
+                const size_t at = static_cast<size_t>(r.expert_slots[first + c0 + token]) * out_rows + row;
+                if constexpr (kP == Fp8Product::kGated) {
+                    const float gv = round_to<__nv_bfloat16>(v[0]),
+                                uv = round_to<__nv_bfloat16>(v[kMats - 1]);
+                    out[at] = __float2bfloat16(round_to<__nv_bfloat16>(silu(gv)) * uv);
+                } else {
+                    y[at] = v[0];
+                }
+            }
+        }
+    }
+}
+
+template <Fp8Product kP, int kNTiles>
+size_t fp8_mma_smem(int cols) {
+    const size_t tile = sizeof(__half) * 8 * kNTiles * (cols + kF8Pad);
+    const size_t sums = sizeof(float) * kF8Warps * (kP == Fp8Product::kGated ? 2 : 1) * kNTiles * 128;
+    return tile > sums ? tile : sums;
+}
+
+struct Fp8Operands {
+    const void* in;
+    const uint8_t* q0;
+    const float* s0;
+    const uint8_t* q1;
+    const float* s1;
+    int B, row_div, cols, out_rows, groups;
+    void* out;
+    float* y;
+};
+
+template <Fp8Product kP, int kNTiles, int kSplit>
+void launch_fp8_mma(const Fp8Operands& o, const MoeRouting& r, const Launch& launch) {
+    const size_t smem = fp8_mma_smem<kP, kNTiles>(o.cols);
+    auto kernel = fp8_rows_mma_kernel<kP, kNTiles, kSplit>;
+    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+    const int rows_per_block = 16 * kF8Warps / kSplit;
+    launch_kernel(kernel, dim3((o.out_rows + rows_per_block - 1) / rows_per_block, o.groups), kF8Warps * 32,
+                  smem, launch, static_cast<const __nv_bfloat16*>(o.in), o.q0, o.s0, o.q1, o.s1, r, o.B,
+                  o.row_div, o.cols, o.out_rows, static_cast<__nv_bfloat16*>(o.out), o.y);
+}
+
+// The split of the columns: the fewest warps a row group (the most rows a block, so the token tile
+// is loaded for more weights) that still gives every SM two blocks or more.
+template <Fp8Product kP, int kNTiles>
+void launch_fp8_split(const Fp8Operands& o, const MoeRouting& r, const Launch& launch) {
+    static const int sms = [] {
+        int device = 0, count = 0;
+        MOERL_CUDA_CHECK(cudaGetDevice(&device));
+        MOERL_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+        return count;
+    }();
+    auto blocks = [&](int split) { return int64_t{(o.out_rows + 64 / split - 1) / (64 / split)} * o.groups; };
+    if (blocks(1) >= 2 * sms) return launch_fp8_mma<kP, kNTiles, 1>(o, r, launch);
+    if (blocks(2) >= 2 * sms) return launch_fp8_mma<kP, kNTiles, 2>(o, r, launch);
+    launch_fp8_mma<kP, kNTiles, 4>(o, r, launch);
+}
+
+// One token tile a pass (8 tokens), or two (16) once a matrix gets more than 8 tokens (on average,
+// for the experts).
+template <Fp8Product kP>
+void launch_fp8_tiles(const Fp8Operands& o, int tokens, const MoeRouting& r, const Launch& launch) {
+    if (o.B == 0 || o.groups == 0 || o.out_rows == 0) return;
+    MOERL_CHECK(fp8_products_supported(o.cols), "FP8 products: ", o.cols,
+                " columns, expected a multiple of 64 up to ", kMaxHidden);
+    if (tokens > 8)
+        launch_fp8_split<kP, 2>(o, r, launch);
+    else
+        launch_fp8_split<kP, 1>(o, r, launch);
+}
+
+}  // namespace
+
+bool fp8_products_supported(int cols) { return cols > 0 && cols % 64 == 0 && cols <= kMaxHidden; }
+
+void launch_dense_fp8(const void* in, const uint8_t* q, const float* scales, int B, int cols, int out_rows,
+                      void* out, const Launch& launch) {
+    launch_fp8_tiles<Fp8Product::kDense>(
+        {in, q, scales, nullptr, nullptr, B, 1, cols, out_rows, 1, out, nullptr}, B, MoeRouting{}, launch);
+}
+
+void launch_moe_gate_up_fp8(const void* h, const uint8_t* gate_q, const float* gate_scales,
+                            const uint8_t* up_q, const float* up_scales, const MoeRouting& r, int B, int K,
+                            int H, int I, int max_active, void* act, const Launch& launch) {
+    const int per_expert = max_active > 0 ? (B * K + max_active - 1) / max_active : 0;
+    launch_fp8_tiles<Fp8Product::kGated>(
+        {h, gate_q, gate_scales, up_q, up_scales, B, K, H, I, max_active, act, nullptr}, per_expert, r,
+        launch);
+}
+
+void launch_moe_down_fp8(const void* act, const uint8_t* down_q, const float* down_scales,
+                         const MoeRouting& r, int B, int K, int H, int I, int max_active, float* y,
+                         const Launch& launch) {
+    const int per_expert = max_active > 0 ? (B * K + max_active - 1) / max_active : 0;
+    launch_fp8_tiles<Fp8Product::kDown>(
+        {act, down_q, down_scales, nullptr, nullptr, B, 1, I, H, max_active, nullptr, y}, per_expert, r,
+        launch);
+}
+
+}  // namespace moerl::model::cuda
