@@ -11,7 +11,8 @@
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
 # "--no-attention") narrows the kernel bench.
-# MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k, GRPO groups of 8).
+# MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k, GRPO groups of 8);
+# MOERL_DEVICE_FP8=0 the FP8 rollout bench (--weights bf16,fp8, inside MOERL_DEVICE_ROLLOUT).
 # MOERL_DEVICE_FABRIC_ROOT=DIR (DIR/include/rdma: libfabric headers brought along) builds the fabric
 # transport against the machine's libfabric.so.1 and runs its tests (GPU memory regions included).
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
@@ -152,6 +153,13 @@ if [ -x "$MOERL" ]; then
       timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
         --batch 1,16,64,256 --prompt 128 --new 16 --profile >"$OUT/bench-profile.log" 2>&1
     fi
+    # FP8 rollout against bf16 (MOERL_DEVICE_FP8=0 skips it): decode tok/s at batch 1-64, the
+    # greedy agreement and log-prob difference on the same weights.
+    if [ "${MOERL_DEVICE_FP8:-1}" = 1 ]; then
+      timeout 240 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64 \
+        --prompt 128 --new ${MOERL_DEVICE_NEW:-64} --weights bf16,fp8 >"$OUT/bench-rollout-fp8.log" 2>&1
+      step bench_rollout_fp8 "rc=$? $(grep -oE 'greedy agreement [0-9.]+%' "$OUT/bench-rollout-fp8.log")"
+    fi
     # The same engine without graphs: what launching every kernel costs.
     [ "${MOERL_DEVICE_EAGER:-1}" = 1 ] && timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,64 \
       --prompt 128 --new 32 --no-graphs >"$OUT/bench-rollout-eager.log" 2>&1
@@ -240,8 +248,15 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
     step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"
     tail -n 3 "$OUT/rl-quickstart.log"
     cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
-    python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' \
-      "$OUT/rl-quickstart-metrics.txt" 2>&1 | tee -a "$OUT/rl-quickstart.log"
+    summarise_run() {
+      python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' "$1" 2>&1
+    }
+    summarise_run "$OUT/rl-quickstart-metrics.txt" | tee -a "$OUT/rl-quickstart.log"
+    # The same job with FP8 rollout (rollout.dtype: fp8): e4m3 copies quantised at each weight sync.
+    sed '0,/^  dtype: bf16/s//  dtype: fp8/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-fp8.yaml"
+    timeout 150 "$MOERL" run "$RL_TMP/gpu-quickstart-fp8.yaml" --out "$RL_TMP/quickstart-fp8" --quiet >"$OUT/rl-quickstart-fp8.log" 2>&1
+    step rl_quickstart_fp8 "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart-fp8.log" | tail -1)"
+    summarise_run "$RL_TMP/quickstart-fp8/metrics.jsonl" | tee -a "$OUT/rl-quickstart-fp8.log"
     # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
     # all) sharing the GPU, one EP rank each, cuda transport; rollout decodes through the fused engine.
     sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2\n  rollout: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
@@ -317,7 +332,7 @@ if [ "${MOERL_DEVICE_SANITIZE:-1}" = 1 ] && [ -x "$DECODE_TEST" ] && command -v 
   for tool in memcheck racecheck; do
     log="$OUT/sanitizer-$tool-decode.log"
     timeout 90 compute-sanitizer --tool $tool --print-limit 20 "$DECODE_TEST" \
-      --gtest_filter="DecodeAttentionFusedQk.*:*DecodeAttentionTensorCores.*b40*:DecodeFusedRows.*:*DecodeDense.*:*DecodeExperts.*:DecodeArgmax.*" >"$log" 2>&1
+      --gtest_filter="DecodeAttentionFusedQk.*:*DecodeAttentionTensorCores.*b40*:DecodeFusedRows.*:*DecodeDense.*:*DecodeExperts.*:*DecodeFp8*:DecodeArgmax.*" >"$log" 2>&1
     step "sanitizer_${tool}_decode" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr '\n' ' ')"
   done
 fi
@@ -325,7 +340,7 @@ fi
 echo
 [ -f "$OUT/bench-rollout.log" ] && grep -E "^\| |copy bandwidth|^batch|error" "$OUT/bench-rollout.log"
 [ -f "$OUT/bench-rollout-eager.log" ] && grep -E "^batch|error" "$OUT/bench-rollout-eager.log"
-for f in bench-rollout-long.log bench-rollout-8k.log bench-rollout-group.log; do
+for f in bench-rollout-fp8.log bench-rollout-long.log bench-rollout-8k.log bench-rollout-group.log; do
   [ -f "$OUT/$f" ] && grep -E "^\| |copy bandwidth|error|Error" "$OUT/$f"
 done
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"

@@ -57,7 +57,7 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
                 at::from_blob(base + (2 * l + 1) * pool_bytes, {num_blocks, opt.block_size, Hkv_, D_}, t));
         }
     }
-    fuse_qkv();
+    take_weights();
     const int64_t B = opt.max_batch;
     tokens = at::zeros({B}, t.dtype(at::kLong));
     position = at::full({B}, -1, i32);
@@ -132,7 +132,7 @@ void Generator::DecodeStep::record(int moe_index, int B, const cuda::Launch& lau
                                        row, B, cudaMemcpyDeviceToDevice, launch.stream));
 }
 
-void Generator::DecodeStep::fuse_qkv() {
+void Generator::DecodeStep::take_weights() {
     for (size_t l = 0; l < m_.layers.size(); ++l) {
         const LayerWeights& w = m_.layers[l];
         at::Tensor fused = at::cat({w.q_proj.detach(), w.k_proj.detach(), w.v_proj.detach()}, 0);
@@ -141,6 +141,53 @@ void Generator::DecodeStep::fuse_qkv() {
         else
             qkv_weight_[l].copy_(fused);
     }
+    if (!opt_.fp8_weights) return;
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+    fp8_layers_.resize(m_.layers.size());
+    for (size_t l = 0; l < m_.layers.size(); ++l) {
+        const LayerWeights& w = m_.layers[l];
+        Fp8Layer& f = fp8_layers_[l];
+        quantize(qkv_weight_[l], f.qkv, stream);
+        quantize(w.o_proj, f.o, stream);
+        if (w.moe_index < 0) continue;
+        quantize(w.experts_gate, f.gate, stream);
+        quantize(w.experts_up, f.up, stream);
+        quantize(w.experts_down, f.down, stream);
+    }
+    quantize(m_.output_weight(), fp8_head_, stream);
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+void Generator::DecodeStep::quantize(const at::Tensor& w, Fp8Matrix& into, cudaStream_t stream) {
+    const at::Tensor src = w.detach().contiguous();
+    MOERL_CHECK(src.scalar_type() == at::kBFloat16 && (src.dim() == 2 || src.dim() == 3),
+                "fp8_weights: expected bf16 weights of 2 or 3 dimensions, got ", src.scalar_type(), " ",
+                src.sizes());
+    const int64_t batch = src.dim() == 3 ? src.size(0) : 1, rows = src.size(-2), cols = src.size(-1);
+    if (!into.q.defined()) {
+        into.q = at::empty(src.sizes(), src.options().dtype(at::kByte));
+        into.scales = at::empty({batch, (rows + cuda::kFp8BlockRows - 1) / cuda::kFp8BlockRows,
+                                 (cols + cuda::kFp8BlockCols - 1) / cuda::kFp8BlockCols},
+                                src.options().dtype(at::kFloat));
+    }
+    cuda::launch_quantize_fp8_blocks(1, src.data_ptr(), batch, rows, cols, into.q.data_ptr<uint8_t>(),
+                                     into.scales.data_ptr<float>(), {stream, false});
+}
+
+int64_t Generator::DecodeStep::fp8_dense_saving(int rows) const {
+    if (!opt_.fp8_weights || rows > kFp8DenseMaxRows) return 0;
+    auto saving = [](const Fp8Matrix& f) { return f.q.numel() * 2 - f.q.numel() - f.scales.numel() * 4; };
+    int64_t bytes = saving(fp8_head_);
+    for (const Fp8Layer& f : fp8_layers_) bytes += saving(f.qkv) + saving(f.o);
+    return bytes;
+}
+
+int64_t Generator::DecodeStep::fp8_expert_bytes() const {
+    for (const Fp8Layer& f : fp8_layers_)
+        if (f.gate.q.defined())
+            return (f.gate.q.numel() + f.up.q.numel() + f.down.q.numel()) / E_ +
+                   4 * (f.gate.scales.numel() + f.up.scales.numel() + f.down.scales.numel()) / E_;
+    return 0;
 }
 
 cuda::MoeRouting Generator::DecodeStep::routing() const {
@@ -154,7 +201,13 @@ cuda::MoeRouting Generator::DecodeStep::routing() const {
 }
 
 void Generator::DecodeStep::linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B,
-                                   const cuda::Launch& launch) const {
+                                   const cuda::Launch& launch, const Fp8Matrix* fp8) const {
+    if (fp8 != nullptr) {
+        cuda::launch_dense_fp8(in.data_ptr(), fp8->q.data_ptr<uint8_t>(), fp8->scales.data_ptr<float>(), B,
+                               static_cast<int>(weight.size(1)), static_cast<int>(weight.size(0)),
+                               out.data_ptr(), launch);
+        return;
+    }
     if (B <= opt_.gemv_max_batch) {
         cuda::launch_dense_rows(dtype_, in.data_ptr(), weight.data_ptr(), B, static_cast<int>(weight.size(1)),
                                 static_cast<int>(weight.size(0)), out.data_ptr(), launch);
@@ -190,8 +243,13 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
     // One-row steps of an MoE layer with the CUDA-core experts: add + norm, router and routing in one
     // kernel, the combine in the down experts, the norm in the next q/k/v GEMV (or the LM head): 6
     // kernels a layer with the fused q/k step. The expert kernels rank the router logits where they fit.
+    // FP8 rollout: the experts always read their e4m3 copies, the dense projections up to
+    // kFp8DenseMaxRows rows (past that they are a small part of a step's bytes: bf16 and cuBLAS).
+    const bool fp8 = opt_.fp8_weights;
+    const bool fp8_dense = fp8 && B <= kFp8DenseMaxRows;
+    auto dense_fp8 = [&](const Fp8Matrix& f) { return fp8_dense ? &f : nullptr; };
     const bool fuse_moe = B == 1 && B <= opt_.gemv_max_batch && !experts_grouped_mm && !gate_up_mma &&
-                          !down_mma && opt_.ep == nullptr;
+                          !down_mma && opt_.ep == nullptr && !fp8;
     const bool route_in_experts = cuda::moe_routed_one_row_supported(dtype_, K, I);
     int* done = fused_done_.data_ptr<int>();
     // Set when x holds the residual but h not yet its norm: the next GEMV normalises x itself.
@@ -205,7 +263,7 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
                                          static_cast<int>(qkv_weight_[l].size(0)), qkv_.data_ptr(), launch);
             norm_pending = nullptr;
         } else {
-            linear(h_, qkv_weight_[l], qkv_, B, launch);
+            linear(h_, qkv_weight_[l], qkv_, B, launch, fp8 ? dense_fp8(fp8_layers_[l].qkv) : nullptr);
         }
         mark("qkv mm", launch);
         // Up to fused_qk_max_batch, attention normalises and rotates q and the new key itself.
@@ -225,7 +283,7 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
                                      attn_partial_.data_ptr<float>(), attn_split_done_.data_ptr<int>(),
                                      attn_.data_ptr(), launch, qkv_in);
         mark("attention", launch);
-        linear(attn_, w.o_proj, o_, B, launch);
+        linear(attn_, w.o_proj, o_, B, launch, fp8 ? dense_fp8(fp8_layers_[l].o) : nullptr);
         mark("o mm", launch);
         if (w.moe_index >= 0 && fuse_moe) {
             cuda::launch_add_norm_router_route(dtype_, x_.data_ptr(), o_.data_ptr(), w.post_norm.data_ptr(),
@@ -273,7 +331,18 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
                 record(w.moe_index, B, launch);
                 continue;
             }
-            if (experts_grouped_mm) {
+            if (fp8) {
+                const Fp8Layer& f = fp8_layers_[l];
+                cuda::launch_moe_gate_up_fp8(h_.data_ptr(), f.gate.q.data_ptr<uint8_t>(),
+                                             f.gate.scales.data_ptr<float>(), f.up.q.data_ptr<uint8_t>(),
+                                             f.up.scales.data_ptr<float>(), r, B, K, H, I, max_active,
+                                             act_.data_ptr(), launch);
+                mark("experts gate+up", launch);
+                cuda::launch_moe_down_fp8(act_.data_ptr(), f.down.q.data_ptr<uint8_t>(),
+                                          f.down.scales.data_ptr<float>(), r, B, K, H, I, max_active,
+                                          y_.data_ptr<float>(), launch);
+                mark("experts down", launch);
+            } else if (experts_grouped_mm) {
                 experts_grouped(B, w);
                 mark("experts grouped gemm", launch);
             } else {
@@ -311,7 +380,7 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
         cuda::launch_norm_dense_rows(dtype_, x_.data_ptr(), norm_pending->data_ptr(), eps, head.data_ptr(), B,
                                      H, V, logits.data_ptr(), launch);
     else
-        linear(h_, head, logits, B, launch);
+        linear(h_, head, logits, B, launch, fp8 ? dense_fp8(fp8_head_) : nullptr);
     mark("lm_head", launch);
     // The argmax moves the rows' positions on by one: a step continuing them uploads nothing.
     auto* keys = reinterpret_cast<unsigned long long*>(argmax_keys_.data_ptr<int64_t>());

@@ -27,8 +27,16 @@ class Generator::DecodeStep {
     // embedding the tokens at token_ids ([B], `tokens` or `greedy`).
     void run(int B, const int64_t* token_ids);
 
-    // Re-reads the fused q/k/v projection from the model's weights.
-    void fuse_qkv();
+    // Re-reads the weights kept in the step's own layout from the model's: the fused q/k/v
+    // projection and, with GeneratorOptions::fp8_weights, the e4m3 copies (quantised again).
+    void take_weights();
+
+    // With GeneratorOptions::fp8_weights: bytes a step of `rows` rows reads less than in bf16 for
+    // the dense projections (q/k/v, o, LM head), which it reads in e4m3 up to kFp8DenseMaxRows rows;
+    // and the bytes of one expert's e4m3 weights and scales.
+    int64_t fp8_dense_saving(int rows) const;
+    int64_t fp8_expert_bytes() const;
+    static constexpr int kFp8DenseMaxRows = 8;
 
     // With GeneratorOptions::ep: one step's dispatches and combines with no rows (eager).
     void idle_ep();
@@ -49,9 +57,20 @@ class Generator::DecodeStep {
     StepProfiler profiler;
 
   private:
-    // out[:B] = in[:B] weight^T: the GEMV kernel up to gemv_max_batch rows, cuBLAS otherwise.
+    // A weight matrix [rows, cols] (or a stack [E, rows, cols]) in e4m3, with its 128 x 128 block
+    // scales [stack, ceil(rows / 128), ceil(cols / 128)].
+    struct Fp8Matrix {
+        at::Tensor q, scales;
+    };
+    struct Fp8Layer {
+        Fp8Matrix qkv, o, gate, up, down;
+    };
+    // out[:B] = in[:B] weight^T: the GEMV kernel up to gemv_max_batch rows, cuBLAS otherwise; the
+    // e4m3 copy `fp8` on the tensor cores when given.
     void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B,
-                const cuda::Launch& launch) const;
+                const cuda::Launch& launch, const Fp8Matrix* fp8 = nullptr) const;
+    // into = e4m3(w) (allocated on first use, then rewritten in place: the graphs keep its address).
+    static void quantize(const at::Tensor& w, Fp8Matrix& into, cudaStream_t stream);
     // The experts of a large batch as grouped GEMMs (LibTorch >= 2.8), into y.
     void experts_grouped(int B, const LayerWeights& w);
     // With GeneratorOptions::ep: rows [0, B) of h to their experts' ranks (low-latency dispatch),
@@ -70,6 +89,9 @@ class Generator::DecodeStep {
     int max_blocks_;
     bool use_grouped_mm_;
     std::vector<at::Tensor> qkv_weight_;  // per layer: q, k and v projections stacked
+    // With GeneratorOptions::fp8_weights: per layer (experts empty in dense layers), and the LM head.
+    std::vector<Fp8Layer> fp8_layers_;
+    Fp8Matrix fp8_head_;
     // Intermediates of one step (max_batch rows).
     at::Tensor x_, h_, qkv_, q_, attn_, attn_partial_, attn_split_done_, o_, router_logits_, act_, y_,
         argmax_keys_, argmax_done_, fused_done_;

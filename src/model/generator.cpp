@@ -130,6 +130,20 @@ struct Generator::Impl {
                     "; supported: 1, 2, 4, 8, 16");
         MOERL_CHECK(c.num_moe_layers() == 0 || (E <= cuda::kMaxExperts && K <= 32), "Generator: ", E,
                     " experts, top-", K, "; supported: up to ", cuda::kMaxExperts, " experts, top-k <= 32");
+        if (o.fp8_weights) {
+            MOERL_CHECK(m.options.dtype == at::kBFloat16,
+                        "Generator: fp8_weights needs a bfloat16 model; this one computes in ",
+                        m.options.dtype);
+            MOERL_CHECK(
+                o.ep == nullptr,
+                "Generator: fp8_weights needs every expert in this engine (GeneratorOptions::ep is set)");
+            MOERL_CHECK(cuda::fp8_products_supported(static_cast<int>(H)) &&
+                            cuda::fp8_products_supported(static_cast<int>(I)) &&
+                            cuda::fp8_products_supported(static_cast<int>(Hq * D)),
+                        "Generator: fp8_weights needs hidden_size (", H, "), moe_intermediate_size (", I,
+                        ") and attention heads x head_dim (", Hq * D, ") to be multiples of 64 up to ",
+                        cuda::kMaxHidden);
+        }
     }
 
     int bucket_for(int n) const {
@@ -469,7 +483,7 @@ int64_t Generator::cache_memory_bytes() const {
 void Generator::refresh_weights() {
     c10::NoGradGuard no_grad;
     c10::cuda::CUDAGuard device_guard(impl_->device);
-    impl_->step.fuse_qkv();
+    impl_->step.take_weights();
 }
 
 GeneratorStats Generator::stats() const {
@@ -488,9 +502,9 @@ std::vector<std::pair<std::string, double>> Generator::profile() const {
     return impl_->step.profiler.totals();
 }
 
-int64_t Generator::dense_bytes_per_step() const {
+int64_t Generator::dense_bytes_per_step(int rows) const {
     const Impl& g = *impl_;
-    int64_t bytes = 0;
+    int64_t bytes = -g.step.fp8_dense_saving(rows);
     for (const auto& p : g.m.params) {
         if (p.expert) continue;
         if (p.tensor.data_ptr() == g.m.embed.data_ptr() && !g.m.config.tie_word_embeddings)
@@ -501,6 +515,7 @@ int64_t Generator::dense_bytes_per_step() const {
 }
 
 int64_t Generator::expert_bytes() const {
+    if (impl_->opt.fp8_weights) return impl_->step.fp8_expert_bytes();
     const ModelConfig& c = impl_->m.config;
     return 3 * int64_t{c.hidden_size} * c.moe_intermediate_size *
            static_cast<int64_t>(at::elementSize(impl_->m.options.dtype));

@@ -36,7 +36,7 @@ void Generator::refresh_weights() { unavailable(); }
 GeneratorStats Generator::stats() const { unavailable(); }
 std::vector<std::pair<std::string, double>> Generator::profile() const { unavailable(); }
 void Generator::reset_stats() { unavailable(); }
-int64_t Generator::dense_bytes_per_step() const { unavailable(); }
+int64_t Generator::dense_bytes_per_step(int) const { unavailable(); }
 int64_t Generator::expert_bytes() const { unavailable(); }
 int64_t Generator::kv_bytes_per_token() const { unavailable(); }
 

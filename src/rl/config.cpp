@@ -418,7 +418,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.integer("max_batch", 1, 1 << 16, c.rollout_max_batch);
             s.boolean("record_routing", c.record_routing);
             s.choice("device", {"cpu", "cuda"}, c.rollout_device);
-            s.choice("dtype", {"fp32", "bf16"}, c.rollout_dtype);
+            s.choice("dtype", {"fp32", "bf16", "fp8"}, c.rollout_dtype);
             s.integer("max_seq_len", 2, 1 << 20, c.rollout_max_seq_len);
             const YAML::Node allowed = s.child("allowed_tokens");
             if (allowed && !allowed.IsNull()) {
@@ -653,6 +653,13 @@ void RunConfig::validate() const {
         longest <= m.max_position_embeddings, s, ": the longest sequence (", longest,
         " tokens: the longest prompt + rollout.max_new_tokens) exceeds the model's max_position_embeddings (",
         m.max_position_embeddings, ")");
+    MOERL_CHECK(rollout_dtype != "fp8" || rollout_device == "cuda", s,
+                ": rollout.dtype: fp8 decodes from e4m3 weights in the CUDA engine; it needs rollout.device: "
+                "cuda (the CPU rollout computes in fp32 or bf16)");
+    MOERL_CHECK(rollout_dtype != "fp8" || rollout_ranks == 1, s,
+                ": rollout.dtype: fp8 needs every expert in one "
+                "engine; ranks.rollout is ",
+                rollout_ranks, " (use bf16 over several ranks)");
     MOERL_CHECK(rollout_device != "cuda" || longest <= rollout_max_seq_len, s,
                 ": rollout.max_seq_len: ", rollout_max_seq_len, " is below the longest sequence (", longest,
                 " tokens: the longest prompt + rollout.max_new_tokens)");

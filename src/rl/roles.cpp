@@ -217,7 +217,7 @@ struct RolloutModel {
 model::ModelOptions role_model_options(const RunConfig& c, const std::string& device,
                                        const std::string& dtype, const char* key) {
     model::ModelOptions o;
-    o.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    o.dtype = dtype == "bf16" || dtype == "fp8" ? at::kBFloat16 : at::kFloat;  // fp8: the engine's copies
     if (device == "cuda") {
         MOERL_CHECK(at::hasCUDA(), c.source, ": ", key,
                     ": cuda, but this LibTorch build or machine has no CUDA device");
@@ -435,7 +435,7 @@ struct RolloutWorker::Impl {
           model(*owned.model) {
         SamplingParams sp = c.sampling;
         engine = std::make_unique<RolloutEngine>(model, sp, c.rollout_max_batch, c.record_routing,
-                                                 c.rollout_max_seq_len, p);
+                                                 c.rollout_max_seq_len, p, c.rollout_dtype == "fp8");
         std::vector<std::unique_ptr<Rewarder>> parts;
         std::vector<double> weights;
         parts.push_back(make_prompt_rewarder(c));
@@ -616,7 +616,7 @@ void follow_rollout_engine(const RunConfig& config, ControlPlane& control, const
                            const RoleProcesses& processes) {
     RolloutModel m(config, &processes);
     RolloutEngine engine(*m.model, config.sampling, config.rollout_max_batch, config.record_routing,
-                         config.rollout_max_seq_len, &processes);
+                         config.rollout_max_seq_len, &processes, config.rollout_dtype == "fp8");
     PolicyLoader loader(*m.model);
     engine.follow([&](const std::string& uri) { return loader.load(control, uri, cache_dir); });
 }
@@ -1021,7 +1021,8 @@ namespace moerl::rl {
 RolloutBench bench_rollout(const RunConfig& c, int num_sequences, int max_batch) {
     model::MoeModel m(c.model, rollout_model_options(c));
     m.init_random(c.seed);
-    RolloutEngine engine(m, c.sampling, max_batch, c.record_routing, c.rollout_max_seq_len);
+    RolloutEngine engine(m, c.sampling, max_batch, c.record_routing, c.rollout_max_seq_len, nullptr,
+                         c.rollout_dtype == "fp8");
     for (int i = 0; i < num_sequences; ++i) {
         TaskPayload p = make_task_payload(c, 0, i, 0);
         engine.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, c.max_new_tokens()});

@@ -64,6 +64,17 @@ std::vector<int64_t> greedy_reference(const MoeModel& m, const std::vector<int64
     return out;
 }
 
+// Runs fn and expects an Error whose message contains needle.
+template <typename F>
+void expect_error(F&& fn, const std::string& needle) {
+    try {
+        fn();
+        ADD_FAILURE() << "no error, expected one naming: " << needle;
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+}
+
 std::vector<int64_t> random_prompt(int64_t len, int vocab, uint64_t seed) {
     std::vector<int64_t> p;
     uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
@@ -348,14 +359,6 @@ TEST(Generator, BadInputIsRefusedAndTheEngineStaysUsable) {
     const ModelConfig c = engine_config();
     Twins t(c);
     Generator gen(t.gpu, {.max_batch = 2, .max_seq_len = 16, .block_size = 4, .num_blocks = 3});
-    auto expect_error = [](auto&& fn, const std::string& needle) {
-        try {
-            fn();
-            ADD_FAILURE() << "no error, expected one naming: " << needle;
-        } catch (const Error& e) {
-            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-        }
-    };
     expect_error([&] { gen.decode({0}, at::tensor({1L})); }, "slot 0 is not acquired");
     const int s = gen.acquire();
     expect_error([&] { gen.decode({s}, at::tensor({1L})); }, "has no prompt");
@@ -381,6 +384,103 @@ TEST(Generator, BadInputIsRefusedAndTheEngineStaysUsable) {
     for (int i = 2; i < 6; ++i) h = small.decode({s2}, h).greedy;
     expect_error([&] { small.decode({s2}, h); }, "is full");
     EXPECT_EQ(small.acquire(), -1);
+}
+
+// x rounded to e4m3's grid (3 mantissa bits, steps of 2^-9 below 2^-6, at most 448 in magnitude),
+// by tensor ops (round half to even, as the device's conversion).
+at::Tensor e4m3_grid(const at::Tensor& x) {
+    const at::Tensor step = at::pow(2.0, at::floor(at::log2(x.abs().clamp_min(1e-30))).clamp_min(-6) - 3);
+    return (at::round(x / step) * step).clamp(-448, 448);
+}
+
+// Puts a weight matrix (or a stack of them) on the FP8 grid: e4m3 values times 2^-13, the first
+// element of every 128 x 128 block 448 x 2^-13. The engine's quantiser then finds the scale 2^-13 in
+// every block and recovers each weight exactly: an FP8 engine and a bf16 engine on such a model read
+// the same weights.
+void put_on_fp8_grid(at::Tensor& w) {
+    at::Tensor x = e4m3_grid(w.to(at::kFloat).cpu() * 8192.0f);
+    at::Tensor v = x.dim() == 3 ? x : x.unsqueeze(0);
+    for (int64_t r0 = 0; r0 < v.size(1); r0 += 128)
+        for (int64_t c0 = 0; c0 < v.size(2); c0 += 128) v.narrow(1, r0, 1).narrow(2, c0, 1).fill_(448.0f);
+    w.copy_((x / 8192.0f).to(w.options()));
+}
+
+ModelConfig fp8_config() {
+    ModelConfig c = test::tiny_config(3, /*dense_layer=*/true);
+    c.hidden_size = 192;  // two scale blocks, the second one half full
+    c.head_dim = 32;      // 4 heads x 32 = 128
+    c.moe_intermediate_size = 64;
+    c.tie_word_embeddings = false;
+    c.initializer_range = 0.02;
+    c.validate();
+    return c;
+}
+
+// FP8 rollout (GeneratorOptions::fp8_weights). On a model whose projections lie on the FP8 grid the
+// FP8 engine equals the bf16 engine but for the sum order (rounding to fp16 is exact for these
+// inputs): decode steps of 1 row and of 12 (dense projections in e4m3 and in bf16), the routed
+// experts in e4m3 in both. After the model's weights change (off the grid) and refresh_weights(),
+// the engine decodes exactly as an FP8 engine built on the new weights. Bad uses are refused by name.
+TEST(Generator, Fp8WeightsDecodeAsBf16OnTheGridAndFollowWeightSyncs) {
+    SKIP_WITHOUT_ENGINE();
+    c10::NoGradGuard no_grad;
+    const ModelConfig c = fp8_config();
+    MoeModel model(c, {at::Device(at::kCUDA, 0), at::kBFloat16});
+    model.init_random(3);
+    model.set_requires_grad(false);
+    for (auto& [name, t] : model.state_dict()) {
+        const bool dense_mlp = name.find("mlp.gate_proj") != std::string::npos ||
+                               name.find("mlp.up_proj") != std::string::npos ||
+                               name.find("mlp.down_proj") != std::string::npos;
+        if ((name.find("_proj") != std::string::npos && !dense_mlp) || name == "lm_head.weight")
+            put_on_fp8_grid(t);
+    }
+    std::vector<std::vector<int64_t>> prompts;
+    for (int b = 0; b < 12; ++b) prompts.push_back(random_prompt(5 + b % 4, c.vocab_size, 70 + b));
+    constexpr int kSteps = 6;
+    // Logits of kSteps steps of `rows` rows, each step's tokens fixed in advance.
+    auto run = [&](Generator& gen, int rows) {
+        std::vector<int> slots;
+        for (int b = 0; b < rows; ++b) slots.push_back(gen.acquire());
+        gen.prefill(slots, std::vector<std::vector<int64_t>>(prompts.begin(), prompts.begin() + rows));
+        std::vector<at::Tensor> out;
+        for (int i = 0; i < kSteps; ++i) {
+            at::Tensor tokens = at::arange(rows, at::kLong).add_(3 * i + 1).remainder_(c.vocab_size);
+            out.push_back(gen.decode(slots, tokens).logits.to(at::kFloat).cpu());
+        }
+        for (int s : slots) gen.release(s);
+        return out;
+    };
+    const GeneratorOptions bf16_options{.max_batch = 12, .max_seq_len = 32, .block_size = 4};
+    GeneratorOptions fp8_options = bf16_options;
+    fp8_options.fp8_weights = true;
+    for (const int rows : {1, 12}) {
+        SCOPED_TRACE("rows " + std::to_string(rows));
+        Generator fp8(model, fp8_options), bf16(model, bf16_options);
+        const auto a = run(fp8, rows), b = run(bf16, rows);
+        for (int i = 0; i < kSteps; ++i) {
+            const float scale = b[i].abs().max().item<float>();
+            const float err = (a[i] - b[i]).abs().max().item<float>();
+            EXPECT_GT(scale, 0.0f);
+            EXPECT_LE(err, 0.02f * scale) << "step " << i << ": logits of magnitude " << scale;
+        }
+    }
+    // A weight sync: the model changes in place, refresh_weights() quantises again.
+    Generator synced(model, fp8_options), stale(model, fp8_options);
+    for (auto& [name, t] : model.state_dict())
+        if (name.find("experts") != std::string::npos || name.find("self_attn") != std::string::npos ||
+            name == "lm_head.weight")
+            t.mul_(1.5).add_(0.003);
+    synced.refresh_weights();
+    Generator fresh(model, fp8_options);
+    const auto a = run(synced, 3), b = run(fresh, 3);
+    for (int i = 0; i < kSteps; ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "step " << i;
+    EXPECT_FALSE(at::equal(run(stale, 3)[0], a[0])) << "an engine not refreshed decodes as the synced one";
+    // What the FP8 engine refuses, by name.
+    MoeModel fp32(c, {at::Device(at::kCUDA, 0), at::kFloat});
+    expect_error([&] { Generator g(fp32, fp8_options); }, "fp8_weights needs a bfloat16 model");
+    MoeModel narrow(engine_config(), {at::Device(at::kCUDA, 0), at::kBFloat16});
+    expect_error([&] { Generator g(narrow, fp8_options); }, "multiples of 64");
 }
 
 // Greedy continuation of one prompt after one forced token (so the samples of a group diverge), by
@@ -529,14 +629,6 @@ TEST(Generator, SharedPromptMisuseIsRefusedAndTheEngineStaysUsable) {
     const ModelConfig c = engine_config();
     Twins t(c);
     Generator gen(t.gpu, {.max_batch = 4, .max_seq_len = 24, .block_size = 4, .num_blocks = 6});
-    auto expect_error = [](auto&& fn, const std::string& needle) {
-        try {
-            fn();
-            ADD_FAILURE() << "no error, expected one naming: " << needle;
-        } catch (const Error& e) {
-            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-        }
-    };
     const std::vector<int64_t> p = random_prompt(13, c.vocab_size, 31);
     std::vector<int> slots;
     for (int i = 0; i < 4; ++i) slots.push_back(gen.acquire());

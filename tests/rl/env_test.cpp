@@ -203,7 +203,14 @@ TEST(Config, BadInputNamesTheKey) {
         {"run: {steps: 10\n", "quickstart.yaml: not valid YAML"},
         {"rollout:\n  device: tpu\n",
          "quickstart.yaml: rollout.device: expected one of cpu, cuda, got 'tpu'"},
-        {"rollout:\n  dtype: fp8\n", "quickstart.yaml: rollout.dtype: expected one of bf16, fp32, got 'fp8'"},
+        {"rollout:\n  dtype: fp4\n",
+         "quickstart.yaml: rollout.dtype: expected one of bf16, fp32, fp8, got 'fp4'"},
+        {"rollout:\n  dtype: fp8\n",
+         "quickstart.yaml: rollout.dtype: fp8 decodes from e4m3 weights in the CUDA engine; it needs "
+         "rollout.device: "
+         "cuda"},
+        {"rollout:\n  device: cuda\n  dtype: fp8\nranks:\n  rollout: 2\n",
+         "quickstart.yaml: rollout.dtype: fp8 needs every expert in one engine; ranks.rollout is 2"},
         {"rollout:\n  max_seq_len: 1\n",
          "quickstart.yaml: rollout.max_seq_len: expected an integer in [2, 1048576], got 1"},
         {"rollout:\n  device: cuda\n  max_seq_len: 4\n",

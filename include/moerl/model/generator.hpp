@@ -64,6 +64,15 @@ struct GeneratorOptions {
     // max_batch, the model's dtype), inside the CUDA graphs. Collective: the group's ranks decode
     // (or call idle_step()) together. Default nullptr: every expert lives here.
     ep::Buffer* ep = nullptr;
+    // FP8 rollout: decode steps read e4m3 copies of the expert weights (and, in steps of up to 8
+    // rows, of the q/k/v, o and LM-head projections; larger steps read those in bf16, a small part
+    // of their bytes), one fp32 scale per 128 x 128 block, quantised from the model's weights when the
+    // generator is built and at each refresh_weights(). Prefill and the model itself stay bf16. About
+    // half the bytes a decode step reads; what it costs in accuracy shows as the RL loop's mean
+    // |log-prob difference| (the loss's importance weights correct for it). Needs a bf16 model
+    // holding every expert (no ep) with hidden_size, moe_intermediate_size and heads x head_dim
+    // multiples of 64; the copies take about half the model's memory again. Default false.
+    bool fp8_weights = false;
 
     // Where the decode path changes with the batch bucket B. The defaults are the measured best on
     // an H200 at the Qwen3-30B-A3B shape (bench/RESULTS.md); change them only after measuring with
@@ -159,9 +168,10 @@ class Generator {
     // With GeneratorOptions::profile: milliseconds per kernel kind summed over the decode steps since
     // reset_stats(); empty otherwise.
     std::vector<std::pair<std::string, double>> profile() const;
-    // Bytes one decode step reads besides the routed experts and the KV cache (dense weights and
-    // the output projection), and the bytes of one expert (gate + up + down).
-    int64_t dense_bytes_per_step() const;
+    // Bytes one decode step of `rows` rows reads besides the routed experts and the KV cache (dense
+    // weights and the output projection), and the bytes of one expert (gate + up + down), as this
+    // engine reads them (GeneratorOptions::fp8_weights: the e4m3 copies and their scales).
+    int64_t dense_bytes_per_step(int rows = 1) const;
     int64_t expert_bytes() const;
     // Bytes of one cached token across all layers (keys + values).
     int64_t kv_bytes_per_token() const;

@@ -80,7 +80,9 @@ struct RunConfig {
     bool record_routing = true;
     bool stop_tokens_given = false;  // rollout.stop_tokens was set (else the tokenizer decides)
     // Where the rollout worker's model lives: cpu, or cuda (the first GPU, where sequences decode
-    // through model::Generator, the fused CUDA engine, routing records included), in fp32 or bf16.
+    // through model::Generator, the fused CUDA engine, routing records included), in fp32 or bf16;
+    // fp8 (cuda): a bf16 model whose decode steps read e4m3 copies of its weights, quantised at each
+    // weight sync (model::GeneratorOptions::fp8_weights).
     std::string rollout_device = "cpu";
     std::string rollout_dtype = "fp32";
     int rollout_max_seq_len = 1024;  // prompt + response a sequence may hold on cuda (its KV cache)

@@ -66,8 +66,11 @@ class RolloutEngine {
     // Rank 0 is the engine its caller sees: it hands new requests to the least loaded ranks and
     // collects what finished; ranks 1.. carry out its calls in follow(). A rank that dies makes rank
     // 0's next call throw, naming it.
+    // fp8_weights: the CUDA engine decodes from e4m3 copies of the weights, quantised again at each
+    // refresh_weights() (model::GeneratorOptions::fp8_weights); the eager CPU path ignores it.
     RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
-                  bool record_routing, int max_seq_len = 1024, const RoleProcesses* processes = nullptr);
+                  bool record_routing, int max_seq_len = 1024, const RoleProcesses* processes = nullptr,
+                  bool fp8_weights = false);
     ~RolloutEngine();
 
     void add(GenRequest request);
