@@ -438,32 +438,49 @@ TEST(Generator, Fp8WeightsDecodeAsBf16OnTheGridAndFollowWeightSyncs) {
     std::vector<std::vector<int64_t>> prompts;
     for (int b = 0; b < 12; ++b) prompts.push_back(random_prompt(5 + b % 4, c.vocab_size, 70 + b));
     constexpr int kSteps = 6;
-    // Logits of kSteps steps of `rows` rows, each step's tokens fixed in advance.
+    // Logits and experts used (sorted) of kSteps steps of `rows` rows, each step's tokens fixed in
+    // advance.
+    struct Steps {
+        std::vector<at::Tensor> logits, experts;
+    };
     auto run = [&](Generator& gen, int rows) {
         std::vector<int> slots;
         for (int b = 0; b < rows; ++b) slots.push_back(gen.acquire());
         gen.prefill(slots, std::vector<std::vector<int64_t>>(prompts.begin(), prompts.begin() + rows));
-        std::vector<at::Tensor> out;
+        Steps out;
         for (int i = 0; i < kSteps; ++i) {
             at::Tensor tokens = at::arange(rows, at::kLong).add_(3 * i + 1).remainder_(c.vocab_size);
-            out.push_back(gen.decode(slots, tokens).logits.to(at::kFloat).cpu());
+            const GenerationStep r = gen.decode(slots, tokens);
+            out.logits.push_back(r.logits.to(at::kFloat).cpu());
+            out.experts.push_back(std::get<0>(r.routing.to(at::kInt).cpu().sort(-1)));
         }
         for (int s : slots) gen.release(s);
         return out;
     };
-    const GeneratorOptions bf16_options{.max_batch = 12, .max_seq_len = 32, .block_size = 4};
+    const GeneratorOptions bf16_options{
+        .max_batch = 12, .max_seq_len = 32, .block_size = 4, .record_routing = true};
     GeneratorOptions fp8_options = bf16_options;
     fp8_options.fp8_weights = true;
     for (const int rows : {1, 12}) {
         SCOPED_TRACE("rows " + std::to_string(rows));
         Generator fp8(model, fp8_options), bf16(model, bf16_options);
-        const auto a = run(fp8, rows), b = run(bf16, rows);
-        for (int i = 0; i < kSteps; ++i) {
-            const float scale = b[i].abs().max().item<float>();
-            const float err = (a[i] - b[i]).abs().max().item<float>();
-            EXPECT_GT(scale, 0.0f);
-            EXPECT_LE(err, 0.02f * scale) << "step " << i << ": logits of magnitude " << scale;
-        }
+        const Steps a = run(fp8, rows), b = run(bf16, rows);
+        // A row whose experts differ once (a near tie in its router, tipped by the sum order) goes
+        // its own way from then on: it is compared up to there.
+        std::vector<bool> apart(rows, false);
+        int compared = 0;
+        for (int i = 0; i < kSteps; ++i)
+            for (int row = 0; row < rows; ++row) {
+                apart[row] = apart[row] || !at::equal(a.experts[i][row], b.experts[i][row]);
+                if (apart[row]) continue;
+                ++compared;
+                const float scale = b.logits[i][row].abs().max().item<float>();
+                const float err = (a.logits[i][row] - b.logits[i][row]).abs().max().item<float>();
+                EXPECT_GT(scale, 0.0f);
+                EXPECT_LE(err, 0.02f * scale)
+                    << "step " << i << " row " << row << ": logits of magnitude " << scale;
+            }
+        EXPECT_GE(compared, rows * kSteps * 3 / 4) << "rows whose experts parted from the bf16 engine's";
     }
     // A weight sync: the model changes in place, refresh_weights() quantises again.
     Generator synced(model, fp8_options), stale(model, fp8_options);
@@ -473,9 +490,10 @@ TEST(Generator, Fp8WeightsDecodeAsBf16OnTheGridAndFollowWeightSyncs) {
             t.mul_(1.5).add_(0.003);
     synced.refresh_weights();
     Generator fresh(model, fp8_options);
-    const auto a = run(synced, 3), b = run(fresh, 3);
-    for (int i = 0; i < kSteps; ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "step " << i;
-    EXPECT_FALSE(at::equal(run(stale, 3)[0], a[0])) << "an engine not refreshed decodes as the synced one";
+    const Steps a = run(synced, 3), b = run(fresh, 3);
+    for (int i = 0; i < kSteps; ++i) EXPECT_TRUE(at::equal(a.logits[i], b.logits[i])) << "step " << i;
+    EXPECT_FALSE(at::equal(run(stale, 3).logits[0], a.logits[0]))
+        << "an engine not refreshed decodes as the synced one";
     // What the FP8 engine refuses, by name.
     MoeModel fp32(c, {at::Device(at::kCUDA, 0), at::kFloat});
     expect_error([&] { Generator g(fp32, fp8_options); }, "fp8_weights needs a bfloat16 model");
