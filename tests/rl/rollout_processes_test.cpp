@@ -91,15 +91,19 @@ TEST(RolloutProcesses, SameGreedyGenerationAsOneProcess) {
     }
 }
 
-// On the GPU machine: two processes sharing one GPU, tokens over the cuda transport (CUDA IPC).
-TEST(RolloutProcesses, TwoProcessesSharingOneGpuEqualOne) {
+// On the GPU machine: two and four processes sharing one GPU, tokens over the cuda transport (CUDA
+// IPC), each decoding through the fused engine.
+TEST(RolloutProcesses, TwoAndFourProcessesSharingOneGpuEqualOne) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     TempDir t("rollout-procs-gpu");
     const Ranks one = run_ranks(1, t.path / "one", "cuda", {"MOERL_TEST_DEVICE=cuda"});
     ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
-    const Ranks two = run_ranks(2, t.path / "two", "cuda", {"MOERL_TEST_DEVICE=cuda"});
-    ASSERT_EQ(two.codes, std::vector<int>(2, 0)) << two.log;
-    expect_same_generation(t.path / "one", t.path / "two", "2 processes on one GPU", 1e-3);
+    for (const int world : {2, 4}) {
+        const fs::path out = t.path / std::to_string(world);
+        const Ranks r = run_ranks(world, out, "cuda", {"MOERL_TEST_DEVICE=cuda"});
+        ASSERT_EQ(r.codes, std::vector<int>(world, 0)) << r.log;
+        expect_same_generation(t.path / "one", out, std::to_string(world) + " processes on one GPU", 1e-3);
+    }
 }
 
 TEST(RolloutProcesses, ADeadRankLeavesTheEngineUnusableAndSaysWhy) {
