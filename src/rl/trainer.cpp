@@ -7,6 +7,7 @@
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -193,7 +194,11 @@ struct PolicyTrainer::Impl {
         std::unique_ptr<model::MoeModel> model, master, ref;
         std::vector<model::NamedParameter> params;  // model's (their grads)
         std::vector<at::Tensor> weights;            // what AdamW updates: master's or params'
-        std::vector<at::Tensor> m, v;               // fp32 moments
+        // Per parameter: whether this rank updates it. Its own experts, and its share of the dense
+        // weights (every rank holds those and their summed gradients, but only one keeps their
+        // AdamW moments and steps them; the others take the result: the optimizer state is sharded).
+        std::vector<bool> updates;
+        std::vector<at::Tensor> m, v;  // fp32 moments; undefined for the dense weights of other ranks
     };
     RunConfig cfg;
     int W = 1;               // ranks in all
@@ -287,10 +292,32 @@ struct PolicyTrainer::Impl {
             for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_(src[i].second);
             k.ref->set_requires_grad(false);
         }
-        for (auto& w : k.weights) {
-            k.m.push_back(at::zeros_like(w, w.options().dtype(at::kFloat)).detach());
-            k.v.push_back(at::zeros_like(w, w.options().dtype(at::kFloat)).detach());
+        k.updates = updated_here(k.params, first_rank + r);
+        for (size_t i = 0; i < k.weights.size(); ++i) {
+            const at::Tensor& w = k.weights[i];
+            k.m.push_back(k.updates[i] ? at::zeros_like(w, w.options().dtype(at::kFloat)).detach()
+                                       : at::Tensor());
+            k.v.push_back(k.updates[i] ? at::zeros_like(w, w.options().dtype(at::kFloat)).detach()
+                                       : at::Tensor());
         }
+    }
+
+    // Which parameters rank `rank` updates: every expert it holds, and the dense weights it owns:
+    // each dense weight, in order, goes to the rank with the fewest dense elements so far (the
+    // lowest on a tie), the same on every rank.
+    std::vector<bool> updated_here(const std::vector<model::NamedParameter>& params, int rank) const {
+        std::vector<int64_t> load(W, 0);
+        std::vector<bool> out;
+        for (const auto& p : params) {
+            if (p.expert) {
+                out.push_back(true);
+                continue;
+            }
+            const int owner = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+            load[owner] += p.tensor.numel();
+            out.push_back(owner == rank);
+        }
+        return out;
     }
     std::string job = unique_job();
 
@@ -442,15 +469,21 @@ struct PolicyTrainer::Impl {
             // One fused kernel over every tensor (PyTorch's AdamW(fused=True) step); the step count
             // is the one after this step, as torch.optim passes it. The clipping goes in as its
             // gradient scale (the kernel divides by it): no pass of its own over the gradients.
-            std::vector<at::Tensor> steps(grads.size(),
+            std::vector<at::Tensor> ws, gs, ms, vs;
+            for (size_t i = 0; i < k.params.size(); ++i)
+                if (k.updates[i])
+                    ws.push_back(k.weights[i]), gs.push_back(grads[i]), ms.push_back(k.m[i]),
+                        vs.push_back(k.v[i]);
+            std::vector<at::Tensor> steps(gs.size(),
                                           at::full({}, static_cast<double>(t), grads.front().options()));
-            if (scale != 1.0)
-                at::_fused_adamw_(k.weights, grads, k.m, k.v, {}, steps, lr, cfg.beta1, cfg.beta2,
-                                  cfg.weight_decay, cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false,
+            if (!gs.empty() && scale != 1.0)
+                at::_fused_adamw_(ws, gs, ms, vs, {}, steps, lr, cfg.beta1, cfg.beta2, cfg.weight_decay,
+                                  cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false,
                                   at::full({1}, 1.0 / scale, grads.front().options()));
-            else
-                at::_fused_adamw_(k.weights, grads, k.m, k.v, {}, steps, lr, cfg.beta1, cfg.beta2,
-                                  cfg.weight_decay, cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false);
+            else if (!gs.empty())
+                at::_fused_adamw_(ws, gs, ms, vs, {}, steps, lr, cfg.beta1, cfg.beta2, cfg.weight_decay,
+                                  cfg.adam_eps, /*amsgrad=*/false, /*maximize=*/false);
+            share_dense_updates(r, flat);
             k.model->zero_grad();
             copy_master(k);
             if (W > 1) group->barrier(r);
@@ -458,6 +491,7 @@ struct PolicyTrainer::Impl {
         }
 #endif
         for (size_t i = 0; i < k.params.size(); ++i) {
+            if (!k.updates[i]) continue;
             at::Tensor p = k.weights[i];
             at::Tensor grad = grads[i] * scale;
             k.m[i].mul_(cfg.beta1).add_(grad, 1 - cfg.beta1);
@@ -466,10 +500,35 @@ struct PolicyTrainer::Impl {
             at::Tensor denom = (k.v[i] / bc2).sqrt_().add_(cfg.adam_eps);
             p.addcdiv_(k.m[i], denom, -lr / bc1);
         }
+        share_dense_updates(r, flat);
         k.model->zero_grad();
         copy_master(k);
         if (W > 1) group->barrier(r);
         return norm;
+    }
+
+    // Every dense weight from the rank that updated it, to the others: a sum over ranks in which
+    // only the owner's copy is nonzero (x + 0 is x: every rank ends with the owner's bits). `like`:
+    // a dense-sized fp32 tensor on the weights' device.
+    void share_dense_updates(int r, const at::Tensor& like) {
+        if (W == 1) return;
+        Rank& k = ranks[r];
+        at::Tensor updated = at::zeros_like(like);
+        int64_t offset = 0;
+        for (size_t i = 0; i < k.params.size(); ++i) {
+            if (k.params[i].expert) continue;
+            const int64_t n = k.weights[i].numel();
+            if (k.updates[i]) updated.narrow(0, offset, n).copy_(k.weights[i].reshape(-1));
+            offset += n;
+        }
+        group->sum(r, updated);
+        offset = 0;
+        for (size_t i = 0; i < k.params.size(); ++i) {
+            if (k.params[i].expert) continue;
+            const int64_t n = k.weights[i].numel();
+            if (!k.updates[i]) k.weights[i].copy_(updated.narrow(0, offset, n).view(k.weights[i].sizes()));
+            offset += n;
+        }
     }
     int64_t step_count_for_update = 0;  // optimizer steps before the current update
     double lr = 0;                      // learning rate of the current update (schedule)
@@ -650,6 +709,7 @@ struct PolicyTrainer::Impl {
             std::vector<model::TensorBytes> tensors;
             std::vector<at::Tensor> keep;
             for (size_t i = 0; i < k.params.size(); ++i) {
+                if (!k.updates[i]) continue;  // another rank's share of the dense weights
                 for (int which = 0; which < 2; ++which) {
                     at::Tensor t = (which == 0 ? k.m[i] : k.v[i]).to(at::kCPU, at::kFloat).contiguous();
                     keep.push_back(t);
@@ -692,6 +752,7 @@ struct PolicyTrainer::Impl {
                         .string());
                 c10::NoGradGuard g;
                 for (size_t i = 0; i < k.params.size(); ++i) {
+                    if (!k.updates[i]) continue;
                     for (int which = 0; which < 2; ++which) {
                         const std::string name = (which == 0 ? "exp_avg." : "exp_avg_sq.") + k.params[i].name;
                         const model::TensorInfo* info = f.find(name);

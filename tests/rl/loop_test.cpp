@@ -40,9 +40,9 @@ double norm_from_moments(const fs::path& dir, int ranks, double beta1) {
         moerl::model::SafetensorsFile f(
             (dir / ("optimizer-rank" + std::to_string(r) + ".safetensors")).string());
         for (const auto& info : f.tensors()) {
+            // Each rank's file: its experts' moments and its share of the dense weights' (the
+            // optimizer state is sharded), every weight's in one file.
             if (info.name.rfind("exp_avg.", 0) != 0) continue;
-            const bool expert = info.name.find(".experts.") != std::string::npos;
-            if (!expert && r > 0) continue;
             const float* m = reinterpret_cast<const float*>(f.data(info));
             for (int64_t i = 0; i < info.numel(); ++i) {
                 const double g = m[i] / (1 - beta1);

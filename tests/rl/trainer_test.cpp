@@ -6,9 +6,11 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <string>
 
@@ -105,6 +107,81 @@ TEST(TrainerMicroBatches, PackedEqualsTheFullBatch) {
                                             read_tensors(t.path / "opt12", "exp_avg."));
         EXPECT_GT(scale, 0.0);
         EXPECT_LT(diff, 1e-5 * scale) << ranks << " ranks";
+    }
+}
+
+namespace {
+
+// name -> values of read_tensors' "file:name" entries. unique: a name in two files is a failure (the
+// moments of one weight kept twice); else the first file's copy is kept (weights every rank holds).
+std::map<std::string, std::vector<float>> by_name(const std::map<std::string, std::vector<float>>& files,
+                                                  bool unique) {
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& [key, v] : files) {
+        const std::string name = key.substr(key.find(':') + 1);
+        if (unique) {
+            EXPECT_EQ(out.count(name), 0u) << name << " is kept by two ranks";
+        }
+        out.emplace(name, v);
+    }
+    return out;
+}
+
+// The entries that are not experts' (every rank holds experts of the same names).
+std::map<std::string, std::vector<float>> dense_only(const std::map<std::string, std::vector<float>>& m) {
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& [name, v] : m)
+        if (name.find(".experts.") == std::string::npos) out.emplace(name, v);
+    return out;
+}
+
+}  // namespace
+
+// The optimizer state is sharded over the EP ranks: each dense weight's AdamW moments live on one
+// rank (every rank's file holds its experts' and its share of the dense weights', no name twice, the
+// shares within one weight of even), and two clipped, decayed updates over 2 and 4 ranks leave the
+// dense weights and their moments equal to one rank's.
+TEST(TrainerShardedOptimizer, EachDenseMomentLivesOnOneRankAndUpdatesEqualOneRank) {
+    TempDir t("sharded");
+    RunConfig c = small_config(t.path);
+    c.grad_clip = 0.5;
+    c.weight_decay = 0.01;
+    c.model.router_aux_loss_coef = 0;  // each rank's load-balancing loss counts its own tokens
+    const auto batch = varied_batch(c);
+    const auto adv = advantages_of(batch, c.group_size);
+    std::map<int, fs::path> opt, weights;
+    for (int ranks : {1, 2, 4}) {
+        RunConfig run = c;
+        run.ep_ranks = ranks;
+        PolicyTrainer trainer(run, (t.path / ("work" + std::to_string(ranks))).string());
+        trainer.update(batch, adv);
+        trainer.update(batch, adv);
+        opt[ranks] = t.path / ("opt" + std::to_string(ranks));
+        weights[ranks] = t.path / ("weights" + std::to_string(ranks));
+        trainer.save_optimizer(opt[ranks].string());
+        trainer.save_weights(weights[ranks].string());
+    }
+    const auto moments_one = by_name(dense_only(read_tensors(opt[1], "exp_")), true);
+    const auto weights_one = by_name(dense_only(read_tensors(weights[1], "")), false);
+    ASSERT_FALSE(moments_one.empty());
+    for (int ranks : {2, 4}) {
+        SCOPED_TRACE(std::to_string(ranks) + " ranks");
+        std::map<std::string, int64_t> dense_elements;  // per rank's file
+        for (const auto& [key, v] : read_tensors(opt[ranks], "exp_avg."))
+            if (key.find(".experts.") == std::string::npos)
+                dense_elements[key.substr(0, key.find(':'))] += static_cast<int64_t>(v.size());
+        ASSERT_EQ(dense_elements.size(), static_cast<size_t>(ranks)) << "every rank keeps a share";
+        int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+        for (const auto& [file, n] : dense_elements) least = std::min(least, n), most = std::max(most, n);
+        EXPECT_LE(most - least, int64_t{c.model.vocab_size} * c.model.hidden_size)
+            << "the dense shares differ by more than the largest weight";
+        const auto [mdiff, mscale] =
+            max_difference(moments_one, by_name(dense_only(read_tensors(opt[ranks], "exp_")), true));
+        EXPECT_GT(mscale, 0.0);
+        EXPECT_LT(mdiff, 1e-5 * mscale) << "dense moments";
+        const auto [wdiff, wscale] =
+            max_difference(weights_one, by_name(dense_only(read_tensors(weights[ranks], "")), false));
+        EXPECT_LT(wdiff, 1e-5 * wscale) << "dense weights";
     }
 }
 
