@@ -17,7 +17,8 @@
 # transport against the machine's libfabric.so.1 and runs its tests (GPU memory regions included).
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
 # end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
-# the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one).
+# the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one); MOERL_DEVICE_RL_SEEDS ("2 3") more
+# quickstart seeds.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -252,6 +253,14 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' "$1" 2>&1
     }
     summarise_run "$OUT/rl-quickstart-metrics.txt" | tee -a "$OUT/rl-quickstart.log"
+    # More seeds of the same job (MOERL_DEVICE_RL_SEEDS, default "2 3"; "" for none): how far one
+    # seed's step count says anything.
+    for seed in ${MOERL_DEVICE_RL_SEEDS-2 3}; do
+      sed "s/^  seed: 1$/  seed: $seed/" examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-seed$seed.yaml"
+      timeout 150 "$MOERL" run "$RL_TMP/gpu-quickstart-seed$seed.yaml" --out "$RL_TMP/quickstart-seed$seed" --quiet \
+        >"$OUT/rl-quickstart-seed$seed.log" 2>&1
+      step rl_quickstart_seed$seed "rc=$? $(summarise_run "$RL_TMP/quickstart-seed$seed/metrics.jsonl")"
+    done
     # The same job with FP8 rollout (rollout.dtype: fp8): e4m3 copies quantised at each weight sync.
     sed '0,/^  dtype: bf16/s//  dtype: fp8/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-fp8.yaml"
     timeout 150 "$MOERL" run "$RL_TMP/gpu-quickstart-fp8.yaml" --out "$RL_TMP/quickstart-fp8" --quiet >"$OUT/rl-quickstart-fp8.log" 2>&1
