@@ -159,6 +159,32 @@ TEST(TemplateErrors, RenderLimitsStopRunawayTemplates) {
     EXPECT_EQ(Template("{{ range(131072) | length }}").render(ordered_json::object()), "131072");
 }
 
+// Nesting is bounded while parsing: 1400 nested brackets (found by the fuzzer) overflowed the
+// parser's stack. Brackets, signs and blocks past 128 levels are a syntax error naming the limit;
+// 100 levels still render.
+TEST(TemplateErrors, DeepNestingIsASyntaxErrorNotAStackOverflow) {
+    auto repeat = [](const std::string& s, int n) {
+        std::string out;
+        for (int i = 0; i < n; ++i) out += s;
+        return out;
+    };
+    for (const std::string& source :
+         {"{{ " + repeat("[", 1400) + "1" + repeat("]", 1400) + " }}",
+          "{{ " + repeat("(", 5000) + "1" + repeat(")", 5000) + " }}", "{{ " + repeat("-", 100000) + "1 }}",
+          repeat("{% if true %}", 1000) + "x" + repeat("{% endif %}", 1000)}) {
+        auto f = failure_of(source);
+        EXPECT_NE(f.message.find("nested more than 128 levels deep"), std::string::npos)
+            << source.substr(0, 40) << ": " << f.message;
+        EXPECT_NE(f.message.find("syntax error at line 1"), std::string::npos) << f.message;
+    }
+    EXPECT_EQ(
+        Template("{{ " + repeat("(", 100) + "7" + repeat(")", 100) + " }}").render(ordered_json::object()),
+        "7");
+    EXPECT_EQ(Template(repeat("{% if true %}", 100) + "x" + repeat("{% endif %}", 100))
+                  .render(ordered_json::object()),
+              "x");
+}
+
 TEST(TemplateErrors, RaiseExceptionCarriesTheTemplatesMessage) {
     auto f = failure_of("{% if messages|length == 0 %}\n{{ raise_exception('No messages!') }}{% endif %}",
                         {{"messages", ordered_json::array()}});

@@ -72,6 +72,23 @@ class Parser {
                                 std::to_string(column) + ": " + what,
                             line, column, __FILE__, __LINE__);
     }
+    // Nesting of expressions (brackets, signs) and of blocks: each level takes tens of parser frames,
+    // so a bound keeps a hostile template from exhausting the stack; real templates nest a few.
+    static constexpr int kMaxNesting = 128;
+    struct Nested {
+        Parser& p;
+        Nested(Parser& parser, const Token* at) : p(parser) {
+            if (++p.nesting_ > kMaxNesting)
+                p.fail("nested more than " + std::to_string(kMaxNesting) +
+                           " levels deep (brackets, signs or blocks)",
+                       at);
+        }
+        ~Nested() { --p.nesting_; }
+        Nested(const Nested&) = delete;
+        Nested& operator=(const Nested&) = delete;
+    };
+    int nesting_ = 0;
+
     const Token* peek(std::size_t k = 0) const { return i_ + k < t_.size() ? &t_[i_ + k] : nullptr; }
     const Token& next(const char* expected) {
         if (i_ >= t_.size()) fail(std::string("unexpected end of template, expected ") + expected, nullptr);
@@ -146,6 +163,7 @@ class Parser {
 
     NodePtr any() {
         const Token& tok = t_[i_];
+        const Nested nested(*this, &tok);
         switch (tok.type) {
             case Tok::Comment: {
                 ++i_;
@@ -298,6 +316,7 @@ class Parser {
     }
 
     NodePtr expression() {
+        const Nested nested(*this, peek());
         NodePtr a = logical_or();
         if (is_ident("if")) {
             const Token& tok = t_[i_++];
@@ -414,6 +433,7 @@ class Parser {
         if (tok && (tok->type == Tok::Unary || tok->type == Tok::Additive) &&
             (tok->value == "-" || tok->value == "+")) {
             ++i_;
+            const Nested nested(*this, tok);
             auto n = make(NodeKind::Unary, *tok);
             n->text = tok->value;
             n->a = unary_sign();
