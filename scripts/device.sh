@@ -18,7 +18,8 @@
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
 # end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
 # the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one); MOERL_DEVICE_RL_SEEDS ("2 3") more
-# quickstart seeds.
+# quickstart seeds; MOERL_DEVICE_RL_QUICKSTART=0, MOERL_DEVICE_RL_PROCESSES=0 (the runs over processes
+# and `bench rl`) and MOERL_DEVICE_ROLLOUT_BF16=0 (the bf16 rollout bench) shorten a call.
 # Keeps within ~8 minutes: each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -145,9 +146,11 @@ if [ -x "$MOERL" ]; then
     HF_DIR=${TMPDIR:-/tmp}/moerl-rollout-ckpt
     rm -rf "$HF_DIR"
     HF_ARGS=(--hf-dir "$HF_DIR"); [ "${MOERL_DEVICE_HF:-1}" = 1 ] || HF_ARGS=()
-    timeout 330 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64,256 \
-      --prompt 128 --new ${MOERL_DEVICE_NEW:-64} "${HF_ARGS[@]}" >"$OUT/bench-rollout.log" 2>&1
-    step bench_rollout "rc=$?"
+    if [ "${MOERL_DEVICE_ROLLOUT_BF16:-1}" = 1 ]; then
+      timeout 330 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 1,16,64,256 \
+        --prompt 128 --new ${MOERL_DEVICE_NEW:-64} "${HF_ARGS[@]}" >"$OUT/bench-rollout.log" 2>&1
+      step bench_rollout "rc=$?"
+    fi
     rm -rf "$HF_DIR"
     if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
       # Time per kernel kind (eager steps).
@@ -245,14 +248,16 @@ fi
 if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && [ -x "$MOERL" ] && "$MOERL" run --help >/dev/null 2>&1; then
   RL_TMP=${TMPDIR:-/tmp}/moerl-rl; rm -rf "$RL_TMP"; mkdir -p "$RL_TMP"
   if [ "${MOERL_DEVICE_RL_RUNS:-1}" = 1 ]; then
-    timeout 240 "$MOERL" run examples/gpu-quickstart.yaml --out "$RL_TMP/quickstart" --quiet >"$OUT/rl-quickstart.log" 2>&1
-    step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"
-    tail -n 3 "$OUT/rl-quickstart.log"
-    cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
     summarise_run() {
       python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' "$1" 2>&1
     }
-    summarise_run "$OUT/rl-quickstart-metrics.txt" | tee -a "$OUT/rl-quickstart.log"
+    if [ "${MOERL_DEVICE_RL_QUICKSTART:-1}" = 1 ]; then
+      timeout 240 "$MOERL" run examples/gpu-quickstart.yaml --out "$RL_TMP/quickstart" --quiet >"$OUT/rl-quickstart.log" 2>&1
+      step rl_quickstart "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart.log" | tail -1)"
+      tail -n 3 "$OUT/rl-quickstart.log"
+      cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
+      summarise_run "$OUT/rl-quickstart-metrics.txt" | tee -a "$OUT/rl-quickstart.log"
+    fi
     # More seeds of the same job (MOERL_DEVICE_RL_SEEDS, default "2 3"; "" for none): how far one
     # seed's step count says anything.
     for seed in ${MOERL_DEVICE_RL_SEEDS-2 3}; do
@@ -262,22 +267,26 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       step rl_quickstart_seed$seed "rc=$? $(summarise_run "$RL_TMP/quickstart-seed$seed/metrics.jsonl")"
     done
     # The same job with FP8 rollout (rollout.dtype: fp8): e4m3 copies quantised at each weight sync.
-    sed '0,/^  dtype: bf16/s//  dtype: fp8/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-fp8.yaml"
-    timeout 150 "$MOERL" run "$RL_TMP/gpu-quickstart-fp8.yaml" --out "$RL_TMP/quickstart-fp8" --quiet >"$OUT/rl-quickstart-fp8.log" 2>&1
-    step rl_quickstart_fp8 "rc=$? $(grep -E '^run ' "$OUT/rl-quickstart-fp8.log" | tail -1)"
-    summarise_run "$RL_TMP/quickstart-fp8/metrics.jsonl" | tee -a "$OUT/rl-quickstart-fp8.log"
-    # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
-    # all) sharing the GPU, one EP rank each, cuda transport; rollout decodes through the fused engine.
-    sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2\n  rollout: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
-    timeout 120 "$MOERL" run "$RL_TMP/gpu-quickstart-2.yaml" --steps 60 --out "$RL_TMP/quickstart-2" --quiet >"$OUT/rl-quickstart-2.log" 2>&1
-    step rl_quickstart_2proc "rc=$? $(grep -E '^final' "$OUT/rl-quickstart-2.log" | tail -1)"
-    tail -n 3 "$OUT/rl-quickstart-2.log"
-    timeout 120 "$MOERL" bench rl examples/gpu-quickstart.yaml --steps 12 --warmup 2 --out "$RL_TMP/bench-small" >"$OUT/bench-rl.log" 2>&1
-    step bench_rl "rc=$?"
-    # The same with the trainer and the rollout engine over 2 processes each sharing the GPU (functional).
-    timeout 120 "$MOERL" bench rl "$RL_TMP/gpu-quickstart-2.yaml" --steps 12 --warmup 2 --out "$RL_TMP/bench-ranks" \
-      >"$OUT/bench-rl-ranks.log" 2>&1
-    step bench_rl_ranks "rc=$?"
+    if [ "${MOERL_DEVICE_FP8:-1}" = 1 ]; then
+      sed '0,/^  dtype: bf16/s//  dtype: fp8/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-fp8.yaml"
+      timeout 150 "$MOERL" run "$RL_TMP/gpu-quickstart-fp8.yaml" --out "$RL_TMP/quickstart-fp8" --quiet >"$OUT/rl-quickstart-fp8.log" 2>&1
+      step rl_quickstart_fp8 "rc=$? $(summarise_run "$RL_TMP/quickstart-fp8/metrics.jsonl")"
+      tail -n 3 "$OUT/rl-quickstart-fp8.log"
+    fi
+    if [ "${MOERL_DEVICE_RL_PROCESSES:-1}" = 1 ]; then
+      # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
+      # all) sharing the GPU, one EP rank each, cuda transport; rollout decodes through the fused engine.
+      sed -E 's/^  ep: 1( .*)?$/  ep: 2\n  train: 2\n  rollout: 2/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-2.yaml"
+      timeout 120 "$MOERL" run "$RL_TMP/gpu-quickstart-2.yaml" --steps 60 --out "$RL_TMP/quickstart-2" --quiet >"$OUT/rl-quickstart-2.log" 2>&1
+      step rl_quickstart_2proc "rc=$? $(grep -E '^final' "$OUT/rl-quickstart-2.log" | tail -1)"
+      tail -n 3 "$OUT/rl-quickstart-2.log"
+      timeout 120 "$MOERL" bench rl examples/gpu-quickstart.yaml --steps 12 --warmup 2 --out "$RL_TMP/bench-small" >"$OUT/bench-rl.log" 2>&1
+      step bench_rl "rc=$?"
+      # The same with the trainer and the rollout engine over 2 processes each sharing the GPU (functional).
+      timeout 120 "$MOERL" bench rl "$RL_TMP/gpu-quickstart-2.yaml" --steps 12 --warmup 2 --out "$RL_TMP/bench-ranks" \
+        >"$OUT/bench-rl-ranks.log" 2>&1
+      step bench_rl_ranks "rc=$?"
+    fi
     if [ "${MOERL_DEVICE_RL_BIG:-1}" = 1 ]; then
       timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
       step bench_rl_big "rc=$?"
@@ -367,7 +376,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-python.log; do [
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu ctest_fabric bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done
