@@ -418,9 +418,10 @@ ModelConfig fp8_config() {
 
 // FP8 rollout (GeneratorOptions::fp8_weights). On a model whose projections lie on the FP8 grid the
 // FP8 engine equals the bf16 engine but for the sum order (rounding to fp16 is exact for these
-// inputs): decode steps of 1 row and of 12 (dense projections in e4m3 and in bf16), the routed
-// experts in e4m3 in both. After the model's weights change (off the grid) and refresh_weights(),
-// the engine decodes exactly as an FP8 engine built on the new weights. Bad uses are refused by name.
+// inputs): decode steps of 1 row, 5 and 12 (dense projections in e4m3 on the CUDA cores, in e4m3 on
+// the tensor cores, in bf16), the routed experts in e4m3 in all. After the model's weights change (off the
+// grid) and refresh_weights(), the engine decodes exactly as an FP8 engine built on the new weights. Bad uses
+// are refused by name.
 TEST(Generator, Fp8WeightsDecodeAsBf16OnTheGridAndFollowWeightSyncs) {
     SKIP_WITHOUT_ENGINE();
     c10::NoGradGuard no_grad;
@@ -461,7 +462,8 @@ TEST(Generator, Fp8WeightsDecodeAsBf16OnTheGridAndFollowWeightSyncs) {
         .max_batch = 12, .max_seq_len = 32, .block_size = 4, .record_routing = true};
     GeneratorOptions fp8_options = bf16_options;
     fp8_options.fp8_weights = true;
-    for (const int rows : {1, 12}) {
+    // 5 and 12 rows sit on either side of DecodeStep's kFp8DenseMaxRows (8).
+    for (const int rows : {1, 5, 12}) {
         SCOPED_TRACE("rows " + std::to_string(rows));
         Generator fp8(model, fp8_options), bf16(model, bf16_options);
         const Steps a = run(fp8, rows), b = run(bf16, rows);
