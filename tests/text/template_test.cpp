@@ -89,6 +89,14 @@ TEST(TemplateErrors, SyntaxErrorsPointAtTheToken) {
 
     f = failure_of("{# never closed");
     EXPECT_NE(f.message.find("unclosed comment"), std::string::npos) << f.message;
+
+    // Columns count code points, across many tokens of one line and after a line break.
+    f = failure_of("{{ 'é' }}ü{{ 1 + 2 }}{{ a ; b }}");
+    EXPECT_EQ(f.line, 1);
+    EXPECT_EQ(f.column, 27);
+    f = failure_of("{{ 'é' }}\nü{{ 1 }}{{ a ; b }}");
+    EXPECT_EQ(f.line, 2);
+    EXPECT_EQ(f.column, 14);
 }
 
 TEST(TemplateErrors, LinesCountInTheSourceAsWrittenNotAfterTrimming) {
