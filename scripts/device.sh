@@ -20,16 +20,41 @@
 # the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one); MOERL_DEVICE_RL_SEEDS ("2 3") more
 # quickstart seeds; MOERL_DEVICE_RL_QUICKSTART=0, MOERL_DEVICE_RL_PROCESSES=0 (the runs over processes
 # and `bench rl`) and MOERL_DEVICE_ROLLOUT_BF16=0 (the bf16 rollout bench) shorten a call.
-# Keeps within ~8 minutes: each step has its own timeout.
+# Everything at once takes longer than one 10-minute call; MOERL_DEVICE_PART picks a part that fits
+# one (each builds only its targets; any switch set explicitly still wins):
+#   tests     the gpu, fabric, model and rl tests and the binding's smoke test
+#   bench     EP, rollout (bf16, fp8, eager, RL lengths), the decode kernels, the binding's overhead
+#   rl        the RL runs: quickstart seeds, fp8 and multi-process quickstarts, bench rl, bench train
+#   sanitize  compute-sanitizer on the EP and decode kernels (no LibTorch: a short build)
+# Each step has its own timeout; the summary table gives each step's end in seconds since the start.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${MOERL_DEVICE_PART:-all}" in
+  all) ;;
+  tests)
+    : "${MOERL_DEVICE_EP:=0}" "${MOERL_DEVICE_ROLLOUT:=0}" "${MOERL_DEVICE_RL_LENGTHS:=0}" "${MOERL_DEVICE_KERNELS:=0}"
+    : "${MOERL_DEVICE_ROLLOUT_SHARED:=0}" "${MOERL_DEVICE_RL_LOOP:=0}" "${MOERL_DEVICE_SANITIZE:=0}"
+    : "${MOERL_DEVICE_MULTI_EP:=0}" "${MOERL_DEVICE_ROLLOUT_EP:=0}" "${MOERL_DEVICE_PYTHON_BENCH:=0}" ;;
+  bench)
+    : "${MOERL_DEVICE_TESTS:=0}" "${MOERL_DEVICE_RL_LOOP:=0}" "${MOERL_DEVICE_SANITIZE:=0}" "${MOERL_DEVICE_PYTHON_SMOKE:=0}"
+    : "${MOERL_DEVICE_TARGETS:=moerl decode_kernels_bench moerl_ep_python}" ;;
+  rl)
+    : "${MOERL_DEVICE_TESTS:=0}" "${MOERL_DEVICE_EP:=0}" "${MOERL_DEVICE_ROLLOUT:=0}" "${MOERL_DEVICE_RL_LENGTHS:=0}"
+    : "${MOERL_DEVICE_KERNELS:=0}" "${MOERL_DEVICE_ROLLOUT_SHARED:=0}" "${MOERL_DEVICE_SANITIZE:=0}"
+    : "${MOERL_DEVICE_MULTI:=0}" "${MOERL_DEVICE_PYTHON_SMOKE:=0}" "${MOERL_DEVICE_PYTHON_BENCH:=0}"
+    : "${MOERL_DEVICE_TARGETS:=moerl rl_trainer_rank rl_rollout_rank}" ;;
+  sanitize)
+    : "${MOERL_DEVICE_TORCH:=OFF}" "${MOERL_DEVICE_TESTS:=0}" "${MOERL_DEVICE_EP:=0}" "${MOERL_DEVICE_KERNELS:=0}"
+    : "${MOERL_DEVICE_MULTI:=0}" "${MOERL_DEVICE_TARGETS:=ep_cuda_test decode_kernels_test}" ;;
+  *) echo "MOERL_DEVICE_PART=${MOERL_DEVICE_PART}: expected all, tests, bench, rl or sanitize" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 BUILD=${BUILD:-build-gpu}
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 declare -A STATUS
-step() { STATUS[$1]=$2; echo "== $1: $2"; }
+step() { STATUS[$1]="$2 (${SECONDS} s)"; echo "== $1: $2 (${SECONDS} s)"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -318,10 +343,14 @@ fi
 # The Python binding (moerl_ep) on CUDA tensors: 2 ranks sharing the GPU against the host transport,
 # and its per-call overhead against the C++ API.
 if ls "$BUILD"/python/moerl_ep/_C*.so >/dev/null 2>&1; then
-  (cd tests/python && PYTHONPATH=$PWD/../../$BUILD/python timeout 150 python3 gpu_smoke.py 2) >"$OUT/python-gpu.log" 2>&1
-  step python_gpu "rc=$? $(tail -1 "$OUT/python-gpu.log")"
-  PYTHONPATH=$BUILD/python timeout 90 python3 bench/python_overhead.py --device cuda >"$OUT/bench-python.log" 2>&1
-  step bench_python "rc=$?"
+  if [ "${MOERL_DEVICE_PYTHON_SMOKE:-1}" = 1 ]; then
+    (cd tests/python && PYTHONPATH=$PWD/../../$BUILD/python timeout 150 python3 gpu_smoke.py 2) >"$OUT/python-gpu.log" 2>&1
+    step python_gpu "rc=$? $(tail -1 "$OUT/python-gpu.log")"
+  fi
+  if [ "${MOERL_DEVICE_PYTHON_BENCH:-1}" = 1 ]; then
+    PYTHONPATH=$BUILD/python timeout 90 python3 bench/python_overhead.py --device cuda >"$OUT/bench-python.log" 2>&1
+    step bench_python "rc=$?"
+  fi
 fi
 
 # --- compute-sanitizer on a 2-rank case ---------------------------------------------------------------
