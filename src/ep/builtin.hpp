@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "engine.hpp"
 #include "moerl/ep/transport.hpp"
@@ -10,6 +11,8 @@
 namespace moerl::ep {
 
 std::unique_ptr<Transport> make_host_transport(const TransportOptions& options);
+// "proxy+NAME": NAME's transport driven through a write proxy (proxied_transport.cpp).
+std::unique_ptr<Transport> make_proxied_transport(const std::string& inner, const TransportOptions& options);
 #ifdef MOERL_HAVE_FABRIC
 std::unique_ptr<Transport> make_fabric_transport(const TransportOptions& options);
 #endif

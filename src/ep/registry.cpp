@@ -25,6 +25,9 @@ struct Registry {
     }
 };
 
+// A transport's name behind this prefix: the same transport driven through a write proxy.
+const std::string kProxied = "proxy+";
+
 Registry& registry() {
     static Registry r;
     return r;
@@ -46,16 +49,22 @@ std::vector<std::string> available_transports() {
     std::lock_guard lock(registry().mu);
     std::vector<std::string> out;
     for (auto& [name, f] : registry().transports) out.push_back(name);
+    for (auto& [name, f] : registry().transports) out.push_back(kProxied + name);
     for (auto& [name, f] : registry().engines) out.push_back(name);
     return out;
 }
 
 bool has_transport(const std::string& name) {
+    if (name.rfind(kProxied, 0) == 0) {
+        std::lock_guard lock(registry().mu);
+        return registry().transports.count(name.substr(kProxied.size())) > 0;
+    }
     std::lock_guard lock(registry().mu);
     return registry().transports.count(name) || registry().engines.count(name);
 }
 
 std::unique_ptr<Transport> make_transport(const std::string& name, const TransportOptions& options) {
+    if (name.rfind(kProxied, 0) == 0) return make_proxied_transport(name.substr(kProxied.size()), options);
     TransportFactory factory;
     {
         std::lock_guard lock(registry().mu);

@@ -18,7 +18,7 @@ namespace moerl::test {
 namespace {
 
 struct Case {
-    std::string transport;  // "host", "fabric/tcp", "fabric/shm"
+    std::string transport;  // "host", "fabric/tcp", "fabric/shm", "proxy+" any of them
     int world;
     ep::DType dtype;
     int num_experts;
@@ -36,7 +36,7 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
     const Case& c = info.param;
     std::string t = c.transport;
     for (char& ch : t)
-        if (ch == '/') ch = '_';
+        if (ch == '/' || ch == '+') ch = '_';
     return t + "_w" + std::to_string(c.world) + "_" + ep::dtype_name(c.dtype) + (c.fp8 ? "_fp8" : "") + "_e" +
            std::to_string(c.num_experts) + "_k" + std::to_string(c.top_k) + (c.crowd ? "_crowd" : "");
 }
@@ -331,6 +331,14 @@ std::vector<Case> cases() {
     out.push_back({"host", 2, ep::DType::kBFloat16, 8, 4, false, true});
     out.push_back({"host", 1, ep::DType::kBFloat16, 16, 8, true, true});
     out.push_back({"fabric/tcp", 3, ep::DType::kFloat32, 6, 3, false, true});
+    // Every write, signal and quiet queued through a write proxy, as kernels between nodes reach the
+    // NIC (proxied_transport.cpp).
+    out.push_back({"proxy+host", 2, ep::DType::kBFloat16, 8, 4});
+    out.push_back({"proxy+host", 4, ep::DType::kFloat32, 16, 8});
+    out.push_back({"proxy+fabric/tcp", 3, ep::DType::kBFloat16, 10, 3});
+    out.push_back({"proxy+fabric/tcp", 2, ep::DType::kBFloat16, 12, 4, true});
+    out.push_back({"proxy+fabric/shm", 4, ep::DType::kFloat32, 16, 8});
+    out.push_back({"proxy+fabric/tcp", 3, ep::DType::kFloat32, 6, 3, false, true});
     return out;
 }
 

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -38,7 +39,7 @@ uint8_t pattern(int src, int dst, int ring, size_t i) {
 }
 
 struct Case {
-    std::string transport;  // "host" or "fabric"
+    std::string transport;  // "host", "fabric" or "proxy+host"
     int world_size;
     RegionMemory memory = RegionMemory::kHost;
 };
@@ -259,6 +260,65 @@ TEST(WriteProxy, OutOfRangeCommandsAndAStoppedProxyAreClearErrors) {
         },
         kTestLimit);
     EXPECT_EQ(results[0].exit_code, 0) << results[0].message;
+}
+
+// The "proxy+NAME" transports (the host engine's traffic through a write proxy; the conformance
+// suite runs dispatch and combine over them): the name says so, peers' regions are never stored
+// into directly, bytes and signals arrive through the proxy, a wait for a peer that never signals
+// times out naming the phase and the peer, and names that cannot work are refused by name.
+TEST(ProxiedTransport, WritesGoThroughTheProxyAndMisuseIsNamed) {
+    const std::string dir = test::unique_dir("proxied-store");
+    const auto results = test::run_ranks(
+        2,
+        [&](int rank) {
+            auto store = make_file_store(dir);
+            auto t = open_transport({"proxy+host", 2}, rank, 4096, store.get());
+            MOERL_CHECK(t->name() == "proxy+host", "name: ", t->name());
+            MOERL_CHECK(t->peer_region(1 - rank) == nullptr, "a peer's region is reachable directly");
+            std::vector<std::byte> bytes(300);
+            for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = std::byte{pattern(rank, 1 - rank, 0, i)};
+            t->copy_into_region(2048, bytes.data(), bytes.size());
+            t->write(1 - rank, 2048, 0, bytes.size(), 3);
+            t->wait(3, 1 - rank, 1, Clock::now() + 10s, "pattern");
+            t->quiet();
+            std::vector<std::byte> got(bytes.size());
+            t->copy_from_region(0, got.data(), got.size());
+            for (size_t i = 0; i < got.size(); ++i)
+                MOERL_CHECK(got[i] == std::byte{pattern(1 - rank, rank, 0, i)}, "byte ", i, " from rank ",
+                            1 - rank);
+            MOERL_CHECK(t->signals(3, 1 - rank) == 1, "signals: ", t->signals(3, 1 - rank));
+            if (rank == 0) {
+                std::string what;
+                try {
+                    t->wait(4, 1, 1, Clock::now() + 200ms, "combine send");
+                } catch (const TimeoutError& e) {
+                    what = e.what();
+                }
+                for (const char* want : {"combine send", "rank 1"})
+                    MOERL_CHECK(what.find(want) != std::string::npos, "'", want, "' not in: ", what);
+            }
+            t->signal(1 - rank, 5);  // both are done before either tears down
+            t->wait(5, 1 - rank, 1, Clock::now() + 10s, "done");
+            t->destroy();
+        },
+        kTestLimit);
+    for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
+    std::filesystem::remove_all(dir);
+    EXPECT_TRUE(has_transport("proxy+host"));
+    EXPECT_FALSE(has_transport("proxy+nonesuch"));
+    const auto names = available_transports();
+    EXPECT_NE(std::find(names.begin(), names.end(), "proxy+host"), names.end());
+    for (const auto& [name, want] : std::vector<std::pair<std::string, std::string>>{
+             {"proxy+proxy+host", "one proxy is enough"}, {"proxy+cuda", "unknown EP transport 'cuda'"}}) {
+        std::string what;
+        try {
+            open_transport({name, 1}, 0, 4096, nullptr);
+        } catch (const Error& e) {
+            what = e.what();
+        }
+        EXPECT_NE(what.find(want), std::string::npos) << name << ": " << what;
+    }
 }
 
 }  // namespace
