@@ -178,6 +178,8 @@ const FOCUSED = [
   ["text_only", "plain text\n"],
   ["trailing_newlines", "a\n\n"],
   ["expr_int", "{{ 1 }}|{{ -2 }}|{{ 3 + 4 }}|{{ n }}"],
+  // x % 0 is NaN: as an index it reads item 0, as a width it is 0 (found by fuzzing)
+  ["expr_nan_index", "{{ [1, 2][5 % 0] }}|{{ 'ab'[5 % 0] }}|{{ 'a\\nb' | indent(5 % 0, true) }}|{{ [1, [2]] | tojson(indent=5 % 0) }}|{{ [1, 2, 3][5 % 0:] }}|{{ range(5 % 0) }}|{{ 5 % 0 }}"],
   ["expr_float", "{{ 1.5 }}|{{ 2.0 }}|{{ f }}|{{ whole }}|{{ 1 / 4 }}|{{ 10 / 5 }}|{{ 0.1 + 0.2 }}|{{ 1000000.0 * 1000000.0 * 1000000.0 * 10000.0 }}|{{ 1000000 * 1000000 * 1000000 * 10000 }}|{{ 0.000001 / 10 }}|{{ -0.0 }}|{{ 1 / 3 }}"],
   ["expr_bool_none", "{{ true }}|{{ false }}|{{ none }}|{{ True }}|{{ None }}|{{ nul }}|{{ undefined_name }}|"],
   ["expr_containers", "{{ list }}|{{ obj }}|{{ [1, 'a', none, true, 1.5] }}|{{ {'k': 'v'} }}|{{ users[0] }}"],

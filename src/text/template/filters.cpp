@@ -188,10 +188,12 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
         if (indent.kind != Kind::Integer && indent.kind != Kind::Null)
             fail("If set, indent must be a number");
         if (indent.kind == Kind::Integer) {
-            check_string_bytes(static_cast<std::size_t>(std::clamp(indent.number, 0.0, 1e18)));
-            o.indent = static_cast<int>(indent.number);
+            // NaN (from `x % 0`) indents by nothing, as the reference does
+            double width = std::isnan(indent.number) ? 0 : indent.number;
+            if (width < 0) fail("indent must not be negative");
+            check_string_bytes(static_cast<std::size_t>(std::min(width, 1e18)));
+            o.indent = static_cast<int>(width);
         }
-        if (o.indent < 0) fail("indent must not be negative");
         Value ascii = kw(kwargs, "ensure_ascii", Value::of_bool(false));
         if (ascii.kind != Kind::Boolean) fail("If set, ensure_ascii must be a boolean");
         o.ensure_ascii = ascii.boolean;
@@ -314,8 +316,9 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
             if (width.kind != Kind::Integer) fail("width must be a number");
             Value first = pos_or_kw(args, 1, kwargs, "first", Value::of_bool(false));
             Value blank = pos_or_kw(args, 2, kwargs, "blank", Value::of_bool(false));
-            check_string_bytes(static_cast<std::size_t>(std::clamp(width.number, 0.0, 1e18)));
-            std::string pad(static_cast<std::size_t>(std::max(0.0, width.number)), ' ');
+            double spaces = std::isnan(width.number) ? 0 : std::clamp(width.number, 0.0, 1e18);
+            check_string_bytes(static_cast<std::size_t>(spaces));
+            std::string pad(static_cast<std::size_t>(spaces), ' ');
             return Value::string(indent_lines(operand.str(), pad, truthy(first), truthy(blank)));
         }
         if (name == "replace") {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "moerl/text/jinja.hpp"
 #include "template/unicode.hpp"
@@ -13,6 +14,16 @@ struct BreakSignal {};
 struct ContinueSignal {};
 
 [[noreturn]] void fail(std::string message) { throw EvalError{std::move(message)}; }
+
+// The item `x[i]` reads from a sequence of n items, or none when i is out of range. A negative i
+// counts from the end; a NaN index (from `x % 0`) reads item 0, as the reference does.
+std::optional<std::size_t> element_position(double index, std::size_t n) {
+    double i = std::isnan(index) ? 0 : std::trunc(index);
+    double len = static_cast<double>(n);
+    if (i < 0) i += len;
+    if (i < 0 || i >= len) return std::nullopt;
+    return static_cast<std::size_t>(i);
+}
 
 // Python's slice over a sequence of n items: the indices it picks.
 std::vector<std::size_t> slice_indices(std::size_t n, const Value& start_v, const Value& stop_v,
@@ -366,19 +377,14 @@ Value Interpreter::eval_member(const Node& n, const EnvPtr& env) {
     }
     if (object.is_array() || object.kind == Kind::String) {
         if (property.kind == Kind::Integer) {
-            double i = std::trunc(property.number);
             if (object.kind == Kind::String) {
                 auto chars = split_code_points(object.str());
-                double len = static_cast<double>(chars.size());
-                if (i < 0) i += len;
-                if (i < 0 || i >= len) return Value::undefined();
-                return Value::string(chars[static_cast<std::size_t>(i)]);
+                auto at = element_position(property.number, chars.size());
+                return at ? Value::string(chars[*at]) : Value::undefined();
             }
             const Array& items = object.items();
-            double len = static_cast<double>(items.size());
-            if (i < 0) i += len;
-            if (i < 0 || i >= len) return Value::undefined();
-            return items[static_cast<std::size_t>(i)];
+            auto at = element_position(property.number, items.size());
+            return at ? items[*at] : Value::undefined();
         }
         if (property.kind == Kind::String) {
             if (object.kind == Kind::String) return string_member(object, property.str());
