@@ -189,7 +189,7 @@ struct RolloutEngine::Impl {
     std::unique_ptr<ep::Buffer> decode_ep;
 
     Impl(const model::MoeModel& m, const SamplingParams& p, int mb, bool rr, int msl,
-         const RoleProcesses* procs, bool fp8_weights)
+         const RoleProcesses* procs, bool fp8_weights, bool cuda_graphs)
         : model(m), params(p), max_batch(mb), record_routing(rr), max_seq_len(msl) {
         num_moe_layers = m.config().num_moe_layers();
         top_k = m.config().num_experts_per_tok;
@@ -200,6 +200,7 @@ struct RolloutEngine::Impl {
         o.max_seq_len = max_seq_len;
         o.record_routing = record_routing;
         o.fp8_weights = fp8_weights;
+        o.cuda_graphs = cuda_graphs;
         if (const ep::Buffer* prefill = m.options().ep; prefill != nullptr) {
             if (procs == nullptr || !prefill->on_device()) return;  // the model's eager steps
             ep::Config c = prefill->config();
@@ -529,13 +530,13 @@ struct RolloutEngine::Spread {
 
 RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
                              bool record_routing, int max_seq_len, const RoleProcesses* processes,
-                             bool fp8_weights) {
+                             bool fp8_weights, bool cuda_graphs) {
     MOERL_CHECK(max_batch >= 1, "rollout max_batch must be >= 1, got ", max_batch);
     MOERL_CHECK(params.temperature > 0, "sampling temperature must be > 0, got ", params.temperature);
     MOERL_CHECK(max_seq_len >= 2, "rollout max_seq_len must be >= 2, got ", max_seq_len);
     const bool spread = processes != nullptr && processes->world_size > 1;
     impl_ = std::make_unique<Impl>(model, params, max_batch, record_routing, max_seq_len,
-                                   spread ? processes : nullptr, fp8_weights);
+                                   spread ? processes : nullptr, fp8_weights, cuda_graphs);
     if (!spread) return;
     MOERL_CHECK(model.options().ep != nullptr && model.config().num_moe_layers() > 0, "rollout engine over ",
                 processes->world_size,

@@ -92,17 +92,25 @@ TEST(RolloutProcesses, SameGreedyGenerationAsOneProcess) {
 }
 
 // On the GPU machine: two and four processes sharing one GPU, tokens over the cuda transport (CUDA
-// IPC), each decoding through the fused engine.
+// IPC), each decoding through the fused engine, its steps replayed from CUDA graphs (the
+// low-latency dispatch and combine captured in them) and launched kernel by kernel.
 TEST(RolloutProcesses, TwoAndFourProcessesSharingOneGpuEqualOne) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     TempDir t("rollout-procs-gpu");
     const Ranks one = run_ranks(1, t.path / "one", "cuda", {"MOERL_TEST_DEVICE=cuda"});
     ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
-    for (const int world : {2, 4}) {
-        const fs::path out = t.path / std::to_string(world);
-        const Ranks r = run_ranks(world, out, "cuda", {"MOERL_TEST_DEVICE=cuda"});
-        ASSERT_EQ(r.codes, std::vector<int>(world, 0)) << r.log;
-        expect_same_generation(t.path / "one", out, std::to_string(world) + " processes on one GPU", 1e-3);
+    for (const bool graphs : {true, false}) {
+        for (const int world : {2, 4}) {
+            const std::string name = std::to_string(world) + (graphs ? "-graphs" : "-eager");
+            const fs::path out = t.path / name;
+            const Ranks r = run_ranks(world, out, "cuda",
+                                      {"MOERL_TEST_DEVICE=cuda", graphs ? "MOERL_TEST_GRAPHS=1" : "MOERL_TEST_GRAPHS=0"});
+            ASSERT_EQ(r.codes, std::vector<int>(world, 0)) << name << "\n" << r.log;
+            expect_same_generation(t.path / "one", out,
+                                   std::to_string(world) + " processes on one GPU, " +
+                                       (graphs ? "CUDA graphs" : "kernels launched one by one"),
+                                   1e-3);
+        }
     }
 }
 

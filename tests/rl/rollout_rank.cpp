@@ -5,7 +5,8 @@
 // 2 steps and resumed. It writes OUT/results.json: each request's tokens, log-probs, versions and
 // routing.
 //   rl_rollout_rank OUT TRANSPORT
-// MOERL_TEST_DEVICE=cuda generates on the GPU (fp32); MOERL_TEST_COLLECTIVES picks how rank 0's
+// MOERL_TEST_DEVICE=cuda generates on the GPU (fp32), MOERL_TEST_GRAPHS=0 there launching every
+// decode kernel instead of replaying CUDA graphs; MOERL_TEST_COLLECTIVES picks how rank 0's
 // calls travel (RoleProcesses::collectives). MOERL_TEST_DIE=1: rank 1 exits when asked
 // to load the new weights, and rank 0 writes OUT/failure.json instead (what each call said next).
 #include <unistd.h>
@@ -59,8 +60,9 @@ int main(int argc, char** argv) {
         m.init_random(7);
         SamplingParams greedy = c.sampling;
         greedy.top_k = 1;
-        RolloutEngine engine(m, greedy, max_batch, /*record_routing=*/true, max_seq_len,
-                             W > 1 ? &p : nullptr);
+        const char* graphs = std::getenv("MOERL_TEST_GRAPHS");
+        RolloutEngine engine(m, greedy, max_batch, /*record_routing=*/true, max_seq_len, W > 1 ? &p : nullptr,
+                             /*fp8_weights=*/false, /*cuda_graphs=*/graphs == nullptr || std::string(graphs) != "0");
         if (p.rank > 0) {
             engine.follow([&](const std::string& seed) {
                 if (die && p.rank == 1) _exit(9);

@@ -68,9 +68,11 @@ class RolloutEngine {
     // 0's next call throw, naming it.
     // fp8_weights: the CUDA engine decodes from e4m3 copies of the weights, quantised again at each
     // refresh_weights() (model::GeneratorOptions::fp8_weights); the eager CPU path ignores it.
+    // cuda_graphs: the CUDA engine replays its decode steps from CUDA graphs (false: launches each
+    // kernel, the same kernels; model::GeneratorOptions::cuda_graphs).
     RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
                   bool record_routing, int max_seq_len = 1024, const RoleProcesses* processes = nullptr,
-                  bool fp8_weights = false);
+                  bool fp8_weights = false, bool cuda_graphs = true);
     ~RolloutEngine();
 
     void add(GenRequest request);
