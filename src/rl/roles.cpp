@@ -87,27 +87,63 @@ class InProcessPolicies {
         auto it = table().find(id);
         if (it != table().end() && it->second.trainer == trainer) table().erase(it);
     }
-    // Copies the trainer's current weights into `dst` (HF name -> tensor); returns the bytes read.
-    static int64_t copy(const std::string& id, const std::map<std::string, at::Tensor>& dst) {
+    // Copies the trainer's current weights into `dst`'s: each dense weight from the trainer's first
+    // rank, each expert stack in one copy per trainer rank holding some of its experts (a few
+    // copies a layer). Returns the bytes written.
+    static int64_t copy(const std::string& id, const model::MoeModel& dst) {
         std::lock_guard lock(mutex());
         auto it = table().find(id);
         MOERL_CHECK(it != table().end(), "rollout: policy ", kMemoryPrefix, id,
                     " is not in this process (mem:// policies need the embedded control plane)");
         c10::NoGradGuard no_grad;
+        struct Source {
+            int first_expert;
+            at::Tensor tensor;
+        };
+        std::map<std::string, std::vector<Source>> by_name;
+        for (const TrainerRankWeights& rank : it->second.trainer->rank_weights())
+            for (const model::NamedParameter& w : rank.weights)
+                by_name[w.name].push_back({w.expert ? rank.first_expert : -1, w.tensor.detach()});
+        const int64_t first = dst.first_local_expert();
         int64_t bytes = 0;
-        std::set<std::string> done;
-        for (const auto& [name, src] : it->second.trainer->weights()) {
-            if (!done.insert(name).second) continue;  // dense weights: on every EP rank
-            auto d = dst.find(name);
-            MOERL_CHECK(d != dst.end(), "rollout: the trainer's weight ", name,
-                        " has no place in the rollout model");
-            MOERL_CHECK(d->second.sizes() == src.sizes(), "rollout: weight ", name, " is ", src.sizes(),
-                        " in the trainer but ", d->second.sizes(), " in the rollout model");
-            d->second.copy_(src);
-            bytes += src.numel() * static_cast<int64_t>(src.element_size());
+        std::set<std::string> placed;
+        for (const model::NamedParameter& w : dst.named_parameters()) {
+            const at::Tensor d = w.tensor.detach();
+            auto src = by_name.find(w.name);
+            MOERL_CHECK(src != by_name.end(), "rollout: the rollout model's weight ", w.name,
+                        " is not among the trainer's");
+            placed.insert(w.name);
+            bytes += d.numel() * static_cast<int64_t>(d.element_size());
+            if (!w.expert) {
+                const at::Tensor& s = src->second.front().tensor;
+                MOERL_CHECK(src->second.front().first_expert < 0, "rollout: ", w.name,
+                            " is an expert stack in the trainer, a dense weight in the rollout model");
+                MOERL_CHECK(d.sizes() == s.sizes(), "rollout: weight ", w.name, " is ", s.sizes(),
+                            " in the trainer but ", d.sizes(), " in the rollout model");
+                d.copy_(s);
+                continue;
+            }
+            // Rows first .. first + L - 1 of the rollout's stack, each from the trainer rank holding it.
+            const int64_t L = d.size(0);
+            int64_t covered = 0;
+            for (const Source& s : src->second) {
+                MOERL_CHECK(s.first_expert >= 0, "rollout: ", w.name,
+                            " is a dense weight in the trainer, an expert stack in the rollout model");
+                MOERL_CHECK(s.tensor.sizes().slice(1) == d.sizes().slice(1), "rollout: the experts of ",
+                            w.name, " are ", s.tensor.sizes().slice(1), " in the trainer but ",
+                            d.sizes().slice(1), " in the rollout model");
+                const int64_t lo = std::max<int64_t>(first, s.first_expert);
+                const int64_t hi = std::min<int64_t>(first + L, s.first_expert + s.tensor.size(0));
+                if (lo >= hi) continue;  // experts of another rollout rank
+                d.narrow(0, lo - first, hi - lo).copy_(s.tensor.narrow(0, lo - s.first_expert, hi - lo));
+                covered += hi - lo;
+            }
+            MOERL_CHECK(covered == L, "rollout: the trainer holds ", covered, " of experts ", first, "..",
+                        first + L - 1, " of ", w.name);
         }
-        MOERL_CHECK(done.size() == dst.size(), "rollout: the trainer has ", done.size(),
-                    " of the rollout model's ", dst.size(), " weights");
+        for (const auto& [name, sources] : by_name)
+            MOERL_CHECK(placed.count(name) > 0, "rollout: the trainer's weight ", name,
+                        " has no place in the rollout model");
         return bytes;
     }
     // The trainer's PolicyTrainer::weight_writes(); nullopt when it is not in this process.
@@ -258,9 +294,7 @@ class PolicyLoader {
             model_.load_weights(policy_dir(cp, uri, cache_dir));
             return 0;
         }
-        if (slots_.empty())
-            for (auto& [name, t] : model_.state_dict()) slots_.emplace(name, t);
-        const int64_t bytes = InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), slots_);
+        const int64_t bytes = InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), model_);
         if (model_.options().device.is_cuda()) at::zeros({1}, model_.options().device).item();  // copies done
         return bytes;
     }
@@ -280,7 +314,6 @@ class PolicyLoader {
 
   private:
     model::MoeModel& model_;
-    std::map<std::string, at::Tensor> slots_;    // mem://: the model's weights by HF name
     std::unique_ptr<detail::IpcImporter> ipc_;   // cuda-ipc://: the handles opened
     std::optional<detail::IpcPolicy> last_ipc_;  // the last cuda-ipc:// policy loaded
 };

@@ -897,6 +897,12 @@ std::vector<std::pair<std::string, at::Tensor>> PolicyTrainer::weights() const {
     return all;
 }
 
+std::vector<TrainerRankWeights> PolicyTrainer::rank_weights() const {
+    std::vector<TrainerRankWeights> all;
+    for (auto& k : impl_->ranks) all.push_back({k.model->first_local_expert(), k.model->named_parameters()});
+    return all;
+}
+
 std::vector<std::string> PolicyTrainer::export_weights_ipc(std::string& why_not) {
     Impl& m = *impl_;
     m.call({{"call", "export_ipc"}});

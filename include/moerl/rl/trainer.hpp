@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "moerl/model/model.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/experience.hpp"
 #include "moerl/rl/role_processes.hpp"
@@ -40,6 +41,13 @@ struct TrainStats {
     double behaviour_ratio_std = 0;
 };
 
+// One trainer rank's weights forward runs on, as its model holds them: dense weights and expert
+// stacks whose rows are experts first_expert, first_expert + 1, ...
+struct TrainerRankWeights {
+    int first_expert = 0;
+    std::vector<model::NamedParameter> weights;
+};
+
 class PolicyTrainer {
   public:
     // Random initialisation from config.seed (or config.model_path). work_dir holds the EP
@@ -57,6 +65,9 @@ class PolicyTrainer {
     // The weights forward runs on (train.dtype, train.device), HF names, every rank's experts;
     // they change in place with each update. What in-process weight sync copies from.
     std::vector<std::pair<std::string, at::Tensor>> weights() const;
+    // The same weights by rank, experts as stacks: what in-process weight sync copies from (a few
+    // copies a layer rather than three an expert).
+    std::vector<TrainerRankWeights> rank_weights() const;
     // CUDA IPC handles on the weights forward runs on (those weights() returns), every rank's: one
     // description per process (JSON, src/rl/cuda_ipc.hpp's IpcProcess), taken after each process's
     // device work finished. Empty, with `why_not` naming the rank and the reason, where a rank cannot
