@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -26,6 +27,7 @@
 #include "moerl/core/error.hpp"
 #include "moerl/model/device_memory.hpp"
 #include "moerl/rl/config.hpp"
+#include "moerl/rl/experience.hpp"
 #include "moerl/rl/run.hpp"
 #include "moerl/rl/trainer.hpp"
 
@@ -377,9 +379,108 @@ void bench_train(const TrainBenchArgs& a) {
     fs::remove_all(work, ec);
 }
 
+struct ExperienceBenchArgs {
+    std::string config;
+    int64_t samples = 64;  // records a step
+    int64_t prompt = 1024;
+    int64_t response = 1024;
+    int repeats = 3;
+    int layers = 0;  // 0: the config's model.num_layers
+};
+
+// A step's experience records at a model's shape (routing recorded over every position), encoded
+// and parsed as the rollout workers and the trainer do, against the same records with the per-token
+// arrays as JSON numbers (the format before they were packed; still read).
+void bench_experience(const ExperienceBenchArgs& a) {
+    rl::RunConfig cfg = rl::RunConfig::load(a.config);
+    if (a.layers > 0) cfg.model.num_hidden_layers = a.layers;
+    const int layers = cfg.model.num_moe_layers(), K = cfg.model.num_experts_per_tok;
+    std::vector<rl::ExperienceRecord> records(static_cast<size_t>(a.samples));
+    uint64_t state = 88172645463325252ull;
+    auto next = [&] {
+        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+        return state;
+    };
+    for (size_t i = 0; i < records.size(); ++i) {
+        rl::ExperienceRecord& e = records[i];
+        e.task_id = rl::task_id(0, static_cast<int>(i / 8), static_cast<int>(i % 8));
+        e.task.problem = {"bench", "", ""};
+        for (int64_t t = 0; t < a.prompt; ++t)
+            e.task.prompt_tokens.push_back(static_cast<int>(next() % 151000));
+        rl::Trajectory& tr = e.trajectory;
+        for (int64_t t = 0; t < a.response; ++t) {
+            tr.tokens.push_back(static_cast<int>(next() % 151000));
+            tr.logprobs.push_back(-static_cast<float>(next() % 100000) / 7919.0f);
+            tr.versions.push_back(12);
+        }
+        tr.num_moe_layers = layers;
+        tr.top_k = K;
+        tr.routing.resize(static_cast<size_t>((a.prompt + a.response) * layers * K));
+        for (auto& r : tr.routing) r = static_cast<int16_t>(next() % std::max(1, cfg.model.num_experts));
+    }
+    auto as_arrays = [](const rl::ExperienceRecord& e) {  // the earlier format of the same record
+        nlohmann::json j = nlohmann::json::parse(rl::to_json(e));
+        j.erase("arrays");
+        nlohmann::json& o = j["trajectory"];
+        o["tokens"] = e.trajectory.tokens;
+        o["logprobs"] = e.trajectory.logprobs;
+        o["versions"] = e.trajectory.versions;
+        o["routing"] = e.trajectory.routing;
+        return j;
+    };
+    using Clock = std::chrono::steady_clock;
+    auto seconds = [](Clock::time_point t0) {
+        return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    std::printf(
+        "bench experience: %s, %lld records of %lld prompt + %lld response tokens, routing over %d MoE "
+        "layers x top-%d, median of %d\n\n",
+        a.config.c_str(), static_cast<long long>(a.samples), static_cast<long long>(a.prompt),
+        static_cast<long long>(a.response), layers, K, a.repeats);
+    std::printf(
+        "| per-token arrays | bytes a step | encode ms a step | decode ms a step |\n|---|---|---|---|\n");
+    std::vector<nlohmann::json> old_objects;
+    for (const auto& e : records) old_objects.push_back(as_arrays(e));
+    for (const bool packed : {false, true}) {
+        std::vector<double> enc, dec;
+        double bytes = 0;
+        for (int r = 0; r < a.repeats; ++r) {
+            std::vector<std::string> texts(records.size());
+            auto t0 = Clock::now();
+            for (size_t i = 0; i < records.size(); ++i)
+                texts[i] = packed ? rl::to_json(records[i]) : old_objects[i].dump();
+            enc.push_back(seconds(t0));
+            bytes = 0;
+            for (const auto& t : texts) bytes += static_cast<double>(t.size());
+            t0 = Clock::now();
+            size_t check = 0;
+            for (const auto& t : texts) check += rl::experience_from_json(t).trajectory.routing.size();
+            dec.push_back(seconds(t0));
+            MOERL_CHECK(check == records.size() * records[0].trajectory.routing.size(),
+                        "bench experience: a record lost its routing");
+        }
+        std::printf("| %s | %s | %.1f | %.1f |\n",
+                    packed ? "base64 of their bytes (now)" : "JSON numbers (before)",
+                    human_bytes(bytes).c_str(), 1e3 * median(enc), 1e3 * median(dec));
+    }
+}
+
 }  // namespace
 
 void register_bench_rl(CLI::App& bench) {
+    {
+        auto a = std::make_shared<ExperienceBenchArgs>();
+        CLI::App* cmd = bench.add_subcommand(
+            "experience",
+            "A step's experience records at a model's shape: their size, encoding and parsing time");
+        cmd->add_option("config", a->config, "Run configuration (YAML): its model section")->required();
+        cmd->add_option("--samples", a->samples, "Records a step (default 64)");
+        cmd->add_option("--prompt", a->prompt, "Prompt tokens a record (default 1024)");
+        cmd->add_option("--response", a->response, "Response tokens a record (default 1024)");
+        cmd->add_option("--repeats", a->repeats, "Timed repeats, the median printed (default 3)");
+        cmd->add_option("--layers", a->layers, "Overrides model.num_layers");
+        cmd->callback([a] { bench_experience(*a); });
+    }
     {
         auto a = std::make_shared<TrainBenchArgs>();
         CLI::App* cmd = bench.add_subcommand(
