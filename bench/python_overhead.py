@@ -4,7 +4,13 @@
 Both sides run the same engine (one moerl::ep::Buffer) in the same processes: the C++ side is a loop
 of Buffer::dispatch + Buffer::combine with outputs allocated once (moerl_ep._C.Engine.time_native);
 the Python side is moerl_ep.Buffer.dispatch / .combine as DeepEP callers use them (handle objects,
-fresh output tensors, events). Prints medians in microseconds per call and the difference.
+fresh output tensors, events). Between them, moerl_ep._C.Engine called from Python (the extension
+alone: argument conversion and fresh output tensors, none of buffer.py). On CUDA every call on every
+side is followed by a device synchronisation (torch.cuda.synchronize() in Python, the same
+cudaDeviceSynchronize in the C++ loop). Each side's timing harness is measured alone and taken off
+its figures: the Python loop around an empty call (perf_counter, the lambda, torch.cuda.synchronize
+on an idle device) and the C++ loop's synchronisation alone, so the difference is the binding's.
+Prints medians in microseconds per call, the harnesses' costs below the table.
 
     PYTHONPATH=build/python python3 bench/python_overhead.py [--ranks 1 2] [--tokens 8] [--hidden 256]
 """
@@ -52,14 +58,23 @@ def _rank(rank, world, args, results):
             out.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(out)
 
+    stream = moerl_ep.buffer._stream(x)
+    native_handle = handle.native()
     rows = {}
     for _ in range(2):  # a second round once everything is warm; the last one counts
-        native_dispatch, native_combine = engine.time_native(x, idx, w, args.iters)
-        rows['dispatch'] = (native_dispatch, timed(lambda: buffer.dispatch(x, **kwargs)))
-        rows['combine'] = (native_combine, timed(lambda: buffer.combine(recv_x, handle)))
-        rows['dispatch (cached handle)'] = (None, timed(lambda: buffer.dispatch(x, handle=handle)))
-        rows['get_dispatch_layout'] = (None, timed(lambda: buffer.get_dispatch_layout(idx, E)))
-    results.put((rank, rows, engine.transport_name))
+        native_dispatch, native_combine, native_floor = engine.time_native(x, idx, w, args.iters)
+        floor = timed(lambda: None)
+        native_dispatch -= native_floor
+        native_combine -= native_floor
+        def call(fn):
+            return timed(fn) - floor
+        rows['dispatch'] = (native_dispatch, call(lambda: engine.dispatch(x, idx, w, None, True, stream)),
+                            call(lambda: buffer.dispatch(x, **kwargs)))
+        rows['combine'] = (native_combine, call(lambda: engine.combine(recv_x, native_handle, stream)),
+                           call(lambda: buffer.combine(recv_x, handle)))
+        rows['dispatch (cached handle)'] = (None, None, call(lambda: buffer.dispatch(x, handle=handle)))
+        rows['get_dispatch_layout'] = (None, None, call(lambda: buffer.get_dispatch_layout(idx, E)))
+    results.put((rank, rows, engine.transport_name, (floor, native_floor)))
     dist.barrier()
     buffer._release()
     results.close()
@@ -85,9 +100,10 @@ def main():
     print(f'moerl_ep overhead: {args.tokens} tokens x hidden {args.hidden} ({args.dtype}), {args.experts} '
           f'experts, top-{args.topk}, {args.device}, median of {args.iters} calls per rank, microseconds')
     print()
-    print('| ranks | transport | call | C++ API | moerl_ep | overhead |')
-    print('|---|---|---|---|---|---|')
+    print('| ranks | transport | call | C++ API | moerl_ep._C | moerl_ep.Buffer | overhead |')
+    print('|---|---|---|---|---|---|---|')
     ctx = mp.get_context('spawn')
+    floors = []
     for world in args.ranks:
         results = ctx.Queue()
         procs = [ctx.Process(target=_rank, args=(r, world, args, results)) for r in range(world)]
@@ -96,11 +112,17 @@ def main():
         got = [results.get(timeout=600) for _ in range(world)]
         for proc in procs:
             proc.join()
-        rows, transport = min(got)[1], min(got)[2]  # rank 0's figures
-        for call, (native, module) in rows.items():
-            native_s = f'{native:.1f}' if native is not None else '-'
-            over = f'{module - native:.1f}' if native is not None else '-'
-            print(f'| {world} | {transport} | {call} | {native_s} | {module:.1f} | {over} |')
+        _, rows, transport, floor = min(got, key=lambda g: g[0])  # rank 0's figures
+
+        def cell(v):
+            return f'{v:.1f}' if v is not None else '-'
+        for call, (native, extension, module) in rows.items():
+            over = module - native if native is not None else None
+            print(f'| {world} | {transport} | {call} | {cell(native)} | {cell(extension)} | {module:.1f} | '
+                  f'{cell(over)} |')
+        floors.append(f'{world} ranks: Python {floor[0]:.1f}, C++ {floor[1]:.1f}')
+    print()
+    print('taken off (each timing loop around no call): ' + '; '.join(floors) + ' microseconds')
 
 
 if __name__ == '__main__':

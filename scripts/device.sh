@@ -348,7 +348,7 @@ if ls "$BUILD"/python/moerl_ep/_C*.so >/dev/null 2>&1; then
     step python_gpu "rc=$? $(tail -1 "$OUT/python-gpu.log")"
   fi
   if [ "${MOERL_DEVICE_PYTHON_BENCH:-1}" = 1 ]; then
-    PYTHONPATH=$BUILD/python timeout 90 python3 bench/python_overhead.py --device cuda >"$OUT/bench-python.log" 2>&1
+    PYTHONPATH=$BUILD/python timeout 240 python3 bench/python_overhead.py --device cuda --iters 500 >"$OUT/bench-python.log" 2>&1
     step bench_python "rc=$?"
   fi
 fi

@@ -304,23 +304,13 @@ class Buffer:
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False) -> \
             Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
-        if not topk_idx.is_cuda:
-            per_rank, per_expert, in_rank = _C.layout(topk_idx.contiguous(), num_experts, self.group_size)
-            return per_rank, None, per_expert, in_rank, _event(async_finish)
-        bad = (topk_idx < -1) | (topk_idx >= num_experts)
-        if bool(bad.any()):
-            t, k = [int(i) for i in bad.nonzero()[0]]
-            raise Error(f'topk_idx[{t},{k}] = {int(topk_idx[t, k])}, but num_experts = {num_experts} '
-                        f'(valid: -1..{num_experts - 1})')
-        W, T = self.group_size, topk_idx.size(0)
-        local = -(-num_experts // W)
-        valid = topk_idx >= 0
-        per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
-        owner = torch.where(valid, topk_idx // local, torch.full_like(topk_idx, W))
-        in_rank = torch.zeros((T, W + 1), dtype=torch.bool, device=topk_idx.device)
-        in_rank.scatter_(1, owner, True)
-        in_rank = in_rank[:, :W].contiguous()
-        return in_rank.sum(0, dtype=torch.int32), None, per_expert, in_rank, _event(async_finish)
+        topk_idx = topk_idx.contiguous()
+        if topk_idx.is_cuda:
+            per_rank, per_expert, in_rank = _C.layout_on_device(topk_idx, num_experts, self.group_size,
+                                                                _stream(topk_idx))
+        else:
+            per_rank, per_expert, in_rank = _C.layout(topk_idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, in_rank, _event(async_finish)
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[DispatchHandle] = None,

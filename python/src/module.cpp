@@ -17,6 +17,7 @@
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/transport.hpp"
 #ifdef MOERL_HAVE_CUDA
+#include "cuda/kernels/kernels.hpp"
 #include "cuda/stream.hpp"
 #endif
 
@@ -100,6 +101,13 @@ class StreamScope {
     std::optional<ep::cuda::StreamGuard> guard_;
 #endif
 };
+
+// What torch.cuda.synchronize() does, for the native timing loop.
+void synchronize_device([[maybe_unused]] bool on_device) {
+#ifdef MOERL_HAVE_CUDA
+    if (on_device) MOERL_CHECK(cudaDeviceSynchronize() == cudaSuccess, "cudaDeviceSynchronize failed");
+#endif
+}
 
 struct PyHandle {
     ep::Handle h;
@@ -242,12 +250,16 @@ class Engine {
     }
 
     // The C++ API called in a loop with outputs allocated once: the baseline of
-    // bench/python_overhead.py. Returns the median microseconds of (dispatch, combine).
+    // bench/python_overhead.py. Returns the median microseconds of (dispatch, combine, the
+    // synchronisation alone). On a device each call is followed by a device synchronisation, as the
+    // Python side's calls are (its loop calls torch.cuda.synchronize()); the third figure is that
+    // synchronisation on an idle device, the C++ loop's own cost, which the benchmark takes off.
     py::tuple time_native(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                           int iters) {
         ep::Buffer& b = alive();
         const ep::Config& c = b.config();
-        check_tensor(x, "x", scalar_type(c.dtype), b.on_device());
+        const bool dev = b.on_device();
+        check_tensor(x, "x", scalar_type(c.dtype), dev);
         const int64_t rows = c.max_recv_tokens(), H = c.hidden, K = c.top_k;
         at::Tensor recv_x = at::empty({rows, H}, x.options()),
                    recv_idx = at::empty({rows, K}, x.options().dtype(at::kLong)),
@@ -256,25 +268,30 @@ class Engine {
         o.recv_x = {recv_x.data_ptr(), rows, H};
         o.recv_topk_idx = {recv_idx.data_ptr<int64_t>(), rows, K};
         o.recv_topk_weights = {recv_w.data_ptr<float>(), rows, K};
-        std::vector<double> td, tc;
+        std::vector<double> td, tc, ts;
         py::gil_scoped_release nogil;
         using clock = std::chrono::steady_clock;
         for (int i = 0; i < iters; ++i) {
             auto t0 = clock::now();
             ep::Handle h = b.dispatch({x.data_ptr(), x.size(0), H}, cview<int64_t>(topk_idx),
                                       cview<float>(topk_weights), o);
+            synchronize_device(dev);
             auto t1 = clock::now();
             b.combine({recv_x.data_ptr(), h.num_recv_tokens(), H}, h, {out.data_ptr(), x.size(0), H});
+            synchronize_device(dev);
             auto t2 = clock::now();
+            synchronize_device(dev);
+            auto t3 = clock::now();
             td.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
             tc.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+            ts.push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
         }
         auto median = [](std::vector<double>& v) {
             std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
             return v.empty() ? 0.0 : v[v.size() / 2];
         };
         py::gil_scoped_acquire gil;
-        return py::make_tuple(median(td), median(tc));
+        return py::make_tuple(median(td), median(tc), median(ts));
     }
 
     void destroy() {
@@ -311,6 +328,52 @@ py::tuple layout(const at::Tensor& topk_idx, int num_experts, int world_size) {
     at::Tensor in_rank = at::empty({topk_idx.size(0), world_size}, at::kBool);
     std::copy(l.is_token_in_rank.begin(), l.is_token_in_rank.end(), in_rank.data_ptr<bool>());
     return py::make_tuple(int_tensor(l.num_tokens_per_rank), int_tensor(l.num_tokens_per_expert), in_rank);
+}
+
+// layout() for topk_idx on a CUDA device: one kernel on `stream`, then one read of its verdict on the
+// ids (the only synchronisation), so that an id out of range raises here as it does on the CPU.
+py::tuple layout_on_device([[maybe_unused]] const at::Tensor& topk_idx, [[maybe_unused]] int num_experts,
+                           [[maybe_unused]] int world_size, [[maybe_unused]] uintptr_t stream) {
+#ifndef MOERL_HAVE_CUDA
+    MOERL_FAIL("get_dispatch_layout: topk_idx is on ", topk_idx.device().str(),
+               ", but moerl_ep was built without CUDA");
+#else
+    check_tensor(topk_idx, "get_dispatch_layout: topk_idx", at::kLong, true);
+    MOERL_CHECK(world_size >= 1 && world_size <= ep::cuda::kMaxRanks && num_experts >= world_size,
+                "get_dispatch_layout: num_experts = ", num_experts, " over ", world_size,
+                " ranks, expected 1..", ep::cuda::kMaxRanks, " ranks and at least one expert each");
+    const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
+    MOERL_CHECK(T * K < ep::cuda::kTopkLayoutNoBadEntry, "get_dispatch_layout: topk_idx has ", T, " x ", K,
+                " entries, too many to count");
+    at::Tensor counts = at::empty({world_size + num_experts + 1}, topk_idx.options().dtype(at::kInt));
+    at::Tensor in_rank = at::empty({T, world_size}, topk_idx.options().dtype(at::kBool));
+    ep::cuda::TopkLayoutArgs a{};
+    a.topk_idx = topk_idx.data_ptr<int64_t>();
+    a.num_tokens = static_cast<int>(T);
+    a.top_k = static_cast<int>(K);
+    a.num_experts = num_experts;
+    a.world = world_size;
+    a.counts = counts.data_ptr<int>();
+    a.in_rank = in_rank.data_ptr<bool>();
+    int bad = 0;
+    {
+        py::gil_scoped_release nogil;
+        const auto s = reinterpret_cast<cudaStream_t>(stream);
+        ep::cuda::launch_topk_layout(a, s);
+        MOERL_CHECK(
+            cudaMemcpyAsync(&bad, a.counts + world_size + num_experts, sizeof bad, cudaMemcpyDeviceToHost,
+                            s) == cudaSuccess &&
+                cudaStreamSynchronize(s) == cudaSuccess,
+            "get_dispatch_layout: the layout kernel failed: ", cudaGetErrorString(cudaGetLastError()));
+    }
+    if (bad != ep::cuda::kTopkLayoutNoBadEntry) {
+        const int64_t t = bad / K, k = bad % K;
+        MOERL_FAIL("topk_idx[", t, ",", k, "] = ", topk_idx[t][k].item<int64_t>(),
+                   ", but num_experts = ", num_experts, " (valid: -1..", num_experts - 1, ")");
+    }
+    return py::make_tuple(counts.narrow(0, 0, world_size), counts.narrow(0, world_size, num_experts),
+                          in_rank);
+#endif
 }
 
 ep::DType parse_torch_dtype(const std::string& name) { return ep::parse_dtype(name); }
@@ -421,6 +484,8 @@ PYBIND11_MODULE(_C, m) {
         .def("destroy", &Engine::destroy);
 
     m.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("world_size"));
+    m.def("layout_on_device", &layout_on_device, py::arg("topk_idx"), py::arg("num_experts"),
+          py::arg("world_size"), py::arg("stream"));
     m.def("available_transports", &ep::available_transports);
 #ifdef MOERL_HAVE_CUDA
     m.attr("has_cuda") = true;

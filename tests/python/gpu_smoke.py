@@ -28,6 +28,11 @@ def _compare(rank, world):
     x = torch.randn(T, H).bfloat16()
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     w = torch.rand(T, K)
+    masked = idx.clone()
+    masked[::3, 0] = -1  # entries routed nowhere
+    masked[1, 1] = masked[1, 0] = 3  # an expert twice in one token
+    bad = idx.clone()
+    bad[2, 1] = 99
     out = {}
     for name, buf, dev in (('cpu', cpu, 'cpu'), ('gpu', gpu, 'cuda')):
         xd, idxd, wd = x.to(dev), idx.to(dev), w.to(dev)
@@ -39,8 +44,15 @@ def _compare(rank, world):
         again = buf.dispatch(xd, handle=handle)[0]
         ll_x, ll_count, ll_handle, _, _ = buf.low_latency_dispatch(xd, idxd, T, E, use_fp8=False)
         ll_out, _, _ = buf.low_latency_combine(ll_x, idxd, wd, ll_handle)
-        out[name] = [t.cpu() for t in (recv_x, recv_idx, recv_w, combined, combined_w, again, ll_count,
-                                        ll_out)] + [counts]
+        layout_masked = buf.get_dispatch_layout(masked.to(dev), E)
+        try:
+            buf.get_dispatch_layout(bad.to(dev), E)
+            refused = 'accepted'
+        except moerl_ep.Error as e:
+            refused = 'topk_idx[2,1] = 99, but num_experts = 8' in str(e)
+        out[name] = [t.cpu() for t in (per_rank, per_expert, in_rank, recv_x, recv_idx, recv_w, combined,
+                                        combined_w, again, ll_count, ll_out)]
+        out[name] += [layout_masked[i].cpu() for i in (0, 2, 3)] + [counts, refused]
     same = [bool(torch.equal(a, b)) if torch.is_tensor(a) else a == b for a, b in zip(out['cpu'], out['gpu'])]
     gpu.explicitly_destroy = cpu.explicitly_destroy = True
     gpu.destroy()

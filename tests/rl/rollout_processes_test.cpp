@@ -103,8 +103,9 @@ TEST(RolloutProcesses, TwoAndFourProcessesSharingOneGpuEqualOne) {
         for (const int world : {2, 4}) {
             const std::string name = std::to_string(world) + (graphs ? "-graphs" : "-eager");
             const fs::path out = t.path / name;
-            const Ranks r = run_ranks(world, out, "cuda",
-                                      {"MOERL_TEST_DEVICE=cuda", graphs ? "MOERL_TEST_GRAPHS=1" : "MOERL_TEST_GRAPHS=0"});
+            const Ranks r =
+                run_ranks(world, out, "cuda",
+                          {"MOERL_TEST_DEVICE=cuda", graphs ? "MOERL_TEST_GRAPHS=1" : "MOERL_TEST_GRAPHS=0"});
             ASSERT_EQ(r.codes, std::vector<int>(world, 0)) << name << "\n" << r.log;
             expect_same_generation(t.path / "one", out,
                                    std::to_string(world) + " processes on one GPU, " +

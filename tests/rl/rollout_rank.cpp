@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
         greedy.top_k = 1;
         const char* graphs = std::getenv("MOERL_TEST_GRAPHS");
         RolloutEngine engine(m, greedy, max_batch, /*record_routing=*/true, max_seq_len, W > 1 ? &p : nullptr,
-                             /*fp8_weights=*/false, /*cuda_graphs=*/graphs == nullptr || std::string(graphs) != "0");
+                             /*fp8_weights=*/false,
+                             /*cuda_graphs=*/graphs == nullptr || std::string(graphs) != "0");
         if (p.rank > 0) {
             engine.follow([&](const std::string& seed) {
                 if (die && p.rank == 1) _exit(9);

@@ -224,6 +224,19 @@ struct SoloCombineArgs {
 };
 void launch_solo_combine(const SoloCombineArgs& a, cudaStream_t stream);
 
+// --- the layout a caller asks for before dispatching (DeepEP's get_dispatch_layout) ----------------
+constexpr int kTopkLayoutThreads = 256;  // one thread per token
+constexpr int kTopkLayoutNoBadEntry = 0x7f7f7f7f;
+struct TopkLayoutArgs {
+    const int64_t* topk_idx;  // [T, K]; expert e lives on rank e / ceil(E / W)
+    int num_tokens, top_k, num_experts, world;
+    int* counts;    // out [W + E + 1]: tokens per rank, entries per expert, then the first entry t * K + k
+                    // whose id is out of range (kTopkLayoutNoBadEntry: none)
+    bool* in_rank;  // out [T, W]
+};
+// Clears the counts, then counts: two memsets and one kernel on `stream`.
+void launch_topk_layout(const TopkLayoutArgs& a, cudaStream_t stream);
+
 // --- low-latency mode -----------------------------------------------------------------------------
 struct LLLayoutArgs {
     Routing rt;

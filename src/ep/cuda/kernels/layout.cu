@@ -234,11 +234,44 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) ll_layout_kernel(LLLayoutAr
     }
 }
 
+// Thread t counts token t: its entries per expert, and once per rank that any of them lives on.
+// An id outside -1..E-1 counts nowhere and is reported by its entry, the lowest one winning.
+__global__ void __launch_bounds__(kTopkLayoutThreads) topk_layout_kernel(TopkLayoutArgs a) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= a.num_tokens) return;
+    const int W = a.world, E = a.num_experts, K = a.top_k;
+    const int per_rank = (E + W - 1) / W;
+    unsigned long long ranks = 0;
+    for (int k = 0; k < K; ++k) {
+        const long long e = a.topk_idx[static_cast<long long>(t) * K + k];
+        if (e < -1 || e >= E) {
+            atomicMin(&a.counts[W + E], t * K + k);
+        } else if (e >= 0) {
+            atomicAdd(&a.counts[W + e], 1);
+            ranks |= 1ull << (static_cast<int>(e) / per_rank);
+        }
+    }
+    for (int r = 0; r < W; ++r) {
+        const bool in = (ranks >> r) & 1ull;
+        a.in_rank[static_cast<long long>(t) * W + r] = in;
+        if (in) atomicAdd(&a.counts[r], 1);
+    }
+}
+
 }  // namespace
 
 void launch_layout(const LayoutArgs& a, cudaStream_t stream) {
     const int tiles = std::max(1, (a.num_tokens + kLayoutTile - 1) / kLayoutTile);
     layout_kernel<<<tiles, kLayoutTile, 0, stream>>>(a);
+}
+
+void launch_topk_layout(const TopkLayoutArgs& a, cudaStream_t stream) {
+    const size_t counts = static_cast<size_t>(a.world) + a.num_experts;
+    cudaMemsetAsync(a.counts, 0, counts * sizeof(int), stream);
+    cudaMemsetAsync(a.counts + counts, 0x7f, sizeof(int), stream);  // kTopkLayoutNoBadEntry
+    if (a.num_tokens > 0)
+        topk_layout_kernel<<<(a.num_tokens + kTopkLayoutThreads - 1) / kTopkLayoutThreads, kTopkLayoutThreads,
+                             0, stream>>>(a);
 }
 
 void launch_ll_layout(const LLLayoutArgs& a, cudaStream_t stream) {
