@@ -306,8 +306,12 @@ class Buffer:
             Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
         topk_idx = topk_idx.contiguous()
         if topk_idx.is_cuda:
-            per_rank, per_expert, in_rank = _C.layout_on_device(topk_idx, num_experts, self.group_size,
-                                                                _stream(topk_idx))
+            per_rank, per_expert, in_rank, bad, value = _C.layout_on_device(topk_idx, num_experts, self.group_size,
+                                                                            _stream(topk_idx))
+            if bad >= 0:
+                t, k = divmod(bad, topk_idx.size(1))
+                raise Error(f'topk_idx[{t},{k}] = {value}, but num_experts = {num_experts} '
+                            f'(valid: -1..{num_experts - 1})')
         else:
             per_rank, per_expert, in_rank = _C.layout(topk_idx, num_experts, self.group_size)
         return per_rank, None, per_expert, in_rank, _event(async_finish)

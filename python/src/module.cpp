@@ -331,7 +331,8 @@ py::tuple layout(const at::Tensor& topk_idx, int num_experts, int world_size) {
 }
 
 // layout() for topk_idx on a CUDA device: one kernel on `stream`, then one read of its verdict on the
-// ids (the only synchronisation), so that an id out of range raises here as it does on the CPU.
+// ids (the only synchronisation), returned after the three tensors as the first entry t * K + k out
+// of range (-1: none) and its id, for the caller to raise as the CPU layout does.
 py::tuple layout_on_device([[maybe_unused]] const at::Tensor& topk_idx, [[maybe_unused]] int num_experts,
                            [[maybe_unused]] int world_size, [[maybe_unused]] uintptr_t stream) {
 #ifndef MOERL_HAVE_CUDA
@@ -366,13 +367,15 @@ py::tuple layout_on_device([[maybe_unused]] const at::Tensor& topk_idx, [[maybe_
                 cudaStreamSynchronize(s) == cudaSuccess,
             "get_dispatch_layout: the layout kernel failed: ", cudaGetErrorString(cudaGetLastError()));
     }
-    if (bad != ep::cuda::kTopkLayoutNoBadEntry) {
-        const int64_t t = bad / K, k = bad % K;
-        MOERL_FAIL("topk_idx[", t, ",", k, "] = ", topk_idx[t][k].item<int64_t>(),
-                   ", but num_experts = ", num_experts, " (valid: -1..", num_experts - 1, ")");
-    }
-    return py::make_tuple(counts.narrow(0, 0, world_size), counts.narrow(0, world_size, num_experts),
-                          in_rank);
+    // The first entry out of range (-1: none) and its id, raised by the caller.
+    int64_t value = 0;
+    if (bad != ep::cuda::kTopkLayoutNoBadEntry)
+        MOERL_CHECK(cudaMemcpy(&value, a.topk_idx + bad, sizeof value, cudaMemcpyDeviceToHost) == cudaSuccess,
+                    "get_dispatch_layout: reading topk_idx failed");
+    else
+        bad = -1;
+    return py::make_tuple(counts.narrow(0, 0, world_size), counts.narrow(0, world_size, num_experts), in_rank,
+                          bad, value);
 #endif
 }
 
