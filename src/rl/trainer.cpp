@@ -795,10 +795,18 @@ struct PolicyTrainer::Impl {
     }
 
     // ---- rank 0's calls, carried to the other processes ----
-    void call(const nlohmann::json& what) {
-        if (processes) group->send_call(what.dump());
+    // A call is its JSON (one line) and, after a newline, `tail`: bytes carried as they are (an
+    // update's experience records, whose megabytes a JSON string would escape and unescape).
+    void call(const nlohmann::json& what, const std::string& tail = {}) {
+        if (processes) group->send_call(tail.empty() ? what.dump() : what.dump() + "\n" + tail);
     }
-    nlohmann::json next_call() { return nlohmann::json::parse(group->receive_call()); }
+    nlohmann::json next_call(std::string* tail = nullptr) {
+        std::string bytes = group->receive_call();
+        const size_t end = bytes.find('\n');
+        if (tail != nullptr) *tail = end == std::string::npos ? std::string() : bytes.substr(end + 1);
+        if (end != std::string::npos) bytes.resize(end);
+        return nlohmann::json::parse(bytes);
+    }
 };
 
 PolicyTrainer::PolicyTrainer(const RunConfig& config, const std::string& work_dir,
@@ -864,12 +872,23 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
     Impl& m = *impl_;
     ++m.writes;
     if (m.processes) {
-        nlohmann::json records = nlohmann::json::array();
-        for (const auto& e : batch) records.push_back(to_json(e));
-        m.call({{"call", "update"}, {"batch", records}, {"advantages", advantages}});
+        std::string records;
+        std::vector<size_t> sizes;
+        for (const auto& e : batch) {
+            const std::string text = to_json(e);
+            sizes.push_back(text.size());
+            records += text;
+        }
+        m.call({{"call", "update"}, {"record_bytes", sizes}, {"advantages", advantages}}, records);
     }
     try {
-        return m.update_here(batch, advantages);
+        TrainStats stats = m.update_here(batch, advantages);
+        // The update's last kernels (AdamW, the masters' bf16 copies) are still queued when it
+        // returns: waiting here makes its time the update's, not that of whatever runs next on the
+        // device (the weight sync).
+        const at::Device device = m.ranks.front().model->options().device;
+        if (device.is_cuda()) (void)at::zeros({1}, at::TensorOptions().device(device)).item<float>();
+        return stats;
     } catch (const c10::OutOfMemoryError& e) {
         int64_t tokens = 0;
         for (const auto& r : batch)
@@ -940,13 +959,19 @@ void PolicyTrainer::follow() {
     MOERL_CHECK(m.processes && m.first_rank > 0,
                 "follow: only ranks 1.. of a trainer over processes follow rank 0");
     for (;;) {
-        const nlohmann::json c = m.next_call();
+        std::string tail;
+        const nlohmann::json c = m.next_call(&tail);
         const std::string what = c.at("call").get<std::string>();
         if (what == "stop") return;
         if (what == "update") {
             std::vector<ExperienceRecord> batch;
-            for (const auto& text : c.at("batch"))
-                batch.push_back(experience_from_json(text.get<std::string>()));
+            size_t at = 0;
+            for (const size_t n : c.at("record_bytes").get<std::vector<size_t>>()) {
+                MOERL_CHECK(at + n <= tail.size(), "trainer rank ", m.first_rank,
+                            ": an update's records hold ", tail.size(), " bytes, fewer than their sizes say");
+                batch.push_back(experience_from_json(tail.substr(at, n)));
+                at += n;
+            }
             m.update_here(batch, c.at("advantages").get<std::vector<double>>());
         } else if (what == "save_weights") {
             m.save_weights_here(c.at("dir").get<std::string>());

@@ -477,12 +477,18 @@ def main():
         # The replacement pod the Deployment would start.
         cluster.start("Deployment", "rollout", "rollout-local-3")
         base = steps_done()
-        wait_until(f"{a.steps} more trained steps", 900,
-                   lambda: cluster.alive("trainer-0") and cluster.alive("rollout-local-3") and progress(base + a.steps),
-                   interval=0.5)
-        # The counters moved with the run.
         ports = {pod: env["MOERL_HEALTH_PORT"] for pod, (_, _, _, _, env) in cluster.procs.items()
                  if "MOERL_HEALTH_PORT" in env}
+
+        def replacement_worked():
+            # The steps can outrun the new pod's start: the run goes on until it has done work too.
+            status, body = get(f"http://127.0.0.1:{ports['rollout-local-3']}/metrics")
+            m = re.search(r"^moerl_rollout_tasks_done_total (\S+)$", body, re.M) if status == 200 else None
+            return m is not None and float(m.group(1)) > 0
+        wait_until(f"{a.steps} more trained steps, some by the replacement pod", 900,
+                   lambda: cluster.alive("trainer-0") and cluster.alive("rollout-local-3") and
+                   progress(base + a.steps) and replacement_worked(), interval=0.5)
+        # The counters moved with the run.
         moved = []
         for pod, name in (("trainer-0", "moerl_train_steps_total"), ("trainer-0", "moerl_train_tokens_total"),
                           ("rollout-local-2", "moerl_rollout_tasks_done_total"),
