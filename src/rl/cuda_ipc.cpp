@@ -343,6 +343,27 @@ void check_ipc_processes(const IpcPolicy& policy) {
     }
 }
 
+std::vector<ExpertRows> expert_rows(int64_t first, int64_t L,
+                                    const std::vector<std::pair<int64_t, int64_t>>& held,
+                                    const std::string& what, const std::string& name) {
+    std::vector<ExpertRows> out;
+    std::vector<bool> have(static_cast<size_t>(L), false);
+    for (size_t i = 0; i < held.size(); ++i) {
+        const auto [src_first, count] = held[i];
+        const int64_t lo = std::max(first, src_first), hi = std::min(first + L, src_first + count);
+        if (lo >= hi) continue;  // experts of another rollout rank
+        for (int64_t e = lo; e < hi; ++e) {
+            MOERL_CHECK(!have[e - first], what, ": expert ", e, " of ", name,
+                        " is exported by two trainer ranks");
+            have[e - first] = true;
+        }
+        out.push_back({i, lo - src_first, lo - first, hi - lo});
+    }
+    for (int64_t e = 0; e < L; ++e)
+        MOERL_CHECK(have[e], what, ": no trainer rank exported expert ", first + e, " of ", name);
+    return out;
+}
+
 std::vector<IpcCopy> plan_ipc_copies(const IpcPolicy& policy, const model::MoeModel& model) {
     const std::string what = "cuda-ipc policy v" + std::to_string(policy.version);
     struct Source {
@@ -393,8 +414,7 @@ std::vector<IpcCopy> plan_ipc_copies(const IpcPolicy& policy, const model::MoeMo
         }
         // An expert stack: the rollout's rows are experts first .. first + L - 1, each from the
         // trainer rank that holds it.
-        const int64_t L = dst.size(0);
-        std::vector<bool> have(static_cast<size_t>(L), false);
+        std::vector<std::pair<int64_t, int64_t>> held;
         for (const Source& s : it->second) {
             const IpcTensor& t = *s.tensor;
             MOERL_CHECK(t.first_expert >= 0 && !t.shape.empty(), what, ": ", w.name,
@@ -402,24 +422,18 @@ std::vector<IpcCopy> plan_ipc_copies(const IpcPolicy& policy, const model::MoeMo
             MOERL_CHECK(at::IntArrayRef(t.shape).slice(1) == dst.sizes().slice(1), what, ": the experts of ",
                         w.name, " are ", at::IntArrayRef(t.shape).slice(1), " in the trainer but ",
                         dst.sizes().slice(1), " in the rollout model");
-            const int64_t lo = std::max<int64_t>(first, t.first_expert);
-            const int64_t hi = std::min<int64_t>(first + L, t.first_expert + t.shape[0]);
-            if (lo >= hi) continue;  // experts of another rollout rank
-            for (int64_t e = lo; e < hi; ++e) {
-                MOERL_CHECK(!have[e - first], what, ": expert ", e, " of ", w.name,
-                            " is exported by two trainer ranks");
-                have[e - first] = true;
-            }
+            held.emplace_back(t.first_expert, t.shape[0]);
+        }
+        for (const ExpertRows& r : expert_rows(first, dst.size(0), held, what, w.name)) {
+            const Source& s = it->second[r.source];
+            const IpcTensor& t = *s.tensor;
             int64_t per_expert = 1;
             for (size_t d = 1; d < t.shape.size(); ++d) per_expert *= t.shape[d];
             const uint64_t row_bytes =
                 static_cast<uint64_t>(per_expert) * c10::elementSize(dtype_of(t.dtype, what + ": " + w.name));
-            // Rows lo..hi-1 of the trainer's stack [first_expert, ...) into the rollout's [first, ...).
-            plan.push_back(make(w.name, s, t.offset + static_cast<uint64_t>(lo - t.first_expert) * row_bytes,
-                                dst.narrow(0, lo - first, hi - lo)));
+            plan.push_back(make(w.name, s, t.offset + static_cast<uint64_t>(r.src_row) * row_bytes,
+                                dst.narrow(0, r.dst_row, r.rows)));
         }
-        for (int64_t e = 0; e < L; ++e)
-            MOERL_CHECK(have[e], what, ": no trainer rank exported expert ", first + e, " of ", w.name);
     }
     for (const auto& [name, sources] : by_name)
         MOERL_CHECK(placed.count(name) > 0, what, ": the trainer's weight ", name,

@@ -104,6 +104,19 @@ struct IpcCopy {
     at::Tensor dst;
 };
 
+// Rows of an expert stack holding experts first .. first + rows - 1, copied from the trainer rank
+// (`source`, an index into the list given) that holds them.
+struct ExpertRows {
+    size_t source = 0;
+    int64_t src_row = 0, dst_row = 0, rows = 0;
+};
+// Where the experts first .. first + L - 1 of `name` come from, given each trainer rank's stack as
+// (first expert, experts): every one from exactly one rank. Throws, prefixed by `what`, naming an
+// expert that no rank or two ranks hold.
+std::vector<ExpertRows> expert_rows(int64_t first, int64_t L,
+                                    const std::vector<std::pair<int64_t, int64_t>>& held,
+                                    const std::string& what, const std::string& name);
+
 // The copies that fill every weight of `model` from `policy`, checked on the host: every weight
 // found (dense weights from a trainer rank of this process where there is one, else the first;
 // each of the model's experts from the rank holding it), shapes equal, every trainer weight with a

@@ -124,22 +124,19 @@ class InProcessPolicies {
                 continue;
             }
             // Rows first .. first + L - 1 of the rollout's stack, each from the trainer rank holding it.
-            const int64_t L = d.size(0);
-            int64_t covered = 0;
+            std::vector<std::pair<int64_t, int64_t>> held;
             for (const Source& s : src->second) {
                 MOERL_CHECK(s.first_expert >= 0, "rollout: ", w.name,
                             " is a dense weight in the trainer, an expert stack in the rollout model");
                 MOERL_CHECK(s.tensor.sizes().slice(1) == d.sizes().slice(1), "rollout: the experts of ",
                             w.name, " are ", s.tensor.sizes().slice(1), " in the trainer but ",
                             d.sizes().slice(1), " in the rollout model");
-                const int64_t lo = std::max<int64_t>(first, s.first_expert);
-                const int64_t hi = std::min<int64_t>(first + L, s.first_expert + s.tensor.size(0));
-                if (lo >= hi) continue;  // experts of another rollout rank
-                d.narrow(0, lo - first, hi - lo).copy_(s.tensor.narrow(0, lo - s.first_expert, hi - lo));
-                covered += hi - lo;
+                held.emplace_back(s.first_expert, s.tensor.size(0));
             }
-            MOERL_CHECK(covered == L, "rollout: the trainer holds ", covered, " of experts ", first, "..",
-                        first + L - 1, " of ", w.name);
+            for (const detail::ExpertRows& r : detail::expert_rows(
+                     first, d.size(0), held, std::string("rollout: ") + kMemoryPrefix + id, w.name))
+                d.narrow(0, r.dst_row, r.rows)
+                    .copy_(src->second[r.source].tensor.narrow(0, r.src_row, r.rows));
         }
         for (const auto& [name, sources] : by_name)
             MOERL_CHECK(placed.count(name) > 0, "rollout: the trainer's weight ", name,
