@@ -66,7 +66,8 @@ def _rank(rank, world, args, results):
         floor = timed(lambda: None)
         native_dispatch -= native_floor
         native_combine -= native_floor
-        def call(fn):
+
+        def call(fn):  # the binding alone: the Python loop's own cost taken off
             return timed(fn) - floor
         rows['dispatch'] = (native_dispatch, call(lambda: engine.dispatch(x, idx, w, None, True, stream)),
                             call(lambda: buffer.dispatch(x, **kwargs)))
@@ -80,6 +81,10 @@ def _rank(rank, world, args, results):
     results.close()
     results.join_thread()
     os._exit(0)
+
+
+def _cell(v):
+    return f'{v:.1f}' if v is not None else '-'
 
 
 def main():
@@ -113,13 +118,10 @@ def main():
         for proc in procs:
             proc.join()
         _, rows, transport, floor = min(got, key=lambda g: g[0])  # rank 0's figures
-
-        def cell(v):
-            return f'{v:.1f}' if v is not None else '-'
         for call, (native, extension, module) in rows.items():
             over = module - native if native is not None else None
-            print(f'| {world} | {transport} | {call} | {cell(native)} | {cell(extension)} | {module:.1f} | '
-                  f'{cell(over)} |')
+            print(f'| {world} | {transport} | {call} | {_cell(native)} | {_cell(extension)} | {module:.1f} | '
+                  f'{_cell(over)} |')
         floors.append(f'{world} ranks: Python {floor[0]:.1f}, C++ {floor[1]:.1f}')
     print()
     print('taken off (each timing loop around no call): ' + '; '.join(floors) + ' microseconds')
