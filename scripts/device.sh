@@ -138,6 +138,13 @@ if [ -x "$MOERL" ]; then
       rc=$((rc | $?))
     fi
     step bench_cuda "rc=$rc"
+    if [ "${FABRIC[0]}" = -DMOERL_WITH_FABRIC=ON ]; then
+      # cuda-fabric (the engine for EP between nodes) over the stand-in providers, ranks sharing the GPU:
+      # functional figures only (this libfabric stages through host memory; EFA moves GPU memory).
+      timeout 90 "$MOERL" bench ep --async --transport cuda-fabric/shm,cuda-fabric/tcp --ranks 2 --tokens 512 \
+        --iters 10 --no-baseline >"$OUT/bench-fabric.log" 2>&1
+      step bench_fabric "rc=$?"
+    fi
   fi
   if [ "${MOERL_DEVICE_NCU_EP:-0}" = 1 ] && command -v ncu >/dev/null; then
     # The one-rank dispatch and combine kernels at 4096 tokens (the 128-token case runs first, 25
@@ -405,7 +412,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-python.log; do [
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu ctest_fabric bench bench_cuda ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

@@ -19,6 +19,8 @@ std::unique_ptr<Transport> make_fabric_transport(const TransportOptions& options
 #ifdef MOERL_HAVE_CUDA
 std::unique_ptr<Engine> make_cuda_engine(const Config& config, Store* store);
 std::unique_ptr<Engine> make_nccl_engine(const Config& config, Store* store);
+// "cuda-fabric/PROVIDER": packed rows in GPU memory over libfabric, written through a write proxy.
+std::unique_ptr<Engine> make_fabric_gpu_engine(const Config& config, Store* store);
 #endif
 
 }  // namespace moerl::ep

@@ -21,6 +21,9 @@ struct Registry {
 #ifdef MOERL_HAVE_CUDA
         engines["cuda"] = make_cuda_engine;
         engines["nccl"] = make_nccl_engine;
+#ifdef MOERL_HAVE_FABRIC
+        engines["cuda-fabric"] = make_fabric_gpu_engine;
+#endif
 #endif
     }
 };

@@ -80,6 +80,7 @@ WriteProxy::WriteProxy(Transport& transport, const ProxyOptions& options)
     block_bytes_ = QueueView::bytes_for(rings, capacity, num_signals);
     if (options.memory == QueueMemory::kCudaMapped) {
 #if MOERL_HAVE_CUDA
+        MOERL_CUDA_CHECK(cudaGetDevice(&cuda_device_));
         MOERL_CUDA_CHECK(cudaHostAlloc(&block_, block_bytes_, cudaHostAllocMapped | cudaHostAllocPortable));
         void* device_base = nullptr;
         const cudaError_t rc = cudaHostGetDevicePointer(&device_base, block_, 0);
@@ -138,6 +139,11 @@ void WriteProxy::run() {
     const int rings = options_.num_rings;
     const uint64_t capacity = static_cast<uint64_t>(options_.capacity);
     std::vector<uint64_t> head(rings, 0), quiets(rings, 0);
+#if MOERL_HAVE_CUDA
+    // The transport's copies of device memory (a self write, a provider's staging) run on this thread:
+    // on the device of the queues' owner, not on device 0.
+    if (cuda_device_ >= 0) cudaSetDevice(cuda_device_);
+#endif
     int ring = 0;
     uint64_t pos = 0;
     try {

@@ -61,6 +61,7 @@ class WriteProxy {
     Transport& transport_;
     const ProxyOptions options_;
     void* block_ = nullptr;  // the queue block (host address)
+    int cuda_device_ = -1;   // kCudaMapped: the CUDA device current at construction
     size_t block_bytes_ = 0;
     QueueView host_, device_;
     std::atomic<bool> stop_{false};

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -138,7 +140,10 @@ void PrintTo(const Case& c, std::ostream* os) {
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
     const Case& c = info.param;
-    return c.transport + "_w" + std::to_string(c.world) + "_" + ep::dtype_name(c.dtype) +
+    std::string transport = c.transport;  // "cuda-fabric/shm" -> "cuda_fabric_shm"
+    for (char& ch : transport)
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+    return transport + "_w" + std::to_string(c.world) + "_" + ep::dtype_name(c.dtype) +
            (c.fp8 ? "_fp8" : "") + "_e" + std::to_string(c.num_experts) + "_k" + std::to_string(c.top_k) +
            "_h" + std::to_string(c.hidden) + "_t" + std::to_string(c.max_tokens) +
            (c.empty_every > 0 ? "_empty" + std::to_string(c.empty_every) : "") + (c.crowd ? "_crowd" : "");
@@ -165,7 +170,7 @@ ep::Config make_config(const Case& tc, int rank, const std::string& transport, b
     c.timeout_s = 30;
     c.num_sms = tc.num_sms;
     c.job_id = "gpu";
-    c.transport = transport;
+    c.set_transport(transport);
     c.async = async;
     return c;
 }
@@ -403,6 +408,15 @@ std::vector<Case> cases() {
         {"cuda", 1, DType::kBFloat16, 16, 8, true, 256, 40, 8, 0, true},
         {"cuda", 2, DType::kBFloat16, 8, 4, false, 72, 40, 8, 0, true},
         {"nccl", 2, DType::kBFloat16, 8, 4, false, 72, 40, 8, 0, true},
+        // Packed rows over libfabric, each exchange's writes queued by a kernel on the write proxy
+        // (tcp and shm stand in for EFA; where their libfabric cannot register GPU memory, the
+        // region is pinned host memory the kernels reach across PCIe).
+        {"cuda-fabric/shm", 1, DType::kFloat32, 4, 2},
+        {"cuda-fabric/tcp", 2, DType::kBFloat16, 8, 4},
+        {"cuda-fabric/shm", 2, DType::kFloat32, 8, 4, false, 72, 40, 8, 2},
+        {"cuda-fabric/tcp", 3, DType::kBFloat16, 12, 4, true, 256},
+        {"cuda-fabric/shm", 4, DType::kBFloat16, 16, 8},
+        {"cuda-fabric/tcp", 2, DType::kBFloat16, 8, 4, false, 72, 40, 8, 0, true},
     };
     return out;
 }
@@ -729,13 +743,12 @@ TEST(CudaGraph, LowLatencyReplayMatchesEager) {
 
 // An expert id out of range on one rank: that rank gets an error naming the entry; the peer completes;
 // both keep working afterwards.
-TEST(BadInput, ExpertIdOutOfRangeIsReported) {
-    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-    const Case tc{"cuda", 2, ep::DType::kFloat32, 8, 2, false, 16, 8};
+void expect_expert_id_out_of_range_reported(const std::string& transport) {
+    const Case tc{transport, 2, ep::DType::kFloat32, 8, 2, false, 16, 8};
     const std::string dir = unique_dir("gpubad");
     auto results = run_ranks(2, [&](int rank) {
         auto store = ep::make_file_store(dir);
-        const ep::Config c = make_config(tc, rank, "cuda");
+        const ep::Config c = make_config(tc, rank, transport);
         ep::Buffer dev(c, store.get());
         std::vector<float> xs(8 * 16, 1.0f);
         std::vector<int64_t> ids(8 * 2, 1);
@@ -772,6 +785,49 @@ TEST(BadInput, ExpertIdOutOfRangeIsReported) {
         MOERL_CHECK(h.num_recv_tokens() == (rank == 0 ? 16 : 0), "after bad input: rank ", rank, " received ",
                     h.num_recv_tokens(), " rows");
         dev.destroy();
+    });
+    for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
+    std::filesystem::remove_all(dir);
+}
+
+TEST(BadInput, ExpertIdOutOfRangeIsReported) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    expect_expert_id_out_of_range_reported("cuda");
+}
+
+TEST(BadInput, ExpertIdOutOfRangeIsReportedOverFabric) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    expect_expert_id_out_of_range_reported("cuda-fabric/tcp");
+}
+
+// cuda-fabric: a peer that dies after joining makes the next call fail at the deadline with an
+// error naming the call and the peer, instead of hanging.
+TEST(CudaFabric, DeadPeerIsAnErrorNamingIt) {
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    Case tc{"cuda-fabric/tcp", 2, ep::DType::kFloat32, 8, 2, false, 16, 8};
+    const std::string dir = unique_dir("gpudead");
+    auto results = run_ranks(2, [&](int rank) {
+        auto store = ep::make_file_store(dir);
+        ep::Config c = make_config(tc, rank, tc.transport);
+        c.timeout_s = 3;
+        ep::Buffer dev(c, store.get());
+        if (rank == 1) std::_Exit(0);  // gone without a word, its endpoint closed by the kernel
+        std::vector<float> xs(8 * 16, 1.0f);
+        std::vector<int64_t> ids(8 * 2, 5);  // expert 5 lives on rank 1
+        Dev x(xs), idx(ids), recv(2 * 8 * 16 * 4);
+        ep::DispatchOutput out{{recv.p, 16, 16}};
+        std::string msg;
+        const auto start = std::chrono::steady_clock::now();
+        try {
+            dev.dispatch({x.p, 8, 16}, {idx.as<int64_t>(), 8, 2}, {}, out);
+        } catch (const Error& e) {
+            msg = e.what();
+        }
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        MOERL_CHECK(msg.find("dispatch") != std::string::npos && msg.find("rank 1") != std::string::npos,
+                    "expected an error naming dispatch and rank 1, got '", msg, "'");
+        MOERL_CHECK(s < 20, "the error took ", s, " s with a 3 s timeout");
     });
     for (int r = 0; r < 2; ++r)
         EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].message;
