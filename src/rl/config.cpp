@@ -607,14 +607,15 @@ void RunConfig::validate() const {
                     " moves tokens between the processes of the trainer or of a rollout engine, but ",
                     "ranks.train and ranks.rollout are 1");
         const std::string& t = train_ep_transport;
-        const bool known = t == "host" || t == "cuda" || t.rfind("fabric/", 0) == 0;
-        MOERL_CHECK(known, s,
-                    ": ranks.transport: expected host, cuda or fabric/<provider> (fabric/tcp), got '", t,
-                    "'");
-        MOERL_CHECK(train_ranks == 1 || (t == "cuda") == (train_device == "cuda"), s,
+        const bool known = t == "host" || t.rfind("fabric/", 0) == 0 || is_device_transport(t);
+        MOERL_CHECK(known && t != "fabric/" && t != "cuda-fabric/", s,
+                    ": ranks.transport: expected host, cuda, fabric/<provider> (fabric/tcp) or "
+                    "cuda-fabric/<provider> (cuda-fabric/efa), got '",
+                    t, "'");
+        MOERL_CHECK(train_ranks == 1 || is_device_transport(t) == (train_device == "cuda"), s,
                     ": ranks.transport: ", t,
                     train_device == "cuda"
-                        ? " cannot move the GPU trainer's tokens: use cuda"
+                        ? " cannot move the GPU trainer's tokens: use cuda or cuda-fabric/<provider>"
                         : " needs train.device: cuda; the CPU trainer uses host or fabric/<provider>");
     }
     MOERL_CHECK(sampling.top_k <= m.vocab_size, s, ": rollout.top_k: ", sampling.top_k,

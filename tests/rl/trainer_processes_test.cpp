@@ -155,6 +155,18 @@ TEST(TrainerProcesses, TwoProcessesSharingOneGpuEqualOne) {
                                    "2 processes on one GPU", 1e-4);
 }
 
+// The same over cuda-fabric, the engine for EP between nodes (kernels queue the writes for libfabric;
+// tcp stands in for EFA here): the trainer's experts trade tokens through it and train as one.
+TEST(TrainerProcesses, TwoProcessesOverCudaFabricEqualOne) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    TempDir probe("trainer-procs-fabric-probe");
+    const Ranks r = run_ranks(1, probe.path / "one", "cuda-fabric/tcp", {"MOERL_TEST_DEVICE=cuda"});
+    if (r.log.find("unknown EP transport 'cuda-fabric'") != std::string::npos)
+        GTEST_SKIP() << "this build has no fabric transport";
+    expect_two_processes_equal_one("trainer-procs-gpu-fabric", "cuda-fabric/tcp", {"MOERL_TEST_DEVICE=cuda"},
+                                   "2 processes on one GPU over cuda-fabric/tcp", 1e-4);
+}
+
 // NCCL needs a GPU a rank: with collectives 'nccl' two processes sharing one GPU are refused by
 // name (auto, above, sums through the host instead). On a machine with a GPU a rank the same
 // two processes sum over NCCL and train as one.

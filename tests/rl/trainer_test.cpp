@@ -343,7 +343,9 @@ TEST(TrainerConfig, ProcessRanksAreCheckedAtValidation) {
     EXPECT_NE(error_of([](RunConfig& c) {
                   c.train_ranks = 2;
                   c.train_ep_transport = "carrier-pigeon";
-              }).find("ranks.transport: expected host, cuda or fabric/<provider>"),
+              })
+                  .find("ranks.transport: expected host, cuda, fabric/<provider> (fabric/tcp) or "
+                        "cuda-fabric/<provider>"),
               std::string::npos);
     EXPECT_NE(error_of([](RunConfig& c) {
                   c.train_ranks = 2;
@@ -374,4 +376,36 @@ TEST(TrainerConfig, ProcessRanksAreCheckedAtValidation) {
                   c.train_ep_transport = "fabric/tcp";
               }),
               "");
+    // Between nodes on GPUs: cuda-fabric/<provider> suits the GPU trainer and GPU rollout only.
+    EXPECT_EQ(error_of([](RunConfig& c) {
+                  c.train_ranks = 2;
+                  c.train_device = "cuda";
+                  c.train_ep_transport = "cuda-fabric/efa";
+              }),
+              "");
+    EXPECT_NE(error_of([](RunConfig& c) {
+                  c.train_ranks = 2;
+                  c.train_ep_transport = "cuda-fabric/tcp";
+              }).find("cuda-fabric/tcp needs train.device: cuda"),
+              std::string::npos);
+    EXPECT_NE(error_of([](RunConfig& c) {
+                  c.train_ranks = 2;
+                  c.train_device = "cuda";
+                  c.train_ep_transport = "fabric/tcp";
+              }).find("cannot move the GPU trainer's tokens: use cuda or cuda-fabric/<provider>"),
+              std::string::npos);
+    EXPECT_NE(error_of([](RunConfig& c) {
+                  c.train_ranks = 2;
+                  c.train_ep_transport = "cuda-fabric/";
+              }).find("ranks.transport: expected host"),
+              std::string::npos);
+    {
+        RunConfig c = small_config(t.path);
+        c.rollout_ranks = 2;
+        c.rollout_device = "cuda";
+        c.train_ep_transport = "cuda-fabric/efa";
+        EXPECT_EQ(c.rollout_ep_transport(), "cuda-fabric/efa");
+        c.rollout_device = "cpu";
+        EXPECT_EQ(c.rollout_ep_transport(), "host");
+    }
 }

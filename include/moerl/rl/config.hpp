@@ -138,8 +138,14 @@ struct RunConfig {
     // N processes of one EP rank each (ep_ranks == N), gradients summed through c10d's Gloo.
     int train_ranks = 1;
     // How the trainer's processes move tokens: host (shared memory), fabric/<provider> (libfabric:
-    // tcp, efa) or cuda (CUDA IPC and NVLink). Empty: host on the CPU, cuda on a GPU.
+    // tcp, efa) on the CPU; cuda (CUDA IPC and NVLink, one node) or cuda-fabric/<provider> (GPU
+    // memory over libfabric, between nodes: cuda-fabric/efa) on a GPU. Empty: host on the CPU, cuda
+    // on a GPU.
     std::string train_ep_transport;
+    // True for the transports that move GPU memory (cuda, cuda-fabric/<provider>).
+    static bool is_device_transport(const std::string& t) {
+        return t == "cuda" || t.rfind("cuda-fabric/", 0) == 0;
+    }
     std::string trainer_ep_transport() const {
         return !train_ep_transport.empty() ? train_ep_transport : train_device == "cuda" ? "cuda" : "host";
     }
@@ -155,7 +161,8 @@ struct RunConfig {
     }
     std::string rollout_ep_transport() const {
         const bool gpu = rollout_device == "cuda";
-        if (!train_ep_transport.empty() && (train_ep_transport == "cuda") == gpu) return train_ep_transport;
+        if (!train_ep_transport.empty() && is_device_transport(train_ep_transport) == gpu)
+            return train_ep_transport;
         return gpu ? "cuda" : "host";
     }
     // control plane
