@@ -127,6 +127,17 @@ void WriteProxy::check() const {
     MOERL_FAIL(error_);
 }
 
+bool WriteProxy::wait_quiets(int ring, uint64_t count, Clock::time_point deadline) const {
+    for (int rounds = 0; load_acquire(host_.quiets_done[ring].value) < count;) {
+        const uint64_t state = load_acquire(host_.header->failed.value);
+        if (state == kFailed) check();
+        MOERL_CHECK(state != kStopped, "write queue ", ring, ": the write proxy was stopped");
+        if (Clock::now() > deadline) return false;
+        idle(rounds);
+    }
+    return true;
+}
+
 void WriteProxy::fail(const std::string& what) {
     {
         std::lock_guard lock(error_mu_);
@@ -240,14 +251,10 @@ void HostProducer::signal(int peer, int channel) {
 void HostProducer::quiet(Clock::time_point deadline) {
     push(Command{kQuiet});
     ++quiets_;
-    for (int rounds = 0; load_acquire(q_.quiets_done[ring_].value) < quiets_;) {
-        check_proxy();
-        if (Clock::now() > deadline)
-            throw TimeoutError(detail::concat("write queue ", ring_, ": timed out in quiet (the proxy ran ",
-                                              proxy_.commands_run(), " commands)"),
-                               __FILE__, __LINE__);
-        idle(rounds);
-    }
+    if (!proxy_.wait_quiets(ring_, quiets_, deadline))
+        throw TimeoutError(detail::concat("write queue ", ring_, ": timed out in quiet (the proxy ran ",
+                                          proxy_.commands_run(), " commands)"),
+                           __FILE__, __LINE__);
 }
 
 uint64_t HostProducer::signals(int channel, int src) const {

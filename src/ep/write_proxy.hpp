@@ -47,6 +47,9 @@ class WriteProxy {
     void check() const;
     // True once the thread no longer runs commands (an error, or stop()).
     bool failed() const { return load_acquire(host_.header->failed.value) != 0; }
+    // Blocks until `ring` has run `count` quiet commands; false at the deadline, Error when the
+    // proxy failed (its message) or was stopped.
+    bool wait_quiets(int ring, uint64_t count, Clock::time_point deadline) const;
     // Commands run so far, over all rings.
     uint64_t commands_run() const { return commands_run_.load(std::memory_order_relaxed); }
     // Stops the thread; idempotent. Producers waiting afterwards see a failed proxy.

@@ -20,7 +20,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <thread>
 
 #include "builtin.hpp"
 #include "kernels/proxy_post.hpp"
@@ -146,11 +145,14 @@ class FabricGpuEngine final : public PackedEngine {
         MOERL_CHECK(transport_ != nullptr, what, ": EP buffer used after destroy()");
     }
 
-    size_t region_offset(const void* p, const char* what) const {
+    bool in_region(const void* p) const {
         const auto* b = static_cast<const uint8_t*>(p);
-        MOERL_CHECK(b >= base_ && b < base_ + transport_->region_bytes(), "cuda-fabric: ", what,
-                    " is outside the registered region");
-        return static_cast<size_t>(b - base_);
+        return b >= base_ && b < base_ + transport_->region_bytes();
+    }
+
+    size_t region_offset(const void* p, const char* what) const {
+        MOERL_CHECK(in_region(p), "cuda-fabric: ", what, " is outside the registered region");
+        return static_cast<size_t>(static_cast<const uint8_t*>(p) - base_);
     }
 
     // Runs f; an error of the proxy or the transport (a peer gone, a failed write) gains the call's
@@ -181,60 +183,47 @@ class FabricGpuEngine final : public PackedEngine {
         a.world = W;
         for (int r = 0; r < W; ++r) {
             const Messages& m = messages[r];
-            const uint8_t* send = static_cast<const uint8_t*>(m.send);
-            if (send < base_ || send >= base_ + transport_->region_bytes()) {
+            const void* send = m.send;
+            if (!in_region(send)) {
                 // Rows the caller holds (combine's y): into r's send slot first, in stream order.
                 MOERL_CHECK(m.send_bytes <= slot_bytes(), "cuda-fabric: ", m.send_bytes, " bytes for rank ",
                             r, " exceed its send slot of ", slot_bytes());
-                send = base_ + send_offset_ + r * slot_bytes();
+                uint8_t* slot = base_ + send_offset_ + r * slot_bytes();
                 if (m.send_bytes > 0)
-                    MOERL_CUDA_CHECK(cudaMemcpyAsync(const_cast<uint8_t*>(send), m.send, m.send_bytes,
-                                                     cudaMemcpyDefault, stream));
+                    MOERL_CUDA_CHECK(cudaMemcpyAsync(slot, m.send, m.send_bytes, cudaMemcpyDefault, stream));
+                send = slot;
             }
             a.writes[r] = {region_offset(send, "a send buffer"),
                            region_offset(m.recv, "a receive slot") + c_.rank * m.recv_stride, m.send_bytes};
         }
         // Each peer must have read what this rank wrote into its slots in the previous exchange.
-        const std::string ready = detail::concat(phase, " (the peer to free its receive slots)");
-        for (int r = 0; r < W; ++r) host_->wait(kReadyChannel, r, exchanges_ - 1, deadline, ready.c_str());
+        try {
+            for (int r = 0; r < W; ++r) host_->wait(kReadyChannel, r, exchanges_ - 1, deadline, phase);
+        } catch (const TimeoutError& e) {
+            throw TimeoutError(e.message() + " (the peer to free its receive slots)", __FILE__, __LINE__);
+        }
         launch_post_writes(a, stream);
         MOERL_CUDA_CHECK(cudaGetLastError());
         ++quiets_;
         for (int r = 0; r < W; ++r) host_->wait(kDataChannel, r, exchanges_, deadline, phase);
         // This rank's writes have left the send slots: the next packing kernel may refill them.
-        for (int rounds = 0;
-             proxy::load_acquire(proxy_->host_view().quiets_done[kKernelRing].value) < quiets_; ++rounds) {
-            proxy_->check();
-            MOERL_CHECK(!proxy_->failed(), "cuda-fabric: the write proxy stopped");
-            if (Clock::now() > deadline)
-                throw TimeoutError(
-                    detail::concat("rank ", c_.rank, ": timed out in ", phase, " after ", c_.timeout_s,
-                                   " s waiting for its writes to leave (cuda-fabric)"),
-                    __FILE__, __LINE__);
-            if (rounds > 64) std::this_thread::yield();
-        }
+        if (!proxy_->wait_quiets(kKernelRing, quiets_, deadline))
+            throw TimeoutError(
+                detail::concat("rank ", c_.rank, ": timed out in ", phase, " after ", c_.timeout_s,
+                               " s waiting for its writes to leave (cuda-fabric)"),
+                __FILE__, __LINE__);
     }
 
-    // Waits for the stream, then tells every peer that the exchanges so far have been read.
-    void wait_stream(cudaStream_t stream, const char* phase) override {
-        in_phase(phase, [&] { wait_then_release(stream, phase); });
+    void check_progress(const char* phase) override {
+        in_phase(phase, [&] { proxy_->check(); });
     }
 
-    void wait_then_release(cudaStream_t stream, const char* phase) {
-        const auto deadline = Clock::now() + timeout_ms();
-        while (true) {
-            const cudaError_t q = cudaStreamQuery(stream);
-            if (q == cudaSuccess) break;
-            if (q != cudaErrorNotReady) MOERL_CUDA_CHECK(q);
-            proxy_->check();
-            if (Clock::now() > deadline)
-                throw TimeoutError(detail::concat("rank ", c_.rank, ": timed out in ", phase, " after ",
-                                                  c_.timeout_s, " s (cuda-fabric)"),
-                                   __FILE__, __LINE__);
-            std::this_thread::sleep_for(std::chrono::microseconds(5));
-        }
-        for (; released_ < exchanges_; ++released_)
-            for (int r = 0; r < c_.world_size; ++r) host_->signal(r, kReadyChannel);
+    // The stream has run the receive kernels: tell every peer that the exchanges so far were read.
+    void stream_finished(const char* phase) override {
+        in_phase(phase, [&] {
+            for (; released_ < exchanges_; ++released_)
+                for (int r = 0; r < c_.world_size; ++r) host_->signal(r, kReadyChannel);
+        });
     }
 
     std::unique_ptr<Transport> transport_;

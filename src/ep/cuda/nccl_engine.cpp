@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "builtin.hpp"
 #include "moerl/core/error.hpp"
@@ -107,25 +106,17 @@ class NcclEngine final : public PackedEngine {
         MOERL_NCCL_CHECK(ncclGroupEnd());
     }
 
-    // Waits for the stream with the configured timeout (a dead peer leaves NCCL kernels spinning).
-    void wait_stream(cudaStream_t stream, const char* phase) override {
-        const auto deadline = std::chrono::steady_clock::now() + timeout_ms();
-        while (true) {
-            const cudaError_t q = cudaStreamQuery(stream);
-            if (q == cudaSuccess) return;
-            if (q != cudaErrorNotReady) MOERL_CUDA_CHECK(q);
-            ncclResult_t async_err = ncclSuccess;
-            MOERL_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async_err));
-            MOERL_NCCL_CHECK(async_err);
-            if (std::chrono::steady_clock::now() > deadline) {
-                ncclCommAbort(comm_);
-                comm_ = nullptr;
-                throw TimeoutError(detail::concat("rank ", c_.rank, ": timed out in ", phase, " after ",
-                                                  c_.timeout_s, " s (nccl); the communicator was aborted"),
-                                   __FILE__, __LINE__);
-            }
-            std::this_thread::sleep_for(std::chrono::microseconds(20));
-        }
+    // A dead peer leaves NCCL kernels spinning; an asynchronous error is reported at once.
+    void check_progress(const char* /*phase*/) override {
+        ncclResult_t async_err = ncclSuccess;
+        MOERL_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async_err));
+        MOERL_NCCL_CHECK(async_err);
+    }
+
+    std::string on_stream_timeout() override {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        return "; the communicator was aborted";
     }
 
     ncclComm_t comm_ = nullptr;

@@ -2,6 +2,7 @@
 #include "packed_engine.hpp"
 
 #include <algorithm>
+#include <thread>
 
 #include "moerl/core/error.hpp"
 #include "stream.hpp"
@@ -31,6 +32,7 @@ void PackedEngine::set_packing_memory(uint8_t* send, uint8_t* recv, int* summari
     const int W = c_.world_size;
     send_ = send;
     recv_ = recv;
+    messages_.resize(W);
     summaries_ = summaries;
     host_summaries_ = PinnedMemory(summary_bytes());
     error_ = DeviceMemory(sizeof(DeviceError));
@@ -123,7 +125,7 @@ Handle PackedEngine::dispatch(View<const void> x, View<const int64_t> topk_idx,
     const DispatchSendArgs s = dispatch_send_args(rt_, row_, x.data, topk_idx.data, topk_weights.data, T, st,
                                                   tables_.get<uint8_t*>(), sig_);
     launch_dispatch_send(s, blocks_, stream);
-    std::vector<Messages> m(W);
+    std::vector<Messages>& m = messages_;
     for (int r = 0; r < W; ++r)
         m[r] = {send_ + r * dispatch_slot_, static_cast<size_t>(h.num_send_per_rank[r]) * row_.row_bytes,
                 recv_, dispatch_slot_, static_cast<size_t>(h.num_recv_per_src[r]) * row_.row_bytes};
@@ -154,7 +156,7 @@ void PackedEngine::combine(View<const void> y, const Handle& h, View<void> out) 
     MOERL_CHECK(out.rows >= h.num_tokens, "combine: out has ", out.rows, " rows, but the handle dispatched ",
                 h.num_tokens, " tokens");
     // y rows are already grouped by source: send each group back as it is.
-    std::vector<Messages> m(c_.world_size);
+    std::vector<Messages>& m = messages_;
     for (int r = 0; r < c_.world_size; ++r)
         m[r] = {static_cast<const uint8_t*>(y.data) + h.recv_src_offset[r] * row, h.num_recv_per_src[r] * row,
                 recv_, combine_slot_, h.num_send_per_rank[r] * row};
@@ -192,7 +194,7 @@ LowLatencyHandle PackedEngine::low_latency_dispatch(View<const void> x, View<con
     const int* got = sent + summary_ints();
     ll_send_rows_.assign(sent, sent + W);
     ll_recv_rows_.assign(got, got + W);
-    std::vector<Messages> m(W);
+    std::vector<Messages>& m = messages_;
     for (int r = 0; r < W; ++r)
         m[r] = {send_ + r * ll_slot_, ll_header_ + sent[r] * row_.row_bytes, recv_, ll_slot_,
                 ll_header_ + got[r] * row_.row_bytes};
@@ -216,7 +218,7 @@ void PackedEngine::low_latency_combine(View<const void> y, View<const int64_t> /
                 "low_latency_combine: the handle is not from a low_latency_dispatch of this buffer");
     const size_t row = static_cast<size_t>(c_.hidden) * c_.element_bytes();
     ll_kernels_->combine_send(y.data, stream);
-    std::vector<Messages> m(c_.world_size);
+    std::vector<Messages>& m = messages_;
     for (int r = 0; r < c_.world_size; ++r)
         m[r] = {send_ + r * llc_slot_, ll_recv_rows_[r] * row, recv_, llc_slot_, ll_send_rows_[r] * row};
     exchange(m, stream, "low_latency_combine/data");
@@ -227,10 +229,28 @@ void PackedEngine::low_latency_combine(View<const void> y, View<const int64_t> /
 
 void PackedEngine::exchange_ints(const int* send, int* recv, int n, cudaStream_t stream, const char* phase) {
     const size_t bytes = n * sizeof(int);
-    std::vector<Messages> m(c_.world_size);
+    std::vector<Messages>& m = messages_;
     for (int r = 0; r < c_.world_size; ++r)
         m[r] = {send + r * n, bytes, reinterpret_cast<uint8_t*>(recv), bytes, bytes};
     exchange(m, stream, phase);
+}
+
+void PackedEngine::wait_stream(cudaStream_t stream, const char* phase) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_ms();
+    while (true) {
+        const cudaError_t q = cudaStreamQuery(stream);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) MOERL_CUDA_CHECK(q);
+        check_progress(phase);
+        if (std::chrono::steady_clock::now() > deadline) {
+            const std::string after = on_stream_timeout();
+            throw TimeoutError(detail::concat("rank ", c_.rank, ": timed out in ", phase, " after ",
+                                              c_.timeout_s, " s (", engine_, ")", after),
+                               __FILE__, __LINE__);
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(10));
+    }
+    stream_finished(phase);
 }
 
 DeviceError PackedEngine::sync_error(cudaStream_t stream, const char* phase) {

@@ -57,8 +57,14 @@ class PackedEngine : public Engine {
     // One collective exchange: messages[r] with every rank r, in stream order on `stream`; `phase`
     // names the call and its step in errors ("dispatch/data").
     virtual void exchange(const std::vector<Messages>& messages, cudaStream_t stream, const char* phase) = 0;
-    // Waits for the stream (a dead peer must become an error at the deadline, not a hang).
-    virtual void wait_stream(cudaStream_t stream, const char* phase) = 0;
+    // While the stream runs: throws what the engine has seen go wrong (a peer's or the transport's
+    // error); `phase` names the call's step.
+    virtual void check_progress(const char* phase) = 0;
+    // At the deadline, before the TimeoutError: tears down what a dead peer would leave hanging and
+    // returns what the message adds ("; the communicator was aborted"), or "".
+    virtual std::string on_stream_timeout() { return ""; }
+    // After the stream finished.
+    virtual void stream_finished(const char* /*phase*/) {}
     // Throws when the engine was destroyed.
     virtual void check_live(const char* what) const = 0;
 
@@ -77,6 +83,9 @@ class PackedEngine : public Engine {
     cudaStream_t begin(const char* what);
     // Grouped exchange of n ints per peer: send[r*n..] to r, recv[s*n..] from s.
     void exchange_ints(const int* send, int* recv, int n, cudaStream_t stream, const char* phase);
+    // Waits for the stream with the configured timeout (a dead peer becomes an error at the
+    // deadline, not a hang).
+    void wait_stream(cudaStream_t stream, const char* phase);
     // Waits for the stream, then reads the error word (throws on a fatal one).
     DeviceError sync_error(cudaStream_t stream, const char* phase);
     void clear_bad_input(cudaStream_t stream);
@@ -95,6 +104,7 @@ class PackedEngine : public Engine {
     std::unique_ptr<LowLatencyKernels> ll_kernels_;  // over ll_ and the packing buffers
     std::unique_ptr<LayoutState> layout_;
     std::vector<int> ll_send_rows_, ll_recv_rows_;  // rows of the last low-latency dispatch per rank
+    std::vector<Messages> messages_;                // [W], refilled by each exchange
     Signals sig_;                                   // signalling off; error word only
 };
 
