@@ -887,7 +887,7 @@ TrainStats PolicyTrainer::update(const std::vector<ExperienceRecord>& batch,
         // returns: waiting here makes its time the update's, not that of whatever runs next on the
         // device (the weight sync).
         const at::Device device = m.ranks.front().model->options().device;
-        if (device.is_cuda()) (void)at::zeros({1}, at::TensorOptions().device(device)).item<float>();
+        if (device.is_cuda()) at::detail::getCUDAHooks().deviceSynchronize(device.index());
         return stats;
     } catch (const c10::OutOfMemoryError& e) {
         int64_t tokens = 0;
