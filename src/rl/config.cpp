@@ -513,6 +513,16 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
         },
         top);
     section(
+        "sync", source,
+        [&](Section& s) {
+            s.choice("transfer", {"store", "broadcast"}, c.sync_transfer);
+            s.string("address", c.sync_address);
+            s.integer("port", 0, 65535, c.sync_port);
+            s.number("timeout_s", 0, 1e6, c.sync_timeout_s, true);
+            s.number("join_timeout_s", 0, 1e6, c.sync_join_timeout_s, true);
+        },
+        top);
+    section(
         "control", source,
         [&](Section& s) {
             s.string("queue", c.queue);
@@ -565,6 +575,10 @@ RunConfig RunConfig::load(const std::string& path) {
 
 void RunConfig::validate() const {
     const std::string& s = source;
+    MOERL_CHECK(sync_transfer != "broadcast" || (train_ranks == 1 && rollout_ranks == 1), s,
+                ": sync.transfer: broadcast sends from one trainer process to rollout workers of one process "
+                "each (here ranks.train ",
+                train_ranks, ", ranks.rollout ", rollout_ranks, "); use sync.transfer: store");
     // The name becomes a directory name and the namespace of the run's Redis keys.
     MOERL_CHECK(!name.empty() && name.size() <= 64, s, ": run.name: expected 1 to 64 characters, got ",
                 name.size());

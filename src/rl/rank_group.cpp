@@ -11,19 +11,9 @@
 #include <utility>
 #include <vector>
 
+#include "gloo_group.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/core/process.hpp"
-
-// c10d's Gloo group where LibTorch ships Gloo's headers (Debian's does; PyTorch's wheels do not), as
-// `moerl bench ep` detects it; else the processes sum through the rendezvous store.
-#if __has_include(<gloo/algorithm.h>)
-#ifndef USE_C10D_GLOO
-#define USE_C10D_GLOO 1
-#endif
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#define MOERL_HAVE_GLOO 1
-#endif
 
 #if MOERL_HAVE_NCCL
 #include <cuda_runtime.h>
@@ -301,27 +291,13 @@ class StoreRanks final : public ProcessRanksBase {
 };
 
 #ifdef MOERL_HAVE_GLOO
-bool is_loopback(const std::string& addr) {
-    return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
-}
-
 // c10d's Gloo process group: ring all-reduce over TCP between the ranks.
 class GlooRanks final : public ProcessRanksBase {
   public:
     GlooRanks(const RoleProcesses& p, const std::string& role) : ProcessRanksBase(p, role) {
-        auto options = c10d::ProcessGroupGloo::Options::create(
-            std::chrono::milliseconds(static_cast<int64_t>(p.timeout_s * 1000)));
-        const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
         guarded("joining the other processes", [&] {
-            if (ifname && *ifname) {
-                options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-            } else if (is_loopback(p.master_addr)) {
-                options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-            } else {
-                options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-            }
             auto store = c10::make_intrusive<c10d::PrefixStore>(prefixed("gloo"), p.store);
-            group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank_, world_, options);
+            group_ = make_gloo_group(store, rank_, world_, p.master_addr, p.timeout_s);
         });
     }
 
@@ -539,5 +515,29 @@ std::unique_ptr<RankGroup> make_process_group(const RoleProcesses& p, const std:
 #endif
     return host;
 }
+
+#ifdef MOERL_HAVE_GLOO
+namespace {
+bool is_loopback(const std::string& addr) {
+    return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                           int rank, int world, const std::string& addr,
+                                                           double timeout_s) {
+    auto options = c10d::ProcessGroupGloo::Options::create(
+        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    if (ifname && *ifname) {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    } else if (is_loopback(addr)) {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, options);
+}
+#endif
 
 }  // namespace moerl::rl::detail

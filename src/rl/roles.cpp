@@ -4,11 +4,13 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -33,6 +35,7 @@
 #include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/reward_worker.hpp"
 #include "moerl/rl/rollout.hpp"
+#include "policy_broadcast.hpp"
 
 namespace moerl::rl {
 
@@ -61,6 +64,7 @@ bool is_cuda_ipc(const std::string& uri) { return uri.rfind(kCudaIpcPrefix, 0) =
 std::string policy_path(const std::string& uri) {
     if (uri.rfind(kMemoryPrefix, 0) == 0) return "memory";
     if (is_cuda_ipc(uri)) return "cuda-ipc";
+    if (detail::is_broadcast_uri(uri)) return "broadcast";
     if (uri.rfind("file://", 0) == 0) return "file";
     return "store";
 }
@@ -142,6 +146,10 @@ class InProcessPolicies {
             MOERL_CHECK(placed.count(name) > 0, "rollout: the trainer's weight ", name,
                         " has no place in the rollout model");
         return bytes;
+    }
+    static bool has(const std::string& id) {
+        std::lock_guard lock(mutex());
+        return table().count(id) > 0;
     }
     // The trainer's PolicyTrainer::weight_writes(); nullopt when it is not in this process.
     static std::optional<int64_t> weight_writes(const std::string& id) {
@@ -287,11 +295,15 @@ class PolicyLoader {
             last_ipc_ = std::move(policy);
             return bytes;
         }
-        if (uri.rfind(kMemoryPrefix, 0) != 0) {
+        const bool broadcast = detail::is_broadcast_uri(uri);
+        if (uri.rfind(kMemoryPrefix, 0) != 0 && !broadcast) {
             model_.load_weights(policy_dir(cp, uri, cache_dir));
             return 0;
         }
-        const int64_t bytes = InProcessPolicies::copy(uri.substr(std::string(kMemoryPrefix).size()), model_);
+        // A broadcast policy read in the trainer's process (its evaluator) comes from memory.
+        const std::string id =
+            broadcast ? detail::broadcast_uri_id(uri) : uri.substr(std::string(kMemoryPrefix).size());
+        const int64_t bytes = InProcessPolicies::copy(id, model_);
         if (model_.options().device.is_cuda()) at::zeros({1}, model_.options().device).item();  // copies done
         return bytes;
     }
@@ -451,6 +463,8 @@ struct RolloutWorker::Impl {
     };
     std::map<uint64_t, InFlight> in_flight;
     PolicyLoader loader{model};
+    std::unique_ptr<detail::PolicyReceiver> receiver;  // policies by broadcast from another machine
+    const std::atomic<bool>* stop = nullptr;           // work()'s termination notice
 
     ~Impl() {
         if (!engine->healthy()) owned.abandon_buffer();
@@ -475,7 +489,11 @@ struct RolloutWorker::Impl {
 
     int64_t sync() {
         auto latest = cp.registry->latest();
-        if (!latest || latest->first <= version) return version;
+        const bool broken = receiver && receiver->incomplete();
+        if (!broken && (!latest || latest->first <= version)) return version;
+        if (latest && detail::is_broadcast_uri(latest->second) &&
+            !InProcessPolicies::has(detail::broadcast_uri_id(latest->second)))
+            return sync_by_broadcast(*latest);
         const auto t0 = Clock::now();
         // Every rank of the engine loads at once (rank 0 here, the others through follow()).
         const int64_t bytes = load_latest(
@@ -495,6 +513,52 @@ struct RolloutWorker::Impl {
                                            bytes, " bytes in ", stats.last_sync_seconds, " s"));
         stats.sync_path = path;
         return version;
+    }
+
+    // The trainer on another machine broadcasts each version to the workers that joined. A worker
+    // that is not a member yet asked to join and generates on with the version it has; one whose
+    // receive failed part way holds parts of two versions and generates nothing until a whole
+    // version arrived (the trainer sends it again as soon as the worker asks).
+    int64_t sync_by_broadcast(std::pair<int64_t, std::string> latest) {
+        if (!receiver)
+            receiver = std::make_unique<detail::PolicyReceiver>(
+                name, model.named_parameters(), static_cast<int>(model.first_local_expert()),
+                cfg.sync_timeout_s,
+                [this](const std::string& text) { log_line("rollout worker " + name + ": " + text); });
+        const auto t0 = Clock::now();
+        const auto deadline = t0 + std::chrono::milliseconds(static_cast<int64_t>(cfg.sync_timeout_s * 1000));
+        for (;;) {
+            std::optional<int64_t> bytes;
+            try {
+                if (detail::is_broadcast_uri(latest.second))
+                    bytes = receiver->receive(latest.second, latest.first);
+            } catch (const moerl::Error& e) {
+                if (!receiver->incomplete()) throw;
+                log_line("rollout worker " + name + ": " + e.message());
+            }
+            if (bytes) {
+                engine->refresh_weights(latest.second, {});
+                version = latest.first;
+                ++stats.syncs;
+                stats.last_sync_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+                stats.sync_seconds += stats.last_sync_seconds;
+                stats.sync_bytes += *bytes;
+                if (stats.sync_path != "broadcast")
+                    log_line(moerl::detail::concat("rollout worker ", name, ": policy v", version,
+                                                   " by broadcast, ", *bytes, " bytes in ",
+                                                   stats.last_sync_seconds, " s"));
+                stats.sync_path = "broadcast";
+                return version;
+            }
+            if (!receiver->incomplete()) return version;
+            MOERL_CHECK(!(stop && stop->load()), "rollout worker ", name,
+                        ": stopped while its weights hold parts of two policy versions");
+            MOERL_CHECK(Clock::now() < deadline, "rollout worker ", name,
+                        ": no whole policy version arrived within ", cfg.sync_timeout_s,
+                        " s (sync.timeout_s) after a broadcast failed part way");
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            if (auto newest = cp.registry->latest()) latest = *newest;
+        }
     }
 
     void admit(const control::Lease& lease) {
@@ -587,7 +651,8 @@ struct RolloutWorker::Impl {
         in_flight.clear();
     }
 
-    size_t work(control::Millis wait, const std::atomic<bool>* stop, int max_steps) {
+    size_t work(control::Millis wait, const std::atomic<bool>* stop_flag, int max_steps) {
+        stop = stop_flag;
         const int64_t pushed_before = stats.pushed;
         int steps = 0;
         auto t0 = Clock::now();
@@ -754,8 +819,10 @@ struct TrainerRole::Impl {
 
     // How new versions reach the rollout workers (PolicyHandoff, resolved): from memory, by CUDA
     // IPC, or as files (also where CUDA IPC failed).
-    enum class Route { kFiles, kMemory, kCudaIpc };
+    enum class Route { kFiles, kMemory, kCudaIpc, kBroadcast };
     Route route = Route::kFiles;
+    std::unique_ptr<detail::PolicyBroadcaster> broadcaster;  // Route::kBroadcast
+    std::vector<std::string> receivers;                      // of the last broadcast
     std::string in_process_id;   // set when readers here ask this trainer (InProcessPolicies)
     double publish_seconds = 0;  // of the last publish_policy()
     int64_t files_version = -1;  // the version whose files publish_policy or files_instead wrote last
@@ -767,7 +834,24 @@ struct TrainerRole::Impl {
         trainer = std::make_unique<PolicyTrainer>(cfg, work_dir, processes);
         // Over processes this one holds only its own experts: memory will not do.
         const bool spread = processes != nullptr && processes->world_size > 1;
-        if (handoff == PolicyHandoff::kInProcess && !spread) {
+        if (handoff == PolicyHandoff::kBroadcast) {
+            MOERL_CHECK(!spread, cfg.source, ": sync.transfer: broadcast needs the trainer in one process");
+            const std::string why = detail::policy_broadcast_unavailable();
+            MOERL_CHECK(why.empty(), cfg.source, ": sync.transfer: broadcast, but ", why);
+            detail::BroadcastOptions o;
+            o.address = broadcast_address();
+            o.port = cfg.sync_port;
+            o.timeout_s = cfg.sync_timeout_s;
+            o.join_timeout_s = cfg.sync_join_timeout_s;
+            o.log = [](const std::string& text) { log_line(text); };
+            broadcaster = std::make_unique<detail::PolicyBroadcaster>(std::move(o));
+            route = Route::kBroadcast;
+            in_process_id = InProcessPolicies::add(cp.store->uri(), {trainer.get(), nullptr});
+            log_line(
+                "policies go to the rollout workers by broadcast from " +
+                broadcaster->uri(in_process_id).substr(0, broadcaster->uri(in_process_id).rfind('/') + 1) +
+                " (sync.transfer: broadcast)");
+        } else if (handoff == PolicyHandoff::kInProcess && !spread) {
             route = Route::kMemory;
             in_process_id = InProcessPolicies::add(cp.store->uri(), {trainer.get(), nullptr});
         } else if (handoff != PolicyHandoff::kFiles) {
@@ -785,6 +869,32 @@ struct TrainerRole::Impl {
     }
     ~Impl() {
         if (!in_process_id.empty()) InProcessPolicies::remove(in_process_id, trainer.get());
+    }
+
+    // sync.address, else MOERL_SYNC_ADDRESS (a pod's IP from the downward API), else the hostname.
+    std::string broadcast_address() const {
+        if (!cfg.sync_address.empty()) return cfg.sync_address;
+        const char* env = std::getenv("MOERL_SYNC_ADDRESS");
+        if (env != nullptr && *env) return env;
+        char host[256] = {};
+        ::gethostname(host, sizeof(host) - 1);
+        return host;
+    }
+
+    std::vector<detail::BroadcastSource> broadcast_sources() const {
+        std::vector<detail::BroadcastSource> sources;
+        for (TrainerRankWeights& r : trainer->rank_weights())
+            sources.push_back({r.first_expert, std::move(r.weights)});
+        return sources;
+    }
+    void say_receivers(const std::vector<std::string>& now) {
+        if (now == receivers) return;
+        receivers = now;
+        std::string names;
+        for (const auto& n : now) names += (names.empty() ? "" : ", ") + n;
+        log_line("policy v" + std::to_string(version) + " broadcast to " + std::to_string(now.size()) +
+                 " rollout worker" + (now.size() == 1 ? "" : "s") + (now.empty() ? "" : ": " + names) +
+                 " (generation " + std::to_string(broadcaster->generation()) + ")");
     }
 
     // Why CUDA IPC cannot carry the policies ("" where it may: the export may still fail).
@@ -870,6 +980,9 @@ struct TrainerRole::Impl {
         const auto t0 = Clock::now();
         if (route == Route::kMemory) {  // no files: the workers copy the weights when they sync
             register_version(kMemoryPrefix + in_process_id);
+        } else if (route == Route::kBroadcast) {
+            const std::string uri = broadcaster->uri(in_process_id);
+            say_receivers(broadcaster->send(version, broadcast_sources(), [&] { register_version(uri); }));
         } else if (route != Route::kCudaIpc || !publish_cuda_ipc()) {
             register_version("file://" + fs::absolute(write_policy_files()).string());
         }
@@ -894,6 +1007,17 @@ struct TrainerRole::Impl {
     std::optional<StepResult> step(int64_t s, control::Millis wait) {
         const size_t need = static_cast<size_t>(cfg.prompts_per_step) * cfg.group_size;
         auto deadline = Clock::now() + wait;
+        // Workers that joined since the last version (new, restarted, or left out of the group) get
+        // the current one now rather than at the next step: they may be what this step waits for.
+        if (route == Route::kBroadcast && broadcaster->has_joiners()) {
+            const std::vector<std::string> got = broadcaster->serve_joiners(version, broadcast_sources());
+            if (!got.empty()) {
+                std::string names;
+                for (const auto& n : got) names += (names.empty() ? "" : ", ") + n;
+                log_line("policy v" + std::to_string(version) + " broadcast to joining rollout worker" +
+                         (got.size() == 1 ? " " : "s ") + names);
+            }
+        }
         take_available(control::Millis(0));
         while (held[s].size() < need) {
             auto left = std::chrono::duration_cast<control::Millis>(deadline - Clock::now());

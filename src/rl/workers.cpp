@@ -211,6 +211,7 @@ RunSummary run_train_worker(const RunConfig& cfg, ControlPlane& cp, const Worker
     loop.metrics = w.metrics;
     loop.control_plane_reset = [&lock] { return lock->take_reset(); };
     loop.trainer_processes = opt.trainer_processes;
+    if (cfg.sync_transfer == "broadcast") loop.handoff = PolicyHandoff::kBroadcast;
     return train_loop(cfg, cp, loop, nullptr);
 }
 

@@ -165,6 +165,18 @@ struct RunConfig {
             return train_ep_transport;
         return gpu ? "cuda" : "host";
     }
+    // How new policy versions reach rollout workers on other machines (distributed mode): store
+    // (each version as files in the checkpoint store; works everywhere), or broadcast (the trainer
+    // broadcasts each version to the workers that joined, over c10d's Gloo or NCCL with CUDA weights
+    // on both sides; the store keeps only the checkpoints). Workers in the trainer's process or on its
+    // machine copy from memory or by CUDA IPC whatever this says.
+    std::string sync_transfer = "store";
+    // broadcast: the address the workers reach the trainer at (default: MOERL_SYNC_ADDRESS, else
+    // the hostname) and the port of its rendezvous store (0: any free one, advertised in the registry).
+    std::string sync_address;
+    int sync_port = 29600;
+    double sync_timeout_s = 120;      // a broadcast or group formation taking longer fails
+    double sync_join_timeout_s = 10;  // how long a worker has to answer when the group is formed anew
     // control plane
     std::string queue = "embedded";
     std::string buffer = "embedded";

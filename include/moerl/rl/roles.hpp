@@ -113,6 +113,10 @@ enum class PolicyHandoff {
     // ranks.rollout, launched together): by CUDA IPC (cuda-ipc://) where the trainer's and the
     // rollout's weights are on CUDA devices, else files; a fallback says why in one log line.
     kThisMachine,
+    // The workers are on other machines (distributed mode, sync.transfer: broadcast): each version
+    // is broadcast from the trainer to the workers that joined (src/rl/policy_broadcast.hpp); the
+    // store gets only checkpoints.
+    kBroadcast,
 };
 
 struct StepResult {
