@@ -301,12 +301,20 @@ struct PolicyBroadcaster::Impl {
                                      std::vector<std::string> candidates, std::function<void()> announced) {
         for (int attempt = 1; attempt <= 3; ++attempt) {
             try {
-                if (!group || roster != candidates) {
-                    form(version, candidates, announced);
-                } else {
+                if (group && roster == candidates) {
                     announce(version, candidates);
                     if (announced) std::exchange(announced, {})();
+                    const std::vector<std::string> absent = wait_arrivals(version);
+                    if (!absent.empty()) {
+                        say("policy broadcast: " + join(absent) + " of generation " + std::to_string(gen) +
+                            " did not come for v" + std::to_string(version) + " within sync.join_timeout_s " +
+                            std::to_string(o.join_timeout_s) + " s; forming a new generation without");
+                        for (const auto& name : absent)
+                            candidates.erase(std::find(candidates.begin(), candidates.end(), name));
+                        group.reset();
+                    }
                 }
+                if (!group || roster != candidates) form(version, candidates, announced);
                 if (group)
                     for (const SentTensor& t : tensors) group->broadcast(t.tensor);
                 return roster;
@@ -321,6 +329,33 @@ struct PolicyBroadcaster::Impl {
             }
         }
         return {};
+    }
+
+    // The members of the group say they are there for `version` before anyone enters the broadcast
+    // (a killed worker would otherwise be seen only when the broadcast times out); then the trainer
+    // says "send" if every one came, else "reform" (the ones there take part in a new generation).
+    // Returns those that did not come within join_timeout_s.
+    std::vector<std::string> wait_arrivals(int64_t version) {
+        const std::string base = gen_key("arrived", gen) + "/" + std::to_string(version) + "/";
+        std::vector<std::string> waiting = roster;
+        const auto deadline = Clock::now() + millis(o.join_timeout_s);
+        while (!waiting.empty()) {
+            for (auto it = waiting.begin(); it != waiting.end();) {
+                if (store->check({base + *it})) {
+                    store->deleteKey(base + *it);
+                    it = waiting.erase(it);
+                } else {
+                    ++it;
+                }
+            }
+            if (waiting.empty() || Clock::now() > deadline) break;
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        const std::string go = gen_key("go", gen) + "/";
+        store->set(go + std::to_string(version), bytes_of(waiting.empty() ? "send" : "reform"));
+        if (store->check({go + std::to_string(version - 2)}))
+            store->deleteKey(go + std::to_string(version - 2));
+        return waiting;
     }
 
     void set_backend(const std::vector<SentTensor>& tensors) {
@@ -602,6 +637,15 @@ struct PolicyReceiver::Impl {
                 return std::nullopt;
             }
             gen = g;
+        } else {
+            // A member of the group: say it is here, and go on once the trainer says every member is.
+            const std::string v = std::to_string(version);
+            store->set(gen_key("arrived", g) + "/" + v + "/" + name, bytes_of("1"));
+            if (text_of(store->get(gen_key("go", g) + "/" + v)) != "send") {
+                group.reset();  // another member is missing: the trainer forms a new generation now
+                gen = -1;
+                return std::nullopt;
+            }
         }
         int64_t bytes = 0;
         try {

@@ -526,7 +526,7 @@ struct RolloutWorker::Impl {
                 cfg.sync_timeout_s,
                 [this](const std::string& text) { log_line("rollout worker " + name + ": " + text); });
         const auto t0 = Clock::now();
-        const auto deadline = t0 + std::chrono::milliseconds(static_cast<int64_t>(cfg.sync_timeout_s * 1000));
+        auto deadline = t0 + std::chrono::milliseconds(static_cast<int64_t>(cfg.sync_timeout_s * 1000));
         for (;;) {
             std::optional<int64_t> bytes;
             try {
@@ -535,6 +535,8 @@ struct RolloutWorker::Impl {
             } catch (const moerl::Error& e) {
                 if (!receiver->incomplete()) throw;
                 log_line("rollout worker " + name + ": " + e.message());
+                deadline =
+                    Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(cfg.sync_timeout_s * 1000));
             }
             if (bytes) {
                 engine->refresh_weights(latest.second, {});
@@ -567,9 +569,17 @@ struct RolloutWorker::Impl {
         // just after this worker's last sync(): load that version first, or the bound is broken
         // by one.
         const int64_t needed = f.payload.step - cfg.max_staleness;
-        for (int i = 0; version < needed && i < 40; ++i) {
-            if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-            sync();
+        try {
+            for (int i = 0; version < needed && i < 40; ++i) {
+                if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                sync();
+            }
+        } catch (const std::exception&) {
+            // Not in flight yet, so release() would not give it back, and the heartbeat would keep
+            // its lease alive for good.
+            cp.tasks->release(lease, lease.task.partial);
+            ++stats.released;
+            throw;
         }
         GenRequest r;
         r.id = next_id++;
