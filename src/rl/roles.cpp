@@ -26,6 +26,7 @@
 #include "cuda_ipc.hpp"
 #include "model_options.hpp"
 #include "moerl/control/run_store.hpp"
+#include "moerl/core/env.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/core/log.hpp"
 #include "moerl/ep/buffer.hpp"
@@ -850,7 +851,8 @@ struct TrainerRole::Impl {
             MOERL_CHECK(why.empty(), cfg.source, ": sync.transfer: broadcast, but ", why);
             detail::BroadcastOptions o;
             o.address = broadcast_address();
-            o.port = cfg.sync_port;
+            o.port = static_cast<int>(env::get_int("MOERL_SYNC_PORT", cfg.sync_port));
+            MOERL_CHECK(o.port >= 0 && o.port < 65536, "MOERL_SYNC_PORT = ", o.port, " is not a port number");
             o.timeout_s = cfg.sync_timeout_s;
             o.join_timeout_s = cfg.sync_join_timeout_s;
             o.log = [](const std::string& text) { log_line(text); };
@@ -884,8 +886,7 @@ struct TrainerRole::Impl {
     // sync.address, else MOERL_SYNC_ADDRESS (a pod's IP from the downward API), else the hostname.
     std::string broadcast_address() const {
         if (!cfg.sync_address.empty()) return cfg.sync_address;
-        const char* env = std::getenv("MOERL_SYNC_ADDRESS");
-        if (env != nullptr && *env) return env;
+        if (auto from_env = env::get("MOERL_SYNC_ADDRESS")) return *from_env;
         char host[256] = {};
         ::gethostname(host, sizeof(host) - 1);
         return host;

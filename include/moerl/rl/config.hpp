@@ -172,7 +172,8 @@ struct RunConfig {
     // machine copy from memory or by CUDA IPC whatever this says.
     std::string sync_transfer = "store";
     // broadcast: the address the workers reach the trainer at (default: MOERL_SYNC_ADDRESS, else
-    // the hostname) and the port of its rendezvous store (0: any free one, advertised in the registry).
+    // the hostname) and the port of its rendezvous store (MOERL_SYNC_PORT overrides it; 0: any free
+    // one, advertised in the registry).
     std::string sync_address;
     int sync_port = 29600;
     double sync_timeout_s = 120;      // a broadcast or group formation taking longer fails
