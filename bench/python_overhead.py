@@ -10,7 +10,8 @@ side is followed by a device synchronisation (torch.cuda.synchronize() in Python
 cudaDeviceSynchronize in the C++ loop). Each side's timing harness is measured alone and taken off
 its figures: the Python loop around an empty call (perf_counter, the lambda, torch.cuda.synchronize
 on an idle device) and the C++ loop's synchronisation alone, so the difference is the binding's.
-Prints medians in microseconds per call, the harnesses' costs below the table.
+The sides take turns call by call, and the overhead is the median of each round's difference, so a
+drift of the machine between loops does not show as overhead. Prints medians in microseconds per call, the harnesses' costs below the table.
 
     PYTHONPATH=build/python python3 bench/python_overhead.py [--ranks 1 2] [--tokens 8] [--hidden 256]
 """
@@ -49,32 +50,48 @@ def _rank(rank, world, args, results):
         if device == 'cuda':
             torch.cuda.synchronize()
 
-    def timed(fn):
-        out = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            out.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(out)
+    def once(fn):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e6
 
     stream = moerl_ep.buffer._stream(x)
     native_handle = handle.native()
-    rows = {}
-    for _ in range(2):  # a second round once everything is warm; the last one counts
-        native_dispatch, native_combine, native_floor = engine.time_native(x, idx, w, args.iters)
-        floor = timed(lambda: None)
-        native_dispatch -= native_floor
-        native_combine -= native_floor
+    calls = {
+        'floor': lambda: None,
+        'ext dispatch': lambda: engine.dispatch(x, idx, w, None, True, stream),
+        'dispatch': lambda: buffer.dispatch(x, **kwargs),
+        'ext combine': lambda: engine.combine(recv_x, native_handle, stream),
+        'combine': lambda: buffer.combine(recv_x, handle),
+        'dispatch (cached handle)': lambda: buffer.dispatch(x, handle=handle),
+        'get_dispatch_layout': lambda: buffer.get_dispatch_layout(idx, E),
+    }
+    # Every sample of every side is taken in the same round, one after the other, so a drift of the
+    # machine (clocks, other tenants) moves all of them alike; the overhead is the median of each
+    # round's difference. The first pass warms up; the second counts.
+    for _ in range(2):
+        got = {k: [] for k in list(calls) + ['native dispatch', 'native combine', 'native floor']}
+        for _ in range(args.iters):
+            nd, nc, nf = engine.time_native(x, idx, w, 1)
+            got['native dispatch'].append(nd)
+            got['native combine'].append(nc)
+            got['native floor'].append(nf)
+            for name, fn in calls.items():
+                got[name].append(once(fn))
+    med = statistics.median
+    floor, native_floor = med(got['floor']), med(got['native floor'])
 
-        def call(fn):  # the binding alone: the Python loop's own cost taken off
-            return timed(fn) - floor
-        rows['dispatch'] = (native_dispatch, call(lambda: engine.dispatch(x, idx, w, None, True, stream)),
-                            call(lambda: buffer.dispatch(x, **kwargs)))
-        rows['combine'] = (native_combine, call(lambda: engine.combine(recv_x, native_handle, stream)),
-                           call(lambda: buffer.combine(recv_x, handle)))
-        rows['dispatch (cached handle)'] = (None, None, call(lambda: buffer.dispatch(x, handle=handle)))
-        rows['get_dispatch_layout'] = (None, None, call(lambda: buffer.get_dispatch_layout(idx, E)))
+    def side(name, floors):  # one side's own harness taken off, round by round
+        return [a - b for a, b in zip(got[name], floors)]
+    rows = {}
+    for call in ('dispatch', 'combine'):
+        native = side('native ' + call, got['native floor'])
+        ext = side('ext ' + call, got['floor'])
+        module = side(call, got['floor'])
+        rows[call] = (med(native), med(ext), med(module), med([m - n for m, n in zip(module, native)]))
+    for call in ('dispatch (cached handle)', 'get_dispatch_layout'):
+        rows[call] = (None, None, med(side(call, got['floor'])), None)
     results.put((rank, rows, engine.transport_name, (floor, native_floor)))
     dist.barrier()
     buffer._release()
@@ -105,7 +122,7 @@ def main():
     print(f'moerl_ep overhead: {args.tokens} tokens x hidden {args.hidden} ({args.dtype}), {args.experts} '
           f'experts, top-{args.topk}, {args.device}, median of {args.iters} calls per rank, microseconds')
     print()
-    print('| ranks | transport | call | C++ API | moerl_ep._C | moerl_ep.Buffer | overhead |')
+    print('| ranks | transport | call | C++ API | moerl_ep._C | moerl_ep.Buffer | overhead (median of rounds) |')
     print('|---|---|---|---|---|---|---|')
     ctx = mp.get_context('spawn')
     floors = []
@@ -118,8 +135,7 @@ def main():
         for proc in procs:
             proc.join()
         _, rows, transport, floor = min(got, key=lambda g: g[0])  # rank 0's figures
-        for call, (native, extension, module) in rows.items():
-            over = module - native if native is not None else None
+        for call, (native, extension, module, over) in rows.items():
             print(f'| {world} | {transport} | {call} | {_cell(native)} | {_cell(extension)} | {module:.1f} | '
                   f'{_cell(over)} |')
         floors.append(f'{world} ranks: Python {floor[0]:.1f}, C++ {floor[1]:.1f}')

@@ -29,7 +29,8 @@ _DTYPE_NAMES = {torch.bfloat16: 'bf16', torch.float32: 'fp32'}
 
 def _dtype_name(t: torch.dtype) -> str:
     # Names the library parses; anything else gets its "unknown dtype" error.
-    return _DTYPE_NAMES.get(t, str(t).replace('torch.', ''))
+    name = _DTYPE_NAMES.get(t)
+    return name if name is not None else str(t).replace('torch.', '')
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -79,6 +80,8 @@ class DispatchHandle(Sequence):
     is_token_in_rank, send_head), computed on first access; the two channel matrices are None (moerl
     has no channels) and rank_prefix_matrix holds only this rank's column (docs/python.md)."""
 
+    __slots__ = ('_buffer', '_routing', '_num_experts', '_natives', '_key', '_device', '_items')
+
     def __init__(self, buffer: 'Buffer', routing: torch.Tensor, num_experts: int, key: tuple,
                  native: '_C.Handle', device: torch.device) -> None:
         self._buffer = buffer
@@ -117,6 +120,8 @@ class DispatchHandle(Sequence):
 class LowLatencyHandle(Sequence):
     """DeepEP's low-latency handle: (recv_src_info [L, W*maxT] int32, recv_layout_range [L, W] int64
     as (first row << 32) | count, num_max_dispatch_tokens_per_rank, hidden, num_experts)."""
+
+    __slots__ = ('_native', '_key', '_rest', '_device', '_items')
 
     def __init__(self, native: '_C.LowLatencyHandle', key: tuple, max_tokens: int, hidden: int,
                  num_experts: int, device: torch.device) -> None:

@@ -109,6 +109,42 @@ void synchronize_device([[maybe_unused]] bool on_device) {
 #endif
 }
 
+// One call's outputs carved from one allocation. On CUDA each at::empty costs microseconds (the
+// dispatcher, the caching allocator, a device guard); a dispatch returns up to four tensors. The
+// parts are plain tensors over one storage, each 256-byte aligned, sized and shrunk without going
+// through the dispatcher.
+struct Part {
+    at::ScalarType dtype;
+    int64_t rows, cols;
+};
+
+std::vector<at::Tensor> carve(const at::TensorOptions& device, std::initializer_list<Part> parts) {
+    constexpr int64_t kAlign = 256;
+    std::vector<int64_t> offsets;
+    int64_t bytes = 0;
+    for (const Part& p : parts) {
+        offsets.push_back(bytes);
+        bytes += (p.rows * p.cols * static_cast<int64_t>(c10::elementSize(p.dtype)) + kAlign - 1) / kAlign * kAlign;
+    }
+    const at::Tensor block = at::empty({std::max<int64_t>(bytes, 1)}, device.dtype(at::kByte));
+    std::vector<at::Tensor> out;
+    out.reserve(parts.size());
+    size_t i = 0;
+    for (const Part& p : parts) {
+        at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
+                                                                c10::scalarTypeToTypeMeta(p.dtype));
+        t.unsafeGetTensorImpl()->set_storage_offset(offsets[i++] / static_cast<int64_t>(c10::elementSize(p.dtype)));
+        t.unsafeGetTensorImpl()->set_sizes_contiguous({p.rows, p.cols});
+        out.push_back(std::move(t));
+    }
+    return out;
+}
+
+// Keeps the first `rows` rows of a carved part (its storage stays; no dispatcher call).
+void shrink_rows(at::Tensor& t, int64_t rows) {
+    if (t.defined()) t.unsafeGetTensorImpl()->set_sizes_contiguous({rows, t.size(1)});
+}
+
 struct PyHandle {
     ep::Handle h;
     int world_size = 0;
@@ -151,18 +187,21 @@ class Engine {
         const int64_t H = c.hidden, K = c.top_k;
         // At least one row: the library takes no null recv_x, even when nothing arrives.
         const int64_t rows = reuse ? std::max(reuse->h.num_recv_tokens(), 1) : c.max_recv_tokens();
-        auto opts = x.options();
-        at::Tensor recv_x = at::empty({rows, H}, c.fp8_dispatch ? opts.dtype(at::kByte) : opts), recv_scales,
-                   recv_idx, recv_w;
+        // recv_x (fp8: e4m3 bytes), then the fp8 scales and the top-k ids and weights when asked for.
+        const at::ScalarType x_type = c.fp8_dispatch ? at::kByte : x.scalar_type();
+        const int64_t scale_cols = c.fp8_dispatch ? H / ep::kFp8BlockCols : 0, topk_cols = want_topk ? K : 0;
+        std::vector<at::Tensor> parts = carve(
+            x.options(), {{x_type, rows, H}, {at::kFloat, rows, scale_cols}, {at::kLong, rows, topk_cols},
+                          {at::kFloat, rows, topk_cols}});
+        at::Tensor recv_x = parts[0], recv_scales, recv_idx, recv_w;
+        if (c.fp8_dispatch) recv_scales = parts[1];
+        if (want_topk) recv_idx = parts[2], recv_w = parts[3];
         ep::DispatchOutput out;
         out.recv_x = {recv_x.data_ptr(), rows, H};
         if (c.fp8_dispatch) {
-            recv_scales = at::empty({rows, H / ep::kFp8BlockCols}, opts.dtype(at::kFloat));
             out.recv_x_scales = {recv_scales.data_ptr<float>(), rows, H / ep::kFp8BlockCols};
         }
         if (want_topk) {
-            recv_idx = at::empty({rows, K}, opts.dtype(at::kLong));
-            recv_w = at::empty({rows, K}, opts.dtype(at::kFloat));
             out.recv_topk_idx = {recv_idx.data_ptr<int64_t>(), rows, K};
             out.recv_topk_weights = {recv_w.data_ptr<float>(), rows, K};
         }
@@ -174,10 +213,8 @@ class Engine {
             handle->h = b.dispatch({x.data_ptr(), x.size(0), x.size(1)}, cview<int64_t>(idx), cview<float>(w),
                                    out, reuse ? &reuse->h : nullptr);
         }
-        // Shrinking keeps the storage and yields plain (non-view) tensors of R rows.
         const int64_t R = handle->h.num_recv_tokens();
-        for (at::Tensor* t : {&recv_x, &recv_scales, &recv_idx, &recv_w})
-            if (t->defined()) t->resize_({R, t->size(1)});
+        for (at::Tensor* t : {&recv_x, &recv_scales, &recv_idx, &recv_w}) shrink_rows(*t, R);
         auto none_if_undefined = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
         return py::make_tuple(recv_x, none_if_undefined(recv_scales), none_if_undefined(recv_idx),
                               none_if_undefined(recv_w), handle);
