@@ -46,15 +46,21 @@ namespace {
 struct Preprocessed {
     std::string text;
     std::vector<std::uint32_t> origin;
+    explicit Preprocessed(std::size_t capacity) {
+        text.reserve(capacity);
+        origin.reserve(capacity);
+    }
     void push(char c, std::size_t from) {
         text.push_back(c);
         origin.push_back(static_cast<std::uint32_t>(from));
     }
 };
 
-Preprocessed copy_of(const Preprocessed& in, std::size_t from, std::size_t to, Preprocessed& out) {
-    for (std::size_t i = from; i < to; ++i) out.push(in.text[i], in.origin[i]);
-    return out;
+// Appends in[from, to) to out.
+void copy_of(const Preprocessed& in, std::size_t from, std::size_t to, Preprocessed& out) {
+    out.text.append(in.text, from, to - from);
+    out.origin.insert(out.origin.end(), in.origin.begin() + static_cast<std::ptrdiff_t>(from),
+                      in.origin.begin() + static_cast<std::ptrdiff_t>(to));
 }
 
 bool at_line_start(std::string_view s, std::size_t i) {
@@ -84,13 +90,13 @@ bool match_generation_tag(std::string_view s, std::size_t i, std::size_t& end, b
 }
 
 Preprocessed preprocess(const std::string& source) {
-    Preprocessed p;
+    Preprocessed p(source.size());
     std::size_t n = source.size();
     if (n > 0 && source[n - 1] == '\n') --n;  // a single trailing newline is dropped
     for (std::size_t i = 0; i < n; ++i) p.push(source[i], i);
 
     // lstrip_blocks: spaces and tabs between a line start and {%, {# or {- go
-    Preprocessed q;
+    Preprocessed q(p.text.size());
     for (std::size_t i = 0; i < p.text.size();) {
         if (at_line_start(p.text, i)) {
             std::size_t j = i;
@@ -105,7 +111,7 @@ Preprocessed preprocess(const std::string& source) {
     }
 
     // trim_blocks: the newline right after #}, %} or -} goes
-    Preprocessed r;
+    Preprocessed r(q.text.size());
     for (std::size_t i = 0; i < q.text.size();) {
         if (i + 2 < q.text.size() && (q.text[i] == '#' || q.text[i] == '%' || q.text[i] == '-') &&
             q.text[i + 1] == '}' && q.text[i + 2] == '\n') {
@@ -118,7 +124,7 @@ Preprocessed preprocess(const std::string& source) {
     }
 
     // transformers' {% generation %} / {% endgeneration %} markers vanish with their '-' trims
-    Preprocessed out;
+    Preprocessed out(r.text.size());
     std::size_t copied = 0;
     std::string_view s = r.text;
     for (std::size_t i = 0; i < s.size(); ++i) {
