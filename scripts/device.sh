@@ -291,12 +291,16 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       summarise_run "$OUT/rl-quickstart-metrics.txt" | tee -a "$OUT/rl-quickstart.log"
     fi
     # More seeds of the same job (MOERL_DEVICE_RL_SEEDS, default "2 3"; "" for none): how far one
-    # seed's step count says anything.
-    for seed in ${MOERL_DEVICE_RL_SEEDS-2 3}; do
+    # seed's step count says anything. They run at once: each is launch-bound and leaves the GPU idle.
+    seeds=(${MOERL_DEVICE_RL_SEEDS-2 3})
+    for seed in "${seeds[@]}"; do
       sed "s/^  seed: 1$/  seed: $seed/" examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-seed$seed.yaml"
-      timeout 150 "$MOERL" run "$RL_TMP/gpu-quickstart-seed$seed.yaml" --out "$RL_TMP/quickstart-seed$seed" --quiet \
-        >"$OUT/rl-quickstart-seed$seed.log" 2>&1
-      step rl_quickstart_seed$seed "rc=$? $(summarise_run "$RL_TMP/quickstart-seed$seed/metrics.jsonl")"
+      (timeout 200 "$MOERL" run "$RL_TMP/gpu-quickstart-seed$seed.yaml" --out "$RL_TMP/quickstart-seed$seed" --quiet \
+        >"$OUT/rl-quickstart-seed$seed.log" 2>&1; echo $? >"$RL_TMP/seed$seed.rc") &
+    done
+    wait
+    for seed in "${seeds[@]}"; do
+      step rl_quickstart_seed$seed "rc=$(cat "$RL_TMP/seed$seed.rc") $(summarise_run "$RL_TMP/quickstart-seed$seed/metrics.jsonl")"
     done
     # The same job with FP8 rollout (rollout.dtype: fp8): e4m3 copies quantised at each weight sync.
     if [ "${MOERL_DEVICE_FP8:-1}" = 1 ]; then
