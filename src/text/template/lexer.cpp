@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <string_view>
 
 #include "moerl/text/jinja.hpp"
@@ -89,43 +90,53 @@ bool match_generation_tag(std::string_view s, std::size_t i, std::size_t& end, b
     return true;
 }
 
+// The next line start after position i (see at_line_start), or npos.
+std::size_t next_line_start(std::string_view s, std::size_t i) {
+    for (std::size_t k = i;;) {
+        k = s.find_first_of("\n\r\xA8\xA9", k);
+        if (k == std::string_view::npos) return k;
+        if (at_line_start(s, ++k)) return k;
+    }
+}
+
 Preprocessed preprocess(const std::string& source) {
-    Preprocessed p(source.size());
     std::size_t n = source.size();
     if (n > 0 && source[n - 1] == '\n') --n;  // a single trailing newline is dropped
-    for (std::size_t i = 0; i < n; ++i) p.push(source[i], i);
+    Preprocessed p(n);
+    p.text.assign(source, 0, n);
+    p.origin.resize(n);
+    std::iota(p.origin.begin(), p.origin.end(), 0u);
 
     // lstrip_blocks: spaces and tabs between a line start and {%, {# or {- go
     Preprocessed q(p.text.size());
-    for (std::size_t i = 0; i < p.text.size();) {
-        if (at_line_start(p.text, i)) {
-            std::size_t j = i;
-            while (j < p.text.size() && (p.text[j] == ' ' || p.text[j] == '\t')) ++j;
-            if (j > i && j + 1 < p.text.size() && p.text[j] == '{' &&
-                (p.text[j + 1] == '#' || p.text[j + 1] == '%' || p.text[j + 1] == '-')) {
-                i = j;
-            }
+    std::string_view t = p.text;
+    std::size_t copied = 0;
+    for (std::size_t i = 0; i != std::string_view::npos; i = next_line_start(t, i)) {
+        std::size_t j = i;
+        while (j < t.size() && (t[j] == ' ' || t[j] == '\t')) ++j;
+        if (j > i && j + 1 < t.size() && t[j] == '{' && (t[j + 1] == '#' || t[j + 1] == '%' || t[j + 1] == '-')) {
+            copy_of(p, copied, i, q);
+            copied = j;
         }
-        q.push(p.text[i], p.origin[i]);
-        ++i;
     }
+    copy_of(p, copied, t.size(), q);
 
     // trim_blocks: the newline right after #}, %} or -} goes
     Preprocessed r(q.text.size());
-    for (std::size_t i = 0; i < q.text.size();) {
-        if (i + 2 < q.text.size() && (q.text[i] == '#' || q.text[i] == '%' || q.text[i] == '-') &&
-            q.text[i + 1] == '}' && q.text[i + 2] == '\n') {
-            copy_of(q, i, i + 2, r);
-            i += 3;
-            continue;
-        }
-        r.push(q.text[i], q.origin[i]);
-        ++i;
+    t = q.text;
+    copied = 0;
+    for (std::size_t k = t.find("}\n"); k != std::string_view::npos; k = t.find("}\n", k + 1)) {
+        // the '#', '%' or '-' at k - 1, not inside the previous match
+        if (k < copied + 1 || (t[k - 1] != '#' && t[k - 1] != '%' && t[k - 1] != '-')) continue;
+        copy_of(q, copied, k + 1, r);
+        copied = k + 2;
     }
+    copy_of(q, copied, t.size(), r);
+    if (r.text.find("generation") == std::string::npos) return r;
 
     // transformers' {% generation %} / {% endgeneration %} markers vanish with their '-' trims
     Preprocessed out(r.text.size());
-    std::size_t copied = 0;
+    copied = 0;
     std::string_view s = r.text;
     for (std::size_t i = 0; i < s.size(); ++i) {
         std::size_t end;
