@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <barrier>
 #include <cstdlib>
 #include <cstring>
@@ -182,11 +183,11 @@ class StoreRanks final : public ProcessRanksBase {
         const at::Tensor mine = t.to(at::kCPU).contiguous();
         at::Tensor total;
         guarded("summing gradients", [&] {
-            store_->set(key("sum", n, rank_), to_bytes(mine.data_ptr(), mine.nbytes()));
+            put(key("sum", n, rank_), mine.data_ptr(), mine.nbytes());
             for (int q = 0; q < world_; ++q) {
                 at::Tensor part = mine;
                 if (q != rank_) {
-                    const std::vector<uint8_t> v = read(key("sum", n, q));
+                    const std::vector<uint8_t> v = take(key("sum", n, q));
                     MOERL_CHECK(v.size() == mine.nbytes(), "rank ", q, " sent ", v.size(),
                                 " bytes, expected ", mine.nbytes());
                     part = at::empty_like(mine);
@@ -215,9 +216,9 @@ class StoreRanks final : public ProcessRanksBase {
         const int64_t n = ops_++;
         guarded(broadcast_phase(), [&] {
             if (rank_ == 0) {
-                store_->set(key("call", n, 0), to_bytes(bytes.data(), bytes.size()));
+                put(key("call", n, 0), bytes.data(), bytes.size());
             } else {
-                const std::vector<uint8_t> v = read(key("call", n, 0));
+                const std::vector<uint8_t> v = take(key("call", n, 0));
                 bytes.assign(v.begin(), v.end());
             }
         });
@@ -228,16 +229,16 @@ class StoreRanks final : public ProcessRanksBase {
         std::vector<std::string> all;
         guarded("gathering on rank 0", [&] {
             if (rank_ != 0) {
-                store_->set(key("gather", n, rank_), to_bytes(mine.data(), mine.size()));
+                put(key("gather", n, rank_), mine.data(), mine.size());
                 read(key("gather", n, 0));  // rank 0 has read every part
                 return;
             }
             all.push_back(mine);
             for (int q = 1; q < world_; ++q) {
-                const std::vector<uint8_t> v = read(key("gather", n, q));
+                const std::vector<uint8_t> v = take(key("gather", n, q));
                 all.emplace_back(v.begin(), v.end());
             }
-            store_->set(key("gather", n, 0), std::vector<uint8_t>{1});
+            put(key("gather", n, 0), nullptr, 0);
         });
         done(n);
         return all;
@@ -267,6 +268,42 @@ class StoreRanks final : public ProcessRanksBase {
         }
         return store_->get(k);
     }
+    // The store's server refuses values over 8 MiB (c10d's libuv backend), and a gradient sum at a
+    // real model's size is gigabytes: a value goes as numbered parts of at most 4 MiB, then the key
+    // itself with their count, so a reader that sees the key finds every part.
+    static constexpr size_t kPartBytes = size_t{4} << 20;
+    void put(const std::string& k, const void* data, size_t size) {
+        const uint64_t parts = (size + kPartBytes - 1) / kPartBytes;
+        for (uint64_t i = 0; i < parts; ++i) {
+            const size_t offset = i * kPartBytes;
+            store_->set(k + "/" + std::to_string(i),
+                        to_bytes(static_cast<const char*>(data) + offset, std::min(kPartBytes, size - offset)));
+        }
+        store_->set(k, to_bytes(&parts, sizeof parts));
+    }
+    uint64_t parts_of(const std::vector<uint8_t>& count, const std::string& k) const {
+        uint64_t parts = 0;
+        MOERL_CHECK(count.size() == sizeof parts, "the rendezvous store's key ", k, " holds ", count.size(),
+                    " bytes, expected a part count");
+        std::memcpy(&parts, count.data(), sizeof parts);
+        return parts;
+    }
+    // Waits for a value put() wrote and reads it whole.
+    std::vector<uint8_t> take(const std::string& k) {
+        const uint64_t parts = parts_of(read(k), k);
+        std::vector<uint8_t> out;
+        for (uint64_t i = 0; i < parts; ++i) {
+            const std::vector<uint8_t> v = store_->get(k + "/" + std::to_string(i));
+            out.insert(out.end(), v.begin(), v.end());
+        }
+        return out;
+    }
+    void erase(const std::string& k) {
+        if (!store_->check({k})) return;
+        const uint64_t parts = parts_of(store_->get(k), k);
+        for (uint64_t i = 0; i < parts; ++i) store_->deleteKey(k + "/" + std::to_string(i));
+        store_->deleteKey(k);
+    }
     // Every rank counts the operations it finished; rank 0 removes an operation's keys once every
     // rank has counted it (a rank may still be reading a broadcast when rank 0 has moved on).
     void done(int64_t n) {
@@ -277,10 +314,11 @@ class StoreRanks final : public ProcessRanksBase {
             const int64_t p = pending_.front();
             pending_.erase(pending_.begin());
             for (int q = 0; q < world_; ++q) {
-                store_->deleteKey(key("sum", p, q));
-                store_->deleteKey(key("gather", p, q));
+                erase(key("sum", p, q));
+                erase(key("gather", p, q));
             }
-            for (const char* what : {"barrier", "call"}) store_->deleteKey(key(what, p, 0));
+            erase(key("call", p, 0));
+            store_->deleteKey(key("barrier", p, 0));
             store_->deleteKey(key("barrier", p, 0) + "/all");
             store_->deleteKey(finished_key(p));
         }

@@ -129,6 +129,24 @@ TEST(TrainerProcesses, PackedMicroBatchesOverProcessesEqualOneProcess) {
                                    "2 processes, packed", 1e-5);
 }
 
+// Sums through the rendezvous store of more than its server takes in one value (8 MiB): the dense
+// gradients travel in parts and sum exactly as Gloo sums them. (The wider model's fp32 reductions,
+// split over two processes, part from one process's by ~1e-4.)
+TEST(TrainerProcesses, StoreSumsLargerThanAStoreValueEqualGloo) {
+    TempDir t("trainer-procs-wide");
+    const std::vector<std::string> wide = {"MOERL_TEST_WIDE=1"};
+    const Ranks one = run_ranks(1, t.path / "one", "host", wide);
+    ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
+    const Ranks store = run_ranks(2, t.path / "store", "host", {"MOERL_TEST_WIDE=1", "MOERL_TEST_COLLECTIVES=store"});
+    ASSERT_EQ(store.codes, std::vector<int>(2, 0)) << store.log;
+    expect_same_training(t.path / "one", t.path / "store", "2 processes, store sums of ~9 MB", 5e-4);
+    const Ranks gloo = run_ranks(2, t.path / "gloo", "host", {"MOERL_TEST_WIDE=1", "MOERL_TEST_COLLECTIVES=gloo"});
+    if (gloo.log.find("Gloo") != std::string::npos && !gloo.codes.empty() && gloo.codes[0] != 0)
+        GTEST_SKIP() << "this LibTorch has no Gloo: " << gloo.log;
+    ASSERT_EQ(gloo.codes, std::vector<int>(2, 0)) << gloo.log;
+    expect_same_training(t.path / "gloo", t.path / "store", "store sums against Gloo's", 1e-9);
+}
+
 // Ranks 1.. without rank 0's filesystem: their checkpoint shards reach rank 0 through the process
 // group, and rank 0's checkpoint reaches them when they load it.
 TEST(TrainerProcesses, RanksWithoutASharedFilesystemCheckpointAndResume) {

@@ -5,7 +5,7 @@
 // Rank 0 writes OUT/stats.json (each update's loss, gradient norm, KL, clip fraction and token
 // counts) and the checkpoint OUT/weights. MOERL_TEST_DEVICE=cuda trains on
 // the GPU (fp32), MOERL_TEST_MICRO_TOKENS packs micro-batches, MOERL_TEST_COLLECTIVES picks the
-// sums (RoleProcesses::collectives).
+// sums (RoleProcesses::collectives), MOERL_TEST_WIDE widens the model.
 #include <unistd.h>
 
 #include <cstdlib>
@@ -39,6 +39,11 @@ int main(int argc, char** argv) {
         // sum over tokens: it depends on how the batch is split, so it is left out here.
         c.model.router_aux_loss_coef = 0;
         if (const char* device = std::getenv("MOERL_TEST_DEVICE")) c.train_device = device;  // fp32
+        if (std::getenv("MOERL_TEST_WIDE")) {  // dense gradients of ~9 MB: sums of several store parts
+            c.model.hidden_size = 512;
+            c.model.num_attention_heads = c.model.num_key_value_heads = 8;
+            c.model.head_dim = 64;
+        }
         if (const char* micro = std::getenv("MOERL_TEST_MICRO_TOKENS")) {
             c.micro_batch_tokens = std::atoi(micro);
         }
