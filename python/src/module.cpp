@@ -124,16 +124,18 @@ std::vector<at::Tensor> carve(const at::TensorOptions& device, std::initializer_
     int64_t bytes = 0;
     for (const Part& p : parts) {
         offsets.push_back(bytes);
-        bytes += (p.rows * p.cols * static_cast<int64_t>(c10::elementSize(p.dtype)) + kAlign - 1) / kAlign * kAlign;
+        bytes += (p.rows * p.cols * static_cast<int64_t>(c10::elementSize(p.dtype)) + kAlign - 1) / kAlign *
+                 kAlign;
     }
     const at::Tensor block = at::empty({std::max<int64_t>(bytes, 1)}, device.dtype(at::kByte));
     std::vector<at::Tensor> out;
     out.reserve(parts.size());
     size_t i = 0;
     for (const Part& p : parts) {
-        at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
-                                                                c10::scalarTypeToTypeMeta(p.dtype));
-        t.unsafeGetTensorImpl()->set_storage_offset(offsets[i++] / static_cast<int64_t>(c10::elementSize(p.dtype)));
+        at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+            c10::Storage(block.storage()), block.key_set(), c10::scalarTypeToTypeMeta(p.dtype));
+        t.unsafeGetTensorImpl()->set_storage_offset(offsets[i++] /
+                                                    static_cast<int64_t>(c10::elementSize(p.dtype)));
         t.unsafeGetTensorImpl()->set_sizes_contiguous({p.rows, p.cols});
         out.push_back(std::move(t));
     }
@@ -190,9 +192,10 @@ class Engine {
         // recv_x (fp8: e4m3 bytes), then the fp8 scales and the top-k ids and weights when asked for.
         const at::ScalarType x_type = c.fp8_dispatch ? at::kByte : x.scalar_type();
         const int64_t scale_cols = c.fp8_dispatch ? H / ep::kFp8BlockCols : 0, topk_cols = want_topk ? K : 0;
-        std::vector<at::Tensor> parts = carve(
-            x.options(), {{x_type, rows, H}, {at::kFloat, rows, scale_cols}, {at::kLong, rows, topk_cols},
-                          {at::kFloat, rows, topk_cols}});
+        std::vector<at::Tensor> parts = carve(x.options(), {{x_type, rows, H},
+                                                            {at::kFloat, rows, scale_cols},
+                                                            {at::kLong, rows, topk_cols},
+                                                            {at::kFloat, rows, topk_cols}});
         at::Tensor recv_x = parts[0], recv_scales, recv_idx, recv_w;
         if (c.fp8_dispatch) recv_scales = parts[1];
         if (want_topk) recv_idx = parts[2], recv_w = parts[3];

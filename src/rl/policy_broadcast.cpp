@@ -286,7 +286,7 @@ struct PolicyBroadcaster::Impl {
         store->set(gen_key("roster", gen), bytes_of(nlohmann::json(formed).dump()));
         if (!waiting.empty())
             say(::moerl::detail::concat("policy broadcast: generation ", gen, " leaves out ", join(waiting),
-                               " (not ready within sync.join_timeout_s ", o.join_timeout_s, " s)"));
+                                        " (not ready within sync.join_timeout_s ", o.join_timeout_s, " s)"));
         if (!formed.empty())
             group = make_channel(backend, store, gen, 0, static_cast<int>(formed.size()) + 1, o.address,
                                  device, o.timeout_s);
@@ -306,9 +306,10 @@ struct PolicyBroadcaster::Impl {
                     if (announced) std::exchange(announced, {})();
                     const std::vector<std::string> absent = wait_arrivals(version);
                     if (!absent.empty()) {
-                        say(::moerl::detail::concat("policy broadcast: ", join(absent), " of generation ", gen,
-                                           " did not come for v", version, " within sync.join_timeout_s ",
-                                           o.join_timeout_s, " s; forming a new generation without"));
+                        say(::moerl::detail::concat("policy broadcast: ", join(absent), " of generation ",
+                                                    gen, " did not come for v", version,
+                                                    " within sync.join_timeout_s ", o.join_timeout_s,
+                                                    " s; forming a new generation without"));
                         for (const auto& name : absent)
                             candidates.erase(std::find(candidates.begin(), candidates.end(), name));
                         group.reset();

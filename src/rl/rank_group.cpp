@@ -276,8 +276,8 @@ class StoreRanks final : public ProcessRanksBase {
         const uint64_t parts = (size + kPartBytes - 1) / kPartBytes;
         for (uint64_t i = 0; i < parts; ++i) {
             const size_t offset = i * kPartBytes;
-            store_->set(k + "/" + std::to_string(i),
-                        to_bytes(static_cast<const char*>(data) + offset, std::min(kPartBytes, size - offset)));
+            store_->set(k + "/" + std::to_string(i), to_bytes(static_cast<const char*>(data) + offset,
+                                                              std::min(kPartBytes, size - offset)));
         }
         store_->set(k, to_bytes(&parts, sizeof parts));
     }

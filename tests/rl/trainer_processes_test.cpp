@@ -137,10 +137,12 @@ TEST(TrainerProcesses, StoreSumsLargerThanAStoreValueEqualGloo) {
     const std::vector<std::string> wide = {"MOERL_TEST_WIDE=1"};
     const Ranks one = run_ranks(1, t.path / "one", "host", wide);
     ASSERT_EQ(one.codes, std::vector<int>{0}) << one.log;
-    const Ranks store = run_ranks(2, t.path / "store", "host", {"MOERL_TEST_WIDE=1", "MOERL_TEST_COLLECTIVES=store"});
+    const Ranks store =
+        run_ranks(2, t.path / "store", "host", {"MOERL_TEST_WIDE=1", "MOERL_TEST_COLLECTIVES=store"});
     ASSERT_EQ(store.codes, std::vector<int>(2, 0)) << store.log;
     expect_same_training(t.path / "one", t.path / "store", "2 processes, store sums of ~9 MB", 5e-4);
-    const Ranks gloo = run_ranks(2, t.path / "gloo", "host", {"MOERL_TEST_WIDE=1", "MOERL_TEST_COLLECTIVES=gloo"});
+    const Ranks gloo =
+        run_ranks(2, t.path / "gloo", "host", {"MOERL_TEST_WIDE=1", "MOERL_TEST_COLLECTIVES=gloo"});
     if (gloo.log.find("Gloo") != std::string::npos && !gloo.codes.empty() && gloo.codes[0] != 0)
         GTEST_SKIP() << "this LibTorch has no Gloo: " << gloo.log;
     ASSERT_EQ(gloo.codes, std::vector<int>(2, 0)) << gloo.log;

@@ -114,7 +114,8 @@ Preprocessed preprocess(const std::string& source) {
     for (std::size_t i = 0; i != std::string_view::npos; i = next_line_start(t, i)) {
         std::size_t j = i;
         while (j < t.size() && (t[j] == ' ' || t[j] == '\t')) ++j;
-        if (j > i && j + 1 < t.size() && t[j] == '{' && (t[j + 1] == '#' || t[j + 1] == '%' || t[j + 1] == '-')) {
+        if (j > i && j + 1 < t.size() && t[j] == '{' &&
+            (t[j + 1] == '#' || t[j + 1] == '%' || t[j + 1] == '-')) {
             copy_of(p, copied, i, q);
             copied = j;
         }
