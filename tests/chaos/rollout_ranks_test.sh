@@ -32,7 +32,7 @@ cleanup() {
 trap cleanup EXIT
 
 run_cfg=$tmp/run.yaml
-sed 's/steps: 90,/steps: 30,/; s/^ranks: {ep: 2}$/ranks: {ep: 2, rollout: 2}/; s/max_batch: 128/max_batch: 32/' "$cfg" >"$run_cfg"
+sed 's/steps: 90,/steps: 60,/; s/^ranks: {ep: 2}$/ranks: {ep: 2, rollout: 2}/; s/max_batch: 128/max_batch: 32/' "$cfg" >"$run_cfg"
 grep -q 'rollout: 2}' "$run_cfg" || { echo "rollout ranks chaos: cannot write $run_cfg" >&2; exit 1; }
 plain_cfg=$tmp/plain.yaml  # the same run; a plain worker holds every expert (and fewer sequences)
 sed "s/ranks: {ep: 2, rollout: 2}/ranks: {ep: 2}/; s/max_batch: 32/max_batch: 8/" "$run_cfg" >"$plain_cfg"
