@@ -23,6 +23,7 @@ Error = _C.Error
 TimeoutError = _C.TimeoutError  # noqa: A001 (moerl_ep.TimeoutError is also the builtin's subclass)
 
 _FP8 = getattr(torch, 'float8_e4m3fn', None)  # torch >= 2.1; fp8 rows are uint8 before that
+_FP8_DTYPES = frozenset(d for d in (torch.uint8, _FP8) if d is not None)
 _FP8_BLOCK = 128
 _DTYPE_NAMES = {torch.bfloat16: 'bf16', torch.float32: 'fp32'}
 
@@ -31,10 +32,6 @@ def _dtype_name(t: torch.dtype) -> str:
     # Names the library parses; anything else gets its "unknown dtype" error.
     name = _DTYPE_NAMES.get(t)
     return name if name is not None else str(t).replace('torch.', '')
-
-
-def _is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype == torch.uint8 or (_FP8 is not None and t.dtype == _FP8)
 
 
 # The raw handle of a device's current stream without building a torch.cuda.Stream (a few
@@ -80,16 +77,15 @@ class DispatchHandle(Sequence):
     is_token_in_rank, send_head), computed on first access; the two channel matrices are None (moerl
     has no channels) and rank_prefix_matrix holds only this rank's column (docs/python.md)."""
 
-    __slots__ = ('_buffer', '_routing', '_num_experts', '_natives', '_key', '_device', '_items')
+    __slots__ = ('_buffer', '_routing', '_num_experts', '_natives', '_key', '_items')
 
     def __init__(self, buffer: 'Buffer', routing: torch.Tensor, num_experts: int, key: tuple,
-                 native: '_C.Handle', device: torch.device) -> None:
+                 native: '_C.Handle') -> None:
         self._buffer = buffer
         self._routing = routing  # [T, K'] the ids dispatched (K' = W when dispatched by is_token_in_rank)
         self._num_experts = num_experts
         self._natives: Dict[tuple, _C.Handle] = {key: native}
         self._key = key
-        self._device = device
         self._items: Optional[tuple] = None
 
     @property
@@ -105,7 +101,7 @@ class DispatchHandle(Sequence):
             prefix = torch.zeros((b.group_size, b.group_size), dtype=torch.int32)
             prefix[:, b.rank] = torch.cumsum(h.num_recv_per_src, 0, dtype=torch.int32)
             send_head = h.send_pos
-            dev = self._device
+            dev = self._routing.device  # the tokens' device
             self._items = (prefix.to(dev), None, None, h.recv_src_token.to(dev), (send_head >= 0).to(dev),
                            send_head.to(dev))
         return self._items
@@ -336,17 +332,17 @@ class Buffer:
         self._check_alive()
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         hidden = x.size(1) if x.dim() == 2 else -1
+        if x_scales is None and x.dtype in _FP8_DTYPES:
+            raise Error(f'dispatch: x is {x.dtype}; fp8 rows are dispatched as a tuple (x, x_scales)')
         payload = _pack_fp8(x, x_scales) if x_scales is not None else x.contiguous()
         dtype = _dtype_name(payload.dtype)
-        if x_scales is None and _is_fp8(x):
-            raise Error(f'dispatch: x is {x.dtype}; fp8 rows are dispatched as a tuple (x, x_scales)')
 
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             key, engine = self._normal_engine(payload.size(1), dtype, handle._routing.size(1),
                                               handle._num_experts)
             native = self._native_handle(handle, key, engine, payload.dtype, payload.device)
-            recv = self._call(engine.dispatch, payload, None, None, native, False, hidden)[0]
+            recv = self._dispatch_call(engine, payload, None, None, native, False, hidden)[0]
             recv = _unpack_fp8(recv, hidden) if x_scales is not None else recv
             return recv, None, None, None, None, _event(async_finish)
 
@@ -370,9 +366,9 @@ class Buffer:
             raise Error(f'dispatch: topk_idx has {routing.dim()} dimensions, expected 2')
         weights = topk_weights.contiguous() if topk_weights is not None else None
         key, engine = self._normal_engine(payload.size(1), dtype, routing.size(1), num_experts)
-        recv, _, recv_idx, recv_w, native = self._call(engine.dispatch, payload, routing, weights, None,
-                                                       with_topk, hidden)
-        handle = DispatchHandle(self, routing, num_experts, key, native, payload.device)
+        recv, _, recv_idx, recv_w, native = self._dispatch_call(engine, payload, routing, weights, None,
+                                                                with_topk, hidden)
+        handle = DispatchHandle(self, routing, num_experts, key, native)
         if with_topk:
             counts = native.num_recv_tokens_per_expert
             if weights is None:
@@ -388,11 +384,12 @@ class Buffer:
         recv = _unpack_fp8(recv, hidden) if x_scales is not None else recv
         return recv, recv_idx, recv_w, counts, handle, _event(async_finish)
 
-    def _call(self, fn: Callable, payload: torch.Tensor, *args):
+    def _dispatch_call(self, engine: '_C.Engine', payload: torch.Tensor, routing: Optional[torch.Tensor],
+                       weights: Optional[torch.Tensor], native: Optional['_C.Handle'], want_topk: bool,
+                       hidden: int) -> tuple:
         # Adds the buffer's sizing to the library's "too many rows" message.
-        hidden = args[-1]
         try:
-            return fn(payload, *args[:-1], _stream(payload))
+            return engine.dispatch(payload, routing, weights, native, want_topk, _stream(payload))
         except Error as e:
             if 'Config.max_tokens_per_rank' in str(e):
                 raise type(e)(f'{e}; num_nvl_bytes = {self.num_nvl_bytes} holds that many tokens of hidden '
