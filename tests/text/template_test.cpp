@@ -160,6 +160,14 @@ TEST(TemplateErrors, RenderLimitsStopRunawayTemplates) {
         "more than 16 MiB");
     fails_with("{{ 'a\\nb' | indent(1000000000) }}", "more than 16 MiB");
     fails_with("{{ [1] | tojson(indent=1000000000) }}", "more than 16 MiB");
+    // A string joined over its own characters doubles each time, every character a value of its
+    // own (the fuzzer's 49 s input); indexing a long string takes it apart on every access.
+    fails_with(
+        "{% set ns = namespace(s='abcd') %}{% for i in range(30) %}{% set ns.s = ns.s | join(',') %}"
+        "{% endfor %}",
+        "more than 2000000 steps");
+    fails_with("{% set s = range(100000) | join %}{% for i in range(1000) %}{{ s[i] }}{% endfor %}",
+               "more than 2000000 steps");
     // A namespace that holds itself, printed as JSON.
     fails_with("{% set ns = namespace(a=1) %}{% set ns.a = [ns] %}{{ ns | tojson }}",
                "nested deeper than 256");

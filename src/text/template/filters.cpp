@@ -217,6 +217,7 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
         Array values;
         if (operand.kind == Kind::String) {
             const std::string& s = operand.str();
+            take_steps(s.size());
             for (std::size_t i = 0; i < s.size();) {
                 std::size_t start = i;
                 next_code_point(s, i);

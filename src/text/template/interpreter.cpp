@@ -378,6 +378,7 @@ Value Interpreter::eval_member(const Node& n, const EnvPtr& env) {
     if (object.is_array() || object.kind == Kind::String) {
         if (property.kind == Kind::Integer) {
             if (object.kind == Kind::String) {
+                take_steps(object.str().size());
                 auto chars = split_code_points(object.str());
                 auto at = element_position(property.number, chars.size());
                 return at ? Value::string(chars[*at]) : Value::undefined();
@@ -413,6 +414,7 @@ Value Interpreter::eval_slice(const Value& object, const Node& slice, const EnvP
         for (std::size_t i : slice_indices(items.size(), start, stop, step)) out.push_back(items[i]);
         return Value::array(std::move(out));
     }
+    take_steps(object.str().size());
     auto chars = split_code_points(object.str());
     std::string out;
     for (std::size_t i : slice_indices(chars.size(), start, stop, step)) out += chars[i];

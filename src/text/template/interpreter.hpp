@@ -52,8 +52,9 @@ class Interpreter {
     int macro_depth_ = 0;
     // Bounds the work of one render, so that a template from a user's file cannot hang the
     // process: a step is one template node evaluated, a loop iteration and a macro call cost more
-    // (their scopes), and a computed list or string costs its items (a string one step per 64
-    // bytes). The limit lets a runaway render end within seconds.
+    // (their scopes), a computed list or string costs its items (a string one step per 64
+    // bytes), and a string taken apart into code points (indexing, slicing, join over a string)
+    // one step per byte. The limit lets a runaway render end within seconds.
     static constexpr std::size_t kMaxRenderSteps = 2'000'000;
     static constexpr std::size_t kStepsPerIteration = 8;
     static constexpr std::size_t kStepsPerCall = 32;
