@@ -214,24 +214,24 @@ Value Interpreter::apply_filter_call(const Value& operand, const Node& call, con
         return Value::string(to_json(operand, o));
     }
     if (name == "join") {
-        Array values;
-        if (operand.kind == Kind::String) {
-            const std::string& s = operand.str();
-            take_steps(s.size());
-            for (std::size_t i = 0; i < s.size();) {
-                std::size_t start = i;
-                next_code_point(s, i);
-                values.push_back(Value::string(s.substr(start, i - start)));
-            }
-        } else if (operand.is_array()) {
-            values = operand.items();
-        } else {
+        if (operand.kind != Kind::String && !operand.is_array())
             fail("Cannot apply filter \"join\" to type: " + std::string(kind_name(operand.kind)));
-        }
+        if (operand.kind == Kind::String) take_steps(operand.str().size());
         auto [args, kwargs] = eval_arguments(call.items, env);
         Value sep = pos_or_kw(args, 0, kwargs, "separator", Value::string(""));
         if (sep.kind != Kind::String) fail("separator must be a string");
-        return Value::string(join_values(values, sep.str()));
+        if (operand.is_array()) return Value::string(join_values(operand.items(), sep.str()));
+        // A string joins its code points, copied straight into the result.
+        const std::string& s = operand.str();
+        std::string out;
+        for (std::size_t i = 0; i < s.size();) {
+            const std::size_t start = i;
+            next_code_point(s, i);
+            if (start) out += sep.str();
+            out.append(s, start, i - start);
+            check_string_bytes(out.size());
+        }
+        return Value::string(std::move(out));
     }
     if (name == "int" || name == "float") {
         bool is_int = name == "int";

@@ -49,14 +49,15 @@ std::vector<std::size_t> slice_indices(std::size_t n, const Value& start_v, cons
     return out;
 }
 
-std::vector<std::string> split_code_points(const std::string& s) {
-    std::vector<std::string> out;
+// The byte offset of each code point of s, then s.size(): code point k is s[at[k], at[k + 1]).
+std::vector<std::size_t> code_point_offsets(const std::string& s) {
+    std::vector<std::size_t> at;
     for (std::size_t i = 0; i < s.size();) {
-        std::size_t start = i;
+        at.push_back(i);
         next_code_point(s, i);
-        out.emplace_back(s.substr(start, i - start));
     }
-    return out;
+    at.push_back(s.size());
+    return at;
 }
 
 // Identifier loads of kwargs/varargs in a macro body make the macro collect extra arguments.
@@ -378,10 +379,12 @@ Value Interpreter::eval_member(const Node& n, const EnvPtr& env) {
     if (object.is_array() || object.kind == Kind::String) {
         if (property.kind == Kind::Integer) {
             if (object.kind == Kind::String) {
-                take_steps(object.str().size());
-                auto chars = split_code_points(object.str());
-                auto at = element_position(property.number, chars.size());
-                return at ? Value::string(chars[*at]) : Value::undefined();
+                const std::string& str = object.str();
+                take_steps(str.size());
+                const auto offsets = code_point_offsets(str);
+                auto at = element_position(property.number, offsets.size() - 1);
+                return at ? Value::string(str.substr(offsets[*at], offsets[*at + 1] - offsets[*at]))
+                          : Value::undefined();
             }
             const Array& items = object.items();
             auto at = element_position(property.number, items.size());
@@ -414,10 +417,12 @@ Value Interpreter::eval_slice(const Value& object, const Node& slice, const EnvP
         for (std::size_t i : slice_indices(items.size(), start, stop, step)) out.push_back(items[i]);
         return Value::array(std::move(out));
     }
-    take_steps(object.str().size());
-    auto chars = split_code_points(object.str());
+    const std::string& str = object.str();
+    take_steps(str.size());
+    const auto offsets = code_point_offsets(str);
     std::string out;
-    for (std::size_t i : slice_indices(chars.size(), start, stop, step)) out += chars[i];
+    for (std::size_t i : slice_indices(offsets.size() - 1, start, stop, step))
+        out.append(str, offsets[i], offsets[i + 1] - offsets[i]);
     return Value::string(std::move(out));
 }
 
