@@ -77,23 +77,36 @@ class DispatchHandle(Sequence):
     is_token_in_rank, send_head), computed on first access; the two channel matrices are None (moerl
     has no channels) and rank_prefix_matrix holds only this rank's column (docs/python.md)."""
 
-    __slots__ = ('_buffer', '_routing', '_num_experts', '_natives', '_key', '_items')
+    __slots__ = ('_buffer', '_routing', '_key', '_native', '_others', '_items')
 
-    def __init__(self, buffer: 'Buffer', routing: torch.Tensor, num_experts: int, key: tuple,
-                 native: '_C.Handle') -> None:
+    def __init__(self, buffer: 'Buffer', routing: torch.Tensor, key: tuple, native: '_C.Handle') -> None:
         self._buffer = buffer
         self._routing = routing  # [T, K'] the ids dispatched (K' = W when dispatched by is_token_in_rank)
-        self._num_experts = num_experts
-        self._natives: Dict[tuple, _C.Handle] = {key: native}
-        self._key = key
+        self._key = key  # the engine dispatched on: ('normal', hidden, dtype, top_k, num_experts)
+        self._native = native
+        self._others: Optional[Dict[tuple, _C.Handle]] = None  # the same routing on other engines
         self._items: Optional[tuple] = None
 
     @property
+    def _num_experts(self) -> int:
+        return self._key[4]
+
+    @property
     def num_recv_tokens(self) -> int:
-        return self._natives[self._key].num_recv_tokens
+        return self._native.num_recv_tokens
 
     def native(self) -> '_C.Handle':
-        return self._natives[self._key]
+        return self._native
+
+    def _native_on(self, key: tuple) -> Optional['_C.Handle']:
+        if key == self._key:
+            return self._native
+        return self._others.get(key) if self._others is not None else None
+
+    def _add_native(self, key: tuple, native: '_C.Handle') -> None:
+        if self._others is None:
+            self._others = {}
+        self._others[key] = native
 
     def _tuple(self) -> tuple:
         if self._items is None:
@@ -184,6 +197,7 @@ class Buffer:
         self._job_id = everyone[0][0]
         self._store = GroupStore(group, f'moerl_ep/{self._job_id}/')
         self._engines: Dict[tuple, _C.Engine] = {}
+        self._normal = _C.NormalEngines()  # the normal-mode engines again, for dispatch's common call
         self._ll_out: Dict[tuple, list] = {}     # two sets of low-latency outputs per engine
         self._ll_next: Dict[tuple, int] = {}
         self._ll_combine_in: Dict[tuple, torch.Tensor] = {}
@@ -234,6 +248,7 @@ class Buffer:
                             f'{need} bytes (Buffer.get_normal_size_hint)')
             c.max_tokens_per_rank = max_tokens
             engine = self._make_engine(key, c)
+            self._normal.add(key, engine)
         return key, engine
 
     def _check_alive(self) -> None:
@@ -244,11 +259,11 @@ class Buffer:
                        device: torch.device) -> '_C.Handle':
         # The handle of this routing on another engine (a payload of another shape): one dispatch of
         # zeros there gives it; the rows arrive in the same order, since the routing is the same.
-        native = handle._natives.get(key)
+        native = handle._native_on(key)
         if native is None:
             zeros = torch.zeros((handle._routing.size(0), key[1]), dtype=dtype, device=device)
             native = engine.dispatch(zeros, handle._routing, None, None, False, _stream(zeros))[4]
-            handle._natives[key] = native
+            handle._add_native(key, native)
         return native
 
     # --- static API ------------------------------------------------------------------------------
@@ -329,6 +344,18 @@ class Buffer:
                  allocate_on_comm_stream: bool = False) -> \
             Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
                   Optional[torch.Tensor], Optional[List[int]], DispatchHandle, EventOverlap]:
+        if (handle is None and topk_idx is not None and num_tokens_per_expert is not None and
+                expert_alignment == 1 and num_worst_tokens == 0 and x.__class__ is torch.Tensor):
+            # The common call, made by the extension in one step when an engine takes the tensors as
+            # they are (None otherwise: the general path below converts them or raises).
+            try:
+                got = self._normal.dispatch(x, topk_idx, topk_weights, num_tokens_per_expert)
+            except Error as e:
+                raise self._with_sizing(e, x.size(1)) from None
+            if got is not None:
+                recv, recv_idx, recv_w, counts, native, key = got
+                return (recv, recv_idx, recv_w, counts, DispatchHandle(self, topk_idx, key, native),
+                        _event(async_finish))
         self._check_alive()
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         hidden = x.size(1) if x.dim() == 2 else -1
@@ -368,7 +395,7 @@ class Buffer:
         key, engine = self._normal_engine(payload.size(1), dtype, routing.size(1), num_experts)
         recv, _, recv_idx, recv_w, native = self._dispatch_call(engine, payload, routing, weights, None,
                                                                 with_topk, hidden)
-        handle = DispatchHandle(self, routing, num_experts, key, native)
+        handle = DispatchHandle(self, routing, key, native)
         if with_topk:
             counts = native.num_recv_tokens_per_expert
             if weights is None:
@@ -387,14 +414,17 @@ class Buffer:
     def _dispatch_call(self, engine: '_C.Engine', payload: torch.Tensor, routing: Optional[torch.Tensor],
                        weights: Optional[torch.Tensor], native: Optional['_C.Handle'], want_topk: bool,
                        hidden: int) -> tuple:
-        # Adds the buffer's sizing to the library's "too many rows" message.
         try:
             return engine.dispatch(payload, routing, weights, native, want_topk, _stream(payload))
         except Error as e:
-            if 'Config.max_tokens_per_rank' in str(e):
-                raise type(e)(f'{e}; num_nvl_bytes = {self.num_nvl_bytes} holds that many tokens of hidden '
-                              f'{hidden} per rank (Buffer.get_normal_size_hint sizes it)') from None
-            raise
+            raise self._with_sizing(e, hidden) from None
+
+    def _with_sizing(self, e: Exception, hidden: int) -> Exception:
+        # Adds the buffer's sizing to the library's "too many rows" message.
+        if 'Config.max_tokens_per_rank' in str(e):
+            return type(e)(f'{e}; num_nvl_bytes = {self.num_nvl_bytes} holds that many tokens of hidden '
+                           f'{hidden} per rank (Buffer.get_normal_size_hint sizes it)')
+        return e
 
     def _recv_counts_of(self, num_tokens_per_expert: torch.Tensor) -> List[int]:
         # Without top-k ids the rows carry no expert ids; the counts come from every rank's layout.
@@ -423,6 +453,13 @@ class Buffer:
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False) -> \
             Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        if topk_weights is None and bias is None and handle.__class__ is DispatchHandle and \
+                x.__class__ is torch.Tensor and self._engines:
+            # The common call: x as the dispatch's engine takes it (None otherwise: the path below).
+            engine = self._engines.get(handle._key)
+            out = engine.combine_current(x, handle._native) if engine is not None else None
+            if out is not None:
+                return out, None, _event(async_finish)
         self._check_alive()
         if not isinstance(handle, DispatchHandle):
             raise Error('combine: the handle must come from moerl_ep.Buffer.dispatch')
@@ -554,6 +591,7 @@ class Buffer:
 
     def _release(self) -> None:
         engines, self._engines = self._engines, None
+        self._normal.clear()
         for engine in (engines or {}).values():
             engine.destroy()
 

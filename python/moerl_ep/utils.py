@@ -26,6 +26,8 @@ class EventHandle:
 class EventOverlap:
     """DeepEP's EventOverlap: an optional event plus tensors kept alive until it is waited on."""
 
+    __slots__ = ('event', 'extra_tensors')
+
     def __init__(self, event: Optional[EventHandle] = None,
                  extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
         self.event = event

@@ -20,6 +20,12 @@
 #include "cuda/kernels/kernels.hpp"
 #include "cuda/stream.hpp"
 #endif
+#ifdef MOERL_TORCH_CUDA
+#include <ATen/EmptyTensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace py = pybind11;
 namespace ep = moerl::ep;
@@ -109,6 +115,31 @@ void synchronize_device([[maybe_unused]] bool on_device) {
 #endif
 }
 
+// The raw handle of the current CUDA stream of t's device (0 for a CPU tensor), as
+// torch.cuda.current_stream(t.device).cuda_stream gives it, without a Python call. Empty where this
+// build cannot ask (a torch without c10_cuda): the caller passes the stream itself then.
+std::optional<uintptr_t> current_stream(const at::Tensor& t) {
+    if (!t.is_cuda()) return 0;
+#ifdef MOERL_TORCH_CUDA
+    return reinterpret_cast<uintptr_t>(
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(t.get_device())).stream());
+#else
+    return std::nullopt;
+#endif
+}
+
+// `bytes` of memory on `like`'s device. On the current CUDA device straight from the caching
+// allocator (what at::empty ends in, without the dispatcher and the device guard on the way).
+at::Tensor byte_block(const at::Tensor& like, int64_t bytes) {
+#ifdef MOERL_TORCH_CUDA
+    if (like.is_cuda() && like.get_device() == c10::cuda::current_device()) {
+        return at::detail::empty_generic({bytes}, c10::cuda::CUDACachingAllocator::get(),
+                                         c10::DispatchKeySet(c10::DispatchKey::CUDA), at::kByte, {});
+    }
+#endif
+    return at::empty({bytes}, like.options().dtype(at::kByte));
+}
+
 // One call's outputs carved from one allocation. On CUDA each at::empty costs microseconds (the
 // dispatcher, the caching allocator, a device guard); a dispatch returns up to four tensors. The
 // parts are plain tensors over one storage, each 256-byte aligned, sized and shrunk without going
@@ -118,7 +149,7 @@ struct Part {
     int64_t rows, cols;
 };
 
-std::vector<at::Tensor> carve(const at::TensorOptions& device, std::initializer_list<Part> parts) {
+std::vector<at::Tensor> carve(const at::Tensor& like, std::initializer_list<Part> parts) {
     constexpr int64_t kAlign = 256;
     std::vector<int64_t> offsets;
     int64_t bytes = 0;
@@ -127,7 +158,7 @@ std::vector<at::Tensor> carve(const at::TensorOptions& device, std::initializer_
         bytes += (p.rows * p.cols * static_cast<int64_t>(c10::elementSize(p.dtype)) + kAlign - 1) / kAlign *
                  kAlign;
     }
-    const at::Tensor block = at::empty({std::max<int64_t>(bytes, 1)}, device.dtype(at::kByte));
+    const at::Tensor block = byte_block(like, std::max<int64_t>(bytes, 1));
     std::vector<at::Tensor> out;
     out.reserve(parts.size());
     size_t i = 0;
@@ -179,48 +210,70 @@ class Engine {
     py::tuple dispatch(const at::Tensor& x, const std::optional<at::Tensor>& topk_idx,
                        const std::optional<at::Tensor>& topk_weights, std::shared_ptr<PyHandle> reuse,
                        bool want_topk, uintptr_t stream) {
-        ep::Buffer& b = alive();
+        const ep::Buffer& b = alive();
         const ep::Config& c = b.config();
         const bool dev = b.on_device();
         check_tensor(x, "dispatch: x", scalar_type(c.dtype), dev);
         at::Tensor idx = topk_idx ? *topk_idx : at::Tensor(), w = topk_weights ? *topk_weights : at::Tensor();
         if (idx.defined()) check_tensor(idx, "dispatch: topk_idx", at::kLong, dev);
         if (w.defined()) check_tensor(w, "dispatch: topk_weights", at::kFloat, dev);
+        Dispatched d = run_dispatch(x, idx, w, reuse.get(), want_topk, stream);
+        auto none_if_undefined = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
+        return py::make_tuple(d.recv_x, none_if_undefined(d.recv_scales), none_if_undefined(d.recv_idx),
+                              none_if_undefined(d.recv_w), d.handle);
+    }
+
+    // Whether x can go into this engine's dispatch or combine as it is: the config's dtype and hidden
+    // size, rank 2, contiguous, on the engine's side of the bus.
+    bool accepts(const at::Tensor& x) const {
+        const ep::Config& c = alive().config();
+        return x.dim() == 2 && x.scalar_type() == scalar_type(c.dtype) && x.size(1) == c.hidden &&
+               !c.fp8_dispatch && x.is_cuda() == alive().on_device() && x.is_contiguous();
+    }
+
+    struct Dispatched {
+        at::Tensor recv_x, recv_scales, recv_idx, recv_w;
+        std::shared_ptr<PyHandle> handle;
+    };
+
+    // The dispatch itself, on tensors already checked.
+    Dispatched run_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                            const PyHandle* reuse, bool want_topk, uintptr_t stream) {
+        ep::Buffer& b = alive();
+        const ep::Config& c = b.config();
         const int64_t H = c.hidden, K = c.top_k;
         // At least one row: the library takes no null recv_x, even when nothing arrives.
         const int64_t rows = reuse ? std::max(reuse->h.num_recv_tokens(), 1) : c.max_recv_tokens();
         // recv_x (fp8: e4m3 bytes), then the fp8 scales and the top-k ids and weights when asked for.
         const at::ScalarType x_type = c.fp8_dispatch ? at::kByte : x.scalar_type();
         const int64_t scale_cols = c.fp8_dispatch ? H / ep::kFp8BlockCols : 0, topk_cols = want_topk ? K : 0;
-        std::vector<at::Tensor> parts = carve(x.options(), {{x_type, rows, H},
-                                                            {at::kFloat, rows, scale_cols},
-                                                            {at::kLong, rows, topk_cols},
-                                                            {at::kFloat, rows, topk_cols}});
-        at::Tensor recv_x = parts[0], recv_scales, recv_idx, recv_w;
-        if (c.fp8_dispatch) recv_scales = parts[1];
-        if (want_topk) recv_idx = parts[2], recv_w = parts[3];
+        std::vector<at::Tensor> parts = carve(x, {{x_type, rows, H},
+                                                  {at::kFloat, rows, scale_cols},
+                                                  {at::kLong, rows, topk_cols},
+                                                  {at::kFloat, rows, topk_cols}});
+        Dispatched d;
+        d.recv_x = parts[0];
+        if (c.fp8_dispatch) d.recv_scales = parts[1];
+        if (want_topk) d.recv_idx = parts[2], d.recv_w = parts[3];
         ep::DispatchOutput out;
-        out.recv_x = {recv_x.data_ptr(), rows, H};
-        if (c.fp8_dispatch) {
-            out.recv_x_scales = {recv_scales.data_ptr<float>(), rows, H / ep::kFp8BlockCols};
-        }
+        out.recv_x = {d.recv_x.data_ptr(), rows, H};
+        if (c.fp8_dispatch)
+            out.recv_x_scales = {d.recv_scales.data_ptr<float>(), rows, H / ep::kFp8BlockCols};
         if (want_topk) {
-            out.recv_topk_idx = {recv_idx.data_ptr<int64_t>(), rows, K};
-            out.recv_topk_weights = {recv_w.data_ptr<float>(), rows, K};
+            out.recv_topk_idx = {d.recv_idx.data_ptr<int64_t>(), rows, K};
+            out.recv_topk_weights = {d.recv_w.data_ptr<float>(), rows, K};
         }
-        auto handle = std::make_shared<PyHandle>();
-        handle->world_size = c.world_size;
+        d.handle = std::make_shared<PyHandle>();
+        d.handle->world_size = c.world_size;
         {
             py::gil_scoped_release nogil;
             StreamScope scope(stream);
-            handle->h = b.dispatch({x.data_ptr(), x.size(0), x.size(1)}, cview<int64_t>(idx), cview<float>(w),
-                                   out, reuse ? &reuse->h : nullptr);
+            d.handle->h = b.dispatch({x.data_ptr(), x.size(0), x.size(1)}, cview<int64_t>(idx),
+                                     cview<float>(w), out, reuse ? &reuse->h : nullptr);
         }
-        const int64_t R = handle->h.num_recv_tokens();
-        for (at::Tensor* t : {&recv_x, &recv_scales, &recv_idx, &recv_w}) shrink_rows(*t, R);
-        auto none_if_undefined = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
-        return py::make_tuple(recv_x, none_if_undefined(recv_scales), none_if_undefined(recv_idx),
-                              none_if_undefined(recv_w), handle);
+        const int64_t R = d.handle->h.num_recv_tokens();
+        for (at::Tensor* t : {&d.recv_x, &d.recv_scales, &d.recv_idx, &d.recv_w}) shrink_rows(*t, R);
+        return d;
     }
 
     // y [R, H] of the config's dtype -> [T, H]: the sum over ranks of the rows sent back.
@@ -235,6 +288,15 @@ class Engine {
         StreamScope scope(stream);
         b.combine({y.data_ptr(), y.size(0), y.size(1)}, handle.h, {out.data_ptr(), out.size(0), out.size(1)});
         return out;
+    }
+
+    // combine() on the current stream of y's device, or None when y is not as this engine takes it
+    // as it is (buffer.py's general path then converts it or raises).
+    py::object combine_current(const at::Tensor& y, const PyHandle& handle) {
+        if (!accepts(y)) return py::none();
+        const std::optional<uintptr_t> stream = current_stream(y);
+        if (!stream) return py::none();
+        return py::cast(combine(y, handle, *stream));
     }
 
     // x [T, H], topk_idx [T, K]; writes recv_x [L * W*maxT, H] (and recv_x_scales with fp8_dispatch) and
@@ -334,6 +396,8 @@ class Engine {
         return py::make_tuple(median(td), median(tc), median(ts));
     }
 
+    bool alive_now() const { return buffer_ != nullptr; }
+
     void destroy() {
         py::gil_scoped_release nogil;
         if (buffer_) buffer_->destroy();
@@ -347,6 +411,55 @@ class Engine {
     }
     std::unique_ptr<PyStore> store_;  // outlives buffer_ (declared first)
     std::unique_ptr<ep::Buffer> buffer_;
+};
+
+// The normal-mode engines of one moerl_ep.Buffer, for its common dispatch: top-k ids given, no handle,
+// tensors as the engine takes them. buffer.py builds the engines and adds each here under its key
+// ('normal', hidden, dtype, top_k, num_experts); dispatch() finds the engine in C++ and makes the
+// whole call, so such a dispatch is one extension call instead of a dozen small Python steps.
+class NormalEngines {
+  public:
+    void add(py::object key, py::object engine) {
+        Entry e{key, engine, &engine.cast<Engine&>()};
+        entries_.push_back(std::move(e));
+    }
+    void clear() { entries_.clear(); }
+
+    // (recv_x, recv_topk_idx, recv_topk_weights or None without topk_weights, received tokens per
+    // local expert as a list, the native handle, the engine's key), or None when no engine takes these
+    // tensors as they are; buffer.py's general path then handles (or rejects) the call.
+    py::object dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                        const std::optional<at::Tensor>& topk_weights,
+                        const at::Tensor& num_tokens_per_expert) {
+        if (topk_idx.dim() != 2 || topk_idx.scalar_type() != at::kLong || !topk_idx.is_contiguous())
+            return py::none();
+        const at::Tensor w = topk_weights ? *topk_weights : at::Tensor();
+        if (w.defined() && (w.scalar_type() != at::kFloat || !w.is_contiguous() || w.dim() != 2))
+            return py::none();
+        const Entry* e = find(x, topk_idx.size(1), num_tokens_per_expert.numel());
+        if (e == nullptr || topk_idx.is_cuda() != x.is_cuda() || (w.defined() && w.is_cuda() != x.is_cuda()))
+            return py::none();
+        const std::optional<uintptr_t> stream = current_stream(x);
+        if (!stream) return py::none();
+        Engine::Dispatched d = e->engine->run_dispatch(x, topk_idx, w, nullptr, true, *stream);
+        return py::make_tuple(d.recv_x, d.recv_idx, w.defined() ? py::cast(d.recv_w) : py::none(),
+                              d.handle->h.num_recv_tokens_per_expert, d.handle, e->key);
+    }
+
+  private:
+    struct Entry {
+        py::object key, owner;  // owner keeps engine alive
+        Engine* engine;
+    };
+    const Entry* find(const at::Tensor& x, int64_t top_k, int64_t num_experts) const {
+        for (const Entry& e : entries_) {
+            if (!e.engine->alive_now()) continue;
+            const ep::Config& c = e.engine->config();
+            if (c.top_k == top_k && c.num_experts == num_experts && e.engine->accepts(x)) return &e;
+        }
+        return nullptr;
+    }
+    std::vector<Entry> entries_;
 };
 
 // Tokens per rank [W] and per expert [E] (int32) and is_token_in_rank [T, W] (bool) of topk_idx.
@@ -519,12 +632,20 @@ PYBIND11_MODULE(_C, m) {
         .def("dispatch", &Engine::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
              py::arg("handle"), py::arg("want_topk"), py::arg("stream") = 0)
         .def("combine", &Engine::combine, py::arg("y"), py::arg("handle"), py::arg("stream") = 0)
+        .def("combine_current", &Engine::combine_current, py::arg("y"), py::arg("handle"))
         .def("low_latency_dispatch", &Engine::low_latency_dispatch, py::arg("x"), py::arg("topk_idx"),
              py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_count"), py::arg("stream") = 0)
         .def("low_latency_combine", &Engine::low_latency_combine, py::arg("y"), py::arg("topk_idx"),
              py::arg("topk_weights"), py::arg("handle"), py::arg("out"), py::arg("stream") = 0)
         .def("time_native", &Engine::time_native)
         .def("destroy", &Engine::destroy);
+
+    py::class_<NormalEngines>(m, "NormalEngines", "a Buffer's normal-mode engines, for its common dispatch")
+        .def(py::init<>())
+        .def("add", &NormalEngines::add, py::arg("key"), py::arg("engine"))
+        .def("clear", &NormalEngines::clear)
+        .def("dispatch", &NormalEngines::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
+             py::arg("num_tokens_per_expert"));
 
     m.def("layout", &layout, py::arg("topk_idx"), py::arg("num_experts"), py::arg("world_size"));
     m.def("layout_on_device", &layout_on_device, py::arg("topk_idx"), py::arg("num_experts"),

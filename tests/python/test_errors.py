@@ -38,8 +38,17 @@ def _messages(rank, world):
         'too_many': message(lambda: dispatch(torch.randn(T + 1, H), torch.zeros(T + 1, K, dtype=torch.long))),
         'low_latency_bytes': message(lambda: buffer.low_latency_dispatch(x.bfloat16(), idx, T, E, use_fp8=False)),
     }
-    recv_x, *_ = dispatch(x, idx)  # still in step after the errors
+    recv_x, recv_idx, _, counts, handle, _ = dispatch(x, idx)  # still in step after the errors
     out['rows_after'] = recv_x.size(0)
+    # A strided x takes buffer.py's general path (the common call goes through the extension in one
+    # step); both give the same rows, ids, counts and combine.
+    strided = torch.empty(H, T).t()
+    strided.copy_(x)
+    g_recv_x, g_recv_idx, _, g_counts, g_handle, _ = dispatch(strided, idx)
+    out['paths_equal'] = (torch.equal(recv_x, g_recv_x) and torch.equal(recv_idx, g_recv_idx) and
+                          counts == g_counts and
+                          torch.equal(buffer.combine(recv_x, handle)[0],
+                                      buffer.combine(g_recv_x.t().contiguous().t(), g_handle)[0]))
     return out
 
 
@@ -52,9 +61,11 @@ class ErrorsTest(unittest.TestCase):
             self.assertIn('topk_idx[2,1] = 99, but num_experts = 8', m['layout_range'])
             self.assertIn('dispatch: x has 5 rows, but at most 4 are allowed (Config.max_tokens_per_rank)',
                           m['too_many'])
+            self.assertIn('Buffer.get_normal_size_hint sizes it', m['too_many'])  # the buffer's sizing
             self.assertIn('num_rdma_bytes = 0', m['low_latency_bytes'])
             self.assertIn('src/ep/', m['expert_range'])  # the library's file:line
             self.assertEqual(m['rows_after'], 4, f'rank {rank}')  # experts 0-3 / 4-7: 2 tokens each way
+            self.assertTrue(m['paths_equal'], f'rank {rank}')
 
 
 if __name__ == '__main__':
