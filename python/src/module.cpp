@@ -140,6 +140,28 @@ at::Tensor byte_block(const at::Tensor& like, int64_t bytes) {
     return at::empty({bytes}, like.options().dtype(at::kByte));
 }
 
+// The memory of one call's outputs, used again by the next call of the same kind once the caller
+// holds none of them (nothing else owns the storage) and that call runs on the same stream, so every
+// earlier use on that stream is ordered before the reuse, as with the caching allocator's own reuse.
+// An inference loop drops a dispatch's outputs before the next one; each call then skips the
+// allocator's malloc and free (a few microseconds on CUDA).
+class OutputMemory {
+  public:
+    at::Tensor take(const at::Tensor& like, int64_t bytes, uintptr_t stream) {
+        const bool reusable = block_.defined() && block_.storage().use_count() == 1 && stream == stream_ &&
+                              bytes <= block_.numel() && block_.device() == like.device();
+        if (!reusable) {
+            block_ = byte_block(like, bytes);
+            stream_ = stream;
+        }
+        return block_;
+    }
+
+  private:
+    at::Tensor block_;
+    uintptr_t stream_ = 0;
+};
+
 // One call's outputs carved from one allocation. On CUDA each at::empty costs microseconds (the
 // dispatcher, the caching allocator, a device guard); a dispatch returns up to four tensors. The
 // parts are plain tensors over one storage, each 256-byte aligned, sized and shrunk without going
@@ -149,7 +171,8 @@ struct Part {
     int64_t rows, cols;
 };
 
-std::vector<at::Tensor> carve(const at::Tensor& like, std::initializer_list<Part> parts) {
+std::vector<at::Tensor> carve(const at::Tensor& like, std::initializer_list<Part> parts, OutputMemory& memory,
+                              uintptr_t stream) {
     constexpr int64_t kAlign = 256;
     std::vector<int64_t> offsets;
     int64_t bytes = 0;
@@ -158,7 +181,7 @@ std::vector<at::Tensor> carve(const at::Tensor& like, std::initializer_list<Part
         bytes += (p.rows * p.cols * static_cast<int64_t>(c10::elementSize(p.dtype)) + kAlign - 1) / kAlign *
                  kAlign;
     }
-    const at::Tensor block = byte_block(like, std::max<int64_t>(bytes, 1));
+    const at::Tensor block = memory.take(like, std::max<int64_t>(bytes, 1), stream);
     std::vector<at::Tensor> out;
     out.reserve(parts.size());
     size_t i = 0;
@@ -247,10 +270,12 @@ class Engine {
         // recv_x (fp8: e4m3 bytes), then the fp8 scales and the top-k ids and weights when asked for.
         const at::ScalarType x_type = c.fp8_dispatch ? at::kByte : x.scalar_type();
         const int64_t scale_cols = c.fp8_dispatch ? H / ep::kFp8BlockCols : 0, topk_cols = want_topk ? K : 0;
-        std::vector<at::Tensor> parts = carve(x, {{x_type, rows, H},
-                                                  {at::kFloat, rows, scale_cols},
-                                                  {at::kLong, rows, topk_cols},
-                                                  {at::kFloat, rows, topk_cols}});
+        std::vector<at::Tensor> parts = carve(x,
+                                              {{x_type, rows, H},
+                                               {at::kFloat, rows, scale_cols},
+                                               {at::kLong, rows, topk_cols},
+                                               {at::kFloat, rows, topk_cols}},
+                                              dispatched_, stream);
         Dispatched d;
         d.recv_x = parts[0];
         if (c.fp8_dispatch) d.recv_scales = parts[1];
@@ -283,7 +308,7 @@ class Engine {
         check_tensor(y, "combine: y", scalar_type(c.dtype), b.on_device());
         MOERL_CHECK(y.size(0) == handle.h.num_recv_tokens(), "combine: y has ", y.size(0),
                     " rows, but the handle received ", handle.h.num_recv_tokens());
-        at::Tensor out = at::empty({handle.h.num_tokens, c.hidden}, y.options());
+        at::Tensor out = carve(y, {{y.scalar_type(), handle.h.num_tokens, c.hidden}}, combined_, stream)[0];
         py::gil_scoped_release nogil;
         StreamScope scope(stream);
         b.combine({y.data_ptr(), y.size(0), y.size(1)}, handle.h, {out.data_ptr(), out.size(0), out.size(1)});
@@ -409,7 +434,8 @@ class Engine {
         MOERL_CHECK(buffer_ != nullptr, "EP buffer used after destroy()");
         return *buffer_;
     }
-    std::unique_ptr<PyStore> store_;  // outlives buffer_ (declared first)
+    std::unique_ptr<PyStore> store_;      // outlives buffer_ (declared first)
+    OutputMemory dispatched_, combined_;  // the last dispatch's and combine's outputs
     std::unique_ptr<ep::Buffer> buffer_;
 };
 

@@ -45,6 +45,14 @@ def _messages(rank, world):
     strided = torch.empty(H, T).t()
     strided.copy_(x)
     g_recv_x, g_recv_idx, _, g_counts, g_handle, _ = dispatch(strided, idx)
+    # Outputs still held keep their values when the next call writes its own; once dropped, their
+    # memory serves the next call.
+    first = dispatch(x, idx)[0]
+    saved = first.clone()
+    second = dispatch(x * 2, idx)[0]
+    out['held_intact'] = torch.equal(first, saved) and torch.equal(second, saved * 2)
+    del first, second
+    out['reused_equal'] = torch.equal(dispatch(x, idx)[0], saved)
     out['paths_equal'] = (torch.equal(recv_x, g_recv_x) and torch.equal(recv_idx, g_recv_idx) and
                           counts == g_counts and
                           torch.equal(buffer.combine(recv_x, handle)[0],
@@ -66,6 +74,8 @@ class ErrorsTest(unittest.TestCase):
             self.assertIn('src/ep/', m['expert_range'])  # the library's file:line
             self.assertEqual(m['rows_after'], 4, f'rank {rank}')  # experts 0-3 / 4-7: 2 tokens each way
             self.assertTrue(m['paths_equal'], f'rank {rank}')
+            self.assertTrue(m['held_intact'], f'rank {rank}')
+            self.assertTrue(m['reused_equal'], f'rank {rank}')
 
 
 if __name__ == '__main__':
