@@ -1,7 +1,8 @@
 // `moerl bench rl`: the whole RL loop of a run configuration, every role in this process (as
 // `moerl run`), and per step where the time goes: rollout (decoding), reward, weight sync into
 // the rollout model, training, publishing the new version, and the rest (the env, batching,
-// bookkeeping); generated and trained tokens per second; training MFU on a GPU.
+// bookkeeping); generated and trained tokens per second; on a GPU the training MFU, the decode
+// steps' share of the copy bandwidth and each phase's peak GPU memory.
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <sys/resource.h>
@@ -161,6 +162,7 @@ void bench_rl(const RlBenchArgs& a) {
     std::printf("%5s %9s %9s %9s %9s %9s %9s %9s %11s %11s %7s\n", "step", "rollout_s", "reward_s", "sync_s",
                 "train_s", "publish_s", "other_s", "step_s", "gen_tok/s", "train_tok/s", "mfu");
     std::vector<double> share_other, rollout, train, sync, step_s, gen_rate, train_rate, mfu;
+    double decode_s = 0, decode_bytes = 0, rollout_peak = 0, train_peak = 0;
     for (const auto& r : rows) {
         const double ro = number(r, "rollout_s"), rw = number(r, "reward_s"), sy = number(r, "sync_s"),
                      tr = number(r, "train_s"), pu = number(r, "publish_s"), st = number(r, "step_seconds");
@@ -184,6 +186,10 @@ void bench_rl(const RlBenchArgs& a) {
         gen_rate.push_back(gen);
         train_rate.push_back(trained);
         mfu.push_back(util);
+        decode_s += number(r, "decode_s");
+        decode_bytes += number(r, "decode_bytes");
+        rollout_peak = std::max(rollout_peak, number(r, "rollout_peak_bytes"));
+        train_peak = std::max(train_peak, number(r, "train_peak_bytes"));
     }
     MOERL_CHECK(!step_s.empty(), "bench rl: no steps after the warmup");
     std::printf(
@@ -196,6 +202,19 @@ void bench_rl(const RlBenchArgs& a) {
                        std::to_string(static_cast<int>(a.peak_tflops)) + " TFLOP/s")
                           .c_str()
                     : "");
+    if (decode_s > 0) {
+        // The decode steps inside the loop (sampling and routing records included) against the
+        // device's copy bandwidth, bytes counted as `moerl bench rollout` counts them.
+        const double bw = decode_bytes / decode_s, copy = copy_bandwidth(at::Device(at::kCUDA, 0));
+        std::printf(
+            "decode steps: %.3f s, %s read (dense weights, distinct experts, KV cache attended): %.0f GB/s, "
+            "%.1f%% of the device copy bandwidth (%.0f GB/s)%s\n",
+            decode_s, human_bytes(decode_bytes).c_str(), bw / 1e9, 100 * bw / copy, copy / 1e9,
+            cfg.rollout_ranks > 1 ? "; rank 0 of the rollout engine" : "");
+    }
+    if (rollout_peak > 0 || train_peak > 0)
+        std::printf("peak GPU memory: rollout %s, training %s\n", human_bytes(rollout_peak).c_str(),
+                    human_bytes(train_peak).c_str());
     if (cfg.rollout_device == "cuda" && cfg.train_device == "cuda") {
         // The in-memory sync copies the trainer's weights into the rollout model: its floor is a
         // device copy of the same bytes, timed here in the same process.

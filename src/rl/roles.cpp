@@ -31,6 +31,7 @@
 #include "moerl/core/log.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
+#include "moerl/model/device_memory.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/prompt_source.hpp"
@@ -669,6 +670,7 @@ struct RolloutWorker::Impl {
         auto t0 = Clock::now();
         const int64_t tok0 = engine->tokens_generated();
         const int64_t prompt0 = engine->prompt_tokens(), shared0 = engine->prompt_tokens_shared();
+        const RolloutEngine::DecodeTraffic decode0 = engine->decode_traffic();
         for (;;) {
             if (stop && stop->load()) {
                 release();
@@ -709,6 +711,9 @@ struct RolloutWorker::Impl {
         stats.tokens += engine->tokens_generated() - tok0;
         stats.prompt_tokens += engine->prompt_tokens() - prompt0;
         stats.prompt_tokens_shared += engine->prompt_tokens_shared() - shared0;
+        const RolloutEngine::DecodeTraffic decode1 = engine->decode_traffic();
+        stats.decode_seconds += decode1.seconds - decode0.seconds;
+        stats.decode_bytes += decode1.bytes - decode0.bytes;
         stats.seconds += std::chrono::duration<double>(Clock::now() - t0).count();
         return static_cast<size_t>(stats.pushed - pushed_before);
     }
@@ -1071,9 +1076,12 @@ struct TrainerRole::Impl {
         r.reward_std = std::sqrt(std::max(0.0, sq / n - r.reward_mean * r.reward_mean));
         r.exact_fraction = exact / n;
         r.staleness_mean = r.response_tokens ? stale / static_cast<double>(r.response_tokens) : 0;
+        const bool gpu = cfg.train_device == "cuda";
+        if (gpu) model::reset_peak_allocated_bytes(at::Device(at::kCUDA, 0));  // rank 0: the first GPU
         const auto t_train = Clock::now();
         r.train = trainer->update(batch, adv);
         r.train_seconds = std::chrono::duration<double>(Clock::now() - t_train).count();
+        if (gpu) r.train_peak_bytes = model::peak_allocated_bytes(at::Device(at::kCUDA, 0));
         consumed_below = std::max(consumed_below, s + 1);
         version = s + 1;
         publish_policy();

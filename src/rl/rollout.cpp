@@ -14,6 +14,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <deque>
 #include <exception>
@@ -181,6 +182,10 @@ struct RolloutEngine::Impl {
     int max_seq_len = 0;
     int64_t tokens = 0;
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;  // prefilled contexts; of them from a group-mate
+    // The CUDA engine's decode steps: wall seconds, their dense bytes (summed on the host as each
+    // step's row count is known) and how many (the routed experts and KV cache come from gen->stats()).
+    double decode_seconds = 0, decode_dense_bytes = 0;
+    int64_t decode_steps = 0;
     RankCounts counts() const { return {tokens, prompt_tokens, prompt_tokens_shared}; }
 
     // Over processes on a GPU: the decode steps' low-latency EP buffer (the model's own serves the
@@ -410,7 +415,10 @@ struct RolloutEngine::Impl {
         std::vector<int> slots;
         for (auto& s : active) in.push_back(s.next_input), slots.push_back(s.slot);
         model::StepOutput out;
+        const auto decode_t0 = std::chrono::steady_clock::now();
         if (gen) {
+            decode_dense_bytes += static_cast<double>(gen->dense_bytes_per_step(static_cast<int>(slots.size())));
+            ++decode_steps;
             model::GenerationStep g = gen->decode(slots, at::tensor(in, at::kLong));
             out.logits = g.logits;
             // [n, M, K] -> [n, 1, M, K]: one column per row, as the eager decode gives.
@@ -432,6 +440,7 @@ struct RolloutEngine::Impl {
             }
         }
         if (keep.size() < active.size()) keep_rows(keep);
+        if (gen) decode_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - decode_t0).count();
         return done;
     }
 
@@ -748,6 +757,19 @@ int64_t RolloutEngine::prompt_tokens_shared() const {
     return engine_total(impl_->counts(), spread_ ? &spread_->counts : nullptr,
                         &RankCounts::prompt_tokens_shared);
 }
+RolloutEngine::DecodeTraffic RolloutEngine::decode_traffic() const {
+    DecodeTraffic t;
+    const Impl& m = *impl_;
+    if (!m.gen) return t;
+    const model::GeneratorStats st = m.gen->stats();
+    t.seconds = m.decode_seconds;
+    t.steps = m.decode_steps;
+    t.bytes = m.decode_dense_bytes +
+              static_cast<double>(st.expert_weight_reads) * static_cast<double>(m.gen->expert_bytes()) +
+              static_cast<double>(st.kv_tokens_read) * static_cast<double>(m.gen->kv_bytes_per_token());
+    return t;
+}
+
 int64_t RolloutEngine::tokens_generated() const {
     return engine_total(impl_->counts(), spread_ ? &spread_->counts : nullptr, &RankCounts::tokens);
 }

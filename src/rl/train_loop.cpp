@@ -138,6 +138,10 @@ nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step
         {"prompt_tokens", p ? nlohmann::json(p->prompt_tokens) : nlohmann::json(nullptr)},
         {"prompt_tokens_shared", p ? nlohmann::json(p->prompt_tokens_shared) : nlohmann::json(nullptr)},
         {"train_s", r.train_seconds},
+        {"train_peak_bytes", r.train_peak_bytes},
+        {"decode_s", here(p ? p->decode_s : 0)},
+        {"decode_bytes", here(p ? p->decode_bytes : 0)},
+        {"rollout_peak_bytes", p ? nlohmann::json(p->peak_bytes) : nlohmann::json(nullptr)},
         {"train_tokens", r.train.total_tokens},
         {"attention_pairs", r.train.attention_pairs},
         {"publish_s", r.publish_seconds}};

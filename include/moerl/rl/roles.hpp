@@ -51,6 +51,9 @@ struct RolloutStats {
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
     double seconds = 0;         // time spent in work(): generating, scoring, syncing
     double reward_seconds = 0;  // of it, scoring finished responses
+    // Of it, the CUDA engine's decode steps on this process's rank and the bytes they read
+    // (RolloutEngine::decode_traffic).
+    double decode_seconds = 0, decode_bytes = 0;
     // Policy versions loaded into the rollout model, the seconds that took (in all, the newest),
     // the weight bytes copied from the trainer's memory (mem://, cuda-ipc://; over processes every
     // rank's), and how the newest arrived: "memory", "cuda-ipc", "file" or "store".
@@ -132,6 +135,7 @@ struct StepResult {
     int64_t duplicates = 0;  // experiences trained on before a restart, dropped since the last step
     TrainStats train;
     double train_seconds = 0;    // the GRPO update
+    int64_t train_peak_bytes = 0;  // peak GPU memory of the update (this process's device; 0 off the GPU)
     double publish_seconds = 0;  // publishing the new policy version
 };
 

@@ -115,6 +115,18 @@ class RolloutEngine {
     int64_t prompt_tokens() const;
     int64_t prompt_tokens_shared() const;
 
+    // What the CUDA engine's decode steps on this process's rank did since the engine was made: their
+    // wall time (the model's step, drawing the tokens and copying the routing records, as the loop
+    // waits for them) and the bytes they read as `moerl bench rollout` counts them (dense weights,
+    // each distinct routed expert once a layer, the KV cache attended). Zero without the CUDA engine.
+    // Synchronises with the device.
+    struct DecodeTraffic {
+        double seconds = 0;
+        double bytes = 0;
+        int64_t steps = 0;
+    };
+    DecodeTraffic decode_traffic() const;
+
   private:
     struct Impl;
     struct Spread;

@@ -32,6 +32,10 @@ struct ProducedStep {
     int64_t cache_released_bytes = 0;  // KV-cache memory the rollout gave back for training
     // Context tokens prefilled, and of them those taken from a group-mate's cache blocks.
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
+    // Of generate_s, the CUDA engine's decode steps, and the bytes they read (their bandwidth use).
+    double decode_s = 0, decode_bytes = 0;
+    // Peak GPU memory (bytes allocated through LibTorch) while generating; 0 off the GPU.
+    int64_t peak_bytes = 0;
 };
 
 // Produces the experiences the trainer takes, in this process, before each step.
