@@ -417,7 +417,8 @@ struct RolloutEngine::Impl {
         model::StepOutput out;
         const auto decode_t0 = std::chrono::steady_clock::now();
         if (gen) {
-            decode_dense_bytes += static_cast<double>(gen->dense_bytes_per_step(static_cast<int>(slots.size())));
+            decode_dense_bytes +=
+                static_cast<double>(gen->dense_bytes_per_step(static_cast<int>(slots.size())));
             ++decode_steps;
             model::GenerationStep g = gen->decode(slots, at::tensor(in, at::kLong));
             out.logits = g.logits;
@@ -440,7 +441,9 @@ struct RolloutEngine::Impl {
             }
         }
         if (keep.size() < active.size()) keep_rows(keep);
-        if (gen) decode_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - decode_t0).count();
+        if (gen)
+            decode_seconds +=
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - decode_t0).count();
         return done;
     }
 

@@ -47,14 +47,14 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
     while (std::getline(in, line)) {
         auto j = nlohmann::json::parse(line);
         if (drop_timing) {
-            for (const char* timing :
-                 {"tokens_per_s", "step_seconds", "rollout_s", "reward_s", "sync_s", "train_s", "publish_s", "decode_s"})
+            for (const char* timing : {"tokens_per_s", "step_seconds", "rollout_s", "reward_s", "sync_s",
+                                       "train_s", "publish_s", "decode_s"})
                 j.erase(timing);
             // What the producer's call before the step did (a resumed run regenerates the steps
             // ahead that the stopped one had generated).
             for (const char* work :
-                 {"prompt_tokens", "prompt_tokens_shared", "kv_released_bytes", "sync_bytes", "sync_path", "decode_bytes",
-                  "rollout_peak_bytes", "train_peak_bytes"})
+                 {"prompt_tokens", "prompt_tokens_shared", "kv_released_bytes", "sync_bytes", "sync_path",
+                  "decode_bytes", "rollout_peak_bytes", "train_peak_bytes"})
                 j.erase(work);
         }
         out.push_back(j);

@@ -134,9 +134,9 @@ struct StepResult {
     int64_t retried = 0;                // of them, from tasks handed out more than once
     int64_t duplicates = 0;  // experiences trained on before a restart, dropped since the last step
     TrainStats train;
-    double train_seconds = 0;    // the GRPO update
+    double train_seconds = 0;      // the GRPO update
     int64_t train_peak_bytes = 0;  // peak GPU memory of the update (this process's device; 0 off the GPU)
-    double publish_seconds = 0;  // publishing the new policy version
+    double publish_seconds = 0;    // publishing the new policy version
 };
 
 class TrainerRole {
