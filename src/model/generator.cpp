@@ -7,8 +7,10 @@
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 #include "cuda/decode_kernels.hpp"
@@ -525,6 +527,26 @@ int64_t Generator::kv_bytes_per_token() const {
     const Impl& g = *impl_;
     return 2 * static_cast<int64_t>(g.step.k_pool.size()) * g.m.config.num_key_value_heads *
            g.m.config.head_dim * static_cast<int64_t>(at::elementSize(g.m.options.dtype));
+}
+
+at::Tensor sample_on_device(const at::Tensor& logits, const std::vector<double>& uniforms,
+                            double temperature) {
+    MOERL_CHECK(
+        logits.is_cuda() && logits.dim() == 2 && logits.stride(1) == 1 &&
+            (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat),
+        "sample_on_device: logits must be [rows, vocab] bf16 or fp32 on a CUDA device, rows contiguous");
+    const int64_t B = logits.size(0), V = logits.size(1);
+    MOERL_CHECK(static_cast<int64_t>(uniforms.size()) == B, "sample_on_device: ", uniforms.size(),
+                " uniform draws for ", B, " rows");
+    MOERL_CHECK(temperature > 0, "sample_on_device: temperature must be > 0, got ", temperature);
+    MOERL_CHECK(V >= 1 && V <= std::numeric_limits<int>::max(), "sample_on_device: vocabulary of ", V);
+    c10::cuda::CUDAGuard guard(logits.device());
+    const at::Tensor u = at::tensor(uniforms, at::kDouble).to(logits.device());
+    at::Tensor out = at::empty({2, B}, logits.options().dtype(at::kDouble));
+    cuda::launch_sample_rows(logits.scalar_type() == at::kFloat ? 0 : 1, logits.data_ptr(), logits.stride(0),
+                             static_cast<int>(B), static_cast<int>(V), temperature, u.data_ptr<double>(),
+                             out.data_ptr<double>(), c10::cuda::getCurrentCUDAStream().stream());
+    return out.to(at::kCPU);
 }
 
 }  // namespace moerl::model

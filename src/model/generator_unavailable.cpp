@@ -16,6 +16,7 @@ namespace {
 }
 }  // namespace
 
+at::Tensor sample_on_device(const at::Tensor&, const std::vector<double>&, double) { unavailable(); }
 Generator::Generator(const MoeModel&, const GeneratorOptions&) { unavailable(); }
 Generator::~Generator() = default;
 bool Generator::available() { return false; }

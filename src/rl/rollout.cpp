@@ -134,9 +134,37 @@ std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const
                 " uniform draws for ", B, " rows");
     if (B == 0) return {};
     MOERL_CHECK(V >= 1, "sample_tokens: empty vocabulary");
-    // In double on the logits' device: tempered log-probabilities, sorted (stable) most likely first.
     c10::NoGradGuard no_grad;
+    std::vector<std::pair<int, float>> out(B);
+    const bool untruncated = (p.top_k <= 0 || p.top_k >= V) && p.top_p >= 1.0 && p.allowed_tokens.empty();
+    if (untruncated && logits.is_cuda() && model::Generator::available() && logits.stride(1) == 1 &&
+        (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat)) {
+        // The whole distribution on a GPU: one kernel, no sort (the rollout engine's default).
+        const at::Tensor drawn = model::sample_on_device(logits.detach(), uniforms, p.temperature);
+        const double* d = drawn.data_ptr<double>();
+        for (int64_t i = 0; i < B; ++i) out[i] = {static_cast<int>(d[i]), static_cast<float>(d[B + i])};
+        return out;
+    }
+    // In double on the logits' device: tempered log-probabilities.
     at::Tensor z = logits.detach().to(at::kDouble) / p.temperature;
+    const at::Tensor u = at::tensor(uniforms, at::kDouble).to(z.device()).unsqueeze(1);
+    auto emit = [&](const at::Tensor& token, const at::Tensor& logprob) {
+        const at::Tensor tokens = token.squeeze(1).to(at::kCPU, at::kLong).contiguous();
+        const at::Tensor logprobs = logprob.squeeze(1).to(at::kCPU).contiguous();
+        const int64_t* tok = tokens.data_ptr<int64_t>();
+        const double* lp = logprobs.data_ptr<double>();
+        for (int64_t i = 0; i < B; ++i) out[i] = {static_cast<int>(tok[i]), static_cast<float>(lp[i])};
+        return out;
+    };
+    if (untruncated) {
+        // Inverse CDF in vocabulary order: the first token whose running mass exceeds u.
+        const at::Tensor log_norm = at::logsumexp(z, 1, /*keepdim=*/true);
+        const at::Tensor mass = at::cumsum(at::exp(z - log_norm), 1);
+        const at::Tensor target = u * mass.narrow(1, V - 1, 1);
+        const at::Tensor pick = at::clamp_max((mass <= target).sum(1, true), V - 1);
+        return emit(pick, z.gather(1, pick) - log_norm);
+    }
+    // Truncated: sorted (stable) most likely first.
     if (at::Tensor bias = allowed_token_bias(p, V, z.options()); bias.defined()) z = z + bias;
     const at::Tensor log_norm = at::logsumexp(z, 1, /*keepdim=*/true);
     auto [sorted, order] = at::sort(z, /*stable=*/true, /*dim=*/1, /*descending=*/true);
@@ -145,17 +173,10 @@ std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const
     const int64_t top_k = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
     at::Tensor keep = at::full({B, 1}, top_k, order.options());
     if (p.top_p < 1.0) keep = at::minimum(keep, (mass.narrow(1, 0, top_k) < p.top_p).sum(1, true) + 1);
-    // Inverse CDF over the kept mass: the first token whose running mass exceeds u * kept.
-    const at::Tensor u = at::tensor(uniforms, at::kDouble).to(z.device()).unsqueeze(1);
+    // Inverse CDF over the kept mass in that order: the first token whose running mass exceeds u * kept.
     const at::Tensor target = u * mass.gather(1, keep - 1);
     const at::Tensor pick = at::minimum((mass <= target).sum(1, true), keep - 1);
-    const at::Tensor tokens = order.gather(1, pick).squeeze(1).to(at::kCPU).contiguous();
-    const at::Tensor logprobs = (sorted.gather(1, pick) - log_norm).squeeze(1).to(at::kCPU).contiguous();
-    const int64_t* tok = tokens.data_ptr<int64_t>();
-    const double* lp = logprobs.data_ptr<double>();
-    std::vector<std::pair<int, float>> out(B);
-    for (int64_t i = 0; i < B; ++i) out[i] = {static_cast<int>(tok[i]), static_cast<float>(lp[i])};
-    return out;
+    return emit(order.gather(1, pick), sorted.gather(1, pick) - log_norm);
 }
 
 std::pair<int, float> sample_token(const float* logits, int V, const SamplingParams& p, double u) {
@@ -252,11 +273,17 @@ struct RolloutEngine::Impl {
 
     size_t route_width() const { return static_cast<size_t>(num_moe_layers) * top_k; }
 
-    void append_routing(Seq& s, const at::Tensor& r /* [S, M, K] int16 */, int64_t first_col) {
+    // The routing records of a batch [n, S, M, K] (any device and integer type) as one host int16 copy,
+    // so that each row's part is appended by pointer (no tensor operation a row: a decode step of
+    // 128 rows made ~0.6 ms of them).
+    static at::Tensor host_routing(const at::Tensor& r) { return r.to(at::kCPU, at::kShort).contiguous(); }
+
+    // Appends row `row` of host_routing() from column first_col on.
+    void append_routing(Seq& s, const at::Tensor& all, int64_t row, int64_t first_col) {
         if (!record_routing) return;
-        at::Tensor part = r.narrow(0, first_col, r.size(0) - first_col).to(at::kCPU, at::kShort).contiguous();
-        const int16_t* p = part.data_ptr<int16_t>();
-        s.traj.routing.insert(s.traj.routing.end(), p, p + part.numel());
+        const int64_t S = all.size(1), width = all.numel() / std::max<int64_t>(1, all.size(0) * S);
+        const int16_t* p = all.data_ptr<int16_t>() + (row * S + first_col) * width;
+        s.traj.routing.insert(s.traj.routing.end(), p, p + (S - first_col) * width);
     }
 
     // Draws the next token of each sequence in `rows` from the matching row of logits [rows, V].
@@ -343,9 +370,9 @@ struct RolloutEngine::Impl {
             prompt_tokens_shared += out.shared_tokens;
             logits = out.logits;
             if (record_routing) {
-                at::Tensor routing = out.routing.to(at::kCPU);
+                const at::Tensor routing = host_routing(out.routing);
                 for (size_t i = 0; i < n; ++i)
-                    append_routing(joining[i], routing[i],
+                    append_routing(joining[i], routing, static_cast<int64_t>(i),
                                    longest - static_cast<int64_t>(contexts[i].size()));
             }
         } else {
@@ -365,8 +392,11 @@ struct RolloutEngine::Impl {
                 room = std::max<int64_t>(room, s.req.max_new_tokens - (int64_t)s.traj.tokens.size());
             fresh = model.new_cache(B, longest + room + 1);
             model::StepOutput out = model.prefill(fresh, ids, mask, record_routing);
-            if (record_routing)
-                for (size_t i = 0; i < n; ++i) append_routing(joining[i], out.routing[i], pad[i]);
+            if (record_routing) {
+                const at::Tensor routing = host_routing(out.routing);
+                for (size_t i = 0; i < n; ++i)
+                    append_routing(joining[i], routing, static_cast<int64_t>(i), pad[i]);
+            }
             logits = out.logits;
         }
         // Sequences that still need tokens draw one from their prefill logits.
@@ -423,16 +453,17 @@ struct RolloutEngine::Impl {
             model::GenerationStep g = gen->decode(slots, at::tensor(in, at::kLong));
             out.logits = g.logits;
             // [n, M, K] -> [n, 1, M, K]: one column per row, as the eager decode gives.
-            if (record_routing) out.routing = g.routing.to(at::kCPU).unsqueeze(1);
+            if (record_routing) out.routing = g.routing.unsqueeze(1);
         } else
             out = model.decode(cache, at::tensor(in, at::kLong), record_routing);
         std::vector<Seq*> rows;
         for (auto& s : active) rows.push_back(&s);
         const std::vector<std::pair<int, float>> tokens = draw(rows, out.logits);
+        const at::Tensor routing = record_routing ? host_routing(out.routing) : at::Tensor();
         std::vector<int64_t> keep;
         for (size_t i = 0; i < active.size(); ++i) {
             Seq& s = active[i];
-            if (record_routing) append_routing(s, out.routing[i], 0);
+            if (record_routing) append_routing(s, routing, static_cast<int64_t>(i), 0);
             if (take(s, tokens[i].first, tokens[i].second, version)) {
                 release(s);
                 done.push_back(finish(s));

@@ -69,7 +69,8 @@ TEST(Tasks, SortAndAddVerify) {
     EXPECT_DOUBLE_EQ(add->verify(r, r.answer + "1", true), 0.0);
 }
 
-// Straightforward per-row sampling (sort, truncate, walk the cumulative mass) to check the batched one.
+// Straightforward per-row sampling (sort, truncate, walk the cumulative mass; untruncated, walk it in
+// vocabulary order) to check the batched one.
 std::pair<int, double> reference_sample(const std::vector<float>& logits, const SamplingParams& p, double u) {
     const int V = static_cast<int>(logits.size());
     std::vector<double> z(V);
@@ -77,6 +78,13 @@ std::pair<int, double> reference_sample(const std::vector<float>& logits, const 
     for (int i = 0; i < V; ++i) mx = std::max(mx, z[i] = logits[i] / p.temperature);
     for (int i = 0; i < V; ++i) sum += std::exp(z[i] - mx);
     const double log_norm = mx + std::log(sum);
+    if ((p.top_k <= 0 || p.top_k >= V) && p.top_p >= 1.0) {  // untruncated: in vocabulary order
+        double total = 0, acc = 0;
+        for (int i = 0; i < V; ++i) total += std::exp(z[i] - log_norm);
+        for (int i = 0; i < V; ++i)
+            if (u * total < (acc += std::exp(z[i] - log_norm))) return {i, z[i] - log_norm};
+        return {V - 1, z[V - 1] - log_norm};
+    }
     std::vector<int> order(V);
     for (int i = 0; i < V; ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[a] > z[b]; });

@@ -276,7 +276,8 @@ TEST(RlGpu, AGroupsSamplesSharePromptBlocksAndSampleAsOnTheCpu) {
 }
 
 // On the device: the draws follow softmax(logits / T) (chi-square, 5 degrees of freedom, 0.1%
-// critical value 20.5), the same uniforms give the same tokens as on the CPU, top-k keeps k.
+// critical value 20.5), the same uniforms give the same tokens as on the CPU (a 6-token vocabulary
+// and Qwen3's 151936), top-k keeps k.
 TEST(RlGpu, SamplingOnTheDeviceDrawsFromTheDistribution) {
     SKIP_WITHOUT_CUDA();
     const std::vector<float> row = {1.0f, 0.5f, -0.3f, 2.0f, 0.0f, -1.0f};
@@ -303,6 +304,20 @@ TEST(RlGpu, SamplingOnTheDeviceDrawsFromTheDistribution) {
     for (const auto& [tok, lp] : sample_tokens(logits.to(at::kCUDA).narrow(0, 0, 500), p,
                                                std::vector<double>(u.begin(), u.begin() + 500)))
         EXPECT_TRUE(tok == 3 || tok == 0) << tok;
+    // A real vocabulary in bf16 (the rollout engine's logits): the device kernel's chunks and scan
+    // give the CPU's draws and log-probabilities.
+    p = SamplingParams{};
+    p.temperature = 1.0;
+    const int B = 64, kVocab = 151936;
+    at::manual_seed(5);
+    const at::Tensor big = (at::randn({B, kVocab}) * 3).to(at::kBFloat16);
+    std::vector<double> ub(B);
+    for (int i = 0; i < B; ++i) ub[i] = uniform_draw(7, static_cast<uint64_t>(i));
+    const auto dev = sample_tokens(big.to(at::kCUDA), p, ub), host = sample_tokens(big, p, ub);
+    for (int i = 0; i < B; ++i) {
+        EXPECT_EQ(dev[i].first, host[i].first) << "row " << i;
+        EXPECT_NEAR(dev[i].second, host[i].second, 1e-5) << "row " << i;
+    }
 }
 
 // After an update on the GPU, a bf16 generator that copied the trainer's weights in place decodes

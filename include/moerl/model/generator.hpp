@@ -113,6 +113,14 @@ struct GeneratorStats {
     int64_t prefill_tokens_shared = 0;  // prompt tokens taken from an identical prompt's cache instead
 };
 
+// One token a row of logits [B, V] (bf16 or fp32 on a CUDA device, rows contiguous) drawn from
+// softmax(logits / temperature) in one kernel: the first token in vocabulary order whose running mass
+// exceeds uniforms[b] x the row's mass (accumulated in double, as rl::sample_tokens does on the CPU).
+// Returns [2, B] double on the host: the tokens, then their log-probabilities. Throws where
+// Generator::available() is false.
+at::Tensor sample_on_device(const at::Tensor& logits, const std::vector<double>& uniforms,
+                            double temperature);
+
 class Generator {
   public:
     // The model must live on a CUDA device and outlive the generator, and hold every expert unless

@@ -42,8 +42,10 @@ at::Tensor allowed_token_bias(const SamplingParams& params, int64_t vocab_size,
 
 // Samples one token per row of logits [rows, V] (any float dtype, CPU or CUDA; computed in double
 // there): temperature, then top-k, then top-p, then the inverse CDF of the kept mass at uniforms[row]
-// (in [0, 1)). Returns each row's token and its log-probability under the tempered (untruncated)
-// distribution, which is what the trainer recomputes.
+// (in [0, 1)), most likely token first. Without truncation (top_k off or >= V, top_p 1, every token
+// allowed: the RL default) the inverse CDF runs in vocabulary order instead, with no sort: one kernel
+// on a GPU (model::sample_on_device), the same draws on the CPU. Returns each row's token and its
+// log-probability under the tempered (untruncated) distribution, which is what the trainer recomputes.
 std::vector<std::pair<int, float>> sample_tokens(const at::Tensor& logits, const SamplingParams& params,
                                                  const std::vector<double>& uniforms);
 // The same for one row of logits [V].

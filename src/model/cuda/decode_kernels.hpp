@@ -218,4 +218,11 @@ void launch_moe_down_combine_routed(int dtype, const void* act, const void* down
 void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long long* keys, int* blocks_done,
                    int64_t* out, int* advance_position, const Launch& launch);
 
+// One token a row of logits [B, V] (rows row_stride apart) drawn from softmax(logits / temperature):
+// the first token in vocabulary order whose running mass exceeds uniforms[b] x the row's mass, the
+// masses accumulated in double. out [2, B]: the tokens (as doubles), then their log-probabilities.
+// One block a row.
+void launch_sample_rows(int dtype, const void* logits, int64_t row_stride, int B, int V, double temperature,
+                        const double* uniforms, double* out, cudaStream_t stream);
+
 }  // namespace moerl::model::cuda
