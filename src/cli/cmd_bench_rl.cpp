@@ -162,7 +162,7 @@ void bench_rl(const RlBenchArgs& a) {
     std::printf("%5s %9s %9s %9s %9s %9s %9s %9s %11s %11s %7s\n", "step", "rollout_s", "reward_s", "sync_s",
                 "train_s", "publish_s", "other_s", "step_s", "gen_tok/s", "train_tok/s", "mfu");
     std::vector<double> share_other, rollout, train, sync, step_s, gen_rate, train_rate, mfu;
-    double decode_s = 0, decode_bytes = 0, rollout_peak = 0, train_peak = 0;
+    double decode_s = 0, decode_bytes = 0, decode_steps = 0, rollout_peak = 0, train_peak = 0;
     for (const auto& r : rows) {
         const double ro = number(r, "rollout_s"), rw = number(r, "reward_s"), sy = number(r, "sync_s"),
                      tr = number(r, "train_s"), pu = number(r, "publish_s"), st = number(r, "step_seconds");
@@ -188,6 +188,7 @@ void bench_rl(const RlBenchArgs& a) {
         mfu.push_back(util);
         decode_s += number(r, "decode_s");
         decode_bytes += number(r, "decode_bytes");
+        decode_steps += number(r, "decode_steps");
         rollout_peak = std::max(rollout_peak, number(r, "rollout_peak_bytes"));
         train_peak = std::max(train_peak, number(r, "train_peak_bytes"));
     }
@@ -207,10 +208,12 @@ void bench_rl(const RlBenchArgs& a) {
         // device's copy bandwidth, bytes counted as `moerl bench rollout` counts them.
         const double bw = decode_bytes / decode_s, copy = copy_bandwidth(at::Device(at::kCUDA, 0));
         std::printf(
-            "decode steps: %.3f s, %s read (dense weights, distinct experts, KV cache attended): %.0f GB/s, "
-            "%.1f%% of the device copy bandwidth (%.0f GB/s)%s\n",
-            decode_s, human_bytes(decode_bytes).c_str(), bw / 1e9, 100 * bw / copy, copy / 1e9,
-            cfg.rollout_ranks > 1 ? "; rank 0 of the rollout engine" : "");
+            "decode steps: %.0f in %.3f s (%.3f ms a step, %s a step read: dense weights, distinct experts, "
+            "KV "
+            "cache attended): %.0f GB/s, %.1f%% of the device copy bandwidth (%.0f GB/s)%s\n",
+            decode_steps, decode_s, 1e3 * decode_s / std::max(1.0, decode_steps),
+            human_bytes(decode_bytes / std::max(1.0, decode_steps)).c_str(), bw / 1e9, 100 * bw / copy,
+            copy / 1e9, cfg.rollout_ranks > 1 ? "; rank 0 of the rollout engine" : "");
     }
     if (rollout_peak > 0 || train_peak > 0)
         std::printf("peak GPU memory: rollout %s, training %s\n", human_bytes(rollout_peak).c_str(),

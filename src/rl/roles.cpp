@@ -714,6 +714,7 @@ struct RolloutWorker::Impl {
         const RolloutEngine::DecodeTraffic decode1 = engine->decode_traffic();
         stats.decode_seconds += decode1.seconds - decode0.seconds;
         stats.decode_bytes += decode1.bytes - decode0.bytes;
+        stats.decode_steps += decode1.steps - decode0.steps;
         stats.seconds += std::chrono::duration<double>(Clock::now() - t0).count();
         return static_cast<size_t>(stats.pushed - pushed_before);
     }

@@ -61,6 +61,7 @@ class LocalProducer final : public ExperienceProducer {
         p.prompt_tokens_shared = after.prompt_tokens_shared - before.prompt_tokens_shared;
         p.decode_s = after.decode_seconds - before.decode_seconds;
         p.decode_bytes = after.decode_bytes - before.decode_bytes;
+        p.decode_steps = after.decode_steps - before.decode_steps;
         if (reward_) {  // the reward model's pass over what this step generated
             const auto t0 = std::chrono::steady_clock::now();
             reward_->work(control::Millis(0));

@@ -141,6 +141,7 @@ nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step
         {"train_peak_bytes", r.train_peak_bytes},
         {"decode_s", here(p ? p->decode_s : 0)},
         {"decode_bytes", here(p ? p->decode_bytes : 0)},
+        {"decode_steps", p ? nlohmann::json(p->decode_steps) : nlohmann::json(nullptr)},
         {"rollout_peak_bytes", p ? nlohmann::json(p->peak_bytes) : nlohmann::json(nullptr)},
         {"train_tokens", r.train.total_tokens},
         {"attention_pairs", r.train.attention_pairs},

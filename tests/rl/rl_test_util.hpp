@@ -54,7 +54,7 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
             // ahead that the stopped one had generated).
             for (const char* work :
                  {"prompt_tokens", "prompt_tokens_shared", "kv_released_bytes", "sync_bytes", "sync_path",
-                  "decode_bytes", "rollout_peak_bytes", "train_peak_bytes"})
+                  "decode_bytes", "decode_steps", "rollout_peak_bytes", "train_peak_bytes"})
                 j.erase(work);
         }
         out.push_back(j);

@@ -54,6 +54,7 @@ struct RolloutStats {
     // Of it, the CUDA engine's decode steps on this process's rank and the bytes they read
     // (RolloutEngine::decode_traffic).
     double decode_seconds = 0, decode_bytes = 0;
+    int64_t decode_steps = 0;
     // Policy versions loaded into the rollout model, the seconds that took (in all, the newest),
     // the weight bytes copied from the trainer's memory (mem://, cuda-ipc://; over processes every
     // rank's), and how the newest arrived: "memory", "cuda-ipc", "file" or "store".

@@ -34,6 +34,7 @@ struct ProducedStep {
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
     // Of generate_s, the CUDA engine's decode steps, and the bytes they read (their bandwidth use).
     double decode_s = 0, decode_bytes = 0;
+    int64_t decode_steps = 0;
     // Peak GPU memory (bytes allocated through LibTorch) while generating; 0 off the GPU.
     int64_t peak_bytes = 0;
 };
