@@ -66,105 +66,129 @@ void launch_argmax(int dtype, const void* logits, int B, int V, unsigned long lo
 }
 
 // ---- sampling: one token a row from softmax(logits / T) by the inverse CDF in vocabulary order ----
-// One block a row; thread t owns the contiguous chunk [t * chunk, (t + 1) * chunk) of the vocabulary.
-// Pass 1 folds each chunk into its maximum and its mass relative to it (double); a block scan of the
-// chunks' masses (rescaled to the row's maximum) finds the chunk where u x the row's mass falls, and
-// that chunk's thread walks it again to find the token. The logits are read once, the chunk twice.
+// One block a row; warp w owns the contiguous chunk [w * chunk, (w + 1) * chunk) of the vocabulary and
+// its lanes read it 32 consecutive logits at a time. Pass 1 folds each warp's chunk into its maximum
+// and its mass relative to it (double); one thread turns the 32 masses into intervals of the row's
+// running mass; the warp whose interval holds u x the row's mass walks its chunk again a tile at a
+// time (a warp scan each) to find the token. The logits are read once, one chunk twice.
 namespace {
 
 constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
+constexpr int kSampleAhead = 8;
+
+// (m, s) folded with (m2, s2): the sum of exp(z - max) of both parts, relative to the larger maximum.
+__device__ __forceinline__ void fold_mass(double& m, double& s, double m2, double s2) {
+    if (s2 <= 0) return;
+    if (s <= 0 || m2 > m) {
+        s = s2 + (s > 0 ? s * exp(m - m2) : 0.0);
+        m = m2;
+    } else {
+        s += s2 * exp(m2 - m);
+    }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kSampleThreads)
     sample_rows_kernel(const T* logits, int64_t stride, int V, double inv_temperature, const double* uniforms,
                        double* out) {
-    __shared__ double warp_max[kSampleWarps], warp_sum[kSampleWarps];
-    __shared__ int warp_last[kSampleWarps];
-    __shared__ double row_max;
-    __shared__ int last_thread;
-    const int b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    __shared__ double warp_m[kSampleWarps], warp_s[kSampleWarps], before[kSampleWarps + 1];
+    __shared__ double row_max, row_mass;
+    __shared__ int last_warp;
+    const int b = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const T* row = logits + static_cast<int64_t>(b) * stride;
-    const int chunk = (V + kSampleThreads - 1) / kSampleThreads;
-    const int begin = min(V, t * chunk), end = min(V, begin + chunk);
-    double m = -INFINITY, s = 0;  // the chunk's maximum and sum of exp(z - m); -inf logits weigh 0
-    for (int i = begin; i < end; ++i) {
-        const double z = static_cast<double>(to_float(row[i])) * inv_temperature;
-        if (!(z > -INFINITY)) continue;
-        if (z > m) {
-            s = s * exp(m - z) + 1.0;
-            m = z;
-        } else {
-            s += exp(z - m);
+    const int chunk = ((V + kSampleWarps - 1) / kSampleWarps + 31) / 32 * 32;
+    const int begin = min(V, warp * chunk), end = min(V, begin + chunk);
+    // Pass 1: this lane's maximum and mass, then the warp's; -inf (and NaN) logits weigh nothing.
+    // kSampleAhead loads of a lane in flight before any is used: one at a time, a row took as many
+    // memory round trips as its chunk has tiles.
+    double m = -INFINITY, s = 0;
+    for (int first = begin; first < end; first += 32 * kSampleAhead) {
+        float v[kSampleAhead];
+#pragma unroll
+        for (int k = 0; k < kSampleAhead; ++k) {
+            const int i = first + 32 * k + lane;
+            v[k] = i < end ? to_float(row[i]) : -INFINITY;
+        }
+#pragma unroll
+        for (int k = 0; k < kSampleAhead; ++k) {
+            const double z = static_cast<double>(v[k]) * inv_temperature;
+            if (z > -INFINITY) fold_mass(m, s, z, 1.0);
         }
     }
-    // The row's maximum.
-    double x = m;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = fmax(x, __shfl_xor_sync(kFullMask, x, o));
-    if (lane == 0) warp_max[warp] = x;
-    __syncthreads();
-    if (t == 0) {
-        double v = warp_max[0];
-        for (int w = 1; w < kSampleWarps; ++w) v = fmax(v, warp_max[w]);
-        row_max = v;
+    for (int o = 16; o > 0; o >>= 1) {
+        const double m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
+        fold_mass(m, s, m2, s2);
     }
+    if (lane == 0) warp_m[warp] = m, warp_s[warp] = s;
     __syncthreads();
-    const double M = row_max;
-    const double c = s > 0 ? s * exp(m - M) : 0.0;  // the chunk's mass in the row's units
-    // Inclusive scan of the chunks' masses in thread order, and the last thread with any mass.
-    double inc = c;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const double y = __shfl_up_sync(kFullMask, inc, o);
-        if (lane >= o) inc += y;
-    }
-    int last = c > 0 ? t : -1;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(kFullMask, last, o));
-    if (lane == 31) warp_sum[warp] = inc;
-    if (lane == 0) warp_last[warp] = last;
-    __syncthreads();
-    if (t == 0) {
+    if (threadIdx.x == 0) {
+        double mx = -INFINITY;
+        for (int w = 0; w < kSampleWarps; ++w)
+            if (warp_s[w] > 0) mx = fmax(mx, warp_m[w]);
+        // Warp w's interval of the running mass is [before[w], before[w + 1]): the same numbers bound
+        // neighbouring intervals, so they tile [0, mass) whatever the rounding.
         double acc = 0;
-        int l = -1;
+        int last = -1;
         for (int w = 0; w < kSampleWarps; ++w) {
-            const double v = warp_sum[w];
-            warp_sum[w] = acc;  // exclusive: the mass of the warps before
-            acc += v;
-            l = max(l, warp_last[w]);
+            before[w] = acc;
+            const double c = warp_s[w] > 0 ? warp_s[w] * exp(warp_m[w] - mx) : 0.0;
+            warp_s[w] = c;  // now the warp's mass in the row's units
+            if (c > 0) {
+                acc += c;
+                last = w;
+            }
         }
-        row_max = acc;  // now the row's mass
-        last_thread = l;
+        before[kSampleWarps] = acc;
+        row_max = mx, row_mass = acc, last_warp = last;
     }
     __syncthreads();
-    // This chunk's interval [before, upto) of the row's running mass: upto of the thread before it
-    // is its before, so the intervals tile [0, total) with no gap or overlap whatever the rounding.
-    const double total = row_max, upto = warp_sum[warp] + inc;
-    double before = __shfl_up_sync(kFullMask, upto, 1);
-    if (lane == 0) before = warp_sum[warp];
-    if (last_thread < 0) {  // no finite logit: the first token, log-prob -inf
-        if (t == 0) out[b] = 0, out[gridDim.x + b] = -INFINITY;
+    if (last_warp < 0) {  // no finite logit: the first token, log-prob -inf
+        if (threadIdx.x == 0) out[b] = 0, out[gridDim.x + b] = -INFINITY;
         return;
     }
-    const double target = uniforms[b] * total;
-    const bool mine = c > 0 && before <= target && (target < upto || t == last_thread);
+    const double M = row_max, total = row_mass, target = uniforms[b] * total;
+    const bool mine =
+        warp_s[warp] > 0 && before[warp] <= target && (target < before[warp + 1] || warp == last_warp);
     if (!mine) return;
-    // The first token whose running mass exceeds the target (rounding aside: this chunk's last token
-    // with any mass).
-    double acc = before;
-    int pick = -1;
-    double pick_z = 0;
-    for (int i = begin; i < end; ++i) {
-        const double z = static_cast<double>(to_float(row[i])) * inv_temperature;
-        if (!(z > -INFINITY)) continue;
-        const double p = exp(z - M);
-        if (p <= 0) continue;
-        pick = i, pick_z = z;
-        if ((acc += p) > target) break;
+    // Pass 2, one warp: the first token whose running mass exceeds the target (rounding aside: the
+    // chunk's last token with any mass).
+    double acc = before[warp];
+    int found = -1, last_with_mass = -1;
+    for (int group = begin; group < end && found < 0; group += 32 * kSampleAhead) {
+        float v[kSampleAhead];
+#pragma unroll
+        for (int k = 0; k < kSampleAhead; ++k) {
+            const int i = group + 32 * k + lane;
+            v[k] = i < end ? to_float(row[i]) : -INFINITY;
+        }
+#pragma unroll
+        for (int k = 0; k < kSampleAhead; ++k) {
+            const int first = group + 32 * k;
+            const double z = static_cast<double>(v[k]) * inv_temperature;
+            const double p = z > -INFINITY ? exp(z - M) : 0.0;
+            double inc = p;  // the tile's running mass up to this lane
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const double y = __shfl_up_sync(kFullMask, inc, o);
+                if (lane >= o) inc += y;
+            }
+            const unsigned over = __ballot_sync(kFullMask, p > 0 && acc + inc > target);
+            if (over != 0) {
+                found = first + __ffs(over) - 1;
+                break;
+            }
+            const unsigned with_mass = __ballot_sync(kFullMask, p > 0);
+            if (with_mass != 0) last_with_mass = first + 31 - __clz(with_mass);
+            acc += __shfl_sync(kFullMask, inc, 31);
+        }
     }
+    if (lane != 0) return;
+    const int pick = found >= 0 ? found : last_with_mass;
+    const double z = static_cast<double>(to_float(row[pick])) * inv_temperature;
     out[b] = static_cast<double>(pick);
-    out[gridDim.x + b] = pick_z - M - log(total);
+    out[gridDim.x + b] = z - M - log(total);
 }
 
 }  // namespace
