@@ -15,9 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -31,36 +29,20 @@
 #include "moerl/core/log.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
-#include "moerl/model/device_memory.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/rl/grpo.hpp"
 #include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/reward_worker.hpp"
 #include "moerl/rl/rollout.hpp"
 #include "policy_broadcast.hpp"
+#include "role_common.hpp"
 
 namespace moerl::rl {
 
 namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-std::string checkpoint_name(int64_t next_step) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "ckpt-%08lld", static_cast<long long>(next_step));
-    return buf;
-}
-
-// Policy versions live in the store as "policy-v{N}" checkpoints, as a plain directory
-// ("file:///dir") when trainer and workers share a file system, in the trainer's memory
-// ("mem://{id}") when they share this process (the embedded control plane), or as CUDA IPC
-// handles on the trainer's GPU weights ("cuda-ipc:///dir/ipc-v{N}.json", cuda_ipc.hpp) when they
-// are processes of one machine launched together.
-constexpr const char* kStorePrefix = "store:";
-constexpr const char* kMemoryPrefix = "mem://";
-constexpr const char* kCudaIpcPrefix = "cuda-ipc://";
-
-bool is_cuda_ipc(const std::string& uri) { return uri.rfind(kCudaIpcPrefix, 0) == 0; }
+using namespace detail;  // role_common.hpp: policy names, the trainers of this process
 
 // How a policy URI arrives (RolloutStats::sync_path).
 std::string policy_path(const std::string& uri) {
@@ -71,137 +53,12 @@ std::string policy_path(const std::string& uri) {
     return "store";
 }
 
-// The trainers of this process, by the run's checkpoint store (a trainer resumed on the same run
-// takes its predecessor's place): rollout workers here copy their weights directly (mem://), and
-// readers of their CUDA IPC exports ask them whether the weights changed during a copy, or for a
-// version as files when CUDA IPC fails.
-class InProcessPolicies {
-  public:
-    struct Entry {
-        const PolicyTrainer* trainer = nullptr;
-        // Writes policy `version` as files, publishing files from then on (why: CUDA IPC failed);
-        // returns its file:// URI. Empty where the trainer publishes no CUDA IPC.
-        std::function<std::string(int64_t version, const std::string& why)> files_instead;
-    };
-    static std::string add(const std::string& store_uri, Entry entry) {
-        std::lock_guard lock(mutex());
-        table()[store_uri] = std::move(entry);
-        return store_uri;
-    }
-    static void remove(const std::string& id, const PolicyTrainer* trainer) {
-        std::lock_guard lock(mutex());
-        auto it = table().find(id);
-        if (it != table().end() && it->second.trainer == trainer) table().erase(it);
-    }
-    // Copies the trainer's current weights into `dst`'s: each dense weight from the trainer's first
-    // rank, each expert stack in one copy per trainer rank holding some of its experts (a few
-    // copies a layer). Returns the bytes written.
-    static int64_t copy(const std::string& id, const model::MoeModel& dst) {
-        std::lock_guard lock(mutex());
-        auto it = table().find(id);
-        MOERL_CHECK(it != table().end(), "rollout: policy ", kMemoryPrefix, id,
-                    " is not in this process (mem:// policies need the embedded control plane)");
-        c10::NoGradGuard no_grad;
-        struct Source {
-            int first_expert;
-            at::Tensor tensor;
-        };
-        std::map<std::string, std::vector<Source>> by_name;
-        for (const TrainerRankWeights& rank : it->second.trainer->rank_weights())
-            for (const model::NamedParameter& w : rank.weights)
-                by_name[w.name].push_back({w.expert ? rank.first_expert : -1, w.tensor.detach()});
-        const int64_t first = dst.first_local_expert();
-        int64_t bytes = 0;
-        std::set<std::string> placed;
-        for (const model::NamedParameter& w : dst.named_parameters()) {
-            const at::Tensor d = w.tensor.detach();
-            auto src = by_name.find(w.name);
-            MOERL_CHECK(src != by_name.end(), "rollout: the rollout model's weight ", w.name,
-                        " is not among the trainer's");
-            placed.insert(w.name);
-            bytes += d.numel() * static_cast<int64_t>(d.element_size());
-            if (!w.expert) {
-                const at::Tensor& s = src->second.front().tensor;
-                MOERL_CHECK(src->second.front().first_expert < 0, "rollout: ", w.name,
-                            " is an expert stack in the trainer, a dense weight in the rollout model");
-                MOERL_CHECK(d.sizes() == s.sizes(), "rollout: weight ", w.name, " is ", s.sizes(),
-                            " in the trainer but ", d.sizes(), " in the rollout model");
-                d.copy_(s);
-                continue;
-            }
-            // Rows first .. first + L - 1 of the rollout's stack, each from the trainer rank holding it.
-            std::vector<std::pair<int64_t, int64_t>> held;
-            for (const Source& s : src->second) {
-                MOERL_CHECK(s.first_expert >= 0, "rollout: ", w.name,
-                            " is a dense weight in the trainer, an expert stack in the rollout model");
-                MOERL_CHECK(s.tensor.sizes().slice(1) == d.sizes().slice(1), "rollout: the experts of ",
-                            w.name, " are ", s.tensor.sizes().slice(1), " in the trainer but ",
-                            d.sizes().slice(1), " in the rollout model");
-                held.emplace_back(s.first_expert, s.tensor.size(0));
-            }
-            for (const detail::ExpertRows& r : detail::expert_rows(
-                     first, d.size(0), held, std::string("rollout: ") + kMemoryPrefix + id, w.name))
-                d.narrow(0, r.dst_row, r.rows)
-                    .copy_(src->second[r.source].tensor.narrow(0, r.src_row, r.rows));
-        }
-        for (const auto& [name, sources] : by_name)
-            MOERL_CHECK(placed.count(name) > 0, "rollout: the trainer's weight ", name,
-                        " has no place in the rollout model");
-        return bytes;
-    }
-    static bool has(const std::string& id) {
-        std::lock_guard lock(mutex());
-        return table().count(id) > 0;
-    }
-    // The trainer's PolicyTrainer::weight_writes(); nullopt when it is not in this process.
-    static std::optional<int64_t> weight_writes(const std::string& id) {
-        std::lock_guard lock(mutex());
-        auto it = table().find(id);
-        if (it == table().end()) return std::nullopt;
-        return it->second.trainer->weight_writes();
-    }
-    // Entry::files_instead of the trainer `id`; nullopt when it is not here or publishes no CUDA IPC.
-    static std::optional<std::string> files_instead(const std::string& id, int64_t version,
-                                                    const std::string& why) {
-        std::function<std::string(int64_t, const std::string&)> fn;
-        {
-            std::lock_guard lock(mutex());
-            auto it = table().find(id);
-            if (it == table().end() || !it->second.files_instead) return std::nullopt;
-            fn = it->second.files_instead;
-        }
-        return fn(version, why);  // without the lock: it writes files through the trainer's ranks
-    }
-
-  private:
-    static std::mutex& mutex() {
-        static std::mutex m;
-        return m;
-    }
-    static std::map<std::string, Entry>& table() {
-        static std::map<std::string, Entry> t;  // GUARDED_BY(mutex())
-        return t;
-    }
-};
-
 std::string read_text(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     MOERL_CHECK(in.good(), "cannot read ", path);
     std::ostringstream ss;
     ss << in.rdbuf();
     return ss.str();
-}
-
-// Writes `text` to `path` whole: a reader sees the old file or the new one.
-void write_text(const fs::path& path, const std::string& text) {
-    const fs::path tmp = path.string() + ".part";
-    {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        out << text;
-        out.close();
-        MOERL_CHECK(out.good(), "cannot write ", tmp.string());
-    }
-    fs::rename(tmp, path);
 }
 
 std::string error_text(const std::exception& e) {
@@ -256,6 +113,28 @@ struct RolloutModel {
     void abandon_buffer() { (void)buffer.release(); }
 };
 }  // namespace
+
+namespace detail {
+
+std::string checkpoint_name(int64_t next_step) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "ckpt-%08lld", static_cast<long long>(next_step));
+    return buf;
+}
+
+// Writes `text` to `path` whole: a reader sees the old file or the new one.
+void write_text(const fs::path& path, const std::string& text) {
+    const fs::path tmp = path.string() + ".part";
+    {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        out << text;
+        out.close();
+        MOERL_CHECK(out.good(), "cannot write ", tmp.string());
+    }
+    fs::rename(tmp, path);
+}
+
+}  // namespace detail
 
 model::ModelOptions role_model_options(const RunConfig& c, const std::string& device,
                                        const std::string& dtype, const char* key) {
@@ -406,7 +285,9 @@ std::string prompt_source_key(const RunConfig& c) {
     return k.dump();
 }
 
-// One source per thread, kept while the config's prompt keys stay the same.
+}  // namespace
+
+namespace detail {
 const PromptSource& prompt_source(const RunConfig& c) {
     static thread_local std::unique_ptr<PromptSource> source;
     static thread_local std::string key;
@@ -417,7 +298,9 @@ const PromptSource& prompt_source(const RunConfig& c) {
     }
     return *source;
 }
+}  // namespace detail
 
+namespace {
 TaskPayload payload_of(const RunConfig& c, const Prompt& prompt, int64_t step, int prompt_idx,
                        int sample_idx) {
     TaskPayload p;
@@ -816,377 +699,6 @@ Evaluator::Evaluator(const RunConfig& config, ControlPlane& control, std::string
     : impl_(std::make_unique<Impl>(config, control, std::move(cache_dir))) {}
 Evaluator::~Evaluator() = default;
 EvalResult Evaluator::run() { return impl_->run(); }
-
-// ---- train -----------------------------------------------------------------------------------
-struct TrainerRole::Impl {
-    RunConfig cfg;
-    ControlPlane& cp;
-    std::string work_dir;
-    std::unique_ptr<PolicyTrainer> trainer;
-    int64_t version = 0;
-    int64_t env_next = 0;
-    std::string consumer = "trainer";
-    // Experiences taken but not yet trained on, by step and task id (with their delivery ids).
-    std::map<int64_t, std::map<std::string, std::pair<ExperienceRecord, std::string>>> held;
-    // Trained on (exactly once): every task of the steps before consumed_below (steps are trained
-    // in order), and the ids in `consumed` (an older checkpoint's list).
-    int64_t consumed_below = 0;
-    std::set<std::string> consumed;
-    int64_t duplicates = 0;  // dropped by take_available since the last step
-
-    // How new versions reach the rollout workers (PolicyHandoff, resolved): from memory, by CUDA
-    // IPC, or as files (also where CUDA IPC failed).
-    enum class Route { kFiles, kMemory, kCudaIpc, kBroadcast };
-    Route route = Route::kFiles;
-    std::unique_ptr<detail::PolicyBroadcaster> broadcaster;  // Route::kBroadcast
-    std::vector<std::string> receivers;                      // of the last broadcast
-    std::string in_process_id;   // set when readers here ask this trainer (InProcessPolicies)
-    double publish_seconds = 0;  // of the last publish_policy()
-    int64_t files_version = -1;  // the version whose files publish_policy or files_instead wrote last
-
-    Impl(const RunConfig& c, ControlPlane& control, std::string dir, PolicyHandoff handoff,
-         const RoleProcesses* processes)
-        : cfg(c), cp(control), work_dir(std::move(dir)) {
-        fs::create_directories(work_dir);
-        trainer = std::make_unique<PolicyTrainer>(cfg, work_dir, processes);
-        // Over processes this one holds only its own experts: memory will not do.
-        const bool spread = processes != nullptr && processes->world_size > 1;
-        if (handoff == PolicyHandoff::kBroadcast) {
-            MOERL_CHECK(!spread, cfg.source, ": sync.transfer: broadcast needs the trainer in one process");
-            const std::string why = detail::policy_broadcast_unavailable();
-            MOERL_CHECK(why.empty(), cfg.source, ": sync.transfer: broadcast, but ", why);
-            detail::BroadcastOptions o;
-            o.address = broadcast_address();
-            o.port = static_cast<int>(env::get_int("MOERL_SYNC_PORT", cfg.sync_port));
-            MOERL_CHECK(o.port >= 0 && o.port < 65536, "MOERL_SYNC_PORT = ", o.port, " is not a port number");
-            o.timeout_s = cfg.sync_timeout_s;
-            o.join_timeout_s = cfg.sync_join_timeout_s;
-            o.log = [](const std::string& text) { log_line(text); };
-            broadcaster = std::make_unique<detail::PolicyBroadcaster>(std::move(o));
-            route = Route::kBroadcast;
-            in_process_id = InProcessPolicies::add(cp.store->uri(), {trainer.get(), nullptr});
-            log_line(
-                "policies go to the rollout workers by broadcast from " +
-                broadcaster->uri(in_process_id).substr(0, broadcaster->uri(in_process_id).rfind('/') + 1) +
-                " (sync.transfer: broadcast)");
-        } else if (handoff == PolicyHandoff::kInProcess && !spread) {
-            route = Route::kMemory;
-            in_process_id = InProcessPolicies::add(cp.store->uri(), {trainer.get(), nullptr});
-        } else if (handoff != PolicyHandoff::kFiles) {
-            const std::string why = cuda_ipc_unavailable();
-            if (why.empty()) {
-                route = Route::kCudaIpc;
-                in_process_id = InProcessPolicies::add(
-                    cp.store->uri(), {trainer.get(), [this](int64_t v, const std::string& failure) {
-                                          return files_instead(v, failure);
-                                      }});
-            } else {
-                log_line("policies go between the processes as files: " + why);
-            }
-        }
-    }
-    ~Impl() {
-        if (!in_process_id.empty()) InProcessPolicies::remove(in_process_id, trainer.get());
-    }
-
-    // sync.address, else MOERL_SYNC_ADDRESS (a pod's IP from the downward API), else the hostname.
-    std::string broadcast_address() const {
-        if (!cfg.sync_address.empty()) return cfg.sync_address;
-        if (auto from_env = env::get("MOERL_SYNC_ADDRESS")) return *from_env;
-        char host[256] = {};
-        ::gethostname(host, sizeof(host) - 1);
-        return host;
-    }
-
-    std::vector<detail::BroadcastSource> broadcast_sources() const {
-        std::vector<detail::BroadcastSource> sources;
-        for (TrainerRankWeights& r : trainer->rank_weights())
-            sources.push_back({r.first_expert, std::move(r.weights)});
-        return sources;
-    }
-    void say_receivers(const std::vector<std::string>& now) {
-        if (now == receivers) return;
-        receivers = now;
-        std::string names;
-        for (const auto& n : now) names += (names.empty() ? "" : ", ") + n;
-        log_line("policy v" + std::to_string(version) + " broadcast to " + std::to_string(now.size()) +
-                 " rollout worker" + (now.size() == 1 ? "" : "s") + (now.empty() ? "" : ": " + names) +
-                 " (generation " + std::to_string(broadcaster->generation()) + ")");
-    }
-
-    // Why CUDA IPC cannot carry the policies ("" where it may: the export may still fail).
-    std::string cuda_ipc_unavailable() const {
-        if (cfg.train_device != "cuda" || cfg.rollout_device != "cuda")
-            return "CUDA IPC needs train.device and rollout.device cuda (here " + cfg.train_device + " and " +
-                   cfg.rollout_device + ")";
-        if (!detail::cuda_ipc_compiled())
-            return "this build has no CUDA runtime (MOERL_WITH_CUDA off), so no CUDA IPC";
-        return "";
-    }
-
-    void fall_back_to_files(const std::string& why) {
-        route = Route::kFiles;
-        log_line("policies go between the processes as files from v" + std::to_string(version) +
-                 " on: " + why);
-    }
-
-    // A rollout rank could not take version v by CUDA IPC: its files instead, and files from now on.
-    std::string files_instead(int64_t v, const std::string& why) {
-        MOERL_CHECK(v == version, "trainer: asked for policy v", v, " as files, but its weights are v",
-                    version);
-        if (route == Route::kCudaIpc) fall_back_to_files("CUDA IPC failed in the rollout: " + why);
-        const fs::path dir = files_version == v ? policy_files_dir(v) : write_policy_files();
-        return "file://" + fs::absolute(dir).string();
-    }
-
-    fs::path policy_files_dir(int64_t v) const {
-        return fs::path(work_dir) / "policy" / ("v" + std::to_string(v));
-    }
-    // The current version's files (every rank's experts), the version before last removed: a worker
-    // may still be loading the previous one.
-    fs::path write_policy_files() {
-        const fs::path dir = policy_files_dir(version);
-        trainer->save_weights(dir.string());
-        copy_tokenizer_files(cfg, dir.string());
-        files_version = version;
-        std::error_code ec;
-        fs::remove_all(policy_files_dir(version - 2), ec);
-        return dir;
-    }
-
-    // Registers `uri` for the current version (a restarted trainer finds its version registered
-    // already in a persistent registry).
-    void register_version(const std::string& uri) {
-        auto latest = cp.registry->latest();
-        if (!latest || latest->first < version) cp.registry->publish(version, uri);
-    }
-
-    // Exports the weights' CUDA IPC handles of every trainer process and registers them; false, having
-    // said why, when a rank cannot export them.
-    bool publish_cuda_ipc() {
-        std::string why;
-        const std::vector<std::string> parts = trainer->export_weights_ipc(why);
-        if (parts.empty()) {
-            fall_back_to_files("the CUDA IPC export failed: " + why);
-            return false;
-        }
-        detail::IpcPolicy policy;
-        policy.version = version;
-        policy.publisher = in_process_id;
-        policy.writes = trainer->weight_writes();
-        for (const std::string& part : parts) policy.processes.push_back(detail::ipc_process_from_json(part));
-        const fs::path dir = fs::path(work_dir) / "policy";
-        fs::create_directories(dir);
-        const fs::path file = fs::absolute(dir / ("ipc-v" + std::to_string(version) + ".json"));
-        write_text(file, detail::ipc_policy_to_json(policy));
-        register_version(kCudaIpcPrefix + file.string());
-        std::error_code ec;
-        fs::remove(dir / ("ipc-v" + std::to_string(version - 2) + ".json"), ec);
-        return true;
-    }
-
-    bool consumed_by_watermark(const std::string& id) const {
-        long long step = -1;
-        return std::sscanf(id.c_str(), "s%lld-", &step) == 1 && step >= 0 && step < consumed_below;
-    }
-    bool is_consumed(const ExperienceRecord& e) const {
-        return e.task.step < consumed_below || consumed.count(e.task_id) > 0;
-    }
-
-    void publish_policy() {
-        const auto t0 = Clock::now();
-        if (route == Route::kMemory) {  // no files: the workers copy the weights when they sync
-            register_version(kMemoryPrefix + in_process_id);
-        } else if (route == Route::kBroadcast) {
-            const std::string uri = broadcaster->uri(in_process_id);
-            say_receivers(broadcaster->send(version, broadcast_sources(), [&] { register_version(uri); }));
-        } else if (route != Route::kCudaIpc || !publish_cuda_ipc()) {
-            register_version("file://" + fs::absolute(write_policy_files()).string());
-        }
-        publish_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    }
-
-    void take_available(control::Millis wait) {
-        auto deliveries = cp.experience->take(consumer, 1 << 20, wait);
-        for (auto& d : deliveries) {
-            ExperienceRecord e = experience_from_json(d.experience.payload);
-            if (is_consumed(e)) {  // trained on before a restart: done with it
-                cp.experience->ack({d.delivery_id});
-                ++duplicates;
-                continue;
-            }
-            const int64_t s = e.task.step;
-            const std::string id = e.task_id;  // the right side of = is evaluated first
-            held[s][id] = {std::move(e), d.delivery_id};
-        }
-    }
-
-    std::optional<StepResult> step(int64_t s, control::Millis wait) {
-        const size_t need = static_cast<size_t>(cfg.prompts_per_step) * cfg.group_size;
-        auto deadline = Clock::now() + wait;
-        // Workers that joined since the last version (new, restarted, or left out of the group) get
-        // the current one now rather than at the next step: they may be what this step waits for.
-        if (route == Route::kBroadcast && broadcaster->has_joiners()) {
-            const std::vector<std::string> got = broadcaster->serve_joiners(version, broadcast_sources());
-            if (!got.empty()) {
-                std::string names;
-                for (const auto& n : got) names += (names.empty() ? "" : ", ") + n;
-                log_line("policy v" + std::to_string(version) + " broadcast to joining rollout worker" +
-                         (got.size() == 1 ? " " : "s ") + names);
-            }
-        }
-        take_available(control::Millis(0));
-        while (held[s].size() < need) {
-            auto left = std::chrono::duration_cast<control::Millis>(deadline - Clock::now());
-            if (left.count() <= 0) return std::nullopt;
-            take_available(left);
-        }
-        // Group-major order: (prompt, sample), so groups are contiguous.
-        std::vector<ExperienceRecord> batch;
-        std::vector<std::string> deliveries;
-        for (int p = 0; p < cfg.prompts_per_step; ++p) {
-            for (int g = 0; g < cfg.group_size; ++g) {
-                auto it = held[s].find(task_id(s, p, g));
-                MOERL_CHECK(it != held[s].end(), "trainer: step ", s, " lacks task ", task_id(s, p, g));
-                batch.push_back(std::move(it->second.first));
-                deliveries.push_back(it->second.second);
-            }
-        }
-        held.erase(s);
-        std::vector<double> rewards;
-        for (auto& e : batch) rewards.push_back(e.reward);
-        std::vector<double> adv = group_advantages(rewards, cfg.group_size, cfg.grpo.adv_eps);
-        StepResult r;
-        r.step = s;
-        double sum = 0, sq = 0, exact = 0, stale = 0;
-        for (auto& e : batch) {
-            sum += e.reward;
-            sq += e.reward * e.reward;
-            exact += e.reward >= 1.0 ? 1 : 0;
-            for (int64_t v : e.trajectory.versions) {
-                stale += static_cast<double>(version - v);
-                r.staleness_max = std::max(r.staleness_max, version - v);
-            }
-            r.response_tokens += static_cast<int64_t>(e.trajectory.tokens.size());
-            r.task_ids.push_back(e.task_id);
-            r.retried += e.attempt > 0 ? 1 : 0;
-        }
-        r.duplicates = std::exchange(duplicates, 0);
-        const double n = static_cast<double>(batch.size());
-        r.reward_mean = sum / n;
-        r.reward_std = std::sqrt(std::max(0.0, sq / n - r.reward_mean * r.reward_mean));
-        r.exact_fraction = exact / n;
-        r.staleness_mean = r.response_tokens ? stale / static_cast<double>(r.response_tokens) : 0;
-        const bool gpu = cfg.train_device == "cuda";
-        if (gpu) model::reset_peak_allocated_bytes(at::Device(at::kCUDA, 0));  // rank 0: the first GPU
-        const auto t_train = Clock::now();
-        r.train = trainer->update(batch, adv);
-        r.train_seconds = std::chrono::duration<double>(Clock::now() - t_train).count();
-        if (gpu) r.train_peak_bytes = model::peak_allocated_bytes(at::Device(at::kCUDA, 0));
-        consumed_below = std::max(consumed_below, s + 1);
-        version = s + 1;
-        publish_policy();
-        r.publish_seconds = publish_seconds;
-        r.version = version;
-        cp.experience->ack(deliveries);
-        return r;
-    }
-
-    void save(int64_t next_step, int64_t env_next_step) {
-        const std::string name = checkpoint_name(next_step);
-        const fs::path dir = fs::path(work_dir) / "staging" / name;
-        nlohmann::json st;
-        st["next_step"] = next_step;
-        st["version"] = version;
-        st["env_next_step"] = env_next_step;
-        st["data"] = prompt_source(cfg).state(env_next_step);
-        st["seed"] = cfg.seed;
-        // Compact: a watermark plus the ids it does not cover (none when steps are trained in order).
-        st["consumed_below_step"] = consumed_below;
-        nlohmann::json others = nlohmann::json::array();
-        for (const auto& id : consumed)
-            if (!consumed_by_watermark(id)) others.push_back(id);
-        st["consumed"] = others;
-        nlohmann::json pending = nlohmann::json::array();
-        for (auto& [s, m] : held)
-            for (auto& [id, e] : m) pending.push_back(to_json(e.first));
-        st["pending"] = pending;
-        fs::remove_all(dir);
-        st["data"] = prompt_source(cfg).state(env_next_step);
-        try {
-            trainer->save_weights(dir.string());
-            copy_tokenizer_files(cfg, dir.string());
-            trainer->save_optimizer(dir.string());
-            std::ofstream state(dir / "trainer_state.json");
-            state << st.dump();
-            state.close();
-            MOERL_CHECK(state.good(), "cannot write ", (dir / "trainer_state.json").string());
-            control::publish_checkpoint(*cp.store, dir.string(), name, version, next_step);
-        } catch (...) {
-            std::error_code ec;  // a full disk: leave no staging files behind
-            fs::remove_all(dir, ec);
-            throw;
-        }
-        fs::remove_all(dir);
-        control::prune_checkpoints(*cp.store, "ckpt-", static_cast<size_t>(cfg.keep_checkpoints));
-    }
-
-    int64_t start(bool resume) {
-        int64_t next_step = 0;
-        if (resume) {
-            const auto names = control::published_checkpoints(*cp.store, "ckpt-");
-            MOERL_CHECK(!names.empty(), "--resume: no checkpoint in ", cp.store->uri());
-            const std::string& newest = names.back();
-            const fs::path dir = fs::path(work_dir) / "resume" / newest;
-            fs::remove_all(dir);
-            control::fetch_checkpoint(*cp.store, newest, dir.string());
-            trainer->load(dir.string());
-            std::ifstream in(dir / "trainer_state.json");
-            auto st = nlohmann::json::parse(in);
-            MOERL_CHECK(st.at("seed").get<uint64_t>() == cfg.seed,
-                        "--resume: the checkpoint was made with seed ", st.at("seed").get<uint64_t>(),
-                        ", but the config says run.seed = ", cfg.seed);
-            next_step = st.at("next_step").get<int64_t>();
-            version = st.at("version").get<int64_t>();
-            env_next = st.at("env_next_step").get<int64_t>();
-            try {
-                prompt_source(cfg).check_state(st.value("data", nlohmann::json()));
-            } catch (const Error& e) {
-                MOERL_FAIL("--resume: ", e.message());
-            }
-            consumed = st.at("consumed").get<std::set<std::string>>();
-            // Every step before the checkpoint's was trained (older checkpoints list every id).
-            consumed_below = std::max(st.value("consumed_below_step", int64_t{0}), next_step);
-            std::erase_if(consumed, [&](const std::string& id) { return consumed_by_watermark(id); });
-            for (const auto& text : st.at("pending")) {
-                ExperienceRecord e = experience_from_json(text.get<std::string>());
-                cp.experience->push({e.task_id, e.attempt, e.oldest_version(), text.get<std::string>()});
-            }
-            fs::remove_all(dir);
-        }
-        publish_policy();
-        return next_step;
-    }
-};
-
-TrainerRole::TrainerRole(const RunConfig& config, ControlPlane& control, std::string work_dir,
-                         PolicyHandoff handoff, const RoleProcesses* processes)
-    : impl_(std::make_unique<Impl>(config, control, std::move(work_dir), handoff, processes)) {}
-TrainerRole::~TrainerRole() = default;
-int64_t TrainerRole::start(bool resume) { return impl_->start(resume); }
-std::optional<StepResult> TrainerRole::train_step(int64_t step, control::Millis wait) {
-    return impl_->step(step, wait);
-}
-void TrainerRole::save_checkpoint(int64_t next_step, int64_t env_next_step) {
-    impl_->save(next_step, env_next_step);
-}
-int64_t TrainerRole::resumed_env_next_step() const { return impl_->env_next; }
-int64_t TrainerRole::version() const { return impl_->version; }
-size_t TrainerRole::num_held(int64_t step) const {
-    auto it = impl_->held.find(step);
-    return it == impl_->held.end() ? 0 : it->second.size();
-}
-void TrainerRole::republish_policy() { impl_->publish_policy(); }
 
 }  // namespace moerl::rl
 
