@@ -88,6 +88,18 @@ __device__ __forceinline__ void fold_mass(double& m, double& s, double m2, doubl
     }
 }
 
+// The logits first + 32 k + lane (k < kSampleAhead) of a warp's tile group, all loads issued before any
+// is used (one at a time, a row took as many memory round trips as its chunk has tiles); -inf past end.
+template <typename T>
+__device__ __forceinline__ void load_ahead(const T* row, int first, int end, int lane,
+                                           float (&v)[kSampleAhead]) {
+#pragma unroll
+    for (int k = 0; k < kSampleAhead; ++k) {
+        const int i = first + 32 * k + lane;
+        v[k] = i < end ? to_float(row[i]) : -INFINITY;
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kSampleThreads)
     sample_rows_kernel(const T* logits, int64_t stride, int V, double inv_temperature, const double* uniforms,
@@ -100,16 +112,10 @@ __global__ void __launch_bounds__(kSampleThreads)
     const int chunk = ((V + kSampleWarps - 1) / kSampleWarps + 31) / 32 * 32;
     const int begin = min(V, warp * chunk), end = min(V, begin + chunk);
     // Pass 1: this lane's maximum and mass, then the warp's; -inf (and NaN) logits weigh nothing.
-    // kSampleAhead loads of a lane in flight before any is used: one at a time, a row took as many
-    // memory round trips as its chunk has tiles.
     double m = -INFINITY, s = 0;
     for (int first = begin; first < end; first += 32 * kSampleAhead) {
         float v[kSampleAhead];
-#pragma unroll
-        for (int k = 0; k < kSampleAhead; ++k) {
-            const int i = first + 32 * k + lane;
-            v[k] = i < end ? to_float(row[i]) : -INFINITY;
-        }
+        load_ahead(row, first, end, lane, v);
 #pragma unroll
         for (int k = 0; k < kSampleAhead; ++k) {
             const double z = static_cast<double>(v[k]) * inv_temperature;
@@ -158,11 +164,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     int found = -1, last_with_mass = -1;
     for (int group = begin; group < end && found < 0; group += 32 * kSampleAhead) {
         float v[kSampleAhead];
-#pragma unroll
-        for (int k = 0; k < kSampleAhead; ++k) {
-            const int i = group + 32 * k + lane;
-            v[k] = i < end ? to_float(row[i]) : -INFINITY;
-        }
+        load_ahead(row, group, end, lane, v);
 #pragma unroll
         for (int k = 0; k < kSampleAhead; ++k) {
             const int first = group + 32 * k;
