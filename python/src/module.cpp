@@ -246,12 +246,13 @@ class Engine {
                               none_if_undefined(d.recv_w), d.handle);
     }
 
-    // Whether x can go into this engine's dispatch or combine as it is: the config's dtype and hidden
-    // size, rank 2, contiguous, on the engine's side of the bus.
+    // Whether x can go into this engine's dispatch or combine as it is: the engine is alive, and x of
+    // the config's dtype and hidden size, rank 2, contiguous, on the engine's side of the bus.
     bool accepts(const at::Tensor& x) const {
-        const ep::Config& c = alive().config();
+        if (buffer_ == nullptr) return false;
+        const ep::Config& c = buffer_->config();
         return x.dim() == 2 && x.scalar_type() == scalar_type(c.dtype) && x.size(1) == c.hidden &&
-               !c.fp8_dispatch && x.is_cuda() == alive().on_device() && x.is_contiguous();
+               !c.fp8_dispatch && x.is_cuda() == buffer_->on_device() && x.is_contiguous();
     }
 
     struct Dispatched {
@@ -421,8 +422,6 @@ class Engine {
         return py::make_tuple(median(td), median(tc), median(ts));
     }
 
-    bool alive_now() const { return buffer_ != nullptr; }
-
     void destroy() {
         py::gil_scoped_release nogil;
         if (buffer_) buffer_->destroy();
@@ -479,9 +478,9 @@ class NormalEngines {
     };
     const Entry* find(const at::Tensor& x, int64_t top_k, int64_t num_experts) const {
         for (const Entry& e : entries_) {
-            if (!e.engine->alive_now()) continue;
+            if (!e.engine->accepts(x)) continue;
             const ep::Config& c = e.engine->config();
-            if (c.top_k == top_k && c.num_experts == num_experts && e.engine->accepts(x)) return &e;
+            if (c.top_k == top_k && c.num_experts == num_experts) return &e;
         }
         return nullptr;
     }
