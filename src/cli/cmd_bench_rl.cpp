@@ -208,8 +208,7 @@ void bench_rl(const RlBenchArgs& a) {
         // device's copy bandwidth, bytes counted as `moerl bench rollout` counts them.
         const double bw = decode_bytes / decode_s, copy = copy_bandwidth(at::Device(at::kCUDA, 0));
         std::printf(
-            "decode steps: %.0f in %.3f s (%.3f ms a step, %s a step read: dense weights, distinct experts, "
-            "KV "
+            "decode steps: %.0f in %.3f s (%.3f ms and %s a step: dense weights, distinct experts, KV "
             "cache attended): %.0f GB/s, %.1f%% of the device copy bandwidth (%.0f GB/s)%s\n",
             decode_steps, decode_s, 1e3 * decode_s / std::max(1.0, decode_steps),
             human_bytes(decode_bytes / std::max(1.0, decode_steps)).c_str(), bw / 1e9, 100 * bw / copy,

@@ -553,7 +553,7 @@ struct RolloutWorker::Impl {
         auto t0 = Clock::now();
         const int64_t tok0 = engine->tokens_generated();
         const int64_t prompt0 = engine->prompt_tokens(), shared0 = engine->prompt_tokens_shared();
-        const RolloutEngine::DecodeTraffic decode0 = engine->decode_traffic();
+        const DecodeTraffic decode0 = engine->decode_traffic();
         for (;;) {
             if (stop && stop->load()) {
                 release();
@@ -594,10 +594,7 @@ struct RolloutWorker::Impl {
         stats.tokens += engine->tokens_generated() - tok0;
         stats.prompt_tokens += engine->prompt_tokens() - prompt0;
         stats.prompt_tokens_shared += engine->prompt_tokens_shared() - shared0;
-        const RolloutEngine::DecodeTraffic decode1 = engine->decode_traffic();
-        stats.decode_seconds += decode1.seconds - decode0.seconds;
-        stats.decode_bytes += decode1.bytes - decode0.bytes;
-        stats.decode_steps += decode1.steps - decode0.steps;
+        stats.decode += engine->decode_traffic() - decode0;
         stats.seconds += std::chrono::duration<double>(Clock::now() - t0).count();
         return static_cast<size_t>(stats.pushed - pushed_before);
     }

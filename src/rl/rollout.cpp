@@ -207,6 +207,8 @@ struct RolloutEngine::Impl {
     // step's row count is known) and how many (the routed experts and KV cache come from gen->stats()).
     double decode_seconds = 0, decode_dense_bytes = 0;
     int64_t decode_steps = 0;
+    // decode_traffic() as of its last call: asking again before another step needs no device read.
+    mutable DecodeTraffic traffic;
     RankCounts counts() const { return {tokens, prompt_tokens, prompt_tokens_shared}; }
 
     // Over processes on a GPU: the decode steps' low-latency EP buffer (the model's own serves the
@@ -791,17 +793,17 @@ int64_t RolloutEngine::prompt_tokens_shared() const {
     return engine_total(impl_->counts(), spread_ ? &spread_->counts : nullptr,
                         &RankCounts::prompt_tokens_shared);
 }
-RolloutEngine::DecodeTraffic RolloutEngine::decode_traffic() const {
-    DecodeTraffic t;
+DecodeTraffic RolloutEngine::decode_traffic() const {
     const Impl& m = *impl_;
-    if (!m.gen) return t;
-    const model::GeneratorStats st = m.gen->stats();
-    t.seconds = m.decode_seconds;
-    t.steps = m.decode_steps;
-    t.bytes = m.decode_dense_bytes +
-              static_cast<double>(st.expert_weight_reads) * static_cast<double>(m.gen->expert_bytes()) +
-              static_cast<double>(st.kv_tokens_read) * static_cast<double>(m.gen->kv_bytes_per_token());
-    return t;
+    if (!m.gen || m.traffic.steps == m.decode_steps) return m.traffic;
+    const model::GeneratorStats st = m.gen->stats();  // the expert reads are counted on the device
+    m.traffic.seconds = m.decode_seconds;
+    m.traffic.steps = m.decode_steps;
+    m.traffic.bytes =
+        m.decode_dense_bytes +
+        static_cast<double>(st.expert_weight_reads) * static_cast<double>(m.gen->expert_bytes()) +
+        static_cast<double>(st.kv_tokens_read) * static_cast<double>(m.gen->kv_bytes_per_token());
+    return m.traffic;
 }
 
 int64_t RolloutEngine::tokens_generated() const {

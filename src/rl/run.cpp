@@ -44,12 +44,13 @@ class LocalProducer final : public ExperienceProducer {
         while (env_next_ <= step + cfg_.max_staleness && env_next_ < cfg_.steps)
             put_step_tasks(cfg_, *cp_.tasks, env_next_++);
         const bool gpu = cfg_.rollout_device == "cuda";
-        if (gpu) model::reset_peak_allocated_bytes(c10::Device(c10::DeviceType::CUDA, 0));
+        const c10::Device device(c10::DeviceType::CUDA, 0);  // the rollout model's (the first GPU)
+        if (gpu) model::reset_peak_allocated_bytes(device);
         const RolloutStats before = worker_->stats();
         worker_->work(control::Millis(0));
         const RolloutStats& after = worker_->stats();
         ProducedStep p;
-        if (gpu) p.peak_bytes = model::peak_allocated_bytes(c10::Device(c10::DeviceType::CUDA, 0));
+        if (gpu) p.peak_bytes = model::peak_allocated_bytes(device);
         p.reward_s = after.reward_seconds - before.reward_seconds;
         p.sync_s = after.sync_seconds - before.sync_seconds;
         p.sync_bytes = after.sync_bytes - before.sync_bytes;
@@ -59,9 +60,7 @@ class LocalProducer final : public ExperienceProducer {
         p.tokens_per_s = work_s > 0 ? static_cast<double>(after.tokens - before.tokens) / work_s : 0.0;
         p.prompt_tokens = after.prompt_tokens - before.prompt_tokens;
         p.prompt_tokens_shared = after.prompt_tokens_shared - before.prompt_tokens_shared;
-        p.decode_s = after.decode_seconds - before.decode_seconds;
-        p.decode_bytes = after.decode_bytes - before.decode_bytes;
-        p.decode_steps = after.decode_steps - before.decode_steps;
+        p.decode = after.decode - before.decode;
         if (reward_) {  // the reward model's pass over what this step generated
             const auto t0 = std::chrono::steady_clock::now();
             reward_->work(control::Millis(0));

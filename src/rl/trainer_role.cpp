@@ -298,11 +298,12 @@ struct TrainerRole::Impl {
         r.exact_fraction = exact / n;
         r.staleness_mean = r.response_tokens ? stale / static_cast<double>(r.response_tokens) : 0;
         const bool gpu = cfg.train_device == "cuda";
-        if (gpu) model::reset_peak_allocated_bytes(at::Device(at::kCUDA, 0));  // rank 0: the first GPU
+        const at::Device device(at::kCUDA, 0);  // this process's trainer rank 0: the first GPU
+        if (gpu) model::reset_peak_allocated_bytes(device);
         const auto t_train = Clock::now();
         r.train = trainer->update(batch, adv);
         r.train_seconds = std::chrono::duration<double>(Clock::now() - t_train).count();
-        if (gpu) r.train_peak_bytes = model::peak_allocated_bytes(at::Device(at::kCUDA, 0));
+        if (gpu) r.train_peak_bytes = model::peak_allocated_bytes(device);
         consumed_below = std::max(consumed_below, s + 1);
         version = s + 1;
         publish_policy();

@@ -20,6 +20,7 @@
 #include "moerl/control/control.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/experience.hpp"
+#include "moerl/rl/rollout.hpp"
 #include "moerl/rl/trainer.hpp"
 
 namespace moerl::rl {
@@ -51,10 +52,7 @@ struct RolloutStats {
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
     double seconds = 0;         // time spent in work(): generating, scoring, syncing
     double reward_seconds = 0;  // of it, scoring finished responses
-    // Of it, the CUDA engine's decode steps on this process's rank and the bytes they read
-    // (RolloutEngine::decode_traffic).
-    double decode_seconds = 0, decode_bytes = 0;
-    int64_t decode_steps = 0;
+    DecodeTraffic decode;       // of it, the CUDA engine's decode steps on this process's rank
     // Policy versions loaded into the rollout model, the seconds that took (in all, the newest),
     // the weight bytes copied from the trainer's memory (mem://, cuda-ipc://; over processes every
     // rank's), and how the newest arrived: "memory", "cuda-ipc", "file" or "store".

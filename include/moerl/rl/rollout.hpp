@@ -54,6 +54,24 @@ std::pair<int, float> sample_token(const float* logits, int vocab_size, const Sa
 // Counter-based uniform draw: the same (seed, draw) gives the same number on any batch layout.
 double uniform_draw(uint64_t seed, uint64_t draw);
 
+// Decode steps of the CUDA engine: their wall time (the model's step, drawing the tokens and copying
+// the routing records, as the loop waits for them), the bytes they read as `moerl bench rollout`
+// counts them (dense weights, each distinct routed expert once a layer, the KV cache attended) and
+// how many there were.
+struct DecodeTraffic {
+    double seconds = 0;
+    double bytes = 0;
+    int64_t steps = 0;
+
+    DecodeTraffic operator-(const DecodeTraffic& o) const {
+        return {seconds - o.seconds, bytes - o.bytes, steps - o.steps};
+    }
+    DecodeTraffic& operator+=(const DecodeTraffic& o) {
+        seconds += o.seconds, bytes += o.bytes, steps += o.steps;
+        return *this;
+    }
+};
+
 class RolloutEngine {
   public:
     // The model must outlive the engine; weights may be reloaded in place between steps (tokens
@@ -117,16 +135,8 @@ class RolloutEngine {
     int64_t prompt_tokens() const;
     int64_t prompt_tokens_shared() const;
 
-    // What the CUDA engine's decode steps on this process's rank did since the engine was made: their
-    // wall time (the model's step, drawing the tokens and copying the routing records, as the loop
-    // waits for them) and the bytes they read as `moerl bench rollout` counts them (dense weights,
-    // each distinct routed expert once a layer, the KV cache attended). Zero without the CUDA engine.
-    // Synchronises with the device.
-    struct DecodeTraffic {
-        double seconds = 0;
-        double bytes = 0;
-        int64_t steps = 0;
-    };
+    // What the CUDA engine's decode steps on this process's rank did since the engine was made (zero
+    // without the CUDA engine). Synchronises with the device when steps ran since the last call.
     DecodeTraffic decode_traffic() const;
 
   private:

@@ -32,9 +32,7 @@ struct ProducedStep {
     int64_t cache_released_bytes = 0;  // KV-cache memory the rollout gave back for training
     // Context tokens prefilled, and of them those taken from a group-mate's cache blocks.
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
-    // Of generate_s, the CUDA engine's decode steps, and the bytes they read (their bandwidth use).
-    double decode_s = 0, decode_bytes = 0;
-    int64_t decode_steps = 0;
+    DecodeTraffic decode;  // of generate_s, the CUDA engine's decode steps (their bandwidth use)
     // Peak GPU memory (bytes allocated through LibTorch) while generating; 0 off the GPU.
     int64_t peak_bytes = 0;
 };
