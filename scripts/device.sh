@@ -11,7 +11,8 @@
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
 # "--no-attention") narrows the kernel bench.
-# MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k, GRPO groups of 8);
+# MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k, GRPO groups of 8, prompts
+# joining running sequences in parts);
 # MOERL_DEVICE_FP8=0 the FP8 rollout bench (--weights bf16,fp8, inside MOERL_DEVICE_ROLLOUT).
 # MOERL_DEVICE_FABRIC_ROOT=DIR (DIR/include/rdma: libfabric headers brought along) builds the fabric
 # transport against the machine's libfabric.so.1 and runs its tests (GPU memory regions included).
@@ -212,6 +213,10 @@ if [ -x "$MOERL" ]; then
     timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 64 --group 8 \
       --prompt 1024 --new 128 >"$OUT/bench-rollout-group.log" 2>&1
     step bench_rollout_group "rc=$?"
+    # Prompts joining running sequences, whole or in parts a step (rollout.prefill_chunk_tokens).
+    timeout 220 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64 \
+      --prompt 2048,8192 --join-chunk 0,1024,4096 >"$OUT/bench-rollout-join.log" 2>&1
+    step bench_rollout_join "rc=$?"
     if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
       timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} \
         --batch 16,64,256 --prompt 2048 --new 16 --profile >"$OUT/bench-profile-long.log" 2>&1
@@ -398,7 +403,7 @@ fi
 echo
 [ -f "$OUT/bench-rollout.log" ] && grep -E "^\| |copy bandwidth|^batch|error" "$OUT/bench-rollout.log"
 [ -f "$OUT/bench-rollout-eager.log" ] && grep -E "^batch|error" "$OUT/bench-rollout-eager.log"
-for f in bench-rollout-fp8.log bench-rollout-long.log bench-rollout-8k.log bench-rollout-group.log; do
+for f in bench-rollout-fp8.log bench-rollout-long.log bench-rollout-8k.log bench-rollout-group.log bench-rollout-join.log; do
   [ -f "$OUT/$f" ] && grep -E "^\| |copy bandwidth|error|Error" "$OUT/$f"
 done
 [ -f "$OUT/ep-sweep.log" ] && tail -n 12 "$OUT/ep-sweep.log"

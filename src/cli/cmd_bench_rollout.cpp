@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -57,6 +58,9 @@ struct RolloutArgs {
     std::string hf_script = "bench/hf_generate.py";
     uint64_t seed = 1;
     int ep_ranks = 0;  // > 0: expert parallelism over this many GPUs (one process each)
+    // cuda: prompts joining running sequences, prefilled in parts of this many tokens a step (0 =
+    // whole): the decode pauses they cause (bench_join).
+    std::vector<int64_t> join_chunks;
     std::vector<std::string> transports{"cuda", "nccl"};
 };
 
@@ -160,6 +164,78 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
     return row;
 }
 
+// Half of B sequences decode while the other half joins with prompts of a.prompt tokens, prefilled
+// `chunk` tokens a step (0: all in one step) before each decode step of the running half, as the
+// RL rollout engine schedules them (rollout.prefill_chunk_tokens). What the running sequences see:
+// the time between two of their tokens, against a decode step with nobody joining.
+struct JoinRow {
+    int prompt = 0, running = 0, joining = 0;
+    int64_t chunk = 0;
+    int steps = 0;                       // decode steps until every joiner was prefilled
+    double join_s = 0;                   // from the first part to the last joiner's first token
+    double steady_ms = 0;                // a decode step of the running half alone
+    double longest_ms = 0, mean_ms = 0;  // between two tokens of the running half while others join
+};
+
+JoinRow bench_join(model::Generator& gen, const model::ModelConfig& c, const RolloutArgs& a, int B,
+                   int64_t chunk) {
+    JoinRow row;
+    row.prompt = a.prompt;
+    row.running = B - B / 2;
+    row.joining = B / 2;
+    row.chunk = chunk;
+    auto random_prompts = [&](int n) {
+        at::Tensor ids = at::randint(1, c.vocab_size, {n, a.prompt}, at::kLong);
+        std::vector<std::vector<int64_t>> out(n);
+        for (int i = 0; i < n; ++i)
+            out[i].assign(ids[i].data_ptr<int64_t>(), ids[i].data_ptr<int64_t>() + a.prompt);
+        return out;
+    };
+    std::vector<int> running, joining;
+    for (int i = 0; i < row.running; ++i) running.push_back(gen.acquire());
+    for (int i = 0; i < row.joining; ++i) joining.push_back(gen.acquire());
+    at::Tensor next = gen.prefill(running, random_prompts(row.running)).greedy;
+    for (int s = 0; s < 3; ++s) next = gen.decode(running, next).greedy;  // graphs captured
+    torch::cuda::synchronize();
+    const int steady_steps = 8;
+    auto t = Clock::now();
+    for (int s = 0; s < steady_steps; ++s) next = gen.decode(running, next).greedy;
+    torch::cuda::synchronize();
+    row.steady_ms = seconds_since(t) * 1e3 / steady_steps;
+    const std::vector<std::vector<int64_t>> prompts = random_prompts(row.joining);
+    std::vector<int64_t> done(row.joining, 0);
+    const auto start = Clock::now();
+    auto last = start;
+    double total_ms = 0;
+    for (size_t first = 0; first < prompts.size();) {
+        std::vector<int> slots;
+        std::vector<std::vector<int64_t>> parts;
+        int64_t budget = chunk > 0 ? chunk : std::numeric_limits<int64_t>::max();
+        for (size_t j = first; j < prompts.size() && budget > 0; ++j) {
+            const int64_t take = std::min<int64_t>(budget, a.prompt - done[j]);
+            slots.push_back(joining[j]);
+            parts.emplace_back(prompts[j].begin() + done[j], prompts[j].begin() + done[j] + take);
+            done[j] += take;
+            budget -= take;
+        }
+        gen.prefill(slots, parts);
+        while (first < prompts.size() && done[first] == a.prompt) ++first;
+        next = gen.decode(running, next).greedy;
+        torch::cuda::synchronize();
+        const auto now = Clock::now();
+        const double gap = std::chrono::duration<double, std::milli>(now - last).count();
+        row.longest_ms = std::max(row.longest_ms, gap);
+        total_ms += gap;
+        last = now;
+        ++row.steps;
+    }
+    row.join_s = seconds_since(start);
+    row.mean_ms = total_ms / row.steps;
+    for (int s : running) gen.release(s);
+    for (int s : joining) gen.release(s);
+    return row;
+}
+
 // Runs the transformers reference; it prints one JSON object per batch: {"batch": B, "tokens_per_s": x}.
 std::map<int, double> run_hf_reference(const RolloutArgs& a) {
     std::ostringstream batches;
@@ -230,6 +306,50 @@ void fp8_agreement(const model::MoeModel& m, const model::ModelConfig& c, const 
     std::fflush(stdout);
 }
 
+// --join-chunk: bench_join for every prompt, batch and chunk, then a table.
+void bench_joins(const model::MoeModel& m, const model::ModelConfig& c, const RolloutArgs& args) {
+    const int max_batch = *std::max_element(args.batches.begin(), args.batches.end());
+    std::vector<JoinRow> rows;
+    for (int prompt : args.prompts) {
+        RolloutArgs a = args;
+        a.prompt = prompt;
+        int64_t longest_join = 0;  // decode steps the running half may take: one a part at most
+        for (int B : a.batches)
+            for (int64_t chunk : a.join_chunks)
+                longest_join = std::max<int64_t>(
+                    longest_join, chunk > 0 ? (int64_t{B / 2} * prompt + chunk - 1) / chunk : 1);
+        model::Generator gen(m, {.max_batch = max_batch,
+                                 .max_seq_len = static_cast<int>(prompt + longest_join + 16),
+                                 .block_size = kBlockSize,
+                                 .cuda_graphs = !a.no_graphs});
+        {
+            const int s = gen.acquire();
+            gen.decode({s}, gen.prefill({s}, {std::vector<int64_t>(prompt, 1)}).greedy);
+            torch::cuda::synchronize();
+            gen.release(s);
+        }
+        for (int B : a.batches)
+            for (int64_t chunk : a.join_chunks) {
+                rows.push_back(bench_join(gen, c, a, B, chunk));
+                const JoinRow& r = rows.back();
+                std::printf(
+                    "prompt %d, %d decoding while %d join, parts of %s: %d steps, longest %.2f ms "
+                    "between tokens (%.2f alone)\n",
+                    r.prompt, r.running, r.joining,
+                    r.chunk > 0 ? std::to_string(r.chunk).c_str() : "whole prompts", r.steps, r.longest_ms,
+                    r.steady_ms);
+                std::fflush(stdout);
+            }
+    }
+    std::printf(
+        "\n| prompt | decoding | joining | prefill a step | steps to join | join s | decode step alone ms | "
+        "longest between tokens ms | mean between tokens ms |\n|---|---|---|---|---|---|---|---|---|\n");
+    for (const JoinRow& r : rows)
+        std::printf("| %d | %d | %d | %s | %d | %.3f | %.2f | %.2f | %.2f |\n", r.prompt, r.running,
+                    r.joining, r.chunk > 0 ? std::to_string(r.chunk).c_str() : "whole", r.steps, r.join_s,
+                    r.steady_ms, r.longest_ms, r.mean_ms);
+}
+
 void bench_cuda(const RolloutArgs& args) {
     MOERL_CHECK(torch::cuda::is_available(), "bench rollout --device cuda: no CUDA device is available");
     MOERL_CHECK(model::Generator::available(),
@@ -260,6 +380,7 @@ void bench_cuda(const RolloutArgs& args) {
         "device copy bandwidth (read + write): %.0f GB/s; decode bandwidth = bytes a step reads (non-expert "
         "weights but the embedding, the distinct experts routed to, the KV cache attended) / step time\n",
         copy_bw / 1e9);
+    if (!args.join_chunks.empty()) return bench_joins(m, c, args);
     std::vector<Row> rows;
     for (int prompt : args.prompts)
         for (int new_tokens : args.news)
@@ -567,6 +688,11 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--hf-dir", a->hf_dir,
                   "cuda: write the checkpoint here and run Hugging Face transformers' generate on it");
     b->add_option("--hf-script", a->hf_script, "cuda: the reference script");
+    b->add_option("--join-chunk", a->join_chunks,
+                  "cuda: half of each batch decodes while the other half joins, its prompts prefilled "
+                  "in parts of these many tokens a step (0 = whole), e.g. 0,2048,8192")
+        ->delimiter(',')
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
     b->add_option("--seed", a->seed, "Weight and prompt seed");
     b->add_option("--ep", a->ep_ranks,
                   "expert parallelism over this many ranks (processes; on cuda one GPU each; the eager model "

@@ -164,6 +164,36 @@ struct Generator::Impl {
         if (blocks.take_changed()) step.table.copy_(blocks.table().pin_memory(), /*non_blocking=*/true);
     }
 
+    // Partial last blocks to copy, pool block from[i] -> to[i], all layers.
+    struct BlockCopies {
+        std::vector<int64_t> from, to;
+    };
+
+    // Gives the empty slot `to` the cached tokens of slot `from`: its full blocks, shared (read-only
+    // for both), and its own copy of the partial last block (queued in `copies`), the one block it
+    // writes next.
+    void share_prefix(int from, int to, BlockCopies& copies) {
+        const int bs = opt.block_size;
+        const int64_t len = length[from];
+        blocks.share_blocks(from, to, static_cast<int>(len / bs));
+        if (len % bs != 0) {
+            copies.to.push_back(blocks.add_block(to));
+            copies.from.push_back(blocks.block_of(from, static_cast<int>(len / bs)));
+        }
+        length[to] = len;
+        host_stats.prefill_tokens_shared += len;
+    }
+
+    void copy_blocks(const BlockCopies& copies) {
+        if (copies.to.empty()) return;
+        const at::Tensor from_t = at::tensor(copies.from, at::kLong).to(device),
+                         to_t = at::tensor(copies.to, at::kLong).to(device);
+        for (size_t l = 0; l < step.k_pool.size(); ++l) {
+            step.k_pool[l].index_copy_(0, to_t, step.k_pool[l].index_select(0, from_t));
+            step.v_pool[l].index_copy_(0, to_t, step.v_pool[l].index_select(0, from_t));
+        }
+    }
+
     // Where a step reads its tokens: `greedy` (the last step's choice, fed back) or `tokens`.
     const int64_t* token_source(bool fed_back) {
         return (fed_back ? step.greedy : step.tokens).data_ptr<int64_t>();
@@ -219,82 +249,129 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
     const int64_t n = static_cast<int64_t>(slots.size());
     const int bs = g.opt.block_size;
     restore_cache_memory();
-    // Identical prompts (the samples of a GRPO group) run through the model once: row_of[i] is the
-    // model row of prompt i, and leaders[r] the first prompt of row r.
-    std::vector<int64_t> row_of(n);
+    // Identical prompts of empty slots (the samples of a GRPO group) run through the model once:
+    // row_of[i] is the model row of prompt i, and leaders[r] the first prompt of row r. A slot that
+    // already holds tokens (an earlier chunk of its prompt) is always a row of its own.
+    std::vector<int64_t> row_of(n), cached(n);
     std::vector<int64_t> leaders;
     std::map<std::vector<int64_t>, int64_t> row_of_prompt;
     int64_t longest = 0, needed_blocks = 0;
     std::vector<bool> seen(g.opt.max_batch, false);
     for (int64_t i = 0; i < n; ++i) {
-        g.check_slot(slots[i], "prefill");
-        MOERL_CHECK(!seen[slots[i]], "prefill: slot ", slots[i], " is listed twice");
-        seen[slots[i]] = true;
-        MOERL_CHECK(g.length[slots[i]] == 0, "prefill: slot ", slots[i], " already holds ",
-                    g.length[slots[i]], " tokens (release it first)");
-        const int64_t len = static_cast<int64_t>(prompts[i].size());
+        const int s = slots[i];
+        g.check_slot(s, "prefill");
+        MOERL_CHECK(!seen[s], "prefill: slot ", s, " is listed twice");
+        seen[s] = true;
+        const int64_t have = g.length[s], len = static_cast<int64_t>(prompts[i].size());
         MOERL_CHECK(len >= 1, "prefill: prompt ", i, " is empty");
-        MOERL_CHECK(len < g.opt.max_seq_len, "prefill: prompt ", i, " has ", len,
-                    " tokens, but max_seq_len = ", g.opt.max_seq_len, " leaves no room to generate");
+        if (have == 0)
+            MOERL_CHECK(len < g.opt.max_seq_len, "prefill: prompt ", i, " has ", len,
+                        " tokens, but max_seq_len = ", g.opt.max_seq_len, " leaves no room to generate");
+        else
+            MOERL_CHECK(have + len < g.opt.max_seq_len, "prefill: slot ", s, " holds ", have,
+                        " tokens and prompt ", i, " adds ", len, ", but max_seq_len = ", g.opt.max_seq_len,
+                        " leaves no room to generate");
         for (int64_t tok : prompts[i])
             MOERL_CHECK(tok >= 0 && tok < g.V, "prefill: prompt ", i, " holds token id ", tok,
                         ", but vocab_size = ", g.V);
+        cached[i] = have;
         longest = std::max(longest, len);
-        auto [it, first] = row_of_prompt.try_emplace(prompts[i], static_cast<int64_t>(leaders.size()));
-        if (!g.opt.share_prompts || first) {
+        int64_t leader_row = -1;
+        if (g.opt.share_prompts && have == 0) {
+            auto [it, first] = row_of_prompt.try_emplace(prompts[i], static_cast<int64_t>(leaders.size()));
+            if (!first) leader_row = it->second;
+        }
+        if (leader_row < 0) {
             row_of[i] = static_cast<int64_t>(leaders.size());
             leaders.push_back(i);
-            needed_blocks += (len + bs - 1) / bs;
+            needed_blocks += (have + len + bs - 1) / bs - (have + bs - 1) / bs;
         } else {
-            row_of[i] = it->second;
+            row_of[i] = leader_row;
             needed_blocks += len % bs != 0;  // its own copy of the partial last block
         }
     }
     MOERL_CHECK(needed_blocks <= g.blocks.free_blocks(), "prefill: the prompts need ", needed_blocks,
                 " KV-cache blocks, ", g.blocks.free_blocks(), " are free");
 
-    // The distinct prompts in passes of at most opt.prefill_chunk_tokens (rows x longest), shortest
-    // first so that a pass pads little; each pass runs the model's eager prefill, left-padded, into
-    // a contiguous cache and then moves its keys and values into the blocks.
+    // The rows in passes of at most opt.prefill_chunk_tokens (rows x longest new part), shortest
+    // first so that a pass pads little. Each pass gathers its rows' cached tokens (if any) from the
+    // blocks into a contiguous cache, runs the model's eager prefill on the new tokens, left-padded,
+    // and moves their keys and values into the blocks.
     const int64_t rows = static_cast<int64_t>(leaders.size());
     std::vector<int64_t> order(rows);
     for (int64_t r = 0; r < rows; ++r) order[r] = r;
     auto len_of = [&](int64_t r) { return static_cast<int64_t>(prompts[leaders[r]].size()); };
     std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return len_of(x) < len_of(y); });
     const int64_t Hkv = g.m.config.num_key_value_heads, D = g.m.config.head_dim;
+    const int64_t pool_tokens = g.blocks.num_blocks() * bs;
     std::vector<at::Tensor> logit_parts, routing_parts;
     for (int64_t r0 = 0; r0 < rows;) {
         int64_t r1 = r0 + 1;
         while (r1 < rows && len_of(order[r1]) * (r1 - r0 + 1) <= g.opt.prefill_chunk_tokens) ++r1;
         const int64_t pass_rows = r1 - r0, pass_len = len_of(order[r1 - 1]);
+        int64_t P = 0;  // the pass's longest cached part
+        for (int64_t i = 0; i < pass_rows; ++i) P = std::max(P, cached[leaders[order[r0 + i]]]);
+        KvCache cache = g.model.new_cache(pass_rows, P + pass_len);
+        if (P > 0) {
+            // Cached tokens right-aligned in columns [0, P): pool token -> row * P + column.
+            std::vector<int64_t> from, to;
+            at::Tensor valid = at::zeros({pass_rows, P}, at::kBool);
+            at::Tensor next_position = at::zeros({pass_rows}, at::kLong);
+            for (int64_t i = 0; i < pass_rows; ++i) {
+                const int64_t leader = leaders[order[r0 + i]], have = cached[leader];
+                const int s = slots[leader];
+                for (int64_t j = 0; j < have; ++j) {
+                    from.push_back(int64_t{g.blocks.block_of(s, static_cast<int>(j / bs))} * bs + j % bs);
+                    to.push_back(i * P + P - have + j);
+                }
+                valid[i].narrow(0, P - have, have).fill_(true);
+                next_position[i] = have;
+            }
+            const at::Tensor from_t = at::tensor(from, at::kLong).to(g.device),
+                             to_t = at::tensor(to, at::kLong).to(g.device);
+            for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
+                auto gather = [&](const at::Tensor& pool, at::Tensor& contiguous) {
+                    at::Tensor flat = at::zeros({pass_rows * P, Hkv, D}, pool.options());
+                    flat.index_copy_(0, to_t, pool.view({pool_tokens, Hkv, D}).index_select(0, from_t));
+                    contiguous.narrow(2, 0, P).copy_(flat.view({pass_rows, P, Hkv, D}).permute({0, 2, 1, 3}));
+                };
+                gather(g.step.k_pool[l], cache.keys[l]);
+                gather(g.step.v_pool[l], cache.values[l]);
+            }
+            cache.key_valid.narrow(1, 0, P).copy_(valid);
+            cache.next_position.copy_(next_position);
+            cache.length = P;
+        }
         at::Tensor ids = at::zeros({pass_rows, pass_len}, at::kLong);
         at::Tensor mask = at::zeros({pass_rows, pass_len}, at::kLong);
         int64_t* ids_p = ids.data_ptr<int64_t>();
         int64_t* mask_p = mask.data_ptr<int64_t>();
-        std::vector<int64_t> src, dst;  // token rows of the contiguous cache -> cache slots of the pool
+        std::vector<int64_t> src, dst;  // new token columns of the contiguous cache -> pool tokens
         for (int64_t i = 0; i < pass_rows; ++i) {
-            const std::vector<int64_t>& prompt = prompts[leaders[order[r0 + i]]];
-            const int64_t len = static_cast<int64_t>(prompt.size()), pad = pass_len - len;
-            const int s = slots[leaders[order[r0 + i]]];
+            const int64_t leader = leaders[order[r0 + i]];
+            const std::vector<int64_t>& prompt = prompts[leader];
+            const int64_t len = static_cast<int64_t>(prompt.size()), pad = pass_len - len,
+                          have = cached[leader];
+            const int s = slots[leader];
             for (int64_t j = 0; j < len; ++j) {
                 ids_p[i * pass_len + pad + j] = prompt[j];
                 mask_p[i * pass_len + pad + j] = 1;
-                if (j % bs == 0) g.blocks.add_block(s);
+                if ((have + j) % bs == 0) g.blocks.add_block(s);
                 src.push_back(i * pass_len + pad + j);
-                dst.push_back(int64_t{g.blocks.last_block(s)} * bs + j % bs);
+                dst.push_back(int64_t{g.blocks.last_block(s)} * bs + (have + j) % bs);
             }
-            g.length[s] = len;
+            g.length[s] = have + len;
         }
-        KvCache cache = g.model.new_cache(pass_rows, pass_len);
         StepOutput out = g.model.prefill(cache, ids, mask, g.opt.record_routing);
         const at::Tensor src_t = at::tensor(src, at::kLong).to(g.device),
                          dst_t = at::tensor(dst, at::kLong).to(g.device);
         for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
             auto move = [&](const at::Tensor& contiguous, at::Tensor& pool) {
-                at::Tensor moved = contiguous.permute({0, 2, 1, 3})
+                at::Tensor moved = contiguous.narrow(2, P, pass_len)
+                                       .permute({0, 2, 1, 3})
                                        .reshape({pass_rows * pass_len, Hkv, D})
                                        .index_select(0, src_t);
-                pool.view({g.blocks.num_blocks() * bs, Hkv, D}).index_copy_(0, dst_t, moved);
+                pool.view({pool_tokens, Hkv, D}).index_copy_(0, dst_t, moved);
             };
             move(cache.keys[l], g.step.k_pool[l]);
             move(cache.values[l], g.step.v_pool[l]);
@@ -313,31 +390,15 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
         r0 = r1;
     }
     GenerationStep step;
-    // The other samples of a prompt hold its full blocks and a copy of its partial last block, the
-    // one block each of them writes next.
-    std::vector<int64_t> copy_from, copy_to;
+    // The other samples of a prompt hold its full blocks and a copy of its partial last block.
+    Impl::BlockCopies copies;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t leader = leaders[row_of[i]];
         if (leader == i) continue;
-        const int64_t len = static_cast<int64_t>(prompts[i].size());
-        const int s = slots[i], from = slots[leader];
-        g.blocks.share_blocks(from, s, static_cast<int>(len / bs));
-        if (len % bs != 0) {
-            copy_to.push_back(g.blocks.add_block(s));
-            copy_from.push_back(g.blocks.last_block(from));
-        }
-        g.length[s] = len;
-        g.host_stats.prefill_tokens_shared += len;
-        step.shared_tokens += len;
+        g.share_prefix(slots[leader], slots[i], copies);
+        step.shared_tokens += g.length[slots[i]];
     }
-    if (!copy_to.empty()) {
-        const at::Tensor from_t = at::tensor(copy_from, at::kLong).to(g.device),
-                         to_t = at::tensor(copy_to, at::kLong).to(g.device);
-        for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
-            g.step.k_pool[l].index_copy_(0, to_t, g.step.k_pool[l].index_select(0, from_t));
-            g.step.v_pool[l].index_copy_(0, to_t, g.step.v_pool[l].index_select(0, from_t));
-        }
-    }
+    g.copy_blocks(copies);
     for (int64_t r = 0; r < rows; ++r) g.host_stats.prefill_tokens += prompts[leaders[r]].size();
     // Pass rows back to the prompts' order: prompt i is model row row_of[i], pass row place[row_of[i]].
     std::vector<int64_t> place(rows), pick(n);
@@ -359,6 +420,24 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
     step.greedy = logits.argmax(-1);
     if (g.opt.record_routing) step.routing = routing;
     return step;
+}
+
+void Generator::fork(int from, int to) {
+    Impl& g = *impl_;
+    c10::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard device_guard(g.device);
+    g.check_slot(from, "fork");
+    g.check_slot(to, "fork");
+    MOERL_CHECK(from != to, "fork: slot ", from, " cannot take its own tokens");
+    MOERL_CHECK(g.length[from] >= 1, "fork: slot ", from, " holds no tokens (prefill it first)");
+    MOERL_CHECK(g.length[to] == 0, "fork: slot ", to, " already holds ", g.length[to],
+                " tokens (release it first)");
+    const bool partial = g.length[from] % g.opt.block_size != 0;
+    MOERL_CHECK(!partial || g.blocks.free_blocks() >= 1, "fork: slot ", from,
+                " ends in a partial KV-cache block that slot ", to, " needs a copy of; no block is free");
+    Impl::BlockCopies copies;
+    g.share_prefix(from, to, copies);
+    g.copy_blocks(copies);
 }
 
 GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor& tokens) {

@@ -31,6 +31,7 @@ int64_t Generator::cache_memory_bytes() const { unavailable(); }
 GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std::vector<int64_t>>&) {
     unavailable();
 }
+void Generator::fork(int, int) { unavailable(); }
 GenerationStep Generator::decode(const std::vector<int>&, const at::Tensor&) { unavailable(); }
 void Generator::idle_step() { unavailable(); }
 void Generator::refresh_weights() { unavailable(); }

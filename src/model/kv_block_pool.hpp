@@ -34,6 +34,8 @@ class KvBlockPool {
     int64_t usable_blocks() const { return num_blocks_ - 1; }
     int64_t num_blocks() const { return num_blocks_; }
     int last_block(int slot) const { return slot_blocks_[slot].back(); }
+    // The slot's i-th block (its tokens [i * block_size, (i + 1) * block_size)).
+    int block_of(int slot, int i) const { return slot_blocks_[slot][i]; }
     int num_slot_blocks(int slot) const { return static_cast<int>(slot_blocks_[slot].size()); }
     // Block-table entries that point at a block another slot also holds: the blocks sharing saves.
     int64_t shared_references() const { return shared_references_; }

@@ -420,6 +420,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.choice("device", {"cpu", "cuda"}, c.rollout_device);
             s.choice("dtype", {"fp32", "bf16", "fp8"}, c.rollout_dtype);
             s.integer("max_seq_len", 2, 1 << 20, c.rollout_max_seq_len);
+            s.integer("prefill_chunk_tokens", 0, int64_t{1} << 30, c.rollout_prefill_chunk_tokens);
             const YAML::Node allowed = s.child("allowed_tokens");
             if (allowed && !allowed.IsNull()) {
                 MOERL_CHECK(allowed.IsSequence() && allowed.size() > 0, s.where("allowed_tokens"),

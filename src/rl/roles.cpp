@@ -363,8 +363,7 @@ struct RolloutWorker::Impl {
           owned(c, p),
           model(*owned.model) {
         SamplingParams sp = c.sampling;
-        engine = std::make_unique<RolloutEngine>(model, sp, c.rollout_max_batch, c.record_routing,
-                                                 c.rollout_max_seq_len, p, c.rollout_dtype == "fp8");
+        engine = std::make_unique<RolloutEngine>(model, sp, rollout_engine_options(c, p));
         std::vector<std::unique_ptr<Rewarder>> parts;
         std::vector<double> weights;
         parts.push_back(make_prompt_rewarder(c));
@@ -607,8 +606,7 @@ RolloutWorker::RolloutWorker(const RunConfig& config, ControlPlane& control, std
 void follow_rollout_engine(const RunConfig& config, ControlPlane& control, const std::string& cache_dir,
                            const RoleProcesses& processes) {
     RolloutModel m(config, &processes);
-    RolloutEngine engine(*m.model, config.sampling, config.rollout_max_batch, config.record_routing,
-                         config.rollout_max_seq_len, &processes, config.rollout_dtype == "fp8");
+    RolloutEngine engine(*m.model, config.sampling, rollout_engine_options(config, &processes));
     PolicyLoader loader(*m.model);
     engine.follow([&](const std::string& uri) { return loader.load(control, uri, cache_dir); });
 }
@@ -659,8 +657,10 @@ struct Evaluator::Impl {
         greedy.temperature = 1.0;
         greedy.top_p = 1.0;
         greedy.top_k = 1;
-        RolloutEngine engine(model, greedy, cfg.rollout_max_batch, /*record_routing=*/false,
-                             cfg.rollout_max_seq_len);
+        RolloutEngineOptions eval_options = rollout_engine_options(cfg);
+        eval_options.record_routing = false;
+        eval_options.fp8_weights = false;
+        RolloutEngine engine(model, greedy, eval_options);
         const int64_t n = source->eval_size();
         std::vector<Prompt> prompts;
         for (int64_t i = 0; i < n; ++i) {
@@ -704,8 +704,9 @@ namespace moerl::rl {
 RolloutBench bench_rollout(const RunConfig& c, int num_sequences, int max_batch) {
     model::MoeModel m(c.model, rollout_model_options(c));
     m.init_random(c.seed);
-    RolloutEngine engine(m, c.sampling, max_batch, c.record_routing, c.rollout_max_seq_len, nullptr,
-                         c.rollout_dtype == "fp8");
+    RolloutEngineOptions options = rollout_engine_options(c);
+    options.max_batch = max_batch;
+    RolloutEngine engine(m, c.sampling, options);
     for (int i = 0; i < num_sequences; ++i) {
         TaskPayload p = make_task_payload(c, 0, i, 0);
         engine.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, c.max_new_tokens()});

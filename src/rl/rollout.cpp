@@ -201,6 +201,16 @@ struct RolloutEngine::Impl {
     model::KvCache cache;
     std::unique_ptr<model::Generator> gen;  // the CUDA engine, when it runs the sequences
     int max_seq_len = 0;
+    // Chunked prefill (the CUDA engine in one process; 0 = off): context tokens prefilled a step.
+    // A joining group's identical contexts are prefilled once, into seqs[0]'s slot, in parts; the
+    // others fork from it once the context is whole. Their slots are taken when the group joins.
+    int64_t prefill_chunk_tokens = 0;
+    struct JoiningGroup {
+        std::vector<Seq> seqs;
+        std::vector<int64_t> context;  // prompt + resumed response
+        int64_t prefilled = 0;         // tokens of context in seqs[0]'s slot so far
+    };
+    std::deque<JoiningGroup> joining;
     int64_t tokens = 0;
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;  // prefilled contexts; of them from a group-mate
     // The CUDA engine's decode steps: wall seconds, their dense bytes (summed on the host as each
@@ -216,9 +226,15 @@ struct RolloutEngine::Impl {
     std::unique_ptr<ep::C10dStore> decode_store;
     std::unique_ptr<ep::Buffer> decode_ep;
 
-    Impl(const model::MoeModel& m, const SamplingParams& p, int mb, bool rr, int msl,
-         const RoleProcesses* procs, bool fp8_weights, bool cuda_graphs)
-        : model(m), params(p), max_batch(mb), record_routing(rr), max_seq_len(msl) {
+    // procs: the processes of an engine spread over several (nullptr in one process).
+    Impl(const model::MoeModel& m, const SamplingParams& p, const RolloutEngineOptions& eo,
+         const RoleProcesses* procs)
+        : model(m),
+          params(p),
+          max_batch(eo.max_batch),
+          record_routing(eo.record_routing),
+          max_seq_len(eo.max_seq_len),
+          prefill_chunk_tokens(procs == nullptr ? eo.prefill_chunk_tokens : 0) {
         num_moe_layers = m.config().num_moe_layers();
         top_k = m.config().num_experts_per_tok;
         vocab = m.config().vocab_size;
@@ -227,8 +243,8 @@ struct RolloutEngine::Impl {
         o.max_batch = max_batch;
         o.max_seq_len = max_seq_len;
         o.record_routing = record_routing;
-        o.fp8_weights = fp8_weights;
-        o.cuda_graphs = cuda_graphs;
+        o.fp8_weights = eo.fp8_weights;
+        o.cuda_graphs = eo.cuda_graphs;
         if (const ep::Buffer* prefill = m.options().ep; prefill != nullptr) {
             if (procs == nullptr || !prefill->on_device()) return;  // the model's eager steps
             ep::Config c = prefill->config();
@@ -331,8 +347,134 @@ struct RolloutEngine::Impl {
         }
     }
 
+    // The next waiting request as a sequence (its routing recomputed by its prefill).
+    Seq next_waiting() {
+        Seq s;
+        s.req = std::move(waiting.front());
+        waiting.pop_front();
+        s.traj = s.req.prefix;
+        s.traj.num_moe_layers = num_moe_layers;
+        s.traj.top_k = top_k;
+        s.traj.routing.clear();
+        return s;
+    }
+
+    static std::vector<int64_t> context_of(const Seq& s) {
+        std::vector<int64_t> ctx(s.req.prompt.begin(), s.req.prompt.end());
+        ctx.insert(ctx.end(), s.traj.tokens.begin(), s.traj.tokens.end());
+        return ctx;
+    }
+
+    // Sequences holding a slot: decoding, or joining (chunked prefill).
+    size_t held() const {
+        size_t n = active.size();
+        for (const JoiningGroup& j : joining) n += j.seqs.size();
+        return n;
+    }
+
+    // Each sequence draws its first token from its row of logits [rows, V] (rows[i] for seqs[i]);
+    // those that finish leave (done), the others join `active`, in order. Returns the indices into
+    // seqs of those that joined.
+    std::vector<int64_t> start_decoding(std::vector<Seq*> seqs, const std::vector<int64_t>& rows,
+                                        const at::Tensor& logits, int64_t version,
+                                        std::vector<GenResult>& done) {
+        std::vector<Seq*> drawing;
+        std::vector<int64_t> drawing_rows;
+        for (size_t i = 0; i < seqs.size(); ++i)
+            if (static_cast<int>(seqs[i]->traj.tokens.size()) < seqs[i]->req.max_new_tokens) {
+                drawing.push_back(seqs[i]);
+                drawing_rows.push_back(rows[i]);
+            }
+        std::vector<std::pair<int, float>> tokens;
+        if (!drawing.empty())
+            tokens = draw(drawing,
+                          logits.index_select(0, at::tensor(drawing_rows, at::kLong).to(logits.device())));
+        std::vector<int64_t> kept;
+        for (size_t i = 0, d = 0; i < seqs.size(); ++i) {
+            Seq& s = *seqs[i];
+            bool finished = true;
+            if (d < drawing.size() && drawing[d] == &s) {
+                finished = take(s, tokens[d].first, tokens[d].second, version);
+                ++d;
+            }
+            if (finished) {
+                release(s);
+                done.push_back(finish(s));
+            } else {
+                active.push_back(std::move(s));
+                kept.push_back(static_cast<int64_t>(i));
+            }
+        }
+        return kept;
+    }
+
+    // Chunked prefill: whole groups join while slots are free; then at most prefill_chunk_tokens of
+    // the joining contexts, oldest first, go through one prefill call. A group whose context is now
+    // whole forks it into its other samples, and all of them draw their first token.
+    void admit_in_parts(int64_t version, std::vector<GenResult>& done) {
+        const size_t in_use = held();
+        const size_t n =
+            detail::whole_groups(waiting, static_cast<size_t>(std::max<int64_t>(0, max_batch - in_use)),
+                                 static_cast<size_t>(max_batch), in_use == 0, true);
+        for (size_t taken = 0; taken < n;) {
+            const size_t run = std::min(n - taken, detail::same_context_run(waiting, 0));
+            JoiningGroup j;
+            for (size_t k = 0; k < run; ++k) {
+                j.seqs.push_back(next_waiting());
+                j.seqs.back().slot = gen->acquire();
+                MOERL_CHECK(j.seqs.back().slot >= 0, "rollout: the CUDA engine has no free slot for request ",
+                            j.seqs.back().req.id);
+            }
+            j.context = context_of(j.seqs[0]);
+            prompt_tokens += static_cast<int64_t>(run * j.context.size());
+            joining.push_back(std::move(j));
+            taken += run;
+        }
+        if (joining.empty()) return;
+        std::vector<int> slots;
+        std::vector<std::vector<int64_t>> parts;
+        int64_t budget = prefill_chunk_tokens;
+        for (JoiningGroup& j : joining) {
+            if (budget <= 0) break;
+            const int64_t take =
+                std::min<int64_t>(budget, static_cast<int64_t>(j.context.size()) - j.prefilled);
+            slots.push_back(j.seqs[0].slot);
+            parts.emplace_back(j.context.begin() + j.prefilled, j.context.begin() + j.prefilled + take);
+            budget -= take;
+        }
+        model::GenerationStep out = gen->prefill(slots, parts);
+        const at::Tensor routing = record_routing ? host_routing(out.routing) : at::Tensor();
+        // Whole contexts end a prefix of the queue: a group gets a part only when every older one
+        // got the rest of its context.
+        std::vector<Seq*> starting;
+        std::vector<int64_t> rows;
+        size_t whole = 0;
+        for (size_t r = 0; r < parts.size(); ++r) {
+            JoiningGroup& j = joining[r];
+            const int64_t len = static_cast<int64_t>(parts[r].size());
+            if (record_routing)
+                append_routing(j.seqs[0], routing, static_cast<int64_t>(r), routing.size(1) - len);
+            j.prefilled += len;
+            if (j.prefilled < static_cast<int64_t>(j.context.size())) continue;
+            for (size_t k = 1; k < j.seqs.size(); ++k) {
+                gen->fork(j.seqs[0].slot, j.seqs[k].slot);
+                j.seqs[k].traj.routing = j.seqs[0].traj.routing;
+                prompt_tokens_shared += static_cast<int64_t>(j.context.size());
+            }
+            for (Seq& s : j.seqs) {
+                starting.push_back(&s);
+                rows.push_back(static_cast<int64_t>(r));
+            }
+            ++whole;
+        }
+        if (starting.empty()) return;
+        start_decoding(starting, rows, out.logits, version, done);
+        joining.erase(joining.begin(), joining.begin() + static_cast<std::ptrdiff_t>(whole));
+    }
+
     // prefill_pass: another rank of the engine prefills now (this one joins the collectives).
     void admit(int64_t version, std::vector<GenResult>& done, bool prefill_pass) {
+        if (gen && prefill_chunk_tokens > 0) return admit_in_parts(version, done);
         const size_t n =
             detail::whole_groups(waiting, static_cast<size_t>(std::max(0, max_batch - (int)active.size())),
                                  static_cast<size_t>(max_batch), active.empty(), shares_prompts());
@@ -344,19 +486,10 @@ struct RolloutEngine::Impl {
         std::vector<std::vector<int64_t>> contexts;  // prompt + resumed response
         int64_t longest = 0;
         for (size_t i = 0; i < n; ++i) {
-            Seq s;
-            s.req = std::move(waiting.front());
-            waiting.pop_front();
-            s.traj = s.req.prefix;
-            s.traj.num_moe_layers = num_moe_layers;
-            s.traj.top_k = top_k;
-            s.traj.routing.clear();  // recomputed below for prompt and prefix
-            std::vector<int64_t> ctx(s.req.prompt.begin(), s.req.prompt.end());
-            ctx.insert(ctx.end(), s.traj.tokens.begin(), s.traj.tokens.end());
-            longest = std::max<int64_t>(longest, static_cast<int64_t>(ctx.size()));
-            prompt_tokens += static_cast<int64_t>(ctx.size());
-            contexts.push_back(std::move(ctx));
-            joining.push_back(std::move(s));
+            joining.push_back(next_waiting());
+            contexts.push_back(context_of(joining.back()));
+            longest = std::max<int64_t>(longest, static_cast<int64_t>(contexts.back().size()));
+            prompt_tokens += static_cast<int64_t>(contexts.back().size());
         }
         at::Tensor logits;  // [n, V]: each joining sequence's next-token logits
         model::KvCache fresh;
@@ -401,36 +534,15 @@ struct RolloutEngine::Impl {
             }
             logits = out.logits;
         }
-        // Sequences that still need tokens draw one from their prefill logits.
-        std::vector<int64_t> drawing;
-        std::vector<Seq*> drawn;
+        std::vector<Seq*> seqs;
+        std::vector<int64_t> rows;
         for (size_t i = 0; i < n; ++i) {
-            if (static_cast<int>(joining[i].traj.tokens.size()) < joining[i].req.max_new_tokens) {
-                drawing.push_back(static_cast<int64_t>(i));
-                drawn.push_back(&joining[i]);
-            }
+            seqs.push_back(&joining[i]);
+            rows.push_back(static_cast<int64_t>(i));
         }
-        std::vector<std::pair<int, float>> tokens;
-        if (!drawing.empty())
-            tokens = draw(drawn, logits.index_select(0, at::tensor(drawing, at::kLong).to(logits.device())));
-        std::vector<int64_t> keep;
-        for (size_t i = 0, d = 0; i < n; ++i) {
-            Seq& s = joining[i];
-            bool finished = true;
-            if (d < drawing.size() && drawing[d] == static_cast<int64_t>(i)) {
-                finished = take(s, tokens[d].first, tokens[d].second, version);
-                ++d;
-            }
-            if (finished) {
-                release(s);
-                done.push_back(finish(s));
-            } else {
-                keep.push_back(static_cast<int64_t>(i));
-            }
-        }
+        const std::vector<int64_t> keep = start_decoding(seqs, rows, logits, version, done);
         if (keep.empty()) return;
         if (!gen && keep.size() < n) fresh.select(at::tensor(keep, at::kLong));
-        for (int64_t k : keep) active.push_back(std::move(joining[k]));
         if (!gen) cache = merge_caches(cache, fresh, room + 1);
     }
 
@@ -488,6 +600,12 @@ struct RolloutEngine::Impl {
             s.traj.routing.clear();  // a resumed sequence recomputes it in its prefill
             out.push_back({s.req.id, std::move(s.traj)});
         }
+        for (JoiningGroup& j : joining)
+            for (Seq& s : j.seqs) {
+                release(s);
+                out.push_back({s.req.id, s.req.prefix});
+            }
+        joining.clear();
         for (auto& r : waiting) out.push_back({r.id, r.prefix});
         active.clear();
         waiting.clear();
@@ -573,15 +691,27 @@ struct RolloutEngine::Spread {
     }
 };
 
-RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
-                             bool record_routing, int max_seq_len, const RoleProcesses* processes,
-                             bool fp8_weights, bool cuda_graphs) {
-    MOERL_CHECK(max_batch >= 1, "rollout max_batch must be >= 1, got ", max_batch);
+RolloutEngineOptions rollout_engine_options(const RunConfig& c, const RoleProcesses* processes) {
+    RolloutEngineOptions o;
+    o.max_batch = c.rollout_max_batch;
+    o.record_routing = c.record_routing;
+    o.max_seq_len = c.rollout_max_seq_len;
+    o.processes = processes;
+    o.fp8_weights = c.rollout_dtype == "fp8";
+    o.prefill_chunk_tokens = c.rollout_prefill_chunk_tokens;
+    return o;
+}
+
+RolloutEngine::RolloutEngine(const model::MoeModel& model, const SamplingParams& params,
+                             const RolloutEngineOptions& options) {
+    MOERL_CHECK(options.max_batch >= 1, "rollout max_batch must be >= 1, got ", options.max_batch);
     MOERL_CHECK(params.temperature > 0, "sampling temperature must be > 0, got ", params.temperature);
-    MOERL_CHECK(max_seq_len >= 2, "rollout max_seq_len must be >= 2, got ", max_seq_len);
+    MOERL_CHECK(options.max_seq_len >= 2, "rollout max_seq_len must be >= 2, got ", options.max_seq_len);
+    MOERL_CHECK(options.prefill_chunk_tokens >= 0, "rollout prefill_chunk_tokens must be >= 0, got ",
+                options.prefill_chunk_tokens);
+    const RoleProcesses* processes = options.processes;
     const bool spread = processes != nullptr && processes->world_size > 1;
-    impl_ = std::make_unique<Impl>(model, params, max_batch, record_routing, max_seq_len,
-                                   spread ? processes : nullptr, fp8_weights, cuda_graphs);
+    impl_ = std::make_unique<Impl>(model, params, options, spread ? processes : nullptr);
     if (!spread) return;
     MOERL_CHECK(model.options().ep != nullptr && model.config().num_moe_layers() > 0, "rollout engine over ",
                 processes->world_size,
@@ -763,7 +893,7 @@ int RolloutEngine::capacity() const { return impl_->max_batch * (spread_ ? sprea
 bool RolloutEngine::uses_generator() const { return impl_->gen != nullptr; }
 
 size_t RolloutEngine::num_active() const {
-    if (!spread_) return impl_->active.size();
+    if (!spread_) return impl_->held();
     size_t n = 0;
     for (int h : spread_->held) n += static_cast<size_t>(h);
     return n;

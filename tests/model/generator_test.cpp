@@ -624,6 +624,109 @@ TEST(Generator, PrefillInPassesEqualsOnePass) {
     EXPECT_LT((decoded[0] - decoded[1]).abs().max().item<float>(), 1e-5);
 }
 
+// Chunked prefill: prompts appended in parts (chunk ends on and off block boundaries, a pass mixing
+// a continuing slot with a fresh one, another slot decoding in between) leave the cache a whole
+// prefill leaves: the last part's logits equal the CPU model's for the whole prompt, and greedy
+// decoding continues exactly as the CPU's.
+TEST(Generator, ChunkedPrefillEqualsTheWholePrompt) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    const std::vector<int64_t> a = random_prompt(21, c.vocab_size, 61),
+                               b = random_prompt(10, c.vocab_size, 62),
+                               other = random_prompt(5, c.vocab_size, 63);
+    Generator gen(t.gpu, {.max_batch = 4, .max_seq_len = 40, .block_size = 4, .record_routing = true});
+    const int sa = gen.acquire(), sb = gen.acquire(), so = gen.acquire();
+    auto part = [](const std::vector<int64_t>& p, size_t from, size_t to) {
+        return std::vector<int64_t>(p.begin() + from, p.begin() + to);
+    };
+    std::vector<int64_t> got_o{gen.prefill({so}, {other}).greedy.cpu()[0].item<int64_t>()};
+    auto decode_other = [&] {
+        got_o.push_back(
+            gen.decode({so}, at::tensor({got_o.back()}, at::kLong)).greedy.cpu()[0].item<int64_t>());
+    };
+    // a: 8 (two whole blocks), then 3 in one call with b's first 3, then 3 with b's last 7, then 7.
+    gen.prefill({sa}, {part(a, 0, 8)});
+    decode_other();
+    GenerationStep mixed = gen.prefill({sb, sa}, {part(b, 0, 3), part(a, 8, 11)});
+    EXPECT_EQ(mixed.routing.size(1), 3);
+    EXPECT_EQ(gen.length(sa), 11);
+    decode_other();
+    GenerationStep both = gen.prefill({sa, sb}, {part(a, 11, 14), part(b, 3, 10)});
+    GenerationStep last = gen.prefill({sa}, {part(a, 14, 21)});
+    EXPECT_EQ(gen.length(sa), 21);
+    EXPECT_EQ(gen.length(sb), 10);
+    EXPECT_EQ(last.routing.size(1), 7);
+    EXPECT_GE(last.routing.min().item<int>(), 0) << "every token of a part has its experts recorded";
+    c10::NoGradGuard no_grad;
+    KvCache cache = t.cpu.new_cache(1, 30);
+    at::Tensor ref = t.cpu.prefill(cache, at::tensor(a, at::kLong).unsqueeze(0), at::Tensor()).logits;
+    EXPECT_LT((last.logits.cpu().to(at::kFloat) - ref).abs().max().item<float>(), 1e-4);
+    // Both chunked sequences, together, and the one that decoded between their parts continue as on
+    // the CPU.
+    const std::vector<int64_t> want_a = greedy_reference(t.cpu, a, 6), want_b = greedy_reference(t.cpu, b, 6);
+    std::vector<int64_t> got_a{last.greedy.cpu()[0].item<int64_t>()},
+        got_b{both.greedy.cpu()[1].item<int64_t>()};
+    for (int i = 1; i < 6; ++i) {
+        at::Tensor g = gen.decode({sa, sb}, at::tensor({got_a.back(), got_b.back()}, at::kLong)).greedy.cpu();
+        got_a.push_back(g[0].item<int64_t>());
+        got_b.push_back(g[1].item<int64_t>());
+    }
+    EXPECT_EQ(got_a, want_a);
+    EXPECT_EQ(got_b, want_b);
+    EXPECT_EQ(got_o, greedy_reference(t.cpu, other, 3));
+    // A part that would leave no room to generate is refused, naming the slot's tokens.
+    expect_error([&] { gen.prefill({sa}, {std::vector<int64_t>(14, 1)}); },
+                 "slot " + std::to_string(sa) + " holds 26 tokens and prompt 0 adds 14");
+    EXPECT_EQ(gen.length(sa), 26);
+}
+
+// fork(): a prompt prefilled in chunks into one slot and forked into others shares its full blocks
+// (reference-counted); each fork writes its own copy of the partial last block, so rows fed
+// different tokens continue as the CPU model does on each; releasing them gives every block back.
+// Forking into a slot that holds tokens, from an empty one, or with no block free for the partial
+// copy is refused and leaves the engine usable.
+TEST(Generator, ForkedSlotsDecodeAsTheirOwnPrefill) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c);
+    Generator gen(t.gpu, {.max_batch = 4, .max_seq_len = 24, .block_size = 4, .num_blocks = 5});
+    const std::vector<int64_t> p = random_prompt(10, c.vocab_size, 71);  // 2 full blocks + 2 tokens
+    ASSERT_EQ(gen.free_blocks(), 5);
+    std::vector<int> slots;
+    for (int i = 0; i < 4; ++i) slots.push_back(gen.acquire());
+    gen.prefill({slots[0]}, {std::vector<int64_t>(p.begin(), p.begin() + 6)});
+    GenerationStep r = gen.prefill({slots[0]}, {std::vector<int64_t>(p.begin() + 6, p.end())});
+    expect_error([&] { gen.fork(slots[1], slots[2]); }, "holds no tokens");
+    expect_error([&] { gen.fork(slots[0], slots[0]); }, "its own tokens");
+    gen.fork(slots[0], slots[1]);
+    gen.fork(slots[0], slots[2]);
+    expect_error([&] { gen.fork(slots[0], slots[1]); }, "already holds 10 tokens");
+    EXPECT_EQ(gen.shared_blocks(), 4);  // two full blocks, twice
+    EXPECT_EQ(gen.free_blocks(), 0);    // the prompt's 3, a partial copy each
+    expect_error([&] { gen.fork(slots[0], slots[3]); }, "no block is free");
+    EXPECT_EQ(gen.length(slots[3]), 0);
+    EXPECT_EQ(gen.length(slots[2]), 10);
+    // Three rows, three different next tokens, two steps (both inside the partial blocks).
+    const int64_t t0 = r.greedy.cpu()[0].item<int64_t>();
+    const std::vector<int64_t> fed = {t0, (t0 + 1) % c.vocab_size, (t0 + 2) % c.vocab_size};
+    const std::vector<int> three = {slots[0], slots[1], slots[2]};
+    at::Tensor g1 = gen.decode(three, at::tensor(fed, at::kLong)).greedy;
+    const at::Tensor first = g1.cpu(), second = gen.decode(three, g1).greedy.cpu();
+    for (int i = 0; i < 3; ++i) {
+        std::vector<int64_t> context = p;
+        context.push_back(fed[i]);
+        const std::vector<int64_t> want = greedy_reference(t.cpu, context, 2);
+        EXPECT_EQ((std::vector<int64_t>{first[i].item<int64_t>(), second[i].item<int64_t>()}), want)
+            << "row " << i;
+    }
+    for (int s : three) gen.release(s);
+    EXPECT_EQ(gen.free_blocks(), 5);
+    EXPECT_EQ(gen.shared_blocks(), 0);
+    EXPECT_EQ(gen.prefill({slots[3]}, {{1, 2, 3}}).greedy.cpu()[0].item<int64_t>(),
+              greedy_reference(t.cpu, {1, 2, 3}, 1)[0]);
+}
+
 // A KV cache larger than the GPU is refused, naming the bytes and the settings to lower.
 TEST(Generator, AKvCacheLargerThanTheGpuIsRefusedByName) {
     SKIP_WITHOUT_ENGINE();

@@ -311,8 +311,10 @@ TEST(Rollout, CudaMatchesCpuOrIsRefused) {
     moerl::model::MoeModel gpu(c.model, on_gpu);
     cpu.init_random(7);
     gpu.init_random(7);
-    RolloutEngine a(cpu, c.sampling, 3, false, c.rollout_max_seq_len);
-    RolloutEngine b(gpu, c.sampling, 3, false, c.rollout_max_seq_len);
+    RolloutEngine a(cpu, c.sampling,
+                    {.max_batch = 3, .record_routing = false, .max_seq_len = c.rollout_max_seq_len});
+    RolloutEngine b(gpu, c.sampling,
+                    {.max_batch = 3, .record_routing = false, .max_seq_len = c.rollout_max_seq_len});
     EXPECT_FALSE(a.uses_generator());
     EXPECT_EQ(b.uses_generator(), moerl::model::Generator::available());
     for (int i = 0; i < 7; ++i) {

@@ -188,7 +188,7 @@ TEST(RlGpu, CudaOptimizerStepsMatchTheCpuSteps) {
 
 // Greedy rollouts with routing records: on the GPU (the fused engine) the tokens and the experts
 // recorded for every position and MoE layer are the CPU eager path's (as sets: the order of a
-// position's K experts is free).
+// position's K experts is free), with contexts prefilled whole and in parts of 3 tokens a step.
 TEST(RlGpu, RoutingRecordsOfTheFastPathEqualTheEagerPath) {
     SKIP_WITHOUT_CUDA();
     if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
@@ -199,43 +199,52 @@ TEST(RlGpu, RoutingRecordsOfTheFastPathEqualTheEagerPath) {
     moerl::model::MoeModel gpu(c.model, on_gpu);
     cpu.init_random(11);
     gpu.init_random(11);
-    RolloutEngine a(cpu, c.sampling, 4, true, c.rollout_max_seq_len);
-    RolloutEngine b(gpu, c.sampling, 4, true, c.rollout_max_seq_len);
-    ASSERT_TRUE(b.uses_generator());
-    for (int i = 0; i < 9; ++i) {
-        const TaskPayload p = make_task_payload(c, 0, i, 0);
-        a.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 2 + i % 5});
-        b.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 2 + i % 5});
-    }
     auto by_id = [](std::vector<GenResult> v) {
         std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
         return v;
     };
-    const auto want = by_id(a.run_to_completion(0)), got = by_id(b.run_to_completion(0));
-    ASSERT_EQ(got.size(), want.size());
-    const int K = c.model.num_experts_per_tok;
-    int64_t same = 0, total = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-        ASSERT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
-        const auto& rw = want[i].trajectory.routing;
-        const auto& rg = got[i].trajectory.routing;
-        ASSERT_EQ(rg.size(), rw.size()) << "request " << want[i].id;
-        for (size_t at0 = 0; at0 + K <= rw.size(); at0 += K) {
-            std::vector<int16_t> x(rw.begin() + at0, rw.begin() + at0 + K),
-                y(rg.begin() + at0, rg.begin() + at0 + K);
-            std::sort(x.begin(), x.end());
-            std::sort(y.begin(), y.end());
-            same += x == y;
-            ++total;
+    auto generate = [&](const moerl::model::MoeModel& m, int64_t chunk) {
+        RolloutEngine e(m, c.sampling,
+                        {.max_batch = 4,
+                         .record_routing = true,
+                         .max_seq_len = c.rollout_max_seq_len,
+                         .prefill_chunk_tokens = chunk});
+        for (int i = 0; i < 9; ++i) {
+            const TaskPayload p = make_task_payload(c, 0, i, 0);
+            e.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 2 + i % 5});
         }
+        return by_id(e.run_to_completion(0));
+    };
+    const auto want = generate(cpu, 0);
+    for (const int64_t chunk : {int64_t{0}, int64_t{3}}) {
+        SCOPED_TRACE("prefill_chunk_tokens " + std::to_string(chunk));
+        const auto got = generate(gpu, chunk);
+        ASSERT_EQ(got.size(), want.size());
+        const int K = c.model.num_experts_per_tok;
+        int64_t same = 0, total = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+            ASSERT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
+            const auto& rw = want[i].trajectory.routing;
+            const auto& rg = got[i].trajectory.routing;
+            ASSERT_EQ(rg.size(), rw.size()) << "request " << want[i].id;
+            for (size_t at0 = 0; at0 + K <= rw.size(); at0 += K) {
+                std::vector<int16_t> x(rw.begin() + at0, rw.begin() + at0 + K),
+                    y(rg.begin() + at0, rg.begin() + at0 + K);
+                std::sort(x.begin(), x.end());
+                std::sort(y.begin(), y.end());
+                same += x == y;
+                ++total;
+            }
+        }
+        ASSERT_GT(total, 50);
+        // fp32 on both sides: only a near-tie of two router logits may flip (none expected here).
+        EXPECT_GE(static_cast<double>(same), 0.995 * static_cast<double>(total)) << same << " of " << total;
     }
-    ASSERT_GT(total, 50);
-    // fp32 on both sides: only a near-tie of two router logits may flip (none expected here).
-    EXPECT_GE(static_cast<double>(same), 0.995 * static_cast<double>(total)) << same << " of " << total;
 }
 
-// A GRPO group's samples on the CUDA engine join in one prefill and share their prompt's cache
-// blocks; each still samples what it samples on the CPU eager path (fp32 on both, its own seed),
+// A GRPO group's samples on the CUDA engine share their prompt's cache blocks: joined in one
+// prefill, or, with the context prefilled in parts of 3 tokens a step, forked from the sample that
+// took them. Each still samples what it samples on the CPU eager path (fp32 on both, its own seed),
 // also when a group arrives while the engine has too few free slots for all of it.
 TEST(RlGpu, AGroupsSamplesSharePromptBlocksAndSampleAsOnTheCpu) {
     SKIP_WITHOUT_CUDA();
@@ -247,32 +256,40 @@ TEST(RlGpu, AGroupsSamplesSharePromptBlocksAndSampleAsOnTheCpu) {
     moerl::model::MoeModel gpu(c.model, on_gpu);
     cpu.init_random(13);
     gpu.init_random(13);
-    RolloutEngine a(cpu, c.sampling, 6, false, c.rollout_max_seq_len);
-    RolloutEngine b(gpu, c.sampling, 6, false, c.rollout_max_seq_len);
-    ASSERT_TRUE(b.uses_generator());
     const int kGroups = 3, kSamples = 4;
     int64_t prompt_len = 0;
-    for (int p = 0; p < kGroups; ++p)
-        for (int g = 0; g < kSamples; ++g) {
-            const TaskPayload t = make_task_payload(c, 0, p, g);
-            prompt_len = static_cast<int64_t>(t.prompt_tokens.size());
-            const uint64_t id = static_cast<uint64_t>(p * kSamples + g);
-            a.add({id, t.prompt_tokens, {}, t.seed, 3 + g});
-            b.add({id, t.prompt_tokens, {}, t.seed, 3 + g});
-        }
     auto by_id = [](std::vector<GenResult> v) {
         std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
         return v;
     };
-    const auto want = by_id(a.run_to_completion(0)), got = by_id(b.run_to_completion(0));
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < want.size(); ++i)
-        EXPECT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
-    // Six slots: the first group joins, the second waits for four free slots rather than split,
-    // and so does the third: every group prefilled once.
-    EXPECT_EQ(b.prompt_tokens(), kGroups * kSamples * prompt_len);
-    EXPECT_EQ(b.prompt_tokens_shared(), kGroups * (kSamples - 1) * prompt_len);
+    auto fill = [&](RolloutEngine& e) {
+        for (int p = 0; p < kGroups; ++p)
+            for (int g = 0; g < kSamples; ++g) {
+                const TaskPayload t = make_task_payload(c, 0, p, g);
+                prompt_len = static_cast<int64_t>(t.prompt_tokens.size());
+                e.add({static_cast<uint64_t>(p * kSamples + g), t.prompt_tokens, {}, t.seed, 3 + g});
+            }
+    };
+    RolloutEngine a(cpu, c.sampling, {.max_batch = 6, .max_seq_len = c.rollout_max_seq_len});
+    fill(a);
+    const auto want = by_id(a.run_to_completion(0));
     EXPECT_EQ(a.prompt_tokens_shared(), 0);
+    for (const int64_t chunk : {int64_t{0}, int64_t{3}}) {
+        SCOPED_TRACE("prefill_chunk_tokens " + std::to_string(chunk));
+        RolloutEngine b(
+            gpu, c.sampling,
+            {.max_batch = 6, .max_seq_len = c.rollout_max_seq_len, .prefill_chunk_tokens = chunk});
+        ASSERT_TRUE(b.uses_generator());
+        fill(b);
+        const auto got = by_id(b.run_to_completion(0));
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < want.size(); ++i)
+            EXPECT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
+        // Six slots: the first group joins, the second waits for four free slots rather than split,
+        // and so does the third: every group prefilled once.
+        EXPECT_EQ(b.prompt_tokens(), kGroups * kSamples * prompt_len);
+        EXPECT_EQ(b.prompt_tokens_shared(), kGroups * (kSamples - 1) * prompt_len);
+    }
 }
 
 // On the device: the draws follow softmax(logits / T) (chi-square, 5 degrees of freedom, 0.1%

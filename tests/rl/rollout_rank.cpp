@@ -61,9 +61,12 @@ int main(int argc, char** argv) {
         SamplingParams greedy = c.sampling;
         greedy.top_k = 1;
         const char* graphs = std::getenv("MOERL_TEST_GRAPHS");
-        RolloutEngine engine(m, greedy, max_batch, /*record_routing=*/true, max_seq_len, W > 1 ? &p : nullptr,
-                             /*fp8_weights=*/false,
-                             /*cuda_graphs=*/graphs == nullptr || std::string(graphs) != "0");
+        RolloutEngine engine(m, greedy,
+                             {.max_batch = max_batch,
+                              .record_routing = true,
+                              .max_seq_len = max_seq_len,
+                              .processes = W > 1 ? &p : nullptr,
+                              .cuda_graphs = graphs == nullptr || std::string(graphs) != "0"});
         if (p.rank > 0) {
             engine.follow([&](const std::string& seed) {
                 if (die && p.rank == 1) _exit(9);

@@ -13,6 +13,9 @@
 //   for (...) r = gen.decode(slots, r.greedy);
 //   gen.release(slots[0]);
 //
+// A long prompt may also go in parts, between decode steps of the other slots (chunked prefill):
+//   gen.prefill({s}, {first_half}); ... gen.decode(others, ...); gen.prefill({s}, {second_half});
+//
 // The decode path changes with the batch bucket (GeneratorOptions below); bench/RESULTS.md has the
 // measurements behind each threshold.
 #pragma once
@@ -144,10 +147,18 @@ class Generator {
     // share_prompts): the cache blocks that sharing saves right now.
     int64_t shared_blocks() const;
 
-    // Starts each listed (acquired, empty) slot with its prompt (>= 1 token). Returns the logits of
-    // each prompt's last token. Identical prompts are prefilled once (GeneratorOptions::share_prompts).
-    // Checks every prompt and the free blocks before it changes anything.
+    // Appends each prompt (>= 1 token) to its listed, acquired slot and returns the logits of each
+    // prompt's last token. An empty slot starts with it; a slot that holds tokens continues after
+    // them (chunked prefill: a long prompt in parts between decode steps, or a conversation's next
+    // turn), its new tokens attending to the cached ones. Identical prompts of empty slots are
+    // prefilled once (GeneratorOptions::share_prompts). Checks every prompt and the free blocks
+    // before it changes anything.
     GenerationStep prefill(const std::vector<int>& slots, const std::vector<std::vector<int64_t>>& prompts);
+    // Gives the acquired, empty slot `to` every token slot `from` holds, without running the model:
+    // the full cache blocks are shared (reference-counted; neither slot writes them again) and `to`
+    // gets its own copy of a partial last block. The samples of a GRPO group whose prompt was
+    // prefilled in chunks into one slot start this way. Both slots then decode independently.
+    void fork(int from, int to);
     // Appends tokens [n] (int64, any device) to the n listed slots and returns the next logits.
     // Tokens that are the last step's `greedy` itself (changed in place or not) are read where they
     // lie; a step continuing the previous step's slots in the same order copies nothing to the device.

@@ -86,6 +86,9 @@ struct RunConfig {
     std::string rollout_device = "cpu";
     std::string rollout_dtype = "fp32";
     int rollout_max_seq_len = 1024;  // prompt + response a sequence may hold on cuda (its KV cache)
+    // cuda: context tokens prefilled a step, in parts between the decode steps of the sequences
+    // already running (RolloutEngineOptions::prefill_chunk_tokens); 0 = each context whole.
+    int64_t rollout_prefill_chunk_tokens = 8192;
     // train
     int group_size = 8;        // G, >= 2
     int prompts_per_step = 8;  // >= 1

@@ -72,27 +72,48 @@ struct DecodeTraffic {
     }
 };
 
+struct RolloutEngineOptions {
+    int max_batch = 64;  // sequences held at once (on each rank), >= 1
+    // Every sampled token's experts in each MoE layer go into the trajectory (routing replay).
+    bool record_routing = false;
+    // CUDA engine: prompt + response tokens a sequence may hold (its KV cache), >= 2.
+    int max_seq_len = 1024;
+    // world_size > 1: the engine spans that many processes, one expert-parallel rank each. Each
+    // rank's model holds its share of the experts (an EP buffer over the same processes) and each
+    // rank holds its own sequences, up to max_batch; every step's MoE layers are collective. Rank 0
+    // is the engine its caller sees: it hands new requests to the least loaded ranks and collects
+    // what finished; ranks 1.. carry out its calls in follow(). A rank that dies makes rank 0's next
+    // call throw, naming it.
+    const RoleProcesses* processes = nullptr;
+    // CUDA engine: decode from e4m3 copies of the weights, quantised again at each
+    // refresh_weights() (model::GeneratorOptions::fp8_weights); the eager CPU path ignores it.
+    bool fp8_weights = false;
+    // CUDA engine: replay decode steps from CUDA graphs (false: launch each kernel, the same
+    // kernels; model::GeneratorOptions::cuda_graphs).
+    bool cuda_graphs = true;
+    // CUDA engine in one process: context tokens prefilled a step, at most. Joining contexts go in
+    // parts of this budget, oldest group first, each step before the active sequences' decode step,
+    // so a long prompt delays those by one part's prefill instead of its whole. A GRPO group's
+    // context is prefilled once, into its first sample, and the others fork from it when it is
+    // whole (model::Generator::fork). 0: every joining context whole in the step it joins (also
+    // the behaviour over processes and on the CPU).
+    int64_t prefill_chunk_tokens = 0;
+};
+
+// The options a run's config asks for: rollout.max_batch, record_routing, max_seq_len,
+// prefill_chunk_tokens and dtype fp8.
+RolloutEngineOptions rollout_engine_options(const RunConfig& config,
+                                            const RoleProcesses* processes = nullptr);
+
 class RolloutEngine {
   public:
     // The model must outlive the engine; weights may be reloaded in place between steps (tokens
     // carry the version that sampled them; call refresh_weights() after). A model on a CUDA device
     // decodes through model::Generator (paged KV cache of max_seq_len tokens a sequence, fused decode
     // kernels, routing records from the decode kernels) when this build has it; otherwise through
-    // the model's own prefill/decode, the reference.
-    //
-    // processes (world_size > 1): the engine spans that many processes, one expert-parallel rank
-    // each. Each rank's model holds its share of the experts (an EP buffer over the same processes)
-    // and each rank holds its own sequences, up to max_batch; every step's MoE layers are collective.
-    // Rank 0 is the engine its caller sees: it hands new requests to the least loaded ranks and
-    // collects what finished; ranks 1.. carry out its calls in follow(). A rank that dies makes rank
-    // 0's next call throw, naming it.
-    // fp8_weights: the CUDA engine decodes from e4m3 copies of the weights, quantised again at each
-    // refresh_weights() (model::GeneratorOptions::fp8_weights); the eager CPU path ignores it.
-    // cuda_graphs: the CUDA engine replays its decode steps from CUDA graphs (false: launches each
-    // kernel, the same kernels; model::GeneratorOptions::cuda_graphs).
-    RolloutEngine(const model::MoeModel& model, const SamplingParams& params, int max_batch,
-                  bool record_routing, int max_seq_len = 1024, const RoleProcesses* processes = nullptr,
-                  bool fp8_weights = false, bool cuda_graphs = true);
+    // the model's own prefill/decode, the reference. RolloutEngineOptions says the rest.
+    RolloutEngine(const model::MoeModel& model, const SamplingParams& params,
+                  const RolloutEngineOptions& options = {});
     ~RolloutEngine();
 
     void add(GenRequest request);
