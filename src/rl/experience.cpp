@@ -201,7 +201,8 @@ std::string to_json(const ExperienceRecord& e) {
                             {"attempt", e.attempt},
                             {"task", payload_json(e.task)},
                             {"trajectory", trajectory_header(e.trajectory)},
-                            {"reward", e.reward}},
+                            {"reward", e.reward},
+                            {"correct", e.correct}},
                        e.trajectory);
 }
 
@@ -220,6 +221,7 @@ ExperienceRecord experience_from_json(const std::string& text) {
         e.task = payload_from(j.at("task"));
         e.trajectory = trajectory_from(j.at("trajectory"), a);
         e.reward = j.at("reward").get<double>();
+        e.correct = j.contains("correct") ? j.at("correct").get<bool>() : e.reward >= 1.0;
         return e;
     });
 }

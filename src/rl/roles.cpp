@@ -484,7 +484,8 @@ struct RolloutWorker::Impl {
                 {f.payload.problem, f.payload.prompt_tokens, d.trajectory.tokens, d.trajectory.terminated});
         }
         const auto t0 = Clock::now();
-        std::vector<double> rewards = rewarder->score(batch);
+        std::vector<bool> correct;
+        std::vector<double> rewards = rewarder->score_and_check(batch, correct);
         stats.reward_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
         for (size_t i = 0; i < done.size(); ++i) {
             InFlight f = std::move(in_flight.at(done[i].id));
@@ -495,6 +496,7 @@ struct RolloutWorker::Impl {
             e.task = std::move(f.payload);
             e.trajectory = std::move(done[i].trajectory);
             e.reward = rewards[i];
+            e.correct = correct[i];
             control::Experience x{e.task_id, e.attempt, e.oldest_version(), to_json(e)};
             if (cp.scoring) {  // the reward model scores it next; a task id put twice is ignored
                 cp.scoring->put({e.task_id, 0, x.payload, ""});

@@ -282,7 +282,7 @@ struct TrainerRole::Impl {
         for (auto& e : batch) {
             sum += e.reward;
             sq += e.reward * e.reward;
-            exact += e.reward >= 1.0 ? 1 : 0;
+            exact += e.correct ? 1 : 0;
             for (int64_t v : e.trajectory.versions) {
                 stale += static_cast<double>(version - v);
                 r.staleness_max = std::max(r.staleness_max, version - v);

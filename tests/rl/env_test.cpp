@@ -170,6 +170,22 @@ TEST(Experience, JsonRoundTrip) {
     EXPECT_EQ(f.trajectory.routing, e.trajectory.routing);
     EXPECT_EQ(f.oldest_version(), 4);
     EXPECT_DOUBLE_EQ(f.reward, 0.75);
+    EXPECT_FALSE(f.correct);
+    // The verifier's call travels apart from the reward; a record written before it had one counts
+    // as correct when its reward reaches 1.
+    e.correct = true;
+    EXPECT_TRUE(experience_from_json(to_json(e)).correct);
+    auto without_correct = [](const ExperienceRecord& r) {
+        std::string text = to_json(r);
+        const std::string field = std::string("\"correct\":") + (r.correct ? "true" : "false") + ",";
+        const size_t at = text.find(field);
+        EXPECT_NE(at, std::string::npos) << text;
+        return text.erase(at, field.size());
+    };
+    e.correct = false;
+    EXPECT_FALSE(experience_from_json(without_correct(e)).correct);
+    e.reward = 1.0;
+    EXPECT_TRUE(experience_from_json(without_correct(e)).correct);
     EXPECT_THROW(experience_from_json("{\"task_id\": 1}"), moerl::Error);
 }
 

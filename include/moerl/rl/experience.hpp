@@ -39,6 +39,9 @@ struct ExperienceRecord {
     TaskPayload task;
     Trajectory trajectory;
     double reward = 0.0;
+    // The task's verifier called the response correct (metrics' `exact`), whatever a reward model
+    // or the verifier's weight make of the reward. Records without it: reward >= 1.
+    bool correct = false;
     int64_t oldest_version() const;
 };
 

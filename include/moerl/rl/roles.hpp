@@ -125,7 +125,7 @@ struct StepResult {
     int64_t step = 0;
     int64_t version = 0;  // published after this step
     double reward_mean = 0, reward_std = 0;
-    double exact_fraction = 0;  // samples with reward 1
+    double exact_fraction = 0;  // samples the verifier called correct
     double staleness_mean = 0;  // policy versions behind, per token
     int64_t staleness_max = 0;
     int64_t response_tokens = 0;
