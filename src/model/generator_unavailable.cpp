@@ -47,6 +47,9 @@ bool cuda_rows_serve(const at::Tensor&) { return false; }
 at::Tensor cuda_rms_norm(const at::Tensor&, const at::Tensor&, double) {
     MOERL_FAIL("rms_norm: this build has no CUDA row kernels");
 }
+at::Tensor cuda_weighted_swiglu(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+    MOERL_FAIL("weighted_swiglu: this build has no CUDA row kernels");
+}
 void cuda_selected_logprob_rows(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
                                 const at::Tensor&) {
     MOERL_FAIL("selected_logprobs: this build has no CUDA row kernels");

@@ -185,8 +185,11 @@ at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at:
     if (!all_routed) xs = at::where(with_expert, xs, zero);
     at::Tensor g = GroupedLinear::apply(xs, gate, offsets);
     at::Tensor u = GroupedLinear::apply(xs, up, offsets);
-    at::Tensor weights = w.reshape({-1}).index_select(0, slots.order).to(x.scalar_type()).unsqueeze(1);
-    at::Tensor o = GroupedLinear::apply(at::silu(g) * u * weights, down, offsets);
+    at::Tensor weights = w.reshape({-1}).index_select(0, slots.order);
+    at::Tensor h = cuda_rows_serve(g) && weights.scalar_type() == at::kFloat
+                       ? cuda_weighted_swiglu(g, u, weights)
+                       : at::silu(g) * u * weights.to(x.scalar_type()).unsqueeze(1);
+    at::Tensor o = GroupedLinear::apply(h, down, offsets);
     if (!all_routed) o = at::where(with_expert, o, zero);
     return FromSlots::apply(o, slots);
 }

@@ -54,7 +54,43 @@ struct RmsNormRows : torch::autograd::Function<RmsNormRows> {
     }
 };
 
+struct WeightedSwigluRows : torch::autograd::Function<WeightedSwigluRows> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u,
+                              const at::Tensor& w) {
+        c10::cuda::CUDAGuard guard(g.device());
+        at::Tensor gc = g.contiguous(), uc = u.contiguous(), wc = w.contiguous();
+        at::Tensor h = at::empty_like(gc);
+        cuda::launch_weighted_swiglu_forward(dtype_code(gc), gc.data_ptr(), uc.data_ptr(),
+                                             wc.data_ptr<float>(), gc.size(0), static_cast<int>(gc.size(1)),
+                                             h.data_ptr(), stream_of(gc));
+        ctx->save_for_backward({gc, uc, wc});
+        return h;
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &g = saved[0], &u = saved[1], &w = saved[2];
+        c10::cuda::CUDAGuard guard(g.device());
+        at::Tensor dh = grads[0].to(g.scalar_type()).contiguous();
+        at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
+        at::Tensor dw = at::empty({g.size(0)}, w.options());
+        cuda::launch_weighted_swiglu_backward(
+            dtype_code(g), dh.data_ptr(), g.data_ptr(), u.data_ptr(), w.data_ptr<float>(), g.size(0),
+            static_cast<int>(g.size(1)), dg.data_ptr(), du.data_ptr(), dw.data_ptr<float>(), stream_of(g));
+        return {dg, du, dw};
+    }
+};
+
 }  // namespace
+
+at::Tensor cuda_weighted_swiglu(const at::Tensor& g, const at::Tensor& u, const at::Tensor& w) {
+    MOERL_CHECK(g.dim() == 2 && u.sizes() == g.sizes() && u.scalar_type() == g.scalar_type() &&
+                    w.dim() == 1 && w.size(0) == g.size(0) && w.scalar_type() == at::kFloat &&
+                    u.device() == g.device() && w.device() == g.device(),
+                "weighted_swiglu: g ", g.sizes(), ", u ", u.sizes(), " and w ", w.sizes(), " (",
+                w.scalar_type(), ") are not [rows, width] twice and [rows] fp32 on one device");
+    return WeightedSwigluRows::apply(g, u, w);
+}
 
 bool cuda_rows_serve(const at::Tensor& t) {
     return t.defined() && t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat);

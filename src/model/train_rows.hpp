@@ -14,6 +14,11 @@ bool cuda_rows_serve(const at::Tensor& t);
 // weight: one pass forward, two backward, instead of the composition's eight.
 at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// silu(g) * u * w[:, None] for g, u [rows, width] (model dtype) and routing weights w [rows] fp32,
+// differentiable in all three: one pass forward and one backward, instead of the composition's three
+// and about eight.
+at::Tensor cuda_weighted_swiglu(const at::Tensor& g, const at::Tensor& u, const at::Tensor& w);
+
 // lp [rows] fp32 <- the targets' log-probabilities under logits [rows, V] / temperature + bias; with
 // write_softmax the logits become softmax - onehot (see launch_selected_logprob_rows).
 void cuda_selected_logprob_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& bias,

@@ -7,8 +7,10 @@
 
 #include "ep_ranks.hpp"
 #include "model_test_util.hpp"
+#include "moerl/core/error.hpp"
 #include "moerl/model/layers.hpp"
 #include "moerl/model/model.hpp"
+#include "train_rows.hpp"
 
 namespace moerl::model {
 namespace {
@@ -192,6 +194,46 @@ TEST(Cuda, RmsNormKernelMatchesTheComposition) {
             EXPECT_CLOSE(x.grad().to(at::kCPU, at::kFloat), xr.grad().to(at::kCPU, at::kFloat), tol) << what;
             EXPECT_CLOSE(w.grad().to(at::kCPU, at::kFloat), wr.grad().to(at::kCPU, at::kFloat), tol) << what;
         }
+    }
+}
+
+// The experts' activation with the routing weight of each row, one kernel each way, equals the
+// composition silu(g) * u * w in double: the values and the gradients of g, u and w, at a width on
+// the vectorised path and one off it. The trainer's grouped experts call it.
+TEST(Cuda, WeightedSwigluKernelMatchesTheComposition) {
+    SKIP_WITHOUT_CUDA();
+    if (!cuda_rows_serve(at::zeros({1}, at::kCUDA))) GTEST_SKIP() << "no CUDA row kernels in this build";
+    at::manual_seed(12);
+    for (const int64_t W : {768, 36}) {
+        for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+            const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+            const auto opts = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+            at::Tensor g0 = (at::randn({301, W}) * 3).to(opts), u0 = at::randn({301, W}).to(opts);
+            at::Tensor w0 = at::rand({301}).to(at::kCUDA), dh = at::randn({301, W}).to(opts);
+            at::Tensor g = g0.clone().requires_grad_(true), u = u0.clone().requires_grad_(true),
+                       w = w0.clone().requires_grad_(true);
+            at::Tensor h = cuda_weighted_swiglu(g, u, w);
+            (h * dh).sum().backward();
+            at::Tensor gr = g0.to(at::kDouble).requires_grad_(true),
+                       ur = u0.to(at::kDouble).requires_grad_(true),
+                       wr = w0.to(at::kDouble).requires_grad_(true);
+            at::Tensor hr = at::silu(gr) * ur * wr.unsqueeze(1);
+            (hr * dh.to(at::kDouble)).sum().backward();
+            const std::string what = "width " + std::to_string(W) + (dtype == at::kFloat ? " fp32" : " bf16");
+            EXPECT_CLOSE(h.to(at::kCPU, at::kFloat), hr.detach().to(at::kCPU, at::kFloat), tol) << what;
+            EXPECT_CLOSE(g.grad().to(at::kCPU, at::kFloat), gr.grad().to(at::kCPU, at::kFloat), tol) << what;
+            EXPECT_CLOSE(u.grad().to(at::kCPU, at::kFloat), ur.grad().to(at::kCPU, at::kFloat), tol) << what;
+            EXPECT_CLOSE(w.grad().to(at::kCPU, at::kFloat), wr.grad().to(at::kCPU, at::kFloat), tol) << what;
+            EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+        }
+    }
+    // Shapes that do not belong together are refused by name.
+    const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    try {
+        cuda_weighted_swiglu(at::zeros({4, 8}, opts), at::zeros({4, 8}, opts), at::zeros({3}, at::kCUDA));
+        ADD_FAILURE() << "3 weights for 4 rows were accepted";
+    } catch (const moerl::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("weighted_swiglu"), std::string::npos) << e.what();
     }
 }
 

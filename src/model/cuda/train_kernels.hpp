@@ -22,6 +22,15 @@ void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const vo
                               int64_t rows, int width, void* dx, float* dw_partial, int blocks,
                               cudaStream_t stream);
 
+// h[r] = silu(g[r]) * u[r] * w[r] for rows of `width` (g, u, h [rows, width]; w [rows] fp32): the
+// experts' activation with the routing weight of each (token, expert) row.
+void launch_weighted_swiglu_forward(int dtype, const void* g, const void* u, const float* w, int64_t rows,
+                                    int width, void* h, cudaStream_t stream);
+// Its gradients for dh: dg, du [rows, width] and dw [rows] (fp32).
+void launch_weighted_swiglu_backward(int dtype, const void* dh, const void* g, const void* u, const float* w,
+                                     int64_t rows, int width, void* dg, void* du, float* dw,
+                                     cudaStream_t stream);
+
 // Per row r of logits [rows, vocab] (row stride ld): z = logits / temperature + bias (bias [vocab]
 // or null), lp[r] = z[t] - logsumexp(z) for t = targets[r] (in [0, vocab), checked by the caller).
 // With write_softmax the row is overwritten with softmax(z) - onehot(t): exp(z - lse) rounded to the

@@ -1,9 +1,11 @@
-// Row kernels of the trainer's forward and backward: RMSNorm both ways, and the chosen tokens'
+// Row kernels of the trainer's forward and backward: RMSNorm both ways, the experts' activation
+// silu(g) * u scaled by each row's routing weight both ways, and the chosen tokens'
 // log-probabilities over the vocabulary with softmax - onehot left for the backward. Each replaces a
 // chain of LibTorch element-wise passes (casts to fp32, powers, means, products) with one or two
 // reads of the row. Rounding follows the eager path: the normalised values are rounded to the model
 // dtype before the weight product.
 #include <cmath>
+#include <type_traits>
 
 #include "../train_kernels.hpp"
 #include "common.cuh"
@@ -105,6 +107,56 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     for (int c = threadIdx.x; c < width; c += blockDim.x) part[c] = dw[c];
 }
 
+// h = silu(g) u w[row], one warp a row, fp32 math rounded once (the composition rounds each of its
+// three products).
+template <typename T, int V>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    weighted_swiglu_forward_kernel(const T* g, const T* u, const float* w, int64_t rows, int width, T* h) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float wr = w[row];
+    const int64_t at = row * width;
+    for (int c = lane * V; c < width; c += 32 * V) {
+        float gv[V], uv[V], out[V];
+        load_vec<V>(g + at + c, gv);
+        load_vec<V>(u + at + c, uv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = gv[k] / (1.0f + __expf(-gv[k])) * uv[k] * wr;
+        store_vec<V>(h + at + c, out);
+    }
+}
+
+// With s = sigmoid(g): dg = dh w u s (1 + g (1 - s)), du = dh w g s, dw[row] = sum(dh g s u).
+template <typename T, int V>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    weighted_swiglu_backward_kernel(const T* dh, const T* g, const T* u, const float* w, int64_t rows,
+                                    int width, T* dg, T* du, float* dw) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float wr = w[row];
+    const int64_t at = row * width;
+    float dot = 0.0f;
+    for (int c = lane * V; c < width; c += 32 * V) {
+        float dv[V], gv[V], uv[V], dgv[V], duv[V];
+        load_vec<V>(dh + at + c, dv);
+        load_vec<V>(g + at + c, gv);
+        load_vec<V>(u + at + c, uv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float s = 1.0f / (1.0f + __expf(-gv[k])), silu = gv[k] * s, a = dv[k] * wr;
+            dgv[k] = a * uv[k] * s * (1.0f + gv[k] * (1.0f - s));
+            duv[k] = a * silu;
+            dot += dv[k] * silu * uv[k];
+        }
+        store_vec<V>(dg + at + c, dgv);
+        store_vec<V>(du + at + c, duv);
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) dw[row] = dot;
+}
+
 // (max, sum of exp(z - max)) pairs, merged.
 __device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2) {
     const float top = fmaxf(m, m2);
@@ -181,9 +233,13 @@ __global__ void __launch_bounds__(kVocabThreads)
     }
 }
 
+// Tags for_rows() passes to the launchers below: the element type and the vector width.
+template <typename T>
+struct Elements {};
+
 template <typename T, int V>
-void norm_forward(const void* x, const void* w, float eps, int64_t rows, int width, void* y, float* rstd,
-                  cudaStream_t stream) {
+void norm_forward(Elements<T>, std::integral_constant<int, V>, const void* x, const void* w, float eps,
+                  int64_t rows, int width, void* y, float* rstd, cudaStream_t stream) {
     const auto blocks = static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps);
     rms_norm_forward_kernel<T, V><<<blocks, kRowWarps * 32, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(w), eps, rows, width, static_cast<T*>(y), rstd);
@@ -191,8 +247,9 @@ void norm_forward(const void* x, const void* w, float eps, int64_t rows, int wid
 }
 
 template <typename T, int V>
-void norm_backward(const void* dy, const void* x, const void* w, const float* rstd, int64_t rows, int width,
-                   void* dx, float* dw_partial, int blocks, cudaStream_t stream) {
+void norm_backward(Elements<T>, std::integral_constant<int, V>, const void* dy, const void* x, const void* w,
+                   const float* rstd, int64_t rows, int width, void* dx, float* dw_partial, int blocks,
+                   cudaStream_t stream) {
     const size_t smem = static_cast<size_t>(width) * sizeof(float);
     ensure_dynamic_smem(reinterpret_cast<const void*>(&rms_norm_backward_kernel<T, V>), smem);
     rms_norm_backward_kernel<T, V><<<blocks, kRowWarps * 32, smem, stream>>>(
@@ -202,10 +259,31 @@ void norm_backward(const void* dy, const void* x, const void* w, const float* rs
 }
 
 template <typename T, int V>
-void logprob_rows(void* logits, int64_t ld, const int64_t* targets, const float* bias, float temperature,
-                  int64_t rows, int vocab, bool write_softmax, float* lp, cudaStream_t stream) {
+void logprob_rows(Elements<T>, std::integral_constant<int, V>, void* logits, int64_t ld,
+                  const int64_t* targets, const float* bias, float temperature, int64_t rows, int vocab,
+                  bool write_softmax, float* lp, cudaStream_t stream) {
     selected_logprob_rows_kernel<T, V><<<static_cast<unsigned>(rows), kVocabThreads, 0, stream>>>(
         static_cast<T*>(logits), ld, targets, bias, temperature, vocab, write_softmax, lp);
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int V>
+void swiglu_forward(Elements<T>, std::integral_constant<int, V>, const void* g, const void* u, const float* w,
+                    int64_t rows, int width, void* h, cudaStream_t stream) {
+    const auto blocks = static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps);
+    weighted_swiglu_forward_kernel<T, V><<<blocks, kRowWarps * 32, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), w, rows, width, static_cast<T*>(h));
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int V>
+void swiglu_backward(Elements<T>, std::integral_constant<int, V>, const void* dh, const void* g,
+                     const void* u, const float* w, int64_t rows, int width, void* dg, void* du, float* dw,
+                     cudaStream_t stream) {
+    const auto blocks = static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps);
+    weighted_swiglu_backward_kernel<T, V><<<blocks, kRowWarps * 32, 0, stream>>>(
+        static_cast<const T*>(dh), static_cast<const T*>(g), static_cast<const T*>(u), w, rows, width,
+        static_cast<T*>(dg), static_cast<T*>(du), dw);
     MOERL_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -214,6 +292,25 @@ bool vec8(int64_t a, int64_t b, const void* p, const void* q = nullptr) {
         return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
     };
     return a % 8 == 0 && b % 8 == 0 && aligned(p) && aligned(q);
+}
+
+// Calls fn(Elements<T>{}, std::integral_constant<int, V>{}) with T the element type of `dtype` (1 =
+// bf16, else fp32) and V = 8 (16-byte loads) or 1.
+template <class Fn>
+void for_rows(int dtype, bool v8, Fn&& fn) {
+    using V8 = std::integral_constant<int, 8>;
+    using V1 = std::integral_constant<int, 1>;
+    if (dtype == 1) {
+        if (v8)
+            fn(Elements<__nv_bfloat16>{}, V8{});
+        else
+            fn(Elements<__nv_bfloat16>{}, V1{});
+    } else {
+        if (v8)
+            fn(Elements<float>{}, V8{});
+        else
+            fn(Elements<float>{}, V1{});
+    }
 }
 
 }  // namespace
@@ -226,43 +323,44 @@ int rms_norm_backward_blocks(int64_t rows) {
 void launch_rms_norm_forward(int dtype, const void* x, const void* w, float eps, int64_t rows, int width,
                              void* y, float* rstd, cudaStream_t stream) {
     if (rows == 0) return;
-    const bool v8 = vec8(width, 8, x, y) && vec8(8, 8, w);
-    if (dtype == 1)
-        v8 ? norm_forward<__nv_bfloat16, 8>(x, w, eps, rows, width, y, rstd, stream)
-           : norm_forward<__nv_bfloat16, 1>(x, w, eps, rows, width, y, rstd, stream);
-    else
-        v8 ? norm_forward<float, 8>(x, w, eps, rows, width, y, rstd, stream)
-           : norm_forward<float, 1>(x, w, eps, rows, width, y, rstd, stream);
+    for_rows(dtype, vec8(width, 8, x, y) && vec8(8, 8, w), [&](auto elems, auto vec) {
+        norm_forward(elems, vec, x, w, eps, rows, width, y, rstd, stream);
+    });
 }
 
 void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const void* w, const float* rstd,
                               int64_t rows, int width, void* dx, float* dw_partial, int blocks,
                               cudaStream_t stream) {
     if (rows == 0) return;
-    const bool v8 = vec8(width, 8, x, dx) && vec8(8, 8, dy, w);
-    if (dtype == 1)
-        v8 ? norm_backward<__nv_bfloat16, 8>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream)
-           : norm_backward<__nv_bfloat16, 1>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
-    else
-        v8 ? norm_backward<float, 8>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream)
-           : norm_backward<float, 1>(dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
+    for_rows(dtype, vec8(width, 8, x, dx) && vec8(8, 8, dy, w), [&](auto elems, auto vec) {
+        norm_backward(elems, vec, dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
+    });
+}
+
+void launch_weighted_swiglu_forward(int dtype, const void* g, const void* u, const float* w, int64_t rows,
+                                    int width, void* h, cudaStream_t stream) {
+    if (rows == 0 || width == 0) return;
+    for_rows(dtype, vec8(width, 8, g, u) && vec8(8, 8, h),
+             [&](auto elems, auto vec) { swiglu_forward(elems, vec, g, u, w, rows, width, h, stream); });
+}
+
+void launch_weighted_swiglu_backward(int dtype, const void* dh, const void* g, const void* u, const float* w,
+                                     int64_t rows, int width, void* dg, void* du, float* dw,
+                                     cudaStream_t stream) {
+    if (rows == 0) return;
+    for_rows(dtype, vec8(width, 8, dh, g) && vec8(8, 8, u, dg) && vec8(8, 8, du), [&](auto elems, auto vec) {
+        swiglu_backward(elems, vec, dh, g, u, w, rows, width, dg, du, dw, stream);
+    });
 }
 
 void launch_selected_logprob_rows(int dtype, void* logits, int64_t ld, const int64_t* targets,
                                   const float* bias, float temperature, int64_t rows, int vocab,
                                   bool write_softmax, float* lp, cudaStream_t stream) {
     if (rows == 0) return;
-    const bool v8 = vec8(vocab, ld, logits);
-    if (dtype == 1)
-        v8 ? logprob_rows<__nv_bfloat16, 8>(logits, ld, targets, bias, temperature, rows, vocab,
-                                            write_softmax, lp, stream)
-           : logprob_rows<__nv_bfloat16, 1>(logits, ld, targets, bias, temperature, rows, vocab,
-                                            write_softmax, lp, stream);
-    else
-        v8 ? logprob_rows<float, 8>(logits, ld, targets, bias, temperature, rows, vocab, write_softmax, lp,
-                                    stream)
-           : logprob_rows<float, 1>(logits, ld, targets, bias, temperature, rows, vocab, write_softmax, lp,
-                                    stream);
+    for_rows(dtype, vec8(vocab, ld, logits), [&](auto elems, auto vec) {
+        logprob_rows(elems, vec, logits, ld, targets, bias, temperature, rows, vocab, write_softmax, lp,
+                     stream);
+    });
 }
 
 }  // namespace moerl::model::cuda
