@@ -1,6 +1,7 @@
 // The generation engine's entry points in a build without it (no LibTorch with CUDA, or no CUDA
 // toolkit at configure time): each reports what the build lacks.
 #include "moerl/core/error.hpp"
+#include "moerl/model/adamw.hpp"
 #include "moerl/model/generator.hpp"
 #include "train_rows.hpp"
 
@@ -43,6 +44,11 @@ int64_t Generator::expert_bytes() const { unavailable(); }
 int64_t Generator::kv_bytes_per_token() const { unavailable(); }
 
 // No CUDA row kernels either: the trainer keeps its LibTorch compositions.
+bool adamw_master_available() { return false; }
+void adamw_master_step(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, const AdamwStep&) {
+    MOERL_FAIL("adamw_master_step: this build has no CUDA trainer kernels");
+}
 bool cuda_rows_serve(const at::Tensor&) { return false; }
 at::Tensor cuda_rms_norm(const at::Tensor&, const at::Tensor&, double) {
     MOERL_FAIL("rms_norm: this build has no CUDA row kernels");

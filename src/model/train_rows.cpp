@@ -6,8 +6,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cmath>
+
 #include "cuda/train_kernels.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/model/adamw.hpp"
 
 namespace moerl::model {
 namespace {
@@ -90,6 +93,38 @@ at::Tensor cuda_weighted_swiglu(const at::Tensor& g, const at::Tensor& u, const 
                 "weighted_swiglu: g ", g.sizes(), ", u ", u.sizes(), " and w ", w.sizes(), " (",
                 w.scalar_type(), ") are not [rows, width] twice and [rows] fp32 on one device");
     return WeightedSwigluRows::apply(g, u, w);
+}
+
+bool adamw_master_available() { return true; }
+
+void adamw_master_step(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& m,
+                       const at::Tensor& v, const at::Tensor& weight, const AdamwStep& s) {
+    auto fits = [&](const at::Tensor& t, at::ScalarType type) {
+        return t.defined() && t.is_cuda() && t.device() == master.device() && t.is_contiguous() &&
+               t.scalar_type() == type && t.sizes() == master.sizes();
+    };
+    MOERL_CHECK(fits(master, at::kFloat) && fits(m, at::kFloat) && fits(v, at::kFloat) &&
+                    (fits(grad, at::kBFloat16) || fits(grad, at::kFloat)) &&
+                    (!weight.defined() || fits(weight, at::kBFloat16)),
+                "adamw_master_step: master ", master.sizes(), " ", master.scalar_type(), ", grad ",
+                grad.sizes(), " ", grad.scalar_type(),
+                ", moments and weight must be contiguous on one CUDA device (fp32 "
+                "master and moments, bf16 or fp32 gradient, bf16 weight)");
+    MOERL_CHECK(s.step >= 1, "adamw_master_step: step ", s.step, ", expected >= 1");
+    c10::cuda::CUDAGuard guard(master.device());
+    cuda::AdamwArgs a;
+    a.lr = static_cast<float>(s.lr);
+    a.beta1 = static_cast<float>(s.beta1);
+    a.beta2 = static_cast<float>(s.beta2);
+    a.weight_decay = static_cast<float>(s.weight_decay);
+    a.eps = static_cast<float>(s.eps);
+    a.step_size = static_cast<float>(s.lr / (1.0 - std::pow(s.beta1, static_cast<double>(s.step))));
+    a.bias_correction2_sqrt =
+        static_cast<float>(std::sqrt(1.0 - std::pow(s.beta2, static_cast<double>(s.step))));
+    a.grad_scale = static_cast<float>(s.grad_scale);
+    cuda::launch_adamw_master(
+        master.data_ptr<float>(), dtype_code(grad), grad.data_ptr(), m.data_ptr<float>(), v.data_ptr<float>(),
+        weight.defined() ? weight.data_ptr() : nullptr, master.numel(), a, stream_of(master));
 }
 
 bool cuda_rows_serve(const at::Tensor& t) {

@@ -26,6 +26,7 @@
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
+#include "moerl/model/adamw.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/model/safetensors.hpp"
 #include "moerl/rl/grpo.hpp"
@@ -422,11 +423,16 @@ struct PolicyTrainer::Impl {
     double step_optimizer(int r, int epoch) {
         Rank& k = ranks[r];
         c10::NoGradGuard g;
+        // bf16 on a GPU: one pass a parameter (model::adamw_master_step) reads the expert gradients
+        // as the backward left them and writes the model's bf16 weights itself.
+        const bool master_kernel = k.master && k.weights.front().is_cuda() && model::adamw_master_available();
         std::vector<at::Tensor> dense, expert;
         for (auto& p : k.params) {
             at::Tensor grad = p.tensor.grad();
-            grad = grad.defined() ? grad.to(at::kFloat)
-                                  : at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat));
+            if (!grad.defined())
+                grad = at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat));
+            else if (!(master_kernel && p.expert))
+                grad = grad.to(at::kFloat);
             (p.expert ? expert : dense).push_back(grad);
         }
         at::Tensor flat = at::cat([&] {
@@ -437,7 +443,7 @@ struct PolicyTrainer::Impl {
         double expert_sq = 0;
         if (!expert.empty()) {
             std::vector<at::Tensor> norms;
-            for (auto& e : expert) norms.push_back(e.norm());
+            for (auto& e : expert) norms.push_back(at::linalg_vector_norm(e, 2, {}, false, at::kFloat));
             expert_sq = at::stack(norms).pow(2).sum().item<double>();  // one sync for all
         }
         if (W > 1) {
@@ -463,6 +469,20 @@ struct PolicyTrainer::Impl {
                 grads.push_back(flat.narrow(0, offset, p.numel()).view(p.sizes()));
                 offset += p.numel();
             }
+        }
+        if (master_kernel) {
+            const model::AdamwStep step{lr, cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.adam_eps, t, scale};
+            for (size_t i = 0; i < k.params.size(); ++i)
+                if (k.updates[i])
+                    model::adamw_master_step(k.weights[i], grads[i].contiguous(), k.m[i], k.v[i],
+                                             k.params[i].tensor, step);
+            share_dense_updates(r, flat);
+            // The dense weights another rank updated came in with the share above.
+            for (size_t i = 0; i < k.params.size() && W > 1; ++i)
+                if (!k.updates[i]) k.params[i].tensor.copy_(k.weights[i]);
+            k.model->zero_grad();
+            if (W > 1) group->barrier(r);
+            return norm;
         }
 #ifdef MOERL_HAVE_FUSED_ADAMW
         if (k.weights.front().is_cuda()) {

@@ -31,6 +31,19 @@ void launch_weighted_swiglu_backward(int dtype, const void* dh, const void* g, c
                                      int64_t rows, int width, void* dg, void* du, float* dw,
                                      cudaStream_t stream);
 
+// One AdamW step (decoupled weight decay) over n elements: grad = g * grad_scale, m and v updated,
+// p = p (1 - lr weight_decay) - step_size m / (sqrt(v) / bias_correction2_sqrt + eps).
+struct AdamwArgs {
+    float lr, beta1, beta2, weight_decay, eps;
+    float step_size;              // lr / (1 - beta1^t)
+    float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+    float grad_scale;             // clipping, 1 = none
+};
+// p, m, v fp32; g of grad_dtype (1 = bf16, else fp32); w_bf16: the model's bf16 copy of p, written
+// in the same pass (null = none).
+void launch_adamw_master(float* p, int grad_dtype, const void* g, float* m, float* v, void* w_bf16, int64_t n,
+                         const AdamwArgs& a, cudaStream_t stream);
+
 // Per row r of logits [rows, vocab] (row stride ld): z = logits / temperature + bias (bias [vocab]
 // or null), lp[r] = z[t] - logsumexp(z) for t = targets[r] (in [0, vocab), checked by the caller).
 // With write_softmax the row is overwritten with softmax(z) - onehot(t): exp(z - lse) rounded to the

@@ -4,6 +4,7 @@
 // chain of LibTorch element-wise passes (casts to fp32, powers, means, products) with one or two
 // reads of the row. Rounding follows the eager path: the normalised values are rounded to the model
 // dtype before the weight product.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -155,6 +156,25 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     }
     dot = warp_sum(dot);
     if (lane == 0) dw[row] = dot;
+}
+
+// AdamW on fp32 master weights p with moments m, v, reading the gradient in its own type G and writing
+// the model's copy w (bf16; null = none) in the same pass, as torch.optim.AdamW computes it.
+template <typename G>
+__global__ void __launch_bounds__(256)
+    adamw_master_kernel(float* p, const G* g, float* m, float* v, __nv_bfloat16* w, int64_t n, AdamwArgs a) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float grad = to_float(g[i]) * a.grad_scale;
+        const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * grad;
+        const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * grad * grad;
+        const float denom = sqrtf(vi) / a.bias_correction2_sqrt + a.eps;
+        const float pi = p[i] * (1.0f - a.lr * a.weight_decay) - a.step_size * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        if (w != nullptr) w[i] = __float2bfloat16(pi);
+    }
 }
 
 // (max, sum of exp(z - max)) pairs, merged.
@@ -351,6 +371,20 @@ void launch_weighted_swiglu_backward(int dtype, const void* dh, const void* g, c
     for_rows(dtype, vec8(width, 8, dh, g) && vec8(8, 8, u, dg) && vec8(8, 8, du), [&](auto elems, auto vec) {
         swiglu_backward(elems, vec, dh, g, u, w, rows, width, dg, du, dw, stream);
     });
+}
+
+void launch_adamw_master(float* p, int grad_dtype, const void* g, float* m, float* v, void* w_bf16, int64_t n,
+                         const AdamwArgs& a, cudaStream_t stream) {
+    if (n == 0) return;
+    const int threads = 256;
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 132 * 16));
+    auto* w = static_cast<__nv_bfloat16*>(w_bf16);
+    if (grad_dtype == 1)
+        adamw_master_kernel<<<blocks, threads, 0, stream>>>(p, static_cast<const __nv_bfloat16*>(g), m, v, w,
+                                                            n, a);
+    else
+        adamw_master_kernel<<<blocks, threads, 0, stream>>>(p, static_cast<const float*>(g), m, v, w, n, a);
+    MOERL_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_selected_logprob_rows(int dtype, void* logits, int64_t ld, const int64_t* targets,
