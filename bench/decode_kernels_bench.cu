@@ -9,12 +9,15 @@
 // layer (the layer less the layer without it), and the same layer as the generator runs one-row
 // steps. No LibTorch: it runs wherever the decode kernels build.
 //   decode_kernels_bench [--iters N] [--batch 1,16,64] [--len 137,193,1024,4096] [--no-gemv]
-//                        [--no-attention] [--no-layer]
-// (--len picks the attention rows and leaves the other kernels out.)
+//                        [--no-attention] [--no-layer] [--skew S]
+// (--len picks the attention rows and leaves the other kernels out. --skew S routes the expert
+// rows as a trained policy does, to a few popular experts: router logits N(0, 1) - S log(1 + e) for
+// expert e; 0, the default, is uniform.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -175,7 +178,7 @@ bool parse_list(const char* text, std::vector<int>& out) {
 }
 
 // The weight-streaming kernels of a decode layer: us per launch and GB/s of weights read.
-void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches, Pool& pool) {
+void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches, float skew, Pool& pool) {
     std::printf(
         "\nweights read per launch / us per launch (launch i reads copy i of the weights, or routing i;\n"
         "together several times the L2), plain and overlapped launches\n\n");
@@ -268,17 +271,30 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         std::vector<int> position(B, 10);
         int* d_pos = pool.copy(position);
         std::vector<mc::MoeRouting> routes(kRoutings);
-        double active = 0;
+        double active = 0, busiest = 0;
         for (auto& r : routes) {
             r = pool.routing(B);
-            auto* logits = pool.bf16(static_cast<size_t>(B) * kE);
+            std::vector<__nv_bfloat16> h(static_cast<size_t>(B) * kE);
+            std::normal_distribution<float> noise(0.0f, 1.0f);
+            for (size_t i = 0; i < h.size(); ++i)
+                h[i] = __float2bfloat16(noise(pool.rng) - skew * std::log(1.0f + static_cast<float>(i % kE)));
+            auto* logits = pool.copy(h);
             mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, {stream, false});
             int num = 0;
+            std::vector<int> offsets(kE + 1);
             CK(cudaMemcpyAsync(&num, r.num_active, sizeof(int), cudaMemcpyDeviceToHost, stream));
+            CK(cudaMemcpyAsync(offsets.data(), r.expert_offset, sizeof(int) * (kE + 1), cudaMemcpyDeviceToHost,
+                               stream));
             CK(cudaStreamSynchronize(stream));
             active += num;
+            int most = 0;
+            for (int e = 0; e < kE; ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
+            busiest += most;
         }
         active /= kRoutings;
+        busiest /= kRoutings;
+        std::printf("| (routing at batch %d, skew %.2f: %.1f experts active, the busiest holds %.1f rows) | | | | | | | |\n", B,
+                    skew, active, busiest);
         const int max_active = std::min(kE, B * kK);
         auto* h = pool.bf16_filled(static_cast<size_t>(B) * kH);
         auto* act = pool.bf16_filled(static_cast<size_t>(B) * kK * kI);
@@ -465,6 +481,7 @@ int main(int argc, char** argv) {
     int iters = 20;
     std::vector<int> batches = {1, 16, 64}, lens = {137, 193, 1024, 4096};
     bool attention_only = false, gemv = true, attention = true, layer = true;
+    float skew = 0.0f;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
         bool ok = i + 1 < argc;
@@ -477,6 +494,10 @@ int main(int argc, char** argv) {
             ok = *end == 0 && iters >= 1;
         } else if (ok && flag == "--batch") {
             ok = parse_list(argv[++i], batches);
+        } else if (ok && flag == "--skew") {
+            char* end = nullptr;
+            skew = std::strtof(argv[++i], &end);
+            ok = *end == 0 && skew >= 0.0f;
         } else if (ok && flag == "--len") {
             ok = parse_list(argv[++i], lens);
             attention_only = true;
@@ -487,7 +508,8 @@ int main(int argc, char** argv) {
             std::fprintf(
                 stderr,
                 "decode_kernels_bench: bad argument '%s'\nusage: decode_kernels_bench [--iters N >= 1] "
-                "[--batch 1,16,64] [--len 137,193,1024,4096] [--no-gemv] [--no-attention] [--no-layer]\n",
+                "[--batch 1,16,64] [--len 137,193,1024,4096] [--no-gemv] [--no-attention] [--no-layer] "
+                "[--skew S >= 0]\n",
                 argv[i]);
             return 2;
         }
@@ -581,7 +603,7 @@ int main(int argc, char** argv) {
             });
         }
     }
-    if (gemv && !attention_only) gemv_table(stream, iters, batches, pool);
+    if (gemv && !attention_only) gemv_table(stream, iters, batches, skew, pool);
     if (layer && !attention_only) layer_table(stream, iters, pool);
     CK(cudaStreamSynchronize(stream));
     return 0;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a traced step's GPU time goes: sums the kernels of a Chrome trace written by
 `moerl bench train --trace FILE` by kind (GEMM, attention, elementwise, ...) and by name, and
-compares the GPU's busy time with the step's wall time (idle time = launch or host bound).
+compares the GPU's busy time with the step's wall time (idle time = launch or host bound), and says where the GPU waited: the longest idle gaps and the
+host operators that were running through them.
 
     python3 bench/trace_kernels.py TRACE.json [--top 25]
 """
@@ -43,6 +44,60 @@ def busy_us(spans):
             total += e - end
             end = e
     return total
+
+
+def idle_gaps(spans, min_us):
+    """[(start, end)] of the stretches between GPU activity longer than min_us."""
+    out, end = [], None
+    for s, e in sorted(spans):
+        if end is not None and s - end > min_us:
+            out.append((end, s))
+        end = e if end is None else max(end, e)
+    return out
+
+
+def gap_report(gpu, host, spans, top):
+    """Idle time by the host operator that was running when the GPU ran dry (the innermost one
+    spanning the gap's start), and the longest gaps with their neighbours."""
+    gaps = idle_gaps(spans, 5.0)
+    if not gaps:
+        return
+    ops = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in host)
+    starts = [o[0] for o in ops]
+    by_kernel_end = sorted((float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in gpu)
+    ends = [k[0] for k in by_kernel_end]
+    by_kernel_start = sorted((float(e["ts"]), e["name"]) for e in gpu)
+
+    def host_op_at(t):
+        # The shortest operator that contains t: the innermost call.
+        best = None
+        i = bisect.bisect_right(starts, t)
+        for j in range(max(0, i - 400), i):
+            s, e, name = ops[j]
+            if s <= t <= e and (best is None or e - s < best[1] - best[0]):
+                best = (s, e, name)
+        return best[2] if best else "(no operator: host code between operators)"
+
+    by_op = {}
+    for s, e in gaps:
+        op = host_op_at(s + 1.0)
+        by_op.setdefault(op, [0.0, 0])
+        by_op[op][0] += e - s
+        by_op[op][1] += 1
+    total = sum(e - s for s, e in gaps)
+    print()
+    print(f"idle gaps over 5 us: {len(gaps)}, {total / 1e3:.1f} ms; by the host operator running as the GPU ran dry")
+    print(f"{'host operator':<72} {'ms':>8} {'gaps':>6}")
+    for op, (d, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{op[:72]:<72} {d / 1e3:8.2f} {n:6d}")
+    print()
+    print(f"{'longest gaps: us':>16}  after kernel -> before kernel")
+    for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[: min(top, 15)]:
+        i = bisect.bisect_right(ends, s + 0.5) - 1
+        j = bisect.bisect_left(by_kernel_start, (e - 0.5, ""))
+        before = by_kernel_end[i][1][:45] if i >= 0 else "-"
+        after = by_kernel_start[j][1][:45] if j < len(by_kernel_start) else "-"
+        print(f"{e - s:16.0f}  {before} -> {after}  [{host_op_at(s + 1.0)[:40]}]")
 
 
 def main():
@@ -131,6 +186,7 @@ def main():
         short = re.sub(r"^void ", "", name).replace("at::native::", "").replace("(anonymous namespace)::", "")
         short = short if len(short) <= 70 else short[:67] + "..."
         print(f"{short:<72} {d / 1e3:8.1f} {100 * d / total:6.1f}% {n:6d}")
+    gap_report(gpu, host, spans, args.top)
 
 
 if __name__ == "__main__":
