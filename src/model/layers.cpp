@@ -221,6 +221,13 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     return x * cos + rotated * sin;
 }
 
+at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                         const at::Tensor& sin, double eps) {
+    at::Tensor fused = cuda_rms_norm_rope(x, weight, cos, sin, eps);
+    if (fused.defined()) return fused;
+    return apply_rope(rms_norm(x, weight, eps), cos, sin);
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& allowed) {
     const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);

@@ -170,14 +170,16 @@ MoeModel::Impl::LayerOutput MoeModel::Impl::layer(size_t l, const at::Tensor& x_
     LayerOutput out;
     at::Tensor x = x_in;
     at::Tensor h = rms_norm(x, w.input_norm, eps);
-    at::Tensor q = rms_norm(at::matmul(h, w.q_proj.t()).view({B, S, -1, D}), w.q_norm, eps);
-    at::Tensor k = rms_norm(at::matmul(h, w.k_proj.t()).view({B, S, -1, D}), w.k_norm, eps);
+    at::Tensor q = at::matmul(h, w.q_proj.t()).view({B, S, -1, D});
+    at::Tensor k = at::matmul(h, w.k_proj.t()).view({B, S, -1, D});
     at::Tensor v = at::matmul(h, w.v_proj.t()).view({B, S, -1, D});
     if (in.varlen != nullptr) {
-        q = apply_rope(q, in.cos_bshd, in.sin_bshd);
-        k = apply_rope(k, in.cos_bshd, in.sin_bshd);
+        q = rms_norm_rope(q, w.q_norm, in.cos_bshd, in.sin_bshd, eps);
+        k = rms_norm_rope(k, w.k_norm, in.cos_bshd, in.sin_bshd, eps);
         x = x + at::matmul(varlen_attention(q, k, v, *in.varlen), w.o_proj.t());
     } else {
+        q = rms_norm(q, w.q_norm, eps);
+        k = rms_norm(k, w.k_norm, eps);
         q = apply_rope(q.transpose(1, 2), in.cos, in.sin);
         k = apply_rope(k.transpose(1, 2), in.cos, in.sin);
         v = v.transpose(1, 2);

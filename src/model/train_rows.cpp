@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
+#include <vector>
 
 #include "cuda/train_kernels.hpp"
 #include "moerl/core/error.hpp"
@@ -54,6 +55,42 @@ struct RmsNormRows : torch::autograd::Function<RmsNormRows> {
                                        partial.data_ptr<float>(), blocks, stream_of(x));
         at::Tensor dw = rows == 0 ? at::zeros_like(w) : partial.sum(0).to(w.scalar_type());
         return {dx, dw, at::Tensor()};
+    }
+};
+
+struct NormRopeRows : torch::autograd::Function<NormRopeRows> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& cos, const at::Tensor& sin, double eps) {
+        c10::cuda::CUDAGuard guard(x.device());
+        at::Tensor xc = x.contiguous(), w = weight.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+        const int width = static_cast<int>(x.size(-1));
+        const int heads = static_cast<int>(x.size(-2));
+        const int64_t rows = xc.numel() / width;
+        at::Tensor y = at::empty_like(xc);
+        at::Tensor rstd = at::empty({rows}, xc.options().dtype(at::kFloat));
+        cuda::launch_norm_rope_forward(dtype_code(xc), xc.data_ptr(), w.data_ptr(), c.data_ptr(), s.data_ptr(),
+                                       static_cast<float>(eps), rows, heads, width, y.data_ptr(),
+                                       rstd.data_ptr<float>(), stream_of(xc));
+        ctx->save_for_backward({xc, w, c, s, rstd});
+        return y;
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0], &w = saved[1], &c = saved[2], &s = saved[3], &rstd = saved[4];
+        c10::cuda::CUDAGuard guard(x.device());
+        at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+        const int width = static_cast<int>(x.size(-1));
+        const int heads = static_cast<int>(x.size(-2));
+        const int64_t rows = rstd.size(0);
+        at::Tensor dx = at::empty_like(x);
+        const int blocks = cuda::rms_norm_backward_blocks(rows);
+        at::Tensor partial = at::empty({blocks, width}, x.options().dtype(at::kFloat));
+        cuda::launch_norm_rope_backward(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(), c.data_ptr(),
+                                        s.data_ptr(), rstd.data_ptr<float>(), rows, heads, width, dx.data_ptr(),
+                                        partial.data_ptr<float>(), blocks, stream_of(x));
+        at::Tensor dw = rows == 0 ? at::zeros_like(w) : partial.sum(0).to(w.scalar_type());
+        return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -137,6 +174,19 @@ at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
     MOERL_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
                 "rms_norm: the weight's dtype and device differ from the input's");
     return RmsNormRows::apply(x, weight, eps);
+}
+
+at::Tensor cuda_rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                              const at::Tensor& sin, double eps) {
+    if (!cuda_rows_serve(x) || x.dim() < 2 || !cuda::norm_rope_fits(static_cast<int>(x.size(-1))) ||
+        weight.scalar_type() != x.scalar_type() || cos.scalar_type() != x.scalar_type() ||
+        sin.scalar_type() != x.scalar_type() || weight.dim() != 1 || weight.size(0) != x.size(-1))
+        return at::Tensor();
+    // cos and sin: one row per token (a size-1 head dimension), the token dimensions of x.
+    std::vector<int64_t> table(x.sizes().begin(), x.sizes().end());
+    table[table.size() - 2] = 1;
+    if (cos.sizes() != at::IntArrayRef(table) || sin.sizes() != at::IntArrayRef(table)) return at::Tensor();
+    return NormRopeRows::apply(x, weight, cos, sin, eps);
 }
 
 void cuda_selected_logprob_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& bias,

@@ -14,6 +14,12 @@ bool cuda_rows_serve(const at::Tensor& t);
 // weight: one pass forward, two backward, instead of the composition's eight.
 at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// rms_norm then apply_rope of layers.hpp in one pass each way for x [tokens..., heads, D] and
+// cos, sin [tokens..., 1, D] (the model dtype), differentiable in x and weight; an undefined tensor
+// where the kernel does not take these shapes (the caller composes the two then).
+at::Tensor cuda_rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                              const at::Tensor& sin, double eps);
+
 // silu(g) * u * w[:, None] for g, u [rows, width] (model dtype) and routing weights w [rows] fp32,
 // differentiable in all three: one pass forward and one backward, instead of the composition's three
 // and about eight.

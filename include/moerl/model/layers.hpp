@@ -23,6 +23,11 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& positions, int64
 // x [B, heads, S, head_dim] rotated by the half-split (rotate_half) convention of HF.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+// apply_rope(rms_norm(x, weight, eps), cos, sin) for x [..., heads, D] and cos, sin [..., 1, D]: the
+// norm of q and k over each head, then the rotation; one kernel each way on a GPU.
+at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                         const at::Tensor& sin, double eps);
+
 // Grouped-query attention. q [B, Hq, S, D], k and v [B, Hkv, L, D] with Hq a multiple of Hkv,
 // allowed [B, S, L] bool (true = query may attend to key). Softmax in fp32. Returns [B, S, Hq*D].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -1,6 +1,7 @@
-// Row kernels of the trainer's forward and backward: RMSNorm both ways, the experts' activation
-// silu(g) * u scaled by each row's routing weight both ways, and the chosen tokens'
-// log-probabilities over the vocabulary with softmax - onehot left for the backward. Each replaces a
+// Row kernels of the trainer's forward and backward: RMSNorm both ways, q's and k's RMSNorm with
+// RoPE both ways, the experts' activation silu(g) * u scaled by each row's routing weight both ways,
+// and the chosen tokens' log-probabilities over the vocabulary with softmax - onehot left for the
+// backward. Each replaces a
 // chain of LibTorch element-wise passes (casts to fp32, powers, means, products) with one or two
 // reads of the row. Rounding follows the eager path: the normalised values are rounded to the model
 // dtype before the weight product.
@@ -102,6 +103,83 @@ __global__ void __launch_bounds__(kRowWarps * 32)
             }
             store_vec<V>(dxr + c, out);
         }
+    }
+    __syncthreads();
+    float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) part[c] = dw[c];
+}
+
+// RMSNorm of each head's row followed by RoPE (q and k before attention): row r of x [rows, width]
+// belongs to token r / heads, whose cos and sin rows [width] sit at that index. One warp a row; lane
+// l < width / 8 holds columns [8l, 8l + 8), and its rotation partner (the other half) sits in lane
+// l ^ (width / 16). The normalised row is rounded as RMSNorm's output is, the rotation once.
+template <typename T>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    norm_rope_forward_kernel(const T* x, const T* w, const T* cos, const T* sin, float eps, int64_t rows,
+                             int heads, int width, T* y, float* rstd) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;  // the same for every lane of the warp
+    const bool on = lane * 8 < width;
+    const int64_t at = row * width + lane * 8, tok = (row / heads) * width + lane * 8;
+    float v[8] = {}, g[8] = {}, c[8] = {}, sn[8] = {};
+    if (on) load8(x + at, v), load8(w + lane * 8, g), load8(cos + tok, c), load8(sin + tok, sn);
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
+    const float inv = rsqrtf(warp_sum(sum_sq) / static_cast<float>(width) + eps);
+    if (lane == 0) rstd[row] = inv;
+    const int partner = width / 16;
+    const bool first_half = (lane & partner) == 0;
+    float out[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float n = round_to<T>(g[k] * round_to<T>(v[k] * inv));
+        const float p = __shfl_xor_sync(kFullMask, n, partner);
+        out[k] = first_half ? n * c[k] - p * sn[k] : n * c[k] + p * sn[k];
+    }
+    if (on) store8(y + at, out);
+}
+
+// The backward: the rotation's transpose takes dy to the norm's output gradient dn (first half
+// dy1 c + dy2 s, second half dy2 c - dy1 s), then RMSNorm's backward as rms_norm_backward_kernel.
+template <typename T>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    norm_rope_backward_kernel(const T* dy, const T* x, const T* w, const T* cos, const T* sin, const float* rstd,
+                              int64_t rows, int heads, int width, T* dx, float* dw_partial) {
+    extern __shared__ float dw[];
+    for (int c = threadIdx.x; c < width; c += blockDim.x) dw[c] = 0.0f;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const bool on = lane * 8 < width;
+    const int partner = width / 16;
+    const bool first_half = (lane & partner) == 0;
+    float wv[8] = {};
+    if (on) load8(w + lane * 8, wv);
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
+    for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); row < rows;
+         row += warps) {
+        const int64_t at = row * width + lane * 8, tok = (row / heads) * width + lane * 8;
+        float d[8] = {}, xv[8] = {}, c[8] = {}, sn[8] = {};
+        if (on) load8(dy + at, d), load8(x + at, xv), load8(cos + tok, c), load8(sin + tok, sn);
+        const float inv = rstd[row];
+        float dn[8], dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float q = __shfl_xor_sync(kFullMask, d[k] * sn[k], partner);
+            dn[k] = first_half ? d[k] * c[k] + q : d[k] * c[k] - q;
+            dot += dn[k] * wv[k] * xv[k] * inv;
+        }
+        const float mean = warp_sum(dot) / static_cast<float>(width);
+        if (!on) continue;
+        float out[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float n = xv[k] * inv;
+            out[k] = inv * (dn[k] * wv[k] - n * mean);
+            atomicAdd(&dw[lane * 8 + k], dn[k] * round_to<T>(n));
+        }
+        store8(dx + at, out);
     }
     __syncthreads();
     float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * width;
@@ -255,7 +333,9 @@ __global__ void __launch_bounds__(kVocabThreads)
 
 // Tags for_rows() passes to the launchers below: the element type and the vector width.
 template <typename T>
-struct Elements {};
+struct Elements {
+    using type = T;
+};
 
 template <typename T, int V>
 void norm_forward(Elements<T>, std::integral_constant<int, V>, const void* x, const void* w, float eps,
@@ -355,6 +435,40 @@ void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const vo
     for_rows(dtype, vec8(width, 8, x, dx) && vec8(8, 8, dy, w), [&](auto elems, auto vec) {
         norm_backward(elems, vec, dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
     });
+}
+
+bool norm_rope_fits(int width) { return width >= 16 && width <= 256 && (width & (width - 1)) == 0; }
+
+void launch_norm_rope_forward(int dtype, const void* x, const void* w, const void* cos, const void* sin, float eps,
+                              int64_t rows, int heads, int width, void* y, float* rstd, cudaStream_t stream) {
+    MOERL_CHECK(norm_rope_fits(width) && heads >= 1, "norm_rope: width ", width, " / heads ", heads,
+                " not taken");
+    if (rows == 0) return;
+    const auto blocks = static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps);
+    for_rows(dtype, true, [&](auto elems, auto) {
+        using T = typename decltype(elems)::type;
+        norm_rope_forward_kernel<T><<<blocks, kRowWarps * 32, 0, stream>>>(
+            static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(cos),
+            static_cast<const T*>(sin), eps, rows, heads, width, static_cast<T*>(y), rstd);
+    });
+    MOERL_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_norm_rope_backward(int dtype, const void* dy, const void* x, const void* w, const void* cos,
+                               const void* sin, const float* rstd, int64_t rows, int heads, int width, void* dx,
+                               float* dw_partial, int blocks, cudaStream_t stream) {
+    MOERL_CHECK(norm_rope_fits(width) && heads >= 1, "norm_rope: width ", width, " / heads ", heads,
+                " not taken");
+    if (rows == 0) return;
+    const size_t smem = static_cast<size_t>(width) * sizeof(float);
+    for_rows(dtype, true, [&](auto elems, auto) {
+        using T = typename decltype(elems)::type;
+        norm_rope_backward_kernel<T><<<blocks, kRowWarps * 32, smem, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w),
+            static_cast<const T*>(cos), static_cast<const T*>(sin), rstd, rows, heads, width, static_cast<T*>(dx),
+            dw_partial);
+    });
+    MOERL_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_weighted_swiglu_forward(int dtype, const void* g, const void* u, const float* w, int64_t rows,
