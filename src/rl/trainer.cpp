@@ -423,36 +423,41 @@ struct PolicyTrainer::Impl {
     double step_optimizer(int r, int epoch) {
         Rank& k = ranks[r];
         c10::NoGradGuard g;
-        // bf16 on a GPU: one pass a parameter (model::adamw_master_step) reads the expert gradients
-        // as the backward left them and writes the model's bf16 weights itself.
+        // bf16 on a GPU: one pass a parameter (model::adamw_master_step) reads the gradients as the
+        // backward left them and writes the model's bf16 weights itself. Only the dense gradients
+        // summed over ranks go through one fp32 vector; on one rank none do.
         const bool master_kernel = k.master && k.weights.front().is_cuda() && model::adamw_master_available();
-        std::vector<at::Tensor> dense, expert;
+        auto summed = [&](const model::NamedParameter& p) {
+            return !p.expert && (W > 1 || !master_kernel);
+        };
+        std::vector<at::Tensor> dense, own;  // own: gradients whose norm is summed from their parts
         for (auto& p : k.params) {
             at::Tensor grad = p.tensor.grad();
             if (!grad.defined())
                 grad = at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat));
-            else if (!(master_kernel && p.expert))
+            else if (!master_kernel || summed(p))
                 grad = grad.to(at::kFloat);
-            (p.expert ? expert : dense).push_back(grad);
+            (summed(p) ? dense : own).push_back(grad);
         }
-        at::Tensor flat = at::cat([&] {
-            std::vector<at::Tensor> v;
-            for (auto& d : dense) v.push_back(d.reshape(-1));
-            return v;
-        }());
-        double expert_sq = 0;
-        if (!expert.empty()) {
+        at::Tensor flat = dense.empty() ? at::zeros({0}, k.weights.front().options().dtype(at::kFloat))
+                                        : at::cat([&] {
+                                              std::vector<at::Tensor> v;
+                                              for (auto& d : dense) v.push_back(d.reshape(-1));
+                                              return v;
+                                          }());
+        double own_sq = 0;
+        if (!own.empty()) {
             std::vector<at::Tensor> norms;
-            for (auto& e : expert) norms.push_back(at::linalg_vector_norm(e, 2, {}, false, at::kFloat));
-            expert_sq = at::stack(norms).pow(2).sum().item<double>();  // one sync for all
+            for (auto& e : own) norms.push_back(at::linalg_vector_norm(e, 2, {}, false, at::kFloat));
+            own_sq = at::stack(norms).pow(2).sum().item<double>();  // one sync for all
         }
         if (W > 1) {
             group->sum(r, flat);
-            at::Tensor sq = at::full({1}, expert_sq, at::kDouble);
+            at::Tensor sq = at::full({1}, own_sq, at::kDouble);
             group->sum(r, sq);
-            expert_sq = sq.item<double>();
+            own_sq = sq.item<double>();
         }
-        const double norm = std::sqrt(flat.pow(2).sum().item<double>() + expert_sq);
+        const double norm = std::sqrt(flat.pow(2).sum().item<double>() + own_sq);
         const double scale =
             (cfg.grad_clip > 0 && norm > cfg.grad_clip) ? cfg.grad_clip / (norm + 1e-6) : 1.0;
         const int64_t t = step_count_for_update + epoch + 1;
@@ -463,8 +468,8 @@ struct PolicyTrainer::Impl {
         size_t ei = 0;
         for (size_t i = 0; i < k.params.size(); ++i) {
             const at::Tensor& p = k.weights[i];
-            if (k.params[i].expert) {
-                grads.push_back(expert[ei++]);
+            if (!summed(k.params[i])) {
+                grads.push_back(own[ei++]);
             } else {
                 grads.push_back(flat.narrow(0, offset, p.numel()).view(p.sizes()));
                 offset += p.numel();
