@@ -436,7 +436,8 @@ struct RoutedBatch {
 };
 
 // Batches with fewer and more tokens per expert than one tensor-core pass takes (8, or 16 with two
-// tiles), output rows that do not fill the last block.
+// tiles), up to ~75 an expert (300: each expert's passes spread over blocks), output rows that do
+// not fill the last block.
 class DecodeExperts : public ::testing::TestWithParam<int> {};
 
 TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
@@ -498,7 +499,7 @@ TEST_P(DecodeExperts, TensorCoresMatchCudaCoresAndCpu) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Batches, DecodeExperts, ::testing::Values(1, 5, 24, 64));
+INSTANTIATE_TEST_SUITE_P(Batches, DecodeExperts, ::testing::Values(1, 5, 24, 64, 300));
 
 // The dense GEMV (fp32) against a CPU reference, its block's weights copied into shared memory (1032
 // columns) and read through L2 (5128: past the shared memory a block takes), columns that end inside
