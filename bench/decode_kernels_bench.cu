@@ -283,8 +283,8 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
             int num = 0;
             std::vector<int> offsets(kE + 1);
             CK(cudaMemcpyAsync(&num, r.num_active, sizeof(int), cudaMemcpyDeviceToHost, stream));
-            CK(cudaMemcpyAsync(offsets.data(), r.expert_offset, sizeof(int) * (kE + 1), cudaMemcpyDeviceToHost,
-                               stream));
+            CK(cudaMemcpyAsync(offsets.data(), r.expert_offset, sizeof(int) * (kE + 1),
+                               cudaMemcpyDeviceToHost, stream));
             CK(cudaStreamSynchronize(stream));
             active += num;
             int most = 0;
@@ -293,8 +293,10 @@ void gemv_table(cudaStream_t stream, int iters, const std::vector<int>& batches,
         }
         active /= kRoutings;
         busiest /= kRoutings;
-        std::printf("| (routing at batch %d, skew %.2f: %.1f experts active, the busiest holds %.1f rows) | | | | | | | |\n", B,
-                    skew, active, busiest);
+        std::printf(
+            "| (routing at batch %d, skew %.2f: %.1f experts active, the busiest holds %.1f rows) | | | | | "
+            "| | |\n",
+            B, skew, active, busiest);
         const int max_active = std::min(kE, B * kK);
         auto* h = pool.bf16_filled(static_cast<size_t>(B) * kH);
         auto* act = pool.bf16_filled(static_cast<size_t>(B) * kK * kI);

@@ -56,7 +56,8 @@ at::Tensor cuda_rms_norm(const at::Tensor&, const at::Tensor&, double) {
 at::Tensor cuda_weighted_swiglu(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
     MOERL_FAIL("weighted_swiglu: this build has no CUDA row kernels");
 }
-at::Tensor cuda_rms_norm_rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+at::Tensor cuda_rms_norm_rope(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              double) {
     return at::Tensor();  // the caller composes rms_norm and apply_rope
 }
 void cuda_selected_logprob_rows(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,

@@ -68,9 +68,9 @@ struct NormRopeRows : torch::autograd::Function<NormRopeRows> {
         const int64_t rows = xc.numel() / width;
         at::Tensor y = at::empty_like(xc);
         at::Tensor rstd = at::empty({rows}, xc.options().dtype(at::kFloat));
-        cuda::launch_norm_rope_forward(dtype_code(xc), xc.data_ptr(), w.data_ptr(), c.data_ptr(), s.data_ptr(),
-                                       static_cast<float>(eps), rows, heads, width, y.data_ptr(),
-                                       rstd.data_ptr<float>(), stream_of(xc));
+        cuda::launch_norm_rope_forward(dtype_code(xc), xc.data_ptr(), w.data_ptr(), c.data_ptr(),
+                                       s.data_ptr(), static_cast<float>(eps), rows, heads, width,
+                                       y.data_ptr(), rstd.data_ptr<float>(), stream_of(xc));
         ctx->save_for_backward({xc, w, c, s, rstd});
         return y;
     }
@@ -86,9 +86,10 @@ struct NormRopeRows : torch::autograd::Function<NormRopeRows> {
         at::Tensor dx = at::empty_like(x);
         const int blocks = cuda::rms_norm_backward_blocks(rows);
         at::Tensor partial = at::empty({blocks, width}, x.options().dtype(at::kFloat));
-        cuda::launch_norm_rope_backward(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(), c.data_ptr(),
-                                        s.data_ptr(), rstd.data_ptr<float>(), rows, heads, width, dx.data_ptr(),
-                                        partial.data_ptr<float>(), blocks, stream_of(x));
+        cuda::launch_norm_rope_backward(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(),
+                                        c.data_ptr(), s.data_ptr(), rstd.data_ptr<float>(), rows, heads,
+                                        width, dx.data_ptr(), partial.data_ptr<float>(), blocks,
+                                        stream_of(x));
         at::Tensor dw = rows == 0 ? at::zeros_like(w) : partial.sum(0).to(w.scalar_type());
         return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
     }

@@ -427,9 +427,7 @@ struct PolicyTrainer::Impl {
         // backward left them and writes the model's bf16 weights itself. Only the dense gradients
         // summed over ranks go through one fp32 vector; on one rank none do.
         const bool master_kernel = k.master && k.weights.front().is_cuda() && model::adamw_master_available();
-        auto summed = [&](const model::NamedParameter& p) {
-            return !p.expert && (W > 1 || !master_kernel);
-        };
+        auto summed = [&](const model::NamedParameter& p) { return !p.expert && (W > 1 || !master_kernel); };
         std::vector<at::Tensor> dense, own;  // own: gradients whose norm is summed from their parts
         for (auto& p : k.params) {
             at::Tensor grad = p.tensor.grad();
@@ -439,12 +437,12 @@ struct PolicyTrainer::Impl {
                 grad = grad.to(at::kFloat);
             (summed(p) ? dense : own).push_back(grad);
         }
-        at::Tensor flat = dense.empty() ? at::zeros({0}, k.weights.front().options().dtype(at::kFloat))
-                                        : at::cat([&] {
-                                              std::vector<at::Tensor> v;
-                                              for (auto& d : dense) v.push_back(d.reshape(-1));
-                                              return v;
-                                          }());
+        at::Tensor flat =
+            dense.empty() ? at::zeros({0}, k.weights.front().options().dtype(at::kFloat)) : at::cat([&] {
+                std::vector<at::Tensor> v;
+                for (auto& d : dense) v.push_back(d.reshape(-1));
+                return v;
+            }());
         double own_sq = 0;
         if (!own.empty()) {
             std::vector<at::Tensor> norms;

@@ -209,20 +209,24 @@ TEST(Cuda, NormRopeKernelMatchesTheComposition) {
             const double tol = dtype == at::kFloat ? 1e-5 : 3e-2;
             const auto opts = at::TensorOptions().device(at::kCUDA).dtype(dtype);
             const int64_t B = 2, S = 37, heads = 4;
-            at::Tensor positions = (at::arange(S, at::kLong).unsqueeze(0) + at::tensor({0, 500}).unsqueeze(1));
+            at::Tensor positions =
+                (at::arange(S, at::kLong).unsqueeze(0) + at::tensor({0, 500}).unsqueeze(1));
             auto [cos4, sin4] = rope_tables(positions.to(at::kCUDA), D, 1e6, dtype);  // [B, 1, S, D]
-            at::Tensor cos = cos4.transpose(1, 2), sin = sin4.transpose(1, 2);       // [B, S, 1, D]
-            at::Tensor x0 = (at::randn({B, S, heads, D}) * 3).to(opts), w0 = (1 + 0.5 * at::randn({D})).to(opts);
+            at::Tensor cos = cos4.transpose(1, 2), sin = sin4.transpose(1, 2);        // [B, S, 1, D]
+            at::Tensor x0 = (at::randn({B, S, heads, D}) * 3).to(opts),
+                       w0 = (1 + 0.5 * at::randn({D})).to(opts);
             at::Tensor g = at::randn({B, S, heads, D}).to(opts);
             at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
             at::Tensor y = cuda_rms_norm_rope(x, w, cos, sin, 1e-6);
             ASSERT_TRUE(y.defined()) << "head width " << D;
             (y * g).sum().backward();
-            at::Tensor xr = x0.to(at::kDouble).requires_grad_(true), wr = w0.to(at::kDouble).requires_grad_(true);
+            at::Tensor xr = x0.to(at::kDouble).requires_grad_(true),
+                       wr = w0.to(at::kDouble).requires_grad_(true);
             at::Tensor n = wr * (xr * at::rsqrt(xr.pow(2).mean(-1, true) + 1e-6));
             at::Tensor yr = apply_rope(n, cos.to(at::kDouble), sin.to(at::kDouble));
             (yr * g.to(at::kDouble)).sum().backward();
-            const std::string what = "head width " + std::to_string(D) + (dtype == at::kFloat ? " fp32" : " bf16");
+            const std::string what =
+                "head width " + std::to_string(D) + (dtype == at::kFloat ? " fp32" : " bf16");
             EXPECT_CLOSE(y.to(at::kCPU, at::kFloat), yr.detach().to(at::kCPU, at::kFloat), tol) << what;
             EXPECT_CLOSE(x.grad().to(at::kCPU, at::kFloat), xr.grad().to(at::kCPU, at::kFloat), tol) << what;
             EXPECT_CLOSE(w.grad().to(at::kCPU, at::kFloat), wr.grad().to(at::kCPU, at::kFloat), tol) << what;
@@ -232,7 +236,8 @@ TEST(Cuda, NormRopeKernelMatchesTheComposition) {
     }
     // Head widths the kernel does not take come back undefined; rms_norm_rope composes them.
     const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-    at::Tensor odd = at::randn({1, 3, 2, 24}).to(opts), c = at::ones({1, 3, 1, 24}, opts), s = at::zeros_like(c);
+    at::Tensor odd = at::randn({1, 3, 2, 24}).to(opts), c = at::ones({1, 3, 1, 24}, opts),
+               s = at::zeros_like(c);
     EXPECT_FALSE(cuda_rms_norm_rope(odd, at::ones({24}, opts), c, s, 1e-6).defined());
     EXPECT_CLOSE(rms_norm_rope(odd, at::ones({24}, opts), c, s, 1e-6).to(at::kCPU, at::kFloat),
                  rms_norm(odd, at::ones({24}, opts), 1e-6).to(at::kCPU, at::kFloat), 1e-6);

@@ -26,12 +26,13 @@ void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const vo
 // the cos and sin rows [width] of token r / heads (the model dtype). width: a power of two in
 // [16, 256]; 16-byte aligned rows.
 bool norm_rope_fits(int width);
-void launch_norm_rope_forward(int dtype, const void* x, const void* w, const void* cos, const void* sin, float eps,
-                              int64_t rows, int heads, int width, void* y, float* rstd, cudaStream_t stream);
+void launch_norm_rope_forward(int dtype, const void* x, const void* w, const void* cos, const void* sin,
+                              float eps, int64_t rows, int heads, int width, void* y, float* rstd,
+                              cudaStream_t stream);
 // dx and the weight's per-block partial gradients, as launch_rms_norm_backward (same block count).
 void launch_norm_rope_backward(int dtype, const void* dy, const void* x, const void* w, const void* cos,
-                               const void* sin, const float* rstd, int64_t rows, int heads, int width, void* dx,
-                               float* dw_partial, int blocks, cudaStream_t stream);
+                               const void* sin, const float* rstd, int64_t rows, int heads, int width,
+                               void* dx, float* dw_partial, int blocks, cudaStream_t stream);
 
 // h[r] = silu(g[r]) * u[r] * w[r] for rows of `width` (g, u, h [rows, width]; w [rows] fp32): the
 // experts' activation with the routing weight of each (token, expert) row.

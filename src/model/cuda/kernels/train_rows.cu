@@ -145,8 +145,9 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 // dy1 c + dy2 s, second half dy2 c - dy1 s), then RMSNorm's backward as rms_norm_backward_kernel.
 template <typename T>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    norm_rope_backward_kernel(const T* dy, const T* x, const T* w, const T* cos, const T* sin, const float* rstd,
-                              int64_t rows, int heads, int width, T* dx, float* dw_partial) {
+    norm_rope_backward_kernel(const T* dy, const T* x, const T* w, const T* cos, const T* sin,
+                              const float* rstd, int64_t rows, int heads, int width, T* dx,
+                              float* dw_partial) {
     extern __shared__ float dw[];
     for (int c = threadIdx.x; c < width; c += blockDim.x) dw[c] = 0.0f;
     __syncthreads();
@@ -439,8 +440,9 @@ void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const vo
 
 bool norm_rope_fits(int width) { return width >= 16 && width <= 256 && (width & (width - 1)) == 0; }
 
-void launch_norm_rope_forward(int dtype, const void* x, const void* w, const void* cos, const void* sin, float eps,
-                              int64_t rows, int heads, int width, void* y, float* rstd, cudaStream_t stream) {
+void launch_norm_rope_forward(int dtype, const void* x, const void* w, const void* cos, const void* sin,
+                              float eps, int64_t rows, int heads, int width, void* y, float* rstd,
+                              cudaStream_t stream) {
     MOERL_CHECK(norm_rope_fits(width) && heads >= 1, "norm_rope: width ", width, " / heads ", heads,
                 " not taken");
     if (rows == 0) return;
@@ -455,8 +457,8 @@ void launch_norm_rope_forward(int dtype, const void* x, const void* w, const voi
 }
 
 void launch_norm_rope_backward(int dtype, const void* dy, const void* x, const void* w, const void* cos,
-                               const void* sin, const float* rstd, int64_t rows, int heads, int width, void* dx,
-                               float* dw_partial, int blocks, cudaStream_t stream) {
+                               const void* sin, const float* rstd, int64_t rows, int heads, int width,
+                               void* dx, float* dw_partial, int blocks, cudaStream_t stream) {
     MOERL_CHECK(norm_rope_fits(width) && heads >= 1, "norm_rope: width ", width, " / heads ", heads,
                 " not taken");
     if (rows == 0) return;
@@ -465,8 +467,8 @@ void launch_norm_rope_backward(int dtype, const void* dy, const void* x, const v
         using T = typename decltype(elems)::type;
         norm_rope_backward_kernel<T><<<blocks, kRowWarps * 32, smem, stream>>>(
             static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w),
-            static_cast<const T*>(cos), static_cast<const T*>(sin), rstd, rows, heads, width, static_cast<T*>(dx),
-            dw_partial);
+            static_cast<const T*>(cos), static_cast<const T*>(sin), rstd, rows, heads, width,
+            static_cast<T*>(dx), dw_partial);
     });
     MOERL_CUDA_CHECK(cudaGetLastError());
 }
