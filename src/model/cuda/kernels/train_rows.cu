@@ -1,10 +1,9 @@
 // Row kernels of the trainer's forward and backward: RMSNorm both ways, q's and k's RMSNorm with
 // RoPE both ways, the experts' activation silu(g) * u scaled by each row's routing weight both ways,
 // and the chosen tokens' log-probabilities over the vocabulary with softmax - onehot left for the
-// backward. Each replaces a
-// chain of LibTorch element-wise passes (casts to fp32, powers, means, products) with one or two
-// reads of the row. Rounding follows the eager path: the normalised values are rounded to the model
-// dtype before the weight product.
+// backward. Each replaces a chain of LibTorch element-wise passes (casts to fp32, powers, means,
+// products) with one or two reads of the row. Rounding follows the eager path: the normalised values are
+// rounded to the model dtype before the weight product.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
