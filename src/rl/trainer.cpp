@@ -455,7 +455,9 @@ struct PolicyTrainer::Impl {
             group->sum(r, sq);
             own_sq = sq.item<double>();
         }
-        const double norm = std::sqrt(flat.pow(2).sum().item<double>() + own_sq);
+        // On one rank with the AdamW pass no gradient is in `flat`: no second sync for its norm.
+        const double flat_sq = flat.numel() == 0 ? 0.0 : flat.pow(2).sum().item<double>();
+        const double norm = std::sqrt(flat_sq + own_sq);
         const double scale =
             (cfg.grad_clip > 0 && norm > cfg.grad_clip) ? cfg.grad_clip / (norm + 1e-6) : 1.0;
         const int64_t t = step_count_for_update + epoch + 1;
