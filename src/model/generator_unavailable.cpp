@@ -60,6 +60,9 @@ at::Tensor cuda_rms_norm_rope(const at::Tensor&, const at::Tensor&, const at::Te
                               double) {
     return at::Tensor();  // the caller composes rms_norm and apply_rope
 }
+at::Tensor cuda_slot_sum(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&) {
+    return at::Tensor();
+}
 void cuda_selected_logprob_rows(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
                                 const at::Tensor&) {
     MOERL_FAIL("selected_logprobs: this build has no CUDA row kernels");

@@ -383,6 +383,7 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
                         options.replay_routing.size(3) == K,
                     "replay_routing has shape ", options.replay_routing.sizes(), ", expected [", B, ", ", S,
                     ", ", M, ", ", K, "] (batch, seq, MoE layers, top-k)");
+        check_replay_ids(options.replay_routing, m.config.num_experts);  // every layer's, one sync
         replay = options.replay_routing.to(m.options.device, at::kLong);
     }
     const ModelConfig& c = m.config;

@@ -190,6 +190,27 @@ at::Tensor cuda_rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, con
     return NormRopeRows::apply(x, weight, cos, sin, eps);
 }
 
+at::Tensor cuda_slot_sum(const at::Tensor& slot_rows, const at::Tensor& inverse, int64_t K,
+                         const at::Tensor& also) {
+    if (!cuda_rows_serve(slot_rows) || slot_rows.dim() != 2 || K < 1 || K > 32 ||
+        !slot_rows.is_contiguous() || inverse.scalar_type() != at::kLong || !inverse.is_contiguous() ||
+        inverse.numel() != slot_rows.size(0) || slot_rows.size(0) % K != 0 ||
+        inverse.device() != slot_rows.device())
+        return at::Tensor();
+    if (also.defined() &&
+        (also.sizes() != slot_rows.sizes() || also.scalar_type() != slot_rows.scalar_type() ||
+         also.device() != slot_rows.device() || !also.is_contiguous()))
+        return at::Tensor();
+    c10::cuda::CUDAGuard guard(slot_rows.device());
+    const int64_t tokens = slot_rows.size(0) / K;
+    at::Tensor out = at::empty({tokens, slot_rows.size(1)}, slot_rows.options());
+    cuda::launch_slot_sum(dtype_code(slot_rows), slot_rows.data_ptr(),
+                          also.defined() ? also.data_ptr() : nullptr, inverse.data_ptr<int64_t>(), tokens,
+                          static_cast<int>(K), static_cast<int>(slot_rows.size(1)), out.data_ptr(),
+                          stream_of(slot_rows));
+    return out;
+}
+
 void cuda_selected_logprob_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& bias,
                                 double temperature, bool write_softmax, const at::Tensor& lp) {
     MOERL_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && targets.scalar_type() == at::kLong &&

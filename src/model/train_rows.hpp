@@ -20,6 +20,12 @@ at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 at::Tensor cuda_rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
                               const at::Tensor& sin, double eps);
 
+// [T, H] <- each token's K rows of slot_rows [T*K, H] (at positions inverse[t K + k]) summed, and
+// those of `also` (its shape, optional) with them: one gather-and-sum pass for K <= 32; an
+// undefined tensor where the kernel does not take the inputs.
+at::Tensor cuda_slot_sum(const at::Tensor& slot_rows, const at::Tensor& inverse, int64_t K,
+                         const at::Tensor& also = {});
+
 // silu(g) * u * w[:, None] for g, u [rows, width] (model dtype) and routing weights w [rows] fp32,
 // differentiable in all three: one pass forward and one backward, instead of the composition's three
 // and about eight.

@@ -37,8 +37,7 @@ GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& p) {
     MOERL_CHECK(p.kl_coef == 0 || in.ref_logp.defined(), "grpo_loss: kl_coef = ", p.kl_coef,
                 " needs reference log-probs");
     const at::Tensor mask = in.mask.to(at::kFloat);
-    const double n = in.num_tokens > 0 ? in.num_tokens : std::max(1.0, mask.sum().item<double>());
-    const double local_n = std::max(1.0, mask.sum().item<double>());
+    const at::Tensor count = mask.sum();
     at::Tensor prox = in.prox_logp.detach();
     at::Tensor w_raw = at::exp(prox - in.behaviour_logp.detach());
     at::Tensor w = at::clamp_max(w_raw, p.tis_cap);
@@ -48,20 +47,30 @@ GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& p) {
     at::Tensor unclipped = ratio * adv;
     at::Tensor clipped = at::clamp(ratio, 1.0 - p.clip_low, 1.0 + p.clip_high) * adv;
     at::Tensor per_token = -w * at::minimum(unclipped, clipped);
-    GrpoOutput out;
+    at::Tensor kl_sum = at::zeros({}, mask.options());
     if (p.kl_coef > 0) {
         at::Tensor d = in.ref_logp.detach() - in.logp;
         at::Tensor k3 = at::exp(d) - d - 1;
         per_token = per_token + p.kl_coef * k3;
-        out.kl = (k3.detach() * mask).sum().item<double>() / local_n;
+        kl_sum = (k3.detach() * mask).sum();
     }
-    out.loss = (per_token * mask).sum() / n;
+    // Over the given token count, else this batch's own (at least 1): no synchronisation either way.
+    const at::Tensor loss_sum = (per_token * mask).sum();
+    GrpoOutput out;
+    out.loss = in.num_tokens > 0 ? loss_sum / in.num_tokens : loss_sum / count.clamp_min(1.0);
     // The gradient is zero where the clipped branch is the smaller one and differs from the other.
-    at::Tensor lost = (clipped < unclipped).to(at::kFloat) * mask;
-    out.clip_fraction = lost.sum().item<double>() / local_n;
-    out.mean_ratio = (ratio.detach() * mask).sum().item<double>() / local_n;
-    out.mean_is_weight = (w * mask).sum().item<double>() / local_n;
-    out.truncated_fraction = ((w_raw > p.tis_cap).to(at::kFloat) * mask).sum().item<double>() / local_n;
+    const at::Tensor lost = (clipped < unclipped).to(at::kFloat) * mask;
+    // The statistics reach the host in one transfer (one synchronisation a micro-batch, not six).
+    const at::Tensor sums = at::stack({count, kl_sum, lost.sum(), (ratio.detach() * mask).sum(),
+                                       (w * mask).sum(), ((w_raw > p.tis_cap).to(at::kFloat) * mask).sum()})
+                                .to(at::kCPU, at::kDouble);
+    const double* v = sums.data_ptr<double>();
+    const double local_n = std::max(1.0, v[0]);
+    out.kl = v[1] / local_n;
+    out.clip_fraction = v[2] / local_n;
+    out.mean_ratio = v[3] / local_n;
+    out.mean_is_weight = v[4] / local_n;
+    out.truncated_fraction = v[5] / local_n;
     return out;
 }
 

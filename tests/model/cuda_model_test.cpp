@@ -243,6 +243,47 @@ TEST(Cuda, NormRopeKernelMatchesTheComposition) {
                  rms_norm(odd, at::ones({24}, opts), 1e-6).to(at::kCPU, at::kFloat), 1e-6);
 }
 
+// Each token's K slot rows gathered from expert order and summed in one kernel (of one input, or of
+// two summed with each other) equal the gather then sum: fp32 to rounding, bf16 within its step, on
+// a width on the vectorised path and one off it.
+TEST(Cuda, SlotSumKernelMatchesTheComposition) {
+    SKIP_WITHOUT_CUDA();
+    if (!cuda_rows_serve(at::zeros({1}, at::kCUDA))) GTEST_SKIP() << "no CUDA row kernels in this build";
+    at::manual_seed(14);
+    for (const int64_t H : {2048, 36}) {
+        for (const int64_t K : {8, 1}) {
+            for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+                const int64_t T = 203;
+                at::Tensor rows = at::randn({T * K, H}).to(at::kCUDA, dtype);
+                at::Tensor inverse = at::randperm(T * K, at::kLong).to(at::kCUDA);
+                at::Tensor also = at::randn({T * K, H}).to(at::kCUDA, dtype);
+                at::Tensor got = cuda_slot_sum(rows, inverse, K);
+                at::Tensor got_both = cuda_slot_sum(rows, inverse, K, also);
+                ASSERT_TRUE(got.defined() && got_both.defined());
+                auto summed = [&](const at::Tensor& r) {
+                    return r.to(at::kDouble).index_select(0, inverse).view({T, K, H}).sum(1);
+                };
+                const std::string what = "width " + std::to_string(H) + ", K " + std::to_string(K) +
+                                         (dtype == at::kFloat ? " fp32" : " bf16");
+                const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+                EXPECT_CLOSE(got.to(at::kCPU, at::kFloat), summed(rows).to(at::kCPU, at::kFloat), tol)
+                    << what;
+                EXPECT_CLOSE(got_both.to(at::kCPU, at::kFloat),
+                             (summed(rows) + summed(also)).to(at::kCPU, at::kFloat), tol)
+                    << what << ", two inputs";
+            }
+        }
+    }
+    // More than 32 slots a token, or rows that do not divide into tokens: left to the composition.
+    at::Tensor rows = at::zeros({66, 8}, at::TensorOptions().device(at::kCUDA));
+    EXPECT_FALSE(cuda_slot_sum(rows, at::arange(66, at::kLong).to(at::kCUDA), 33).defined());
+    EXPECT_FALSE(cuda_slot_sum(rows, at::arange(66, at::kLong).to(at::kCUDA), 4).defined());
+    // A second input of another shape: left to the composition.
+    EXPECT_FALSE(
+        cuda_slot_sum(rows, at::arange(66, at::kLong).to(at::kCUDA), 6, at::zeros({66, 4}, rows.options()))
+            .defined());
+}
+
 // The experts' activation with the routing weight of each row, one kernel each way, equals the
 // composition silu(g) * u * w in double: the values and the gradients of g, u and w, at a width on
 // the vectorised path and one off it. The trainer's grouped experts call it.

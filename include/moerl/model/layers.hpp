@@ -74,9 +74,14 @@ struct Routing {
 // Softmax top-k router (HF Qwen3MoeSparseMoeBlock). x [T, H], router_weight [E, H].
 // token_valid [T] bool (optional): tokens marked false get topk_idx -1 and weight 0, so they are
 // neither sent to an expert nor counted by the load-balancing loss.
+// Throws naming the id unless every expert id of a routing replay lies in [-1, num_experts) (one
+// device synchronisation for a device tensor).
+void check_replay_ids(const at::Tensor& replay, int64_t num_experts);
+
 // replay [T, K] (optional): routing replay. Rows without a -1 use exactly these experts; rows
 // with any -1 use the router's own top-k. Weights always come from the current router
-// probabilities (renormalised when norm_topk_prob), so gradients flow to it.
+// probabilities (renormalised when norm_topk_prob), so gradients flow to it. A replay on the host
+// is checked here; one on a CUDA device must have passed check_replay_ids.
 Routing route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k, bool norm_topk_prob,
               const at::Tensor& token_valid = {}, const at::Tensor& replay = {});
 

@@ -22,6 +22,12 @@ void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const vo
                               int64_t rows, int width, void* dx, float* dw_partial, int blocks,
                               cudaStream_t stream);
 
+// out[t] = sum over k < K of in[inverse[t K + k]] (+ also[inverse[t K + k]] where `also` is not
+// null; rows of `width`, K <= 32, fp32 sums): each token's K slot rows, gathered from expert order
+// and summed in one pass.
+void launch_slot_sum(int dtype, const void* in, const void* also, const int64_t* inverse, int64_t tokens,
+                     int K, int width, void* out, cudaStream_t stream);
+
 // RMSNorm then RoPE per head row (q and k of attention): y[r] = rope(w * round(x[r] rstd[r])) with
 // the cos and sin rows [width] of token r / heads (the model dtype). width: a power of two in
 // [16, 256]; 16-byte aligned rows.

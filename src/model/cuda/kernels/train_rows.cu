@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     const bool on = lane * 8 < width;
     const int partner = width / 16;
     const bool first_half = (lane & partner) == 0;
-    float wv[8] = {};
+    float wv[8] = {}, dw_mine[8] = {};  // the lane's columns of dw over its warp's rows
     if (on) load8(w + lane * 8, wv);
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
     for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); row < rows;
@@ -177,10 +177,12 @@ __global__ void __launch_bounds__(kRowWarps * 32)
         for (int k = 0; k < 8; ++k) {
             const float n = xv[k] * inv;
             out[k] = inv * (dn[k] * wv[k] - n * mean);
-            atomicAdd(&dw[lane * 8 + k], dn[k] * round_to<T>(n));
+            dw_mine[k] += dn[k] * round_to<T>(n);
         }
         store8(dx + at, out);
     }
+    if (on)
+        for (int k = 0; k < 8; ++k) atomicAdd(&dw[lane * 8 + k], dw_mine[k]);
     __syncthreads();
     float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) part[c] = dw[c];
@@ -234,6 +236,36 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     }
     dot = warp_sum(dot);
     if (lane == 0) dw[row] = dot;
+}
+
+// out[t] = sum over k < K of in[inverse[t K + k]] for rows of `width`: each token's K slot rows, from
+// expert order back to token order (the experts' combine, and the backward of moving tokens to their
+// slots). One warp a token; lane k < K holds the k-th index, fp32 sums rounded once.
+template <typename T, int V>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    slot_sum_kernel(const T* in, const T* also, const int64_t* inverse, int64_t tokens, int K, int width,
+                    T* out) {
+    const int lane = threadIdx.x & 31;
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+    if (t >= tokens) return;
+    const int64_t mine = lane < K ? inverse[t * K + lane] : 0;
+    for (int c0 = 0; c0 < width; c0 += 32 * V) {  // the same trips on every lane: the shuffles need all
+        const int c = c0 + lane * V;
+        float acc[V] = {};
+        for (int k = 0; k < K; ++k) {
+            const int64_t src = __shfl_sync(kFullMask, mine, k);
+            if (c >= width) continue;
+            float v[V];
+            load_vec<V>(in + src * width + c, v);
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] += v[j];
+            if (also == nullptr) continue;
+            load_vec<V>(also + src * width + c, v);
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] += v[j];
+        }
+        if (c < width) store_vec<V>(out + t * width + c, acc);
+    }
 }
 
 // AdamW on fp32 master weights p with moments m, v, reading the gradient in its own type G and writing
@@ -415,9 +447,12 @@ void for_rows(int dtype, bool v8, Fn&& fn) {
 
 }  // namespace
 
+// Enough blocks to keep every SM's warps streaming rows (264 left these kernels at 25% occupancy and
+// 0.6-0.9 TB/s, a third of the forward's rate); each block adds one partial row of dw to reduce.
 int rms_norm_backward_blocks(int64_t rows) {
+    constexpr int64_t kMost = 1024;
     const int64_t want = (rows + kRowWarps - 1) / kRowWarps;
-    return static_cast<int>(want < 264 ? (want < 1 ? 1 : want) : 264);
+    return static_cast<int>(want < kMost ? (want < 1 ? 1 : want) : kMost);
 }
 
 void launch_rms_norm_forward(int dtype, const void* x, const void* w, float eps, int64_t rows, int width,
@@ -435,6 +470,20 @@ void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const vo
     for_rows(dtype, vec8(width, 8, x, dx) && vec8(8, 8, dy, w), [&](auto elems, auto vec) {
         norm_backward(elems, vec, dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
     });
+}
+
+void launch_slot_sum(int dtype, const void* in, const void* also, const int64_t* inverse, int64_t tokens,
+                     int K, int width, void* out, cudaStream_t stream) {
+    MOERL_CHECK(K >= 1 && K <= 32, "slot_sum: ", K, " slots a token, expected 1 to 32");
+    if (tokens == 0 || width == 0) return;
+    const auto blocks = static_cast<unsigned>((tokens + kRowWarps - 1) / kRowWarps);
+    for_rows(dtype, vec8(width, 8, in, out) && vec8(width, 8, also, out), [&](auto elems, auto vec) {
+        using T = typename decltype(elems)::type;
+        slot_sum_kernel<T, decltype(vec)::value>
+            <<<blocks, kRowWarps * 32, 0, stream>>>(static_cast<const T*>(in), static_cast<const T*>(also),
+                                                    inverse, tokens, K, width, static_cast<T*>(out));
+    });
+    MOERL_CUDA_CHECK(cudaGetLastError());
 }
 
 bool norm_rope_fits(int width) { return width >= 16 && width <= 256 && (width & (width - 1)) == 0; }
