@@ -4,12 +4,14 @@
 #include "moerl/model/generator.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <map>
 
@@ -57,6 +59,18 @@ struct Generator::Impl {
     // rows' positions one token on, so a step continuing the same rows uploads nothing.
     std::vector<int> device_position, device_slot;
     GeneratorStats host_stats;
+    // Steps of queue_step, oldest at queue_head. Each owns pinned host buffers that its copies read
+    // (uniforms) and write (draws, routing): reused only after collect_step waited for the step.
+    struct QueuedStep {
+        int n = 0;
+        at::Tensor uniforms;  // [max_batch] double, pinned
+        at::Tensor draws;     // [2 max_batch] double, pinned: n tokens, then n log-probabilities
+        at::Tensor routing;   // [max_batch, moe layers, K] int16, pinned
+        at::Tensor tokens;    // [max_batch] int64 on the device: the draws as the next step's input
+        at::cuda::CUDAEvent copied;
+    };
+    std::array<QueuedStep, 2> queue;
+    int queue_head = 0, queue_count = 0;
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner),
@@ -235,6 +249,17 @@ int64_t Generator::length(int slot) const {
 }
 
 int64_t Generator::free_blocks() const { return impl_->blocks.free_blocks(); }
+
+bool Generator::step_fits(const std::vector<int>& slots) const {
+    const Impl& g = *impl_;
+    int64_t new_blocks = 0;
+    for (int s : slots) {
+        g.check_slot(s, "step_fits");
+        if (g.length[s] < 1 || g.length[s] >= g.opt.max_seq_len) return false;
+        new_blocks += g.length[s] % g.opt.block_size == 0;
+    }
+    return new_blocks <= g.blocks.free_blocks();
+}
 
 int64_t Generator::shared_blocks() const { return impl_->blocks.shared_references(); }
 
@@ -523,6 +548,71 @@ GenerationStep Generator::decode(const std::vector<int>& slots, const at::Tensor
     return step;
 }
 
+void Generator::queue_step(const std::vector<int>& slots, const at::Tensor& tokens,
+                           const std::vector<double>& uniforms, double temperature) {
+    Impl& g = *impl_;
+    const int n = static_cast<int>(slots.size());
+    MOERL_CHECK(g.queue_count < static_cast<int>(g.queue.size()), "queue_step: ", g.queue_count,
+                " steps are queued already (collect_step first)");
+    MOERL_CHECK(static_cast<int>(uniforms.size()) == n, "queue_step: ", uniforms.size(),
+                " uniform draws for ", n, " slots");
+    c10::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard device_guard(g.device);
+    Impl::QueuedStep& q = g.queue[(g.queue_head + g.queue_count) % g.queue.size()];
+    if (!q.tokens.defined()) {
+        const int64_t M = g.m.config.num_moe_layers(), K = g.m.config.num_experts_per_tok;
+        auto pinned = at::TensorOptions().pinned_memory(true);
+        q.uniforms = at::empty({g.opt.max_batch}, pinned.dtype(at::kDouble));
+        q.draws = at::empty({2 * g.opt.max_batch}, pinned.dtype(at::kDouble));
+        q.routing = at::empty({g.opt.max_batch, M, K}, pinned.dtype(at::kShort));
+        q.tokens = at::empty({g.opt.max_batch}, at::TensorOptions().dtype(at::kLong).device(g.device));
+    }
+    GenerationStep out = decode(slots, tokens);
+    std::copy(uniforms.begin(), uniforms.end(), q.uniforms.data_ptr<double>());
+    const at::Tensor u = q.uniforms.narrow(0, 0, n).to(g.device, /*non_blocking=*/true);
+    const at::Tensor drawn = sample_on_device_async(out.logits, u, temperature);
+    q.tokens.narrow(0, 0, n).copy_(drawn[0]);
+    q.draws.narrow(0, 0, 2 * n).view({2, n}).copy_(drawn, /*non_blocking=*/true);
+    if (g.opt.record_routing) q.routing.narrow(0, 0, n).copy_(out.routing, /*non_blocking=*/true);
+    q.copied.record(c10::cuda::getCurrentCUDAStream());
+    q.n = n;
+    ++g.queue_count;
+}
+
+at::Tensor Generator::queued_tokens() const {
+    const Impl& g = *impl_;
+    MOERL_CHECK(g.queue_count > 0, "queued_tokens: no step is queued");
+    const Impl::QueuedStep& q = g.queue[(g.queue_head + g.queue_count - 1) % g.queue.size()];
+    return q.tokens.narrow(0, 0, q.n);
+}
+
+DrawnStep Generator::collect_step() {
+    Impl& g = *impl_;
+    MOERL_CHECK(g.queue_count > 0, "collect_step: no step is queued");
+    Impl::QueuedStep& q = g.queue[g.queue_head];
+    q.copied.synchronize();
+    DrawnStep d;
+    const double* p = q.draws.data_ptr<double>();
+    d.tokens.assign(p, p + q.n);
+    d.logprobs.assign(p + q.n, p + 2 * q.n);
+    if (g.opt.record_routing) d.routing = q.routing.narrow(0, 0, q.n).clone();
+    g.queue_head = (g.queue_head + 1) % static_cast<int>(g.queue.size());
+    --g.queue_count;
+    return d;
+}
+
+int Generator::queued_steps() const { return impl_->queue_count; }
+
+void Generator::wait_queued() {
+    Impl& g = *impl_;
+    for (int i = 0; i < g.queue_count; ++i) g.queue[(g.queue_head + i) % g.queue.size()].copied.synchronize();
+}
+
+void Generator::drop_queued() {
+    wait_queued();
+    impl_->queue_count = 0;
+}
+
 void Generator::idle_step() {
     Impl& g = *impl_;
     MOERL_CHECK(g.opt.ep != nullptr, "idle_step: the generator holds every expert (no GeneratorOptions::ep)");
@@ -608,24 +698,33 @@ int64_t Generator::kv_bytes_per_token() const {
            g.m.config.head_dim * static_cast<int64_t>(at::elementSize(g.m.options.dtype));
 }
 
-at::Tensor sample_on_device(const at::Tensor& logits, const std::vector<double>& uniforms,
-                            double temperature) {
+at::Tensor sample_on_device_async(const at::Tensor& logits, const at::Tensor& uniforms, double temperature) {
     MOERL_CHECK(
         logits.is_cuda() && logits.dim() == 2 && logits.stride(1) == 1 &&
             (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat),
         "sample_on_device: logits must be [rows, vocab] bf16 or fp32 on a CUDA device, rows contiguous");
     const int64_t B = logits.size(0), V = logits.size(1);
-    MOERL_CHECK(static_cast<int64_t>(uniforms.size()) == B, "sample_on_device: ", uniforms.size(),
-                " uniform draws for ", B, " rows");
+    MOERL_CHECK(uniforms.dim() == 1 && uniforms.size(0) == B && uniforms.scalar_type() == at::kDouble &&
+                    uniforms.device() == logits.device() && uniforms.is_contiguous(),
+                "sample_on_device: ", uniforms.sizes(), " uniform draws (", uniforms.scalar_type(), " on ",
+                uniforms.device(), ") for ", B, " rows on ", logits.device());
     MOERL_CHECK(temperature > 0, "sample_on_device: temperature must be > 0, got ", temperature);
     MOERL_CHECK(V >= 1 && V <= std::numeric_limits<int>::max(), "sample_on_device: vocabulary of ", V);
     c10::cuda::CUDAGuard guard(logits.device());
-    const at::Tensor u = at::tensor(uniforms, at::kDouble).to(logits.device());
     at::Tensor out = at::empty({2, B}, logits.options().dtype(at::kDouble));
     cuda::launch_sample_rows(logits.scalar_type() == at::kFloat ? 0 : 1, logits.data_ptr(), logits.stride(0),
-                             static_cast<int>(B), static_cast<int>(V), temperature, u.data_ptr<double>(),
-                             out.data_ptr<double>(), c10::cuda::getCurrentCUDAStream().stream());
-    return out.to(at::kCPU);
+                             static_cast<int>(B), static_cast<int>(V), temperature,
+                             uniforms.data_ptr<double>(), out.data_ptr<double>(),
+                             c10::cuda::getCurrentCUDAStream().stream());
+    return out;
+}
+
+at::Tensor sample_on_device(const at::Tensor& logits, const std::vector<double>& uniforms,
+                            double temperature) {
+    MOERL_CHECK(logits.is_cuda(), "sample_on_device: logits must be on a CUDA device");
+    c10::cuda::CUDAGuard guard(logits.device());
+    const at::Tensor u = at::tensor(uniforms, at::kDouble).to(logits.device());
+    return sample_on_device_async(logits, u, temperature).to(at::kCPU);
 }
 
 }  // namespace moerl::model

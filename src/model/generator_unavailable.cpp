@@ -18,6 +18,7 @@ namespace {
 }  // namespace
 
 at::Tensor sample_on_device(const at::Tensor&, const std::vector<double>&, double) { unavailable(); }
+at::Tensor sample_on_device_async(const at::Tensor&, const at::Tensor&, double) { unavailable(); }
 Generator::Generator(const MoeModel&, const GeneratorOptions&) { unavailable(); }
 Generator::~Generator() = default;
 bool Generator::available() { return false; }
@@ -25,6 +26,15 @@ int Generator::acquire() { unavailable(); }
 void Generator::release(int) { unavailable(); }
 int64_t Generator::length(int) const { unavailable(); }
 int64_t Generator::free_blocks() const { unavailable(); }
+bool Generator::step_fits(const std::vector<int>&) const { unavailable(); }
+void Generator::queue_step(const std::vector<int>&, const at::Tensor&, const std::vector<double>&, double) {
+    unavailable();
+}
+at::Tensor Generator::queued_tokens() const { unavailable(); }
+DrawnStep Generator::collect_step() { unavailable(); }
+int Generator::queued_steps() const { unavailable(); }
+void Generator::wait_queued() { unavailable(); }
+void Generator::drop_queued() { unavailable(); }
 int64_t Generator::shared_blocks() const { unavailable(); }
 int64_t Generator::release_cache_memory() { unavailable(); }
 void Generator::restore_cache_memory() { unavailable(); }

@@ -188,8 +188,9 @@ struct RolloutEngine::Impl {
     struct Seq {
         GenRequest req;
         Trajectory traj;
-        int next_input = -1;  // last sampled token, not yet in the cache
-        int slot = -1;        // the Generator's slot (CUDA engine)
+        int next_input = -1;    // last sampled token, not yet in the cache
+        int slot = -1;          // the Generator's slot (CUDA engine)
+        bool finished = false;  // returned already; its row of a queued step is dropped
     };
     const model::MoeModel& model;
     SamplingParams params;
@@ -213,6 +214,9 @@ struct RolloutEngine::Impl {
     std::deque<JoiningGroup> joining;
     int64_t tokens = 0;
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;  // prefilled contexts; of them from a group-mate
+    // One process, untruncated sampling: decode steps queued one ahead of the host (step_queued).
+    bool queue_ahead = false;
+    std::deque<int64_t> queued_versions;  // the policy version of each queued step, oldest first
     // The CUDA engine's decode steps: wall seconds, their dense bytes (summed on the host as each
     // step's row count is known) and how many (the routed experts and KV cache come from gen->stats()).
     double decode_seconds = 0, decode_dense_bytes = 0;
@@ -257,6 +261,14 @@ struct RolloutEngine::Impl {
             o.ep = decode_ep.get();
         }
         gen = std::make_unique<model::Generator>(m, o);
+        queue_ahead = procs == nullptr && untruncated() &&
+                      (m.options().dtype == at::kBFloat16 || m.options().dtype == at::kFloat);
+    }
+
+    // Sampling that the device kernel draws (no top-k, top-p or allowed-token set).
+    bool untruncated() const {
+        return (params.top_k <= 0 || params.top_k >= vocab) && params.top_p >= 1.0 &&
+               params.allowed_tokens.empty();
     }
 
     ~Impl() {
@@ -548,6 +560,7 @@ struct RolloutEngine::Impl {
 
     // prefill_pass / decode_pass: another rank of the engine prefills / decodes in this step.
     std::vector<GenResult> step(int64_t version, bool prefill_pass = false, bool decode_pass = false) {
+        if (queue_ahead) return step_queued(version);
         c10::NoGradGuard no_grad;
         std::vector<GenResult> done;
         admit(version, done, prefill_pass);
@@ -592,10 +605,134 @@ struct RolloutEngine::Impl {
         return done;
     }
 
+    // Whether admit() would take a request or run a prefill part now.
+    bool admission_due() const {
+        if (!joining.empty()) return true;
+        if (waiting.empty()) return false;
+        size_t live = 0;
+        for (const Seq& s : active) live += !s.finished;
+        for (const JoiningGroup& j : joining) live += j.seqs.size();
+        const size_t room = static_cast<size_t>(std::max<int64_t>(0, max_batch - static_cast<int64_t>(live)));
+        return detail::whole_groups(waiting, room, static_cast<size_t>(max_batch), live == 0,
+                                    shares_prompts()) > 0;
+    }
+
+    // Queues a decode step of active[rows] on `in` (host ids, or the last queued step's draws on the
+    // device); `ahead`: draws of these rows already queued and not yet collected.
+    void queue(const std::vector<int64_t>& rows, const at::Tensor& in, int ahead, int64_t version) {
+        std::vector<int> slots;
+        std::vector<double> u;
+        for (int64_t r : rows) {
+            const Seq& s = active[r];
+            slots.push_back(s.slot);
+            u.push_back(uniform_draw(s.req.seed, s.traj.rng_draws + ahead));
+        }
+        decode_dense_bytes += static_cast<double>(gen->dense_bytes_per_step(static_cast<int>(slots.size())));
+        ++decode_steps;
+        gen->queue_step(slots, in, u, params.temperature);
+        queued_versions.push_back(version);
+    }
+
+    // Reads the oldest queued step's draws into active[0..n), its rows: a row that finished earlier
+    // is skipped, one that finishes now leaves (done) and stays as a husk until the caller drops it.
+    void collect(std::vector<GenResult>& done) {
+        const model::DrawnStep d = gen->collect_step();
+        const int64_t version = queued_versions.front();
+        queued_versions.pop_front();
+        at::Tensor routing;
+        if (record_routing) routing = d.routing.unsqueeze(1).contiguous();  // [n, 1, M, K]
+        for (size_t i = 0; i < d.tokens.size(); ++i) {
+            Seq& s = active[i];
+            if (s.finished) continue;
+            if (record_routing) append_routing(s, routing, static_cast<int64_t>(i), 0);
+            ++s.traj.rng_draws;
+            if (take(s, static_cast<int>(d.tokens[i]), d.logprobs[i], version)) {
+                release(s);
+                done.push_back(finish(s));
+                s.finished = true;
+            }
+        }
+    }
+
+    void drop_finished() {
+        std::vector<int64_t> live;
+        for (size_t i = 0; i < active.size(); ++i)
+            if (!active[i].finished) live.push_back(static_cast<int64_t>(i));
+        if (live.size() < active.size()) keep_rows(live);
+    }
+
+    // The CUDA engine in one process, with untruncated sampling drawn on the device. While no
+    // request is due to join, step t+1 is queued on step t's draws as they lie on the device before
+    // the host reads step t's, so the GPU goes from one step into the next while the host keeps its
+    // books (a step of 128 rows left the GPU idle ~0.1 ms of ~2.1 waiting for the host). A sequence
+    // that stops with step t's draw has step t+1 computed for it and dropped; one that reaches its
+    // length limit is left out of step t+1. The draws are the same as step()'s: each comes from the
+    // sequence's seed and its draw count.
+    std::vector<GenResult> step_queued(int64_t version) {
+        c10::NoGradGuard no_grad;
+        std::vector<GenResult> done;
+        auto t0 = std::chrono::steady_clock::now();
+        auto timed = [&] {
+            const auto t = std::chrono::steady_clock::now();
+            decode_seconds += std::chrono::duration<double>(t - t0).count();
+            t0 = t;
+        };
+        if (gen->queued_steps() > 0 && !admission_due()) {
+            std::vector<int64_t> rows;
+            std::vector<int> slots;
+            for (size_t i = 0; i < active.size(); ++i) {
+                const Seq& s = active[i];
+                if (s.finished || static_cast<int>(s.traj.tokens.size()) + 1 >= s.req.max_new_tokens)
+                    continue;
+                rows.push_back(static_cast<int64_t>(i));
+                slots.push_back(s.slot);
+            }
+            const bool next = !rows.empty() && gen->step_fits(slots);
+            if (next) {
+                at::Tensor in = gen->queued_tokens();
+                if (rows.size() < active.size())
+                    in = in.index_select(0, at::tensor(rows, at::kLong).to(in.device()));
+                queue(rows, in, /*ahead=*/1, version);
+            }
+            collect(done);
+            if (next) {
+                keep_rows(rows);
+            } else {
+                drop_finished();
+            }
+            timed();
+            return done;
+        }
+        if (gen->queued_steps() > 0) {
+            collect(done);
+            drop_finished();
+            timed();
+        }
+        admit(version, done, /*prefill_pass=*/false);
+        if (!active.empty()) {
+            t0 = std::chrono::steady_clock::now();
+            std::vector<int64_t> rows(active.size()), in;
+            std::iota(rows.begin(), rows.end(), 0);
+            for (const Seq& s : active) in.push_back(s.next_input);
+            queue(rows, at::tensor(in, at::kLong), /*ahead=*/0, version);
+            timed();
+        }
+        return done;
+    }
+
+    // Before the model's weights change in place: the queued steps finish reading the old ones.
+    void settle() {
+        if (gen && gen->queued_steps() > 0) gen->wait_queued();
+    }
+
     // Removes every unfinished sequence and returns its partial trajectory (preemption).
     std::vector<GenResult> drain() {
         std::vector<GenResult> out;
+        // A queued step's draws are dropped: a resumed sequence draws them again, the same ones.
+        if (gen && gen->queued_steps() > 0) gen->drop_queued();
+        queued_versions.clear();
         for (auto& s : active) {
+            if (s.finished) continue;  // returned already
             release(s);
             s.traj.routing.clear();  // a resumed sequence recomputes it in its prefill
             out.push_back({s.req.id, std::move(s.traj)});
@@ -823,6 +960,7 @@ std::vector<GenResult> RolloutEngine::drain() {
 }
 
 int64_t RolloutEngine::refresh_weights(const std::string& source, const std::function<int64_t()>& load_here) {
+    impl_->settle();
     if (!spread_) {
         const int64_t bytes = load_here ? load_here() : 0;
         if (impl_->gen) impl_->gen->refresh_weights();
@@ -869,6 +1007,7 @@ bool RolloutEngine::carry_out(const std::string& bytes,
     } else if (what == "refresh") {
         nlohmann::json reply;
         try {
+            impl_->settle();
             reply["bytes"] = load(c.at("source").get<std::string>());
             if (impl_->gen) impl_->gen->refresh_weights();
         } catch (const std::exception& e) {

@@ -55,6 +55,26 @@ std::map<std::string, std::vector<float>> moments(const fs::path& dir) {
     return out;
 }
 
+// One random model, on the CPU and on the first GPU.
+struct CpuAndGpuModels {
+    moerl::model::MoeModel cpu, gpu;
+    static moerl::model::ModelOptions on_gpu() {
+        moerl::model::ModelOptions o;
+        o.device = at::Device(at::kCUDA, 0);
+        return o;
+    }
+    CpuAndGpuModels(const moerl::model::ModelConfig& c, uint64_t seed)
+        : cpu(c, moerl::model::ModelOptions{}), gpu(c, on_gpu()) {
+        cpu.init_random(seed);
+        gpu.init_random(seed);
+    }
+};
+
+std::vector<GenResult> by_id(std::vector<GenResult> v) {
+    std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
+    return v;
+}
+
 }  // namespace
 
 // fp32 on both: the same loss and gradients (the first moments) up to reduction order.
@@ -186,59 +206,74 @@ TEST(RlGpu, CudaOptimizerStepsMatchTheCpuSteps) {
     EXPECT_LT(off, total / 200) << off << " of " << total << " weights differ by more than lr/10";
 }
 
-// Greedy rollouts with routing records: on the GPU (the fused engine) the tokens and the experts
-// recorded for every position and MoE layer are the CPU eager path's (as sets: the order of a
-// position's K experts is free), with contexts prefilled whole and in parts of 3 tokens a step.
+// Rollouts with routing records, greedy and sampled: on the GPU (the fused engine) the tokens,
+// their log-probabilities and versions, and the experts recorded for every position and MoE layer
+// are the CPU eager path's (as sets: the order of a position's K experts is free), with contexts
+// prefilled whole and in parts of 3 tokens a step.
 TEST(RlGpu, RoutingRecordsOfTheFastPathEqualTheEagerPath) {
     SKIP_WITHOUT_CUDA();
     if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
-    RunConfig c = RunConfig::from_yaml_text("rollout: {top_k: 1, max_new_tokens: 6}\n", "gpu.yaml");
-    moerl::model::MoeModel cpu(c.model, moerl::model::ModelOptions{});
-    moerl::model::ModelOptions on_gpu;
-    on_gpu.device = at::Device(at::kCUDA, 0);
-    moerl::model::MoeModel gpu(c.model, on_gpu);
-    cpu.init_random(11);
-    gpu.init_random(11);
-    auto by_id = [](std::vector<GenResult> v) {
-        std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
-        return v;
-    };
-    auto generate = [&](const moerl::model::MoeModel& m, int64_t chunk) {
-        RolloutEngine e(m, c.sampling,
-                        {.max_batch = 4,
-                         .record_routing = true,
-                         .max_seq_len = c.rollout_max_seq_len,
-                         .prefill_chunk_tokens = chunk});
-        for (int i = 0; i < 9; ++i) {
-            const TaskPayload p = make_task_payload(c, 0, i, 0);
-            e.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 2 + i % 5});
-        }
-        return by_id(e.run_to_completion(0));
-    };
-    const auto want = generate(cpu, 0);
-    for (const int64_t chunk : {int64_t{0}, int64_t{3}}) {
-        SCOPED_TRACE("prefill_chunk_tokens " + std::to_string(chunk));
-        const auto got = generate(gpu, chunk);
-        ASSERT_EQ(got.size(), want.size());
-        const int K = c.model.num_experts_per_tok;
-        int64_t same = 0, total = 0;
-        for (size_t i = 0; i < want.size(); ++i) {
-            ASSERT_EQ(got[i].trajectory.tokens, want[i].trajectory.tokens) << "request " << want[i].id;
-            const auto& rw = want[i].trajectory.routing;
-            const auto& rg = got[i].trajectory.routing;
-            ASSERT_EQ(rg.size(), rw.size()) << "request " << want[i].id;
-            for (size_t at0 = 0; at0 + K <= rw.size(); at0 += K) {
-                std::vector<int16_t> x(rw.begin() + at0, rw.begin() + at0 + K),
-                    y(rg.begin() + at0, rg.begin() + at0 + K);
-                std::sort(x.begin(), x.end());
-                std::sort(y.begin(), y.end());
-                same += x == y;
-                ++total;
+    // top_k 1: each step drawn on the host. Untruncated: steps queued one ahead of the host, drawn
+    // on the device, with sequences stopping (token 2) at different steps and requests joining as
+    // slots free up.
+    for (const char* rollout :
+         {"rollout: {top_k: 1, max_new_tokens: 6}\n", "rollout: {max_new_tokens: 6}\n"}) {
+        SCOPED_TRACE(rollout);
+        RunConfig c = RunConfig::from_yaml_text(rollout, "gpu.yaml");
+        CpuAndGpuModels models(c.model, 11);
+        auto generate = [&](const moerl::model::MoeModel& m, int64_t chunk) {
+            RolloutEngine e(m, c.sampling,
+                            {.max_batch = 4,
+                             .record_routing = true,
+                             .max_seq_len = c.rollout_max_seq_len,
+                             .prefill_chunk_tokens = chunk});
+            for (int i = 0; i < 9; ++i) {
+                const TaskPayload p = make_task_payload(c, 0, i, 0);
+                e.add({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 2 + i % 5});
             }
+            auto out = by_id(e.run_to_completion(7));
+            EXPECT_TRUE(e.idle());
+            return out;
+        };
+        const auto want = generate(models.cpu, 0);
+        int stopped = 0;
+        for (const GenResult& r : want) stopped += r.trajectory.terminated;
+        for (const int64_t chunk : {int64_t{0}, int64_t{3}}) {
+            SCOPED_TRACE("prefill_chunk_tokens " + std::to_string(chunk));
+            const auto got = generate(models.gpu, chunk);
+            ASSERT_EQ(got.size(), want.size());
+            const int K = c.model.num_experts_per_tok;
+            int64_t same = 0, total = 0;
+            for (size_t i = 0; i < want.size(); ++i) {
+                const Trajectory &tw = want[i].trajectory, &tg = got[i].trajectory;
+                ASSERT_EQ(tg.tokens, tw.tokens) << "request " << want[i].id;
+                EXPECT_EQ(tg.terminated, tw.terminated) << "request " << want[i].id;
+                EXPECT_EQ(tg.rng_draws, tw.rng_draws) << "request " << want[i].id;
+                ASSERT_EQ(tg.logprobs.size(), tw.logprobs.size());
+                for (size_t j = 0; j < tw.logprobs.size(); ++j)
+                    EXPECT_NEAR(tg.logprobs[j], tw.logprobs[j], 1e-4)
+                        << "request " << want[i].id << " token " << j;
+                EXPECT_EQ(tg.versions, std::vector<int64_t>(tw.tokens.size(), 7));
+                const auto& rw = tw.routing;
+                const auto& rg = tg.routing;
+                ASSERT_EQ(rg.size(), rw.size()) << "request " << want[i].id;
+                for (size_t at0 = 0; at0 + K <= rw.size(); at0 += K) {
+                    std::vector<int16_t> x(rw.begin() + at0, rw.begin() + at0 + K),
+                        y(rg.begin() + at0, rg.begin() + at0 + K);
+                    std::sort(x.begin(), x.end());
+                    std::sort(y.begin(), y.end());
+                    same += x == y;
+                    ++total;
+                }
+            }
+            ASSERT_GT(total, 50);
+            // fp32 on both sides: only a near-tie of two router logits may flip (none expected here).
+            EXPECT_GE(static_cast<double>(same), 0.995 * static_cast<double>(total))
+                << same << " of " << total;
         }
-        ASSERT_GT(total, 50);
-        // fp32 on both sides: only a near-tie of two router logits may flip (none expected here).
-        EXPECT_GE(static_cast<double>(same), 0.995 * static_cast<double>(total)) << same << " of " << total;
+        if (c.sampling.top_k == 0) {
+            EXPECT_GT(stopped, 0) << "no sequence stopped early: the case is not covered";
+        }
     }
 }
 
@@ -250,18 +285,10 @@ TEST(RlGpu, AGroupsSamplesSharePromptBlocksAndSampleAsOnTheCpu) {
     SKIP_WITHOUT_CUDA();
     if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
     RunConfig c = RunConfig::from_yaml_text("rollout: {max_new_tokens: 6}\n", "gpu.yaml");
-    moerl::model::MoeModel cpu(c.model, moerl::model::ModelOptions{});
-    moerl::model::ModelOptions on_gpu;
-    on_gpu.device = at::Device(at::kCUDA, 0);
-    moerl::model::MoeModel gpu(c.model, on_gpu);
-    cpu.init_random(13);
-    gpu.init_random(13);
+    CpuAndGpuModels models(c.model, 13);
+    const moerl::model::MoeModel &cpu = models.cpu, &gpu = models.gpu;
     const int kGroups = 3, kSamples = 4;
     int64_t prompt_len = 0;
-    auto by_id = [](std::vector<GenResult> v) {
-        std::sort(v.begin(), v.end(), [](const GenResult& x, const GenResult& y) { return x.id < y.id; });
-        return v;
-    };
     auto fill = [&](RolloutEngine& e) {
         for (int p = 0; p < kGroups; ++p)
             for (int g = 0; g < kSamples; ++g) {

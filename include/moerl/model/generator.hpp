@@ -107,6 +107,13 @@ struct GenerationStep {
     int64_t shared_tokens = 0;
 };
 
+// A queued decode step's draws, on the host (Generator::collect_step).
+struct DrawnStep {
+    std::vector<int64_t> tokens;
+    std::vector<float> logprobs;  // log-probability of each drawn token under softmax(logits / T)
+    at::Tensor routing;           // with record_routing: [n, num_moe_layers, K] int16 on the host
+};
+
 struct GeneratorStats {
     int64_t decode_steps = 0;
     int64_t decode_rows = 0;          // tokens produced by decode steps
@@ -123,6 +130,9 @@ struct GeneratorStats {
 // Generator::available() is false.
 at::Tensor sample_on_device(const at::Tensor& logits, const std::vector<double>& uniforms,
                             double temperature);
+// The same draw without waiting for the device: uniforms [B] double on the logits' device; the
+// result [2, B] double stays there, ordered on the current stream after the logits.
+at::Tensor sample_on_device_async(const at::Tensor& logits, const at::Tensor& uniforms, double temperature);
 
 class Generator {
   public:
@@ -143,6 +153,9 @@ class Generator {
     // Cached tokens of a slot (-1 when free).
     int64_t length(int slot) const;
     int64_t free_blocks() const;
+    // Whether a decode step of these acquired slots fits now: none is full and the new blocks they
+    // need are free (decode() throws otherwise).
+    bool step_fits(const std::vector<int>& slots) const;
     // Block-table entries that point at a block another slot also holds (GeneratorOptions::
     // share_prompts): the cache blocks that sharing saves right now.
     int64_t shared_blocks() const;
@@ -163,6 +176,23 @@ class Generator {
     // Tokens that are the last step's `greedy` itself (changed in place or not) are read where they
     // lie; a step continuing the previous step's slots in the same order copies nothing to the device.
     GenerationStep decode(const std::vector<int>& slots, const at::Tensor& tokens);
+
+    // A decode step that draws its tokens on the device and does not wait for them: runs
+    // decode(slots, tokens), draws each row's next token from softmax(logits / temperature) with
+    // uniforms[i] (sample_on_device's draw) and starts copying the draws and routing records to the
+    // host. `tokens` may be queued_tokens() (or rows of it, on the device), so the next step can be
+    // queued before the host has read this one: the GPU then runs from one step into the next while
+    // the host keeps its books. At most two steps are queued; collect_step() returns the oldest
+    // one's draws, waiting for them.
+    void queue_step(const std::vector<int>& slots, const at::Tensor& tokens,
+                    const std::vector<double>& uniforms, double temperature);
+    at::Tensor queued_tokens() const;  // [n] int64 on the device: the last queued step's draws
+    DrawnStep collect_step();
+    int queued_steps() const;
+    // Waits until the queued steps have run on the device (their draws stay to be collected).
+    void wait_queued();
+    // Drops the queued steps' draws once they have run.
+    void drop_queued();
 
     // With options.ep: takes part in one decode step's dispatches and combines with no rows, as a
     // rank with nothing to decode does while the others decode.
