@@ -351,7 +351,7 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
                                           y_.data_ptr<float>(), launch);
                 mark("experts down", launch);
             } else if (experts_grouped_mm) {
-                experts_grouped(B, w);
+                experts_grouped(B, w, launch);
                 mark("experts grouped gemm", launch);
             } else {
                 if (gate_up_mma)
@@ -399,23 +399,26 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
 }
 
 // Tokens sorted by expert (the routing's slot lists), one grouped GEMM per projection on the tensor
-// cores, results scattered back to their slots. Capturable: every size is fixed by the bucket; slots
-// past the routed total go to y's spare last row.
-void Generator::DecodeStep::experts_grouped(int B, const LayerWeights& w) {
+// cores, results scattered back to their slots: the gather, the activation and the scatter are one
+// kernel each (as LibTorch operations they were about ten small kernels a layer). Capturable: every
+// size is fixed by the bucket; slots past the routed total are left out of y.
+void Generator::DecodeStep::experts_grouped(int B, const LayerWeights& w, const cuda::Launch& launch) {
 #ifdef MOERL_HAVE_GROUPED_MM
     const int64_t S = int64_t{B} * K_;
-    at::Tensor slots = expert_slots_.narrow(0, 0, S).to(at::kLong);
-    at::Tensor xs = h_.index_select(0, at::div(slots, K_, "floor"));
+    const cuda::MoeRouting r = routing();
+    at::Tensor xs = at::empty({S, H_}, h_.options());
+    cuda::launch_gather_slot_rows(h_.data_ptr(), r, static_cast<int>(S), K_, H_, xs.data_ptr(), launch);
     at::Tensor offs = expert_offset_.narrow(0, 1, E_);  // cumulative ends per expert
     at::Tensor g = at::_grouped_mm(xs, w.experts_gate.transpose(-2, -1), offs);
     at::Tensor u = at::_grouped_mm(xs, w.experts_up.transpose(-2, -1), offs);
-    at::Tensor o = at::_grouped_mm(at::silu(g) * u, w.experts_down.transpose(-2, -1), offs);
-    at::Tensor routed = at::arange(S, slots.options()) < expert_offset_.narrow(0, E_, 1).to(at::kLong);
-    at::Tensor dst = at::where(routed, slots, at::full({}, y_.size(0) - 1, slots.options()));
-    y_.index_copy_(0, dst, o.to(at::kFloat));
+    cuda::launch_silu_mul(g.data_ptr(), u.data_ptr(), g.numel(), g.data_ptr(), launch);  // in place
+    at::Tensor o = at::_grouped_mm(g, w.experts_down.transpose(-2, -1), offs);
+    cuda::launch_scatter_slot_rows(o.data_ptr(), r, static_cast<int>(S), E_, H_, y_.data_ptr<float>(),
+                                   launch);
 #else
     (void)B;
     (void)w;
+    (void)launch;
     MOERL_FAIL("grouped expert GEMM needs LibTorch >= 2.8");
 #endif
 }

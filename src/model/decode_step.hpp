@@ -75,7 +75,7 @@ class Generator::DecodeStep {
     // into = e4m3(w) (allocated on first use, then rewritten in place: the graphs keep its address).
     static void quantize(const at::Tensor& w, Fp8Matrix& into, cudaStream_t stream);
     // The experts of a large batch as grouped GEMMs (LibTorch >= 2.8), into y.
-    void experts_grouped(int B, const LayerWeights& w);
+    void experts_grouped(int B, const LayerWeights& w, const cuda::Launch& launch);
     // With GeneratorOptions::ep: rows [0, B) of h to their experts' ranks (low-latency dispatch),
     // the local experts over the expert-major rows, the top-k weighted sum back into ep_out.
     // B = 0: a rank with no rows, serving the others' rows (idle_ep).

@@ -321,6 +321,40 @@ TEST_P(GeneratorFeedback, GreedyFedBackEqualsHostTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Graphs, GeneratorFeedback, ::testing::Bool());
 
+// The experts as grouped GEMMs (the path of large batches, forced here from one row; the slot rows
+// gathered, activated and scattered by their own kernels) decode as the expert kernels do: bf16, the
+// same host tokens into both, logits within bf16 rounding and the same greedy tokens, with graphs.
+TEST(Generator, GroupedGemmExpertsDecodeAsTheExpertKernels) {
+    SKIP_WITHOUT_ENGINE();
+    const ModelConfig c = engine_config();
+    Twins t(c, at::kBFloat16);
+    std::vector<std::vector<int64_t>> prompts;
+    for (int i = 0; i < 6; ++i) prompts.push_back(random_prompt(3 + 2 * i, c.vocab_size, 60 + i));
+    GeneratorOptions o{.max_batch = 8, .max_seq_len = 48, .block_size = 8};
+    o.grouped_min_batch = 1;
+    Generator grouped(t.gpu, o);
+    o.grouped_min_batch = 1 << 20;
+    Generator kernels(t.gpu, o);
+    std::vector<int> slots;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        slots.push_back(grouped.acquire());
+        ASSERT_EQ(kernels.acquire(), slots.back());
+    }
+    at::Tensor tokens = grouped.prefill(slots, prompts).greedy.cpu();
+    ASSERT_TRUE(at::equal(tokens, kernels.prefill(slots, prompts).greedy.cpu()));
+    int same = 0, total = 0;
+    for (int step = 0; step < 10; ++step) {
+        GenerationStep a = grouped.decode(slots, tokens), b = kernels.decode(slots, tokens);
+        const at::Tensor la = a.logits.cpu().to(at::kFloat), lb = b.logits.cpu().to(at::kFloat);
+        EXPECT_LT((la - lb).abs().max().item<float>(), 0.1f) << "step " << step;
+        same += at::eq(a.greedy.cpu(), b.greedy.cpu()).sum().item<int>();
+        total += static_cast<int>(slots.size());
+        tokens = a.greedy.cpu();
+    }
+    EXPECT_GE(same, total - 2) << "greedy tokens of the two paths parted too often";
+    EXPECT_GT(grouped.stats().expert_weight_reads, 0);
+}
+
 // One-row steps with the LM head through the GEMV kernel (the final norm inside it, no cuBLAS call)
 // continue as the CPU model does and as cuBLAS projections do (gemv_max_batch = 0), fp32 on both.
 TEST(Generator, LmHeadGemvMatchesCublasAndCpu) {

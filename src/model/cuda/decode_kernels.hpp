@@ -160,6 +160,14 @@ void launch_moe_down_fp8(const void* act, const uint8_t* down_q, const float* do
 void launch_dense_rows(int dtype, const void* in, const void* weight, int B, int cols, int out_rows,
                        void* out, const Launch& launch);
 
+// The grouped-GEMM experts' moves (bf16, H a multiple of 8): xs[i] = h[slot / K] for the S slots in
+// expert order; act = round(silu(g)) * u over n elements; y[slot] = o[i] (fp32) for the routed slots.
+void launch_gather_slot_rows(const void* h, const MoeRouting& r, int S, int K, int H, void* xs,
+                             const Launch& launch);
+void launch_silu_mul(const void* g, const void* u, int64_t n, void* act, const Launch& launch);
+void launch_scatter_slot_rows(const void* o, const MoeRouting& r, int S, int E, int H, float* y,
+                              const Launch& launch);
+
 // x[b] += sum_k w[b, k] y[b * K + k]; h[b] = rms_norm(x[b]) * norm_weight. Padding rows skipped.
 void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRouting& r,
                                 const void* norm_weight, float eps, const int* position, int B, int K, int H,

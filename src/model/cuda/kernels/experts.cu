@@ -213,4 +213,81 @@ void launch_moe_combine_rmsnorm(int dtype, void* x, const float* y, const MoeRou
                       eps, position, K, H, static_cast<__nv_bfloat16*>(h));
 }
 
+namespace {
+
+// The grouped-GEMM path's moves, bf16 rows with H a multiple of 8, one block of kSlotRowThreads a
+// slot row. gather: xs[i] = h[slots[i] / K] for the S slots in the routing's expert order.
+constexpr int kSlotRowThreads = 128;
+
+__global__ void __launch_bounds__(kSlotRowThreads)
+    gather_slot_rows_kernel(const __nv_bfloat16* h, const int* slots, int K, int H, __nv_bfloat16* xs) {
+    griddep_wait();
+    griddep_launch_dependents();
+    const int i = blockIdx.x;
+    const auto* src = reinterpret_cast<const uint4*>(h + static_cast<size_t>(slots[i] / K) * H);
+    auto* dst = reinterpret_cast<uint4*>(xs + static_cast<size_t>(i) * H);
+    for (int c = threadIdx.x; c < H / 8; c += kSlotRowThreads) dst[c] = src[c];
+}
+
+// act = round(silu(g)) * u over n elements (n a multiple of 8), rounded as the expert kernels round.
+__global__ void __launch_bounds__(kSlotRowThreads)
+    silu_mul_kernel(const __nv_bfloat16* g, const __nv_bfloat16* u, int64_t n, __nv_bfloat16* act) {
+    griddep_wait();
+    griddep_launch_dependents();
+    for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kSlotRowThreads + threadIdx.x) * 8; i < n;
+         i += static_cast<int64_t>(gridDim.x) * kSlotRowThreads * 8) {
+        float gv[8], uv[8], out[8];
+        load8(g + i, gv);
+        load8(u + i, uv);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) out[k] = round_to<__nv_bfloat16>(silu(gv[k])) * uv[k];
+        store8(act + i, out);
+    }
+}
+
+// scatter: y[slots[i]] = o[i] in fp32 for the routed slots (i < expert_offset[E]).
+__global__ void __launch_bounds__(kSlotRowThreads)
+    scatter_slot_rows_kernel(const __nv_bfloat16* o, const int* slots, const int* routed, int H, float* y) {
+    griddep_wait();
+    griddep_launch_dependents();
+    const int i = blockIdx.x;
+    if (i >= *routed) return;
+    const __nv_bfloat16* src = o + static_cast<size_t>(i) * H;
+    float* dst = y + static_cast<size_t>(slots[i]) * H;
+    for (int c = threadIdx.x * 8; c < H; c += kSlotRowThreads * 8) {
+        float v[8];
+        load8(src + c, v);
+        store8(dst + c, v);
+    }
+}
+
+}  // namespace
+
+void launch_gather_slot_rows(const void* h, const MoeRouting& r, int S, int K, int H, void* xs,
+                             const Launch& launch) {
+    MOERL_CHECK(H % 8 == 0, "gather_slot_rows: width ", H, " is not a multiple of 8");
+    if (S == 0) return;
+    launch_kernel(gather_slot_rows_kernel, S, kSlotRowThreads, 0, launch,
+                  static_cast<const __nv_bfloat16*>(h), static_cast<const int*>(r.expert_slots), K, H,
+                  static_cast<__nv_bfloat16*>(xs));
+}
+
+void launch_silu_mul(const void* g, const void* u, int64_t n, void* act, const Launch& launch) {
+    MOERL_CHECK(n % 8 == 0, "silu_mul: ", n, " elements, not a multiple of 8");
+    if (n == 0) return;
+    const int64_t want = (n / 8 + kSlotRowThreads - 1) / kSlotRowThreads;
+    launch_kernel(silu_mul_kernel, static_cast<unsigned>(want < 4096 ? want : 4096), kSlotRowThreads, 0,
+                  launch, static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u), n,
+                  static_cast<__nv_bfloat16*>(act));
+}
+
+void launch_scatter_slot_rows(const void* o, const MoeRouting& r, int S, int E, int H, float* y,
+                              const Launch& launch) {
+    MOERL_CHECK(H % 8 == 0, "scatter_slot_rows: width ", H, " is not a multiple of 8");
+    if (S == 0) return;
+    launch_kernel(scatter_slot_rows_kernel, S, kSlotRowThreads, 0, launch,
+                  static_cast<const __nv_bfloat16*>(o), static_cast<const int*>(r.expert_slots),
+                  static_cast<const int*>(r.expert_offset + E), H, y);
+}
+
 }  // namespace moerl::model::cuda
