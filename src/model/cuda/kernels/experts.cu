@@ -1,7 +1,8 @@
 // The MoE experts of a decode step on the CUDA cores: gate/up and down products over the routed
 // experts' weights (each read once per step, applied to all tokens routed to it, gathered on the fly
 // with no permuted copy of the activations), the weighted combine into the residual, and the one-row
-// forms that rank the router logits themselves and combine by output column.
+// forms that rank the router logits themselves and combine by output column. Also the row moves
+// around the grouped-GEMM experts of large batches (gather to expert order, activation, scatter).
 #include <type_traits>
 
 #include "weight_rows.cuh"
