@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "cuda_ipc.hpp"
@@ -316,6 +317,56 @@ TEST(RlGpu, AGroupsSamplesSharePromptBlocksAndSampleAsOnTheCpu) {
         // and so does the third: every group prefilled once.
         EXPECT_EQ(b.prompt_tokens(), kGroups * kSamples * prompt_len);
         EXPECT_EQ(b.prompt_tokens_shared(), kGroups * (kSamples - 1) * prompt_len);
+    }
+}
+
+// A drain (preemption) while a decode step is queued ahead of the host: the queued draws are
+// dropped, and the drained sequences, resumed from their partial trajectories in a fresh engine,
+// end with the tokens, log-probabilities and draw counts of an uninterrupted run.
+TEST(RlGpu, ADrainWithAStepQueuedResumesToTheSameTokens) {
+    SKIP_WITHOUT_CUDA();
+    if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
+    RunConfig c = RunConfig::from_yaml_text("rollout: {max_new_tokens: 8}\n", "gpu.yaml");
+    CpuAndGpuModels models(c.model, 17);
+    auto engine = [&] {
+        return std::make_unique<RolloutEngine>(
+            models.gpu, c.sampling,
+            RolloutEngineOptions{.max_batch = 4, .max_seq_len = c.rollout_max_seq_len});
+    };
+    std::vector<GenRequest> requests;
+    for (int i = 0; i < 6; ++i) {
+        const TaskPayload p = make_task_payload(c, 0, i, 0);
+        requests.push_back({static_cast<uint64_t>(i), p.prompt_tokens, {}, p.seed, 4 + i % 5});
+    }
+    auto whole = engine();
+    for (const GenRequest& r : requests) whole->add(r);
+    const auto want = by_id(whole->run_to_completion(0));
+    auto first = engine();
+    for (const GenRequest& r : requests) first->add(r);
+    std::vector<GenResult> got;
+    for (int s = 0; s < 3; ++s)
+        for (GenResult& d : first->step(0)) got.push_back(std::move(d));
+    std::vector<GenResult> drained = first->drain();
+    EXPECT_TRUE(first->idle());
+    ASSERT_FALSE(drained.empty());
+    bool partial = false;
+    auto second = engine();
+    for (GenResult& d : drained) {
+        const GenRequest& r = requests[d.id];
+        partial = partial || !d.trajectory.tokens.empty();
+        second->add({r.id, r.prompt, std::move(d.trajectory), r.seed, r.max_new_tokens});
+    }
+    EXPECT_TRUE(partial) << "no drained sequence had begun: the case is not covered";
+    for (GenResult& d : second->run_to_completion(0)) got.push_back(std::move(d));
+    got = by_id(std::move(got));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+        const Trajectory &tw = want[i].trajectory, &tg = got[i].trajectory;
+        EXPECT_EQ(tg.tokens, tw.tokens) << "request " << want[i].id;
+        EXPECT_EQ(tg.rng_draws, tw.rng_draws) << "request " << want[i].id;
+        ASSERT_EQ(tg.logprobs.size(), tw.logprobs.size());
+        for (size_t j = 0; j < tw.logprobs.size(); ++j)
+            EXPECT_NEAR(tg.logprobs[j], tw.logprobs[j], 1e-4) << "request " << want[i].id << " token " << j;
     }
 }
 
