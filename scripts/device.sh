@@ -11,8 +11,8 @@
 # rank per GPU, and rollout over EP) is on; MOERL_DEVICE_HF=0 skips the transformers reference,
 # MOERL_DEVICE_EP_SHARED=0 the 2- and 4-rank EP bench on one GPU. MOERL_DEVICE_KBENCH_ARGS (e.g.
 # "--no-attention") narrows the kernel bench.
-# MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k, GRPO groups of 8, prompts
-# joining running sequences in parts);
+# MOERL_DEVICE_RL_LENGTHS=0 skips rollout at RL lengths (2048 + 2048, 8k with bf16 and FP8 KV caches,
+# GRPO groups of 8, prompts joining running sequences in parts);
 # MOERL_DEVICE_FP8=0 the FP8 rollout bench (--weights bf16,fp8, inside MOERL_DEVICE_ROLLOUT).
 # MOERL_DEVICE_FABRIC_ROOT=DIR (DIR/include/rdma: libfabric headers brought along) builds the fabric
 # transport against the machine's libfabric.so.1 and runs its tests (GPU memory regions included).
@@ -217,9 +217,9 @@ if [ -x "$MOERL" ]; then
     timeout 240 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
       --prompt 2048 --new ${MOERL_DEVICE_LONG_NEW:-2048} >"$OUT/bench-rollout-long.log" 2>&1
     step bench_rollout_long "rc=$?"
-    timeout 150 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
-      --prompt 8192 --new 64 >"$OUT/bench-rollout-8k.log" 2>&1
-    step bench_rollout_8k "rc=$?"
+    timeout 280 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
+      --prompt 8192 --new 64 --kv-cache bf16,fp8 >"$OUT/bench-rollout-8k.log" 2>&1
+    step bench_rollout_8k "rc=$? $(grep -oE 'greedy agreement [0-9.]+%' "$OUT/bench-rollout-8k.log")"
     timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 64 --group 8 \
       --prompt 1024 --new 128 >"$OUT/bench-rollout-group.log" 2>&1
     step bench_rollout_group "rc=$?"

@@ -49,8 +49,9 @@ struct RolloutArgs {
     int new_tokens = 128;
     std::vector<int> prompts{128}, news{128};  // cuda: --prompt / --new sweeps
     int group = 1;  // cuda: samples per prompt (a GRPO group), run with and without shared prompt blocks
-    std::vector<std::string> weights{"bf16"};  // cuda: what decode reads: bf16, fp8 (e4m3 copies)
-    int sequences = 512;                       // cpu
+    std::vector<std::string> weights{"bf16"};    // cuda: what decode reads: bf16, fp8 (e4m3 copies)
+    std::vector<std::string> kv_caches{"bf16"};  // cuda: the KV cache: bf16, fp8 (e4m3 rows, scales)
+    int sequences = 512;                         // cpu
     bool no_graphs = false;
     bool profile = false;        // per-kernel times of eager steps
     bool profile_range = false;  // cudaProfilerStart/Stop around the first batch's timed steps
@@ -88,7 +89,7 @@ void init_on_device(model::MoeModel& m, uint64_t seed) {
 struct Row {
     int prompt = 0, new_tokens = 0, batch = 0;
     bool shared = false;  // --group: the group's samples share their prompt's cache blocks
-    std::string weights = "bf16";
+    std::string weights = "bf16", kv_cache = "bf16";
     double prefill_s = 0, step_s = 0, e2e_tok_s = 0, bytes_per_step = 0, experts_per_layer = 0;
     int64_t prefill_tokens = 0;  // prompt tokens run through the model
     double prompt_kv_bytes = 0;  // cache blocks the prompts hold after the prefill
@@ -260,10 +261,11 @@ std::map<int, double> run_hf_reference(const RolloutArgs& a) {
     return out;
 }
 
-// FP8 decode against bf16 on the same weights and prompts, teacher-forced: each step both engines
-// take bf16's greedy tokens. Prints the share of rows whose fp8 argmax is bf16's and |log p_bf16(t) -
-// log p_fp8(t)| for bf16's token t (mean and largest).
-void fp8_agreement(const model::MoeModel& m, const model::ModelConfig& c, const RolloutArgs& a) {
+// FP8 decode (weights, KV cache or both) against bf16 on the same weights and prompts, teacher-forced:
+// each step both engines take bf16's greedy tokens. Prints the share of rows whose fp8 argmax is
+// bf16's and |log p_bf16(t) - log p_fp8(t)| for bf16's token t (mean and largest).
+void fp8_agreement(const model::MoeModel& m, const model::ModelConfig& c, const RolloutArgs& a,
+                   bool fp8_weights, bool fp8_kv_cache) {
     c10::NoGradGuard no_grad;
     const int B = std::min(16, *std::max_element(a.batches.begin(), a.batches.end()));
     const int steps = std::min(64, a.news.front());
@@ -276,12 +278,13 @@ void fp8_agreement(const model::MoeModel& m, const model::ModelConfig& c, const 
     o.max_seq_len = prompt + steps + 1;
     o.block_size = kBlockSize;
     model::Generator bf16(m, o);
-    o.fp8_weights = true;
+    o.fp8_weights = fp8_weights;
+    o.fp8_kv_cache = fp8_kv_cache;
     model::Generator fp8(m, o);
     std::vector<int> s16, s8;
     for (int b = 0; b < B; ++b) s16.push_back(bf16.acquire()), s8.push_back(fp8.acquire());
     at::Tensor tok = bf16.prefill(s16, ps).greedy.clone();
-    fp8.prefill(s8, ps);  // prefill is bf16 in both
+    fp8.prefill(s8, ps);  // prefill computes in bf16 in both (the fp8 cache stores it quantised)
     int64_t agree = 0;
     double sum = 0, largest = 0;
     for (int i = 0; i < steps; ++i) {
@@ -299,10 +302,11 @@ void fp8_agreement(const model::MoeModel& m, const model::ModelConfig& c, const 
     }
     const double n = static_cast<double>(B) * steps;
     std::printf(
-        "fp8 against bf16 (batch %d, prompt %d, %d decode steps teacher-forced on bf16's greedy tokens): "
-        "greedy agreement %.1f%% (%lld of %.0f), mean |log-prob difference| %.4f, largest %.4f\n",
-        B, prompt, steps, 100.0 * static_cast<double>(agree) / n, static_cast<long long>(agree), n, sum / n,
-        largest);
+        "%s weights, %s KV cache against bf16 (batch %d, prompt %d, %d decode steps teacher-forced on bf16's "
+        "greedy tokens): greedy agreement %.1f%% (%lld of %.0f), mean |log-prob difference| %.4f, largest "
+        "%.4f\n",
+        fp8_weights ? "fp8" : "bf16", fp8_kv_cache ? "fp8" : "bf16", B, prompt, steps,
+        100.0 * static_cast<double>(agree) / n, static_cast<long long>(agree), n, sum / n, largest);
     std::fflush(stdout);
 }
 
@@ -385,42 +389,46 @@ void bench_cuda(const RolloutArgs& args) {
     for (int prompt : args.prompts)
         for (int new_tokens : args.news)
             for (const std::string& weights : args.weights)
-                for (const bool share :
-                     args.group > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
-                    RolloutArgs a = args;
-                    a.prompt = prompt;
-                    a.new_tokens = new_tokens;
-                    model::Generator gen(m, {.max_batch = max_batch,
-                                             .max_seq_len = a.prompt + a.new_tokens + 1,
-                                             .block_size = kBlockSize,
-                                             .num_blocks = 0,
-                                             .share_prompts = share,
-                                             .cuda_graphs = !a.no_graphs && !a.profile,
-                                             .profile = a.profile,
-                                             .fp8_weights = weights == "fp8"});
-                    {
-                        // Warm-up: the first prefill and decode pay for library initialisation.
-                        const int s = gen.acquire();
-                        model::GenerationStep w = gen.prefill({s}, {std::vector<int64_t>(a.prompt, 1)});
-                        gen.decode({s}, w.greedy);
-                        torch::cuda::synchronize();
-                        gen.release(s);
+                for (const std::string& kv_cache : args.kv_caches)
+                    for (const bool share :
+                         args.group > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
+                        RolloutArgs a = args;
+                        a.prompt = prompt;
+                        a.new_tokens = new_tokens;
+                        model::Generator gen(m, {.max_batch = max_batch,
+                                                 .max_seq_len = a.prompt + a.new_tokens + 1,
+                                                 .block_size = kBlockSize,
+                                                 .num_blocks = 0,
+                                                 .share_prompts = share,
+                                                 .cuda_graphs = !a.no_graphs && !a.profile,
+                                                 .profile = a.profile,
+                                                 .fp8_weights = weights == "fp8",
+                                                 .fp8_kv_cache = kv_cache == "fp8"});
+                        {
+                            // Warm-up: the first prefill and decode pay for library initialisation.
+                            const int s = gen.acquire();
+                            model::GenerationStep w = gen.prefill({s}, {std::vector<int64_t>(a.prompt, 1)});
+                            gen.decode({s}, w.greedy);
+                            torch::cuda::synchronize();
+                            gen.release(s);
+                        }
+                        for (int B : a.batches) {
+                            rows.push_back(bench_batch(gen, c, a, B));
+                            Row& r = rows.back();
+                            r.shared = share && a.group > 1;
+                            r.weights = weights;
+                            r.kv_cache = kv_cache;
+                            std::printf(
+                                "prompt %d + %d new, batch %d, %s weights, %s KV cache%s: step %.3f ms, %.0f "
+                                "tok/s "
+                                "decode, %.1f%% of copy bandwidth, prefill %.3f s\n",
+                                a.prompt, a.new_tokens, B, weights.c_str(), kv_cache.c_str(),
+                                a.group > 1 ? (share ? ", shared prompts" : ", unshared") : "",
+                                r.step_s * 1e3, B / r.step_s, 100.0 * r.bytes_per_step / r.step_s / copy_bw,
+                                r.prefill_s);
+                            std::fflush(stdout);
+                        }
                     }
-                    for (int B : a.batches) {
-                        rows.push_back(bench_batch(gen, c, a, B));
-                        Row& r = rows.back();
-                        r.shared = share && a.group > 1;
-                        r.weights = weights;
-                        std::printf(
-                            "prompt %d + %d new, batch %d, %s weights%s: step %.3f ms, %.0f tok/s decode, "
-                            "%.1f%% of "
-                            "copy bandwidth, prefill %.3f s\n",
-                            a.prompt, a.new_tokens, B, weights.c_str(),
-                            a.group > 1 ? (share ? ", shared prompts" : ", unshared") : "", r.step_s * 1e3,
-                            B / r.step_s, 100.0 * r.bytes_per_step / r.step_s / copy_bw, r.prefill_s);
-                        std::fflush(stdout);
-                    }
-                }
     if (!args.hf_dir.empty()) {
         m.save_pretrained(args.hf_dir);
         RolloutArgs a = args;
@@ -430,23 +438,25 @@ void bench_cuda(const RolloutArgs& args) {
         for (Row& r : rows)
             if (hf.count(r.batch)) r.hf_tok_s = hf[r.batch];
     }
-    if (std::find(args.weights.begin(), args.weights.end(), "fp8") != args.weights.end())
-        fp8_agreement(m, c, args);
-    // fp8 rows: decode tok/s against the bf16 row of the same case.
+    for (const std::string& weights : args.weights)
+        for (const std::string& kv_cache : args.kv_caches)
+            if (weights == "fp8" || kv_cache == "fp8")
+                fp8_agreement(m, c, args, weights == "fp8", kv_cache == "fp8");
+    // fp8 rows: decode tok/s against the bf16 row (weights and cache) of the same case.
     auto bf16_row = [&](const Row& r) -> const Row* {
         for (const Row& o : rows)
-            if (o.weights == "bf16" && o.prompt == r.prompt && o.new_tokens == r.new_tokens &&
-                o.batch == r.batch && o.shared == r.shared)
+            if (o.weights == "bf16" && o.kv_cache == "bf16" && o.prompt == r.prompt &&
+                o.new_tokens == r.new_tokens && o.batch == r.batch && o.shared == r.shared)
                 return &o;
         return nullptr;
     };
-    const bool several = args.weights.size() > 1;
+    const bool several = args.weights.size() > 1 || args.kv_caches.size() > 1;
     std::printf(
         "\n| prompt | new | batch |%s%s prefill s | prefill tokens | step ms | decode tok/s | e2e tok/s | "
         "experts/layer | bytes/step | GB/s | util | prompt KV | KV cache | HF e2e tok/s | ratio |\n"
         "|---|---|---|%s%s---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-        args.group > 1 ? " prompt blocks |" : "", several ? " weights | x bf16 |" : "",
-        args.group > 1 ? "---|" : "", several ? "---|---|" : "");
+        args.group > 1 ? " prompt blocks |" : "", several ? " weights | KV cache | x bf16 |" : "",
+        args.group > 1 ? "---|" : "", several ? "---|---|---|" : "");
     for (const Row& r : rows) {
         const double bw = r.bytes_per_step / r.step_s;
         std::printf("| %d | %d | %d |", r.prompt, r.new_tokens, r.batch);
@@ -454,9 +464,10 @@ void bench_cuda(const RolloutArgs& args) {
         if (several) {
             const Row* base = bf16_row(r);
             if (base != nullptr && base != &r)
-                std::printf(" %s | %.2fx |", r.weights.c_str(), base->step_s / r.step_s);
+                std::printf(" %s | %s | %.2fx |", r.weights.c_str(), r.kv_cache.c_str(),
+                            base->step_s / r.step_s);
             else
-                std::printf(" %s | - |", r.weights.c_str());
+                std::printf(" %s | %s | - |", r.weights.c_str(), r.kv_cache.c_str());
         }
         std::printf(" %.3f | %lld | %.3f | %.0f | %.0f | %.1f | %s | %.0f | %.1f%% | %s | %s |", r.prefill_s,
                     static_cast<long long>(r.prefill_tokens), r.step_s * 1e3, r.batch / r.step_s, r.e2e_tok_s,
@@ -678,6 +689,11 @@ void register_bench_rollout(CLI::App& bench) {
                   "block scales; with fp8 also the greedy agreement and log-prob difference against bf16)")
         ->delimiter(',')
         ->check(CLI::IsMember({"bf16", "fp8"}));
+    b->add_option("--kv-cache", a->kv_caches,
+                  "cuda: the KV cache's format, a list compares: bf16, fp8 (e4m3 rows with a scale each; "
+                  "with fp8 also the greedy agreement and log-prob difference against bf16)")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"bf16", "fp8"}));
     b->add_option("--sequences", a->sequences, "cpu: sequences generated per row");
     b->add_flag("--no-graphs", a->no_graphs, "cuda: launch every decode step eagerly");
     b->add_flag("--profile", a->profile,
@@ -706,9 +722,11 @@ void register_bench_rollout(CLI::App& bench) {
         a->prompt = a->prompts.front();
         a->new_tokens = a->news.front();
         if (a->ep_ranks > 0) {
-            MOERL_CHECK(a->prompts.size() == 1 && a->news.size() == 1 && a->group == 1 &&
-                            a->weights == std::vector<std::string>{"bf16"},
-                        "--ep runs one case: one --prompt, one --new, no --group, bf16 --weights");
+            MOERL_CHECK(
+                a->prompts.size() == 1 && a->news.size() == 1 && a->group == 1 &&
+                    a->weights == std::vector<std::string>{"bf16"} &&
+                    a->kv_caches == std::vector<std::string>{"bf16"},
+                "--ep runs one case: one --prompt, one --new, no --group, bf16 --weights and --kv-cache");
             MOERL_CHECK(a->device == "cpu" || a->device.rfind("cuda", 0) == 0, "--device ", a->device,
                         " is not supported, expected cpu or cuda");
             MOERL_CHECK(a->new_tokens >= 2, "--new must be >= 2 with --ep, got ", a->new_tokens);

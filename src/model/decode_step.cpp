@@ -42,19 +42,29 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
     auto t = at::TensorOptions().device(m.options.device).dtype(m.options.dtype);
     auto i32 = t.dtype(at::kInt);
     {
-        // Every layer's pools in one region of device memory (zeroed), 256-byte aligned each.
-        const int64_t pool_elems = num_blocks * opt.block_size * Hkv_ * D_;
+        // Every layer's pools (and scales) in one region of device memory (zeroed), 256-byte aligned each.
+        const bool fp8 = opt.fp8_kv_cache;
+        const at::TensorOptions pool_t = fp8 ? t.dtype(at::kByte) : t;
+        const int64_t rows = num_blocks * opt.block_size * Hkv_;
+        auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
         const size_t pool_bytes =
-            (static_cast<size_t>(pool_elems) * at::elementSize(m.options.dtype) + 255) / 256 * 256;
+            aligned(static_cast<size_t>(rows * D_) * at::elementSize(fp8 ? at::kByte : m.options.dtype));
+        const size_t scale_bytes = fp8 ? aligned(static_cast<size_t>(rows) * sizeof(float)) : 0;
+        const size_t layer_bytes = 2 * (pool_bytes + scale_bytes);
         const int device =
             m.options.device.has_index() ? m.options.device.index() : c10::cuda::current_device();
-        cache_memory = std::make_unique<DeviceRegion>(device, 2 * m.layers.size() * pool_bytes);
+        cache_memory = std::make_unique<DeviceRegion>(device, m.layers.size() * layer_bytes);
         char* base = static_cast<char*>(cache_memory->data());
         for (size_t l = 0; l < m.layers.size(); ++l) {
-            k_pool.push_back(
-                at::from_blob(base + 2 * l * pool_bytes, {num_blocks, opt.block_size, Hkv_, D_}, t));
+            char* layer = base + l * layer_bytes;
+            k_pool.push_back(at::from_blob(layer, {num_blocks, opt.block_size, Hkv_, D_}, pool_t));
             v_pool.push_back(
-                at::from_blob(base + (2 * l + 1) * pool_bytes, {num_blocks, opt.block_size, Hkv_, D_}, t));
+                at::from_blob(layer + pool_bytes, {num_blocks, opt.block_size, Hkv_, D_}, pool_t));
+            if (!fp8) continue;
+            const at::TensorOptions f32 = t.dtype(at::kFloat);
+            k_scale.push_back(at::from_blob(layer + 2 * pool_bytes, {num_blocks, opt.block_size, Hkv_}, f32));
+            v_scale.push_back(
+                at::from_blob(layer + 2 * pool_bytes + scale_bytes, {num_blocks, opt.block_size, Hkv_}, f32));
         }
     }
     take_weights();
@@ -275,21 +285,23 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
         }
         mark("qkv mm", launch);
         // Up to fused_qk_max_batch, attention normalises and rotates q and the new key itself.
+        // An FP8 KV cache takes its new rows from the store kernel (attention reads e4m3 only).
+        const cuda::KvScales kv_scales = this->kv_scales(l);
         cuda::QkvInput qkv_in;
-        if (B <= opt_.fused_qk_max_batch) {
+        if (B <= opt_.fused_qk_max_batch && !kv_scales.fp8()) {
             qkv_in = {qkv_.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), eps,
                       static_cast<float>(c.rope_theta)};
         } else {
             cuda::launch_qk_norm_rope_store(dtype_, qkv_.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(),
                                             eps, static_cast<float>(c.rope_theta), pos, slots, tbl,
                                             max_blocks_, opt_.block_size, B, Hq, Hkv, D, q_.data_ptr(),
-                                            k_pool[l].data_ptr(), v_pool[l].data_ptr(), launch);
+                                            k_pool[l].data_ptr(), v_pool[l].data_ptr(), launch, kv_scales);
             mark("qk norm+rope+store", launch);
         }
         cuda::launch_paged_attention(dtype_, q_.data_ptr(), k_pool[l].data_ptr(), v_pool[l].data_ptr(), pos,
                                      slots, tbl, max_blocks_, opt_.block_size, B, Hq, Hkv, D,
                                      attn_partial_.data_ptr<float>(), attn_split_done_.data_ptr<int>(),
-                                     attn_.data_ptr(), launch, qkv_in);
+                                     attn_.data_ptr(), launch, qkv_in, kv_scales);
         mark("attention", launch);
         linear(attn_, w.o_proj, o_, B, launch, fp8 ? dense_fp8(fp8_layers_[l].o) : nullptr);
         mark("o mm", launch);

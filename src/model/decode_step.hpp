@@ -54,8 +54,15 @@ class Generator::DecodeStep {
     // row used in each MoE layer of the last step.
     at::Tensor routing_record;
     // Per layer: paged keys and values [num_blocks, block_size, Hkv, D], views of cache_memory
-    // (whose GPU memory can be given back while no sequence is held, at unchanged addresses).
-    std::vector<at::Tensor> k_pool, v_pool;
+    // (whose GPU memory can be given back while no sequence is held, at unchanged addresses); with
+    // GeneratorOptions::fp8_kv_cache the pools are e4m3 (uint8) and k_scale, v_scale [num_blocks,
+    // block_size, Hkv] fp32 hold each row's scale (cuda::KvScales).
+    std::vector<at::Tensor> k_pool, v_pool, k_scale, v_scale;
+    // The scales of layer l for the kernels (null pointers without an FP8 KV cache).
+    cuda::KvScales kv_scales(size_t l) const {
+        if (k_scale.empty()) return {};
+        return {k_scale[l].data_ptr<float>(), v_scale[l].data_ptr<float>()};
+    }
     std::unique_ptr<DeviceRegion> cache_memory;
     StepProfiler profiler;
 

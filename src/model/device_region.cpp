@@ -79,7 +79,8 @@ bool DeviceRegion::map(bool may_fail) {
         MOERL_FAIL(
             "GPU ", device_, " out of memory: the KV cache needs ", gib(size_), " GiB, ", gib(free),
             " GiB of ", gib(total),
-            " are free (lower rollout.max_batch or rollout max_seq_len, or GeneratorOptions::num_blocks)");
+            " are free (lower rollout.max_batch or rollout max_seq_len, or GeneratorOptions::num_blocks; or "
+            "halve it with rollout.kv_cache_dtype: fp8)");
     }
     MOERL_CU_CHECK(r);
     const CUdeviceptr base = static_cast<CUdeviceptr>(base_);

@@ -146,6 +146,17 @@ struct Generator::Impl {
                     "; supported: 1, 2, 4, 8, 16");
         MOERL_CHECK(c.num_moe_layers() == 0 || (E <= cuda::kMaxExperts && K <= 32), "Generator: ", E,
                     " experts, top-", K, "; supported: up to ", cuda::kMaxExperts, " experts, top-k <= 32");
+        if (o.fp8_kv_cache) {
+            MOERL_CHECK(m.options.dtype == at::kBFloat16,
+                        "Generator: fp8_kv_cache needs a bfloat16 model; this one computes in ",
+                        m.options.dtype);
+            MOERL_CHECK(
+                cuda::attention_fp8_kv_supported(static_cast<int>(Hq), static_cast<int>(Hkv),
+                                                 static_cast<int>(D)),
+                "Generator: fp8_kv_cache needs 4, 8 or 16 query heads per key-value head of 64 or 128 "
+                "dims (the tensor-core attention); this model has ",
+                Hq, " query heads per ", Hkv, " key-value heads of ", D, " dims");
+        }
         if (o.fp8_weights) {
             MOERL_CHECK(m.options.dtype == at::kBFloat16,
                         "Generator: fp8_weights needs a bfloat16 model; this one computes in ",
@@ -202,9 +213,13 @@ struct Generator::Impl {
         if (copies.to.empty()) return;
         const at::Tensor from_t = at::tensor(copies.from, at::kLong).to(device),
                          to_t = at::tensor(copies.to, at::kLong).to(device);
+        auto copy = [&](at::Tensor& pool) { pool.index_copy_(0, to_t, pool.index_select(0, from_t)); };
         for (size_t l = 0; l < step.k_pool.size(); ++l) {
-            step.k_pool[l].index_copy_(0, to_t, step.k_pool[l].index_select(0, from_t));
-            step.v_pool[l].index_copy_(0, to_t, step.v_pool[l].index_select(0, from_t));
+            copy(step.k_pool[l]);
+            copy(step.v_pool[l]);
+            if (step.k_scale.empty()) continue;
+            copy(step.k_scale[l]);
+            copy(step.v_scale[l]);
         }
     }
 
@@ -355,13 +370,25 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
             const at::Tensor from_t = at::tensor(from, at::kLong).to(g.device),
                              to_t = at::tensor(to, at::kLong).to(g.device);
             for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
-                auto gather = [&](const at::Tensor& pool, at::Tensor& contiguous) {
-                    at::Tensor flat = at::zeros({pass_rows * P, Hkv, D}, pool.options());
-                    flat.index_copy_(0, to_t, pool.view({pool_tokens, Hkv, D}).index_select(0, from_t));
+                // An FP8 cache's rows come back dequantised to the model's bf16.
+                auto gather = [&](const at::Tensor& pool, const at::Tensor* scales, at::Tensor& contiguous) {
+                    at::Tensor rows;
+                    if (scales == nullptr) {
+                        rows = pool.view({pool_tokens, Hkv, D}).index_select(0, from_t);
+                    } else {
+                        rows = at::empty({from_t.size(0), Hkv, D}, contiguous.options());
+                        cuda::launch_kv_rows_from_fp8(
+                            pool.data_ptr<uint8_t>(), scales->data_ptr<float>(), from_t.data_ptr<int64_t>(),
+                            from_t.size(0), static_cast<int>(Hkv), static_cast<int>(D), rows.data_ptr(),
+                            {c10::cuda::getCurrentCUDAStream().stream(), false});
+                    }
+                    at::Tensor flat = at::zeros({pass_rows * P, Hkv, D}, contiguous.options());
+                    flat.index_copy_(0, to_t, rows);
                     contiguous.narrow(2, 0, P).copy_(flat.view({pass_rows, P, Hkv, D}).permute({0, 2, 1, 3}));
                 };
-                gather(g.step.k_pool[l], cache.keys[l]);
-                gather(g.step.v_pool[l], cache.values[l]);
+                const bool fp8 = !g.step.k_scale.empty();
+                gather(g.step.k_pool[l], fp8 ? &g.step.k_scale[l] : nullptr, cache.keys[l]);
+                gather(g.step.v_pool[l], fp8 ? &g.step.v_scale[l] : nullptr, cache.values[l]);
             }
             cache.key_valid.narrow(1, 0, P).copy_(valid);
             cache.next_position.copy_(next_position);
@@ -391,15 +418,24 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
         const at::Tensor src_t = at::tensor(src, at::kLong).to(g.device),
                          dst_t = at::tensor(dst, at::kLong).to(g.device);
         for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
-            auto move = [&](const at::Tensor& contiguous, at::Tensor& pool) {
+            // Into an FP8 cache as e4m3 rows and their scales.
+            auto move = [&](const at::Tensor& contiguous, at::Tensor& pool, at::Tensor* scales) {
                 at::Tensor moved = contiguous.narrow(2, P, pass_len)
                                        .permute({0, 2, 1, 3})
                                        .reshape({pass_rows * pass_len, Hkv, D})
                                        .index_select(0, src_t);
-                pool.view({pool_tokens, Hkv, D}).index_copy_(0, dst_t, moved);
+                if (scales == nullptr) {
+                    pool.view({pool_tokens, Hkv, D}).index_copy_(0, dst_t, moved);
+                    return;
+                }
+                cuda::launch_kv_rows_to_fp8(moved.data_ptr(), dst_t.data_ptr<int64_t>(), dst_t.size(0),
+                                            static_cast<int>(Hkv), static_cast<int>(D),
+                                            pool.data_ptr<uint8_t>(), scales->data_ptr<float>(),
+                                            {c10::cuda::getCurrentCUDAStream().stream(), false});
             };
-            move(cache.keys[l], g.step.k_pool[l]);
-            move(cache.values[l], g.step.v_pool[l]);
+            const bool fp8 = !g.step.k_scale.empty();
+            move(cache.keys[l], g.step.k_pool[l], fp8 ? &g.step.k_scale[l] : nullptr);
+            move(cache.values[l], g.step.v_pool[l], fp8 ? &g.step.v_scale[l] : nullptr);
         }
         logit_parts.push_back(out.logits);
         if (g.opt.record_routing) {
@@ -694,8 +730,10 @@ int64_t Generator::expert_bytes() const {
 
 int64_t Generator::kv_bytes_per_token() const {
     const Impl& g = *impl_;
-    return 2 * static_cast<int64_t>(g.step.k_pool.size()) * g.m.config.num_key_value_heads *
-           g.m.config.head_dim * static_cast<int64_t>(at::elementSize(g.m.options.dtype));
+    const int64_t row = g.opt.fp8_kv_cache
+                            ? g.m.config.head_dim + static_cast<int64_t>(sizeof(float))
+                            : g.m.config.head_dim * static_cast<int64_t>(at::elementSize(g.m.options.dtype));
+    return 2 * static_cast<int64_t>(g.step.k_pool.size()) * g.m.config.num_key_value_heads * row;
 }
 
 at::Tensor sample_on_device_async(const at::Tensor& logits, const at::Tensor& uniforms, double temperature) {

@@ -421,6 +421,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.choice("dtype", {"fp32", "bf16", "fp8"}, c.rollout_dtype);
             s.integer("max_seq_len", 2, 1 << 20, c.rollout_max_seq_len);
             s.integer("prefill_chunk_tokens", 0, int64_t{1} << 30, c.rollout_prefill_chunk_tokens);
+            s.choice("kv_cache_dtype", {"auto", "fp8"}, c.rollout_kv_cache_dtype);
             const YAML::Node allowed = s.child("allowed_tokens");
             if (allowed && !allowed.IsNull()) {
                 MOERL_CHECK(allowed.IsSequence() && allowed.size() > 0, s.where("allowed_tokens"),
@@ -676,6 +677,21 @@ void RunConfig::validate() const {
                 ": rollout.dtype: fp8 needs every expert in one "
                 "engine; ranks.rollout is ",
                 rollout_ranks, " (use bf16 over several ranks)");
+    if (rollout_kv_cache_dtype == "fp8") {
+        MOERL_CHECK(
+            rollout_device == "cuda" && (rollout_dtype == "bf16" || rollout_dtype == "fp8"), s,
+            ": rollout.kv_cache_dtype: fp8 caches keys and values as e4m3 in the CUDA engine; it needs "
+            "rollout.device: cuda and rollout.dtype bf16 or fp8 (got ",
+            rollout_device, ", ", rollout_dtype, ")");
+        // The tensor-core attention's shapes (model::GeneratorOptions::fp8_kv_cache).
+        const int64_t group = m.num_key_value_heads > 0 ? m.num_attention_heads / m.num_key_value_heads : 0;
+        MOERL_CHECK(
+            (group == 4 || group == 8 || group == 16) && (m.head_dim == 64 || m.head_dim == 128), s,
+            ": rollout.kv_cache_dtype: fp8 needs 4, 8 or 16 query heads per key-value head of 64 or 128 "
+            "dims; the model has ",
+            m.num_attention_heads, " query heads per ", m.num_key_value_heads, " key-value heads of ",
+            m.head_dim, " dims");
+    }
     MOERL_CHECK(rollout_device != "cuda" || longest <= rollout_max_seq_len, s,
                 ": rollout.max_seq_len: ", rollout_max_seq_len, " is below the longest sequence (", longest,
                 " tokens: the longest prompt + rollout.max_new_tokens)");

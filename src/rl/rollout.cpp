@@ -248,6 +248,7 @@ struct RolloutEngine::Impl {
         o.max_seq_len = max_seq_len;
         o.record_routing = record_routing;
         o.fp8_weights = eo.fp8_weights;
+        o.fp8_kv_cache = eo.fp8_kv_cache;
         o.cuda_graphs = eo.cuda_graphs;
         if (const ep::Buffer* prefill = m.options().ep; prefill != nullptr) {
             if (procs == nullptr || !prefill->on_device()) return;  // the model's eager steps
@@ -835,6 +836,7 @@ RolloutEngineOptions rollout_engine_options(const RunConfig& c, const RoleProces
     o.max_seq_len = c.rollout_max_seq_len;
     o.processes = processes;
     o.fp8_weights = c.rollout_dtype == "fp8";
+    o.fp8_kv_cache = c.rollout_kv_cache_dtype == "fp8";
     o.prefill_chunk_tokens = c.rollout_prefill_chunk_tokens;
     return o;
 }

@@ -537,6 +537,106 @@ TEST(Generator, Fp8WeightsDecodeAsBf16OnTheGridAndFollowWeightSyncs) {
     expect_error([&] { Generator g(narrow, fp8_options); }, "multiples of 64");
 }
 
+// A model the FP8 KV cache serves: 8 query heads per 2 key-value heads of 64 dims.
+ModelConfig fp8_kv_config() {
+    ModelConfig c = test::tiny_config(3, /*dense_layer=*/true);
+    c.hidden_size = 128;
+    c.num_attention_heads = 8;
+    c.num_key_value_heads = 2;
+    c.head_dim = 64;
+    c.initializer_range = 0.05;
+    c.validate();
+    return c;
+}
+
+// FP8 KV cache (GeneratorOptions::fp8_kv_cache). A token takes (D + 4) / 2D of the bf16 cache's
+// bytes. Teacher-forced on the bf16-cache engine's greedy tokens (1 row, and 8 rows of prompts of 5
+// to 12 tokens), the FP8-cache engine's logits stay close and its greedy tokens mostly agree. Forks
+// of a prompt with a partial last block (its copy carries the scales) decode bit for bit as the
+// prompt's own slot; a prompt continued in a second part (its cached rows read back dequantised)
+// decodes close to the whole prompt. Bad uses are refused by name.
+TEST(Generator, Fp8KvCacheDecodesCloseToBf16AndForksExactly) {
+    SKIP_WITHOUT_ENGINE();
+    c10::NoGradGuard no_grad;
+    const ModelConfig c = fp8_kv_config();
+    MoeModel model(c, {at::Device(at::kCUDA, 0), at::kBFloat16});
+    model.init_random(5);
+    model.set_requires_grad(false);
+    const GeneratorOptions bf16_options{.max_batch = 8, .max_seq_len = 48, .block_size = 4};
+    GeneratorOptions fp8_options = bf16_options;
+    fp8_options.fp8_kv_cache = true;
+    {
+        Generator bf16(model, bf16_options), fp8(model, fp8_options);
+        EXPECT_EQ(fp8.kv_bytes_per_token() * 2 * c.head_dim, bf16.kv_bytes_per_token() * (c.head_dim + 4));
+    }
+    std::vector<std::vector<int64_t>> prompts;
+    for (int b = 0; b < 8; ++b) prompts.push_back(random_prompt(5 + b, c.vocab_size, 90 + b));
+    for (const int rows : {1, 8}) {
+        SCOPED_TRACE("rows " + std::to_string(rows));
+        Generator bf16(model, bf16_options), fp8(model, fp8_options);
+        std::vector<int> s16, s8;
+        for (int b = 0; b < rows; ++b) s16.push_back(bf16.acquire()), s8.push_back(fp8.acquire());
+        const std::vector<std::vector<int64_t>> ps(prompts.begin(), prompts.begin() + rows);
+        at::Tensor tokens = bf16.prefill(s16, ps).greedy.clone();
+        fp8.prefill(s8, ps);
+        int64_t agree = 0, compared = 0;
+        double diff_sum = 0;
+        for (int i = 0; i < 20; ++i) {
+            const GenerationStep a = fp8.decode(s8, tokens);
+            const at::Tensor la = at::log_softmax(a.logits.to(at::kFloat), -1).cpu();
+            const at::Tensor ga = a.greedy.cpu();
+            const GenerationStep b = bf16.decode(s16, tokens);
+            const at::Tensor lb = at::log_softmax(b.logits.to(at::kFloat), -1).cpu();
+            const at::Tensor gb = b.greedy.cpu();
+            const at::Tensor t = gb.unsqueeze(1);
+            diff_sum += (la.gather(1, t) - lb.gather(1, t)).abs().sum().item<double>();
+            agree += ga.eq(gb).sum().item<int64_t>();
+            compared += rows;
+            const float scale = lb.abs().max().item<float>();
+            EXPECT_LE((la - lb).abs().max().item<float>(), 0.1f * scale) << "step " << i;
+            tokens = b.greedy.clone();
+        }
+        EXPECT_LT(diff_sum / static_cast<double>(compared), 0.05) << "mean |log-prob difference|";
+        EXPECT_GE(agree * 10, compared * 8) << agree << " of " << compared << " greedy tokens agree";
+    }
+    // Forks: 10 tokens (two full blocks and a partial one), forked twice, the same token fed to all
+    // three rows: the three rows' logits are equal.
+    {
+        Generator gen(model, fp8_options);
+        std::vector<int> slots{gen.acquire(), gen.acquire(), gen.acquire()};
+        const std::vector<int64_t> p = random_prompt(10, c.vocab_size, 81);
+        at::Tensor next = gen.prefill({slots[0]}, {p}).greedy.cpu();
+        gen.fork(slots[0], slots[1]);
+        gen.fork(slots[0], slots[2]);
+        at::Tensor fed = next.expand({3}).contiguous();
+        for (int i = 0; i < 4; ++i) {  // through the partial block and into a new one
+            const GenerationStep r = gen.decode(slots, fed);
+            const at::Tensor l = r.logits.cpu();
+            EXPECT_TRUE(at::equal(l[0], l[1]) && at::equal(l[0], l[2])) << "step " << i;
+            fed = r.greedy.cpu()[0].expand({3}).contiguous();
+        }
+    }
+    // A prompt in two parts against the whole prompt.
+    {
+        Generator whole(model, fp8_options), parts(model, fp8_options);
+        const std::vector<int64_t> p = random_prompt(14, c.vocab_size, 82);
+        const int sw = whole.acquire(), sp = parts.acquire();
+        const at::Tensor lw = at::log_softmax(whole.prefill({sw}, {p}).logits.to(at::kFloat), -1).cpu();
+        parts.prefill({sp}, {std::vector<int64_t>(p.begin(), p.begin() + 9)});
+        const at::Tensor lp =
+            at::log_softmax(
+                parts.prefill({sp}, {std::vector<int64_t>(p.begin() + 9, p.end())}).logits.to(at::kFloat), -1)
+                .cpu();
+        EXPECT_EQ(parts.length(sp), 14);
+        EXPECT_LE((lw - lp).abs().max().item<float>(), 0.1f * lw.abs().max().item<float>());
+    }
+    // What the FP8 cache refuses, by name.
+    MoeModel fp32(c, {at::Device(at::kCUDA, 0), at::kFloat});
+    expect_error([&] { Generator g(fp32, fp8_options); }, "fp8_kv_cache needs a bfloat16 model");
+    MoeModel small_heads(engine_config(), {at::Device(at::kCUDA, 0), at::kBFloat16});
+    expect_error([&] { Generator g(small_heads, fp8_options); }, "of 64 or 128 dims");
+}
+
 // Greedy continuation of one prompt after one forced token (so the samples of a group diverge), by
 // the model's eager path.
 std::vector<int64_t> greedy_after(const MoeModel& m, const std::vector<int64_t>& prompt, int64_t forced,

@@ -294,6 +294,14 @@ TEST(Config, BadInputNamesTheKey) {
          "cuda"},
         {"rollout:\n  device: cuda\n  dtype: fp8\nranks:\n  rollout: 2\n",
          "quickstart.yaml: rollout.dtype: fp8 needs every expert in one engine; ranks.rollout is 2"},
+        {"rollout:\n  kv_cache_dtype: fp16\n",
+         "quickstart.yaml: rollout.kv_cache_dtype: expected one of auto, fp8, got 'fp16'"},
+        {"rollout:\n  kv_cache_dtype: fp8\n",
+         "quickstart.yaml: rollout.kv_cache_dtype: fp8 caches keys and values as e4m3 in the CUDA engine; it "
+         "needs rollout.device: cuda and rollout.dtype bf16 or fp8 (got cpu, fp32)"},
+        {"rollout: {device: cuda, dtype: bf16, kv_cache_dtype: fp8}\n",
+         "quickstart.yaml: rollout.kv_cache_dtype: fp8 needs 4, 8 or 16 query heads per key-value head of 64 "
+         "or 128 dims; the model has 4 query heads per 2 key-value heads of 16 dims"},
         {"rollout:\n  max_seq_len: 1\n",
          "quickstart.yaml: rollout.max_seq_len: expected an integer in [2, 1048576], got 1"},
         {"rollout:\n  device: cuda\n  max_seq_len: 4\n",
@@ -303,6 +311,22 @@ TEST(Config, BadInputNamesTheKey) {
         const std::string msg = config_error(yaml);
         EXPECT_EQ(msg.rfind(expect, 0), 0u) << "input:\n" << yaml << "message: " << msg;
     }
+}
+
+// rollout.kv_cache_dtype: fp8 on a model the FP8 cache serves reaches the rollout engine's options;
+// auto (the default) leaves the cache in the rollout dtype.
+TEST(Config, Fp8KvCacheReachesTheRolloutEngine) {
+    const RunConfig fp8 = RunConfig::from_yaml_text(
+        "model: {num_heads: 8, num_kv_heads: 2, head_dim: 64}\n"
+        "rollout: {device: cuda, dtype: bf16, kv_cache_dtype: fp8}\n",
+        "quickstart.yaml");
+    EXPECT_EQ(fp8.rollout_kv_cache_dtype, "fp8");
+    EXPECT_TRUE(rollout_engine_options(fp8).fp8_kv_cache);
+    EXPECT_FALSE(rollout_engine_options(fp8).fp8_weights);
+    const RunConfig plain =
+        RunConfig::from_yaml_text("rollout: {device: cuda, dtype: bf16}\n", "quickstart.yaml");
+    EXPECT_EQ(plain.rollout_kv_cache_dtype, "auto");
+    EXPECT_FALSE(rollout_engine_options(plain).fp8_kv_cache);
 }
 
 // rollout.device: cuda. Without a CUDA device it is refused naming the key; with one, greedy

@@ -76,6 +76,14 @@ struct GeneratorOptions {
     // holding every expert (no ep) with hidden_size, moe_intermediate_size and heads x head_dim
     // multiples of 64; the copies take about half the model's memory again. Default false.
     bool fp8_weights = false;
+    // FP8 KV cache: keys and values stored as e4m3 with one fp32 scale per (token, key-value head)
+    // row (max|row| / 448), written by the decode step and by prefill, read by the tensor-core
+    // attention kernel. A token's cache takes (D + 4) / (2 D) of its bf16 bytes (52% at head_dim
+    // 128), so twice the sequences or context fit, and long-context steps read about half the bytes.
+    // Prefill computes in bf16 and stores its keys and values quantised; a prompt continued later
+    // reads them back dequantised. Needs a bf16 model with 4, 8 or 16 query heads per key-value head
+    // of 64 or 128 dims. Default false.
+    bool fp8_kv_cache = false;
 
     // Where the decode path changes with the batch bucket B. The defaults are the measured best on
     // an H200 at the Qwen3-30B-A3B shape (bench/RESULTS.md); change them only after measuring with
@@ -222,7 +230,8 @@ class Generator {
     // engine reads them (GeneratorOptions::fp8_weights: the e4m3 copies and their scales).
     int64_t dense_bytes_per_step(int rows = 1) const;
     int64_t expert_bytes() const;
-    // Bytes of one cached token across all layers (keys + values).
+    // Bytes of one cached token across all layers (keys + values; with fp8_kv_cache their e4m3 bytes
+    // and scales).
     int64_t kv_bytes_per_token() const;
 
   private:

@@ -89,6 +89,10 @@ struct RunConfig {
     // cuda: context tokens prefilled a step, in parts between the decode steps of the sequences
     // already running (RolloutEngineOptions::prefill_chunk_tokens); 0 = each context whole.
     int64_t rollout_prefill_chunk_tokens = 8192;
+    // cuda: the KV cache's format. auto: the rollout dtype's; fp8: e4m3 rows with one scale each
+    // (model::GeneratorOptions::fp8_kv_cache), about half the bytes a cached token takes in bf16.
+    // Needs rollout.dtype bf16 or fp8 and 4, 8 or 16 query heads per key-value head of 64 or 128 dims.
+    std::string rollout_kv_cache_dtype = "auto";
     // train
     int group_size = 8;        // G, >= 2
     int prompts_per_step = 8;  // >= 1

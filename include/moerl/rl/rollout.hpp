@@ -88,6 +88,9 @@ struct RolloutEngineOptions {
     // CUDA engine: decode from e4m3 copies of the weights, quantised again at each
     // refresh_weights() (model::GeneratorOptions::fp8_weights); the eager CPU path ignores it.
     bool fp8_weights = false;
+    // CUDA engine: keys and values cached as e4m3 rows with a scale each
+    // (model::GeneratorOptions::fp8_kv_cache); the eager CPU path ignores it.
+    bool fp8_kv_cache = false;
     // CUDA engine: replay decode steps from CUDA graphs (false: launch each kernel, the same
     // kernels; model::GeneratorOptions::cuda_graphs).
     bool cuda_graphs = true;
@@ -101,7 +104,7 @@ struct RolloutEngineOptions {
 };
 
 // The options a run's config asks for: rollout.max_batch, record_routing, max_seq_len,
-// prefill_chunk_tokens and dtype fp8.
+// prefill_chunk_tokens, dtype fp8 and kv_cache_dtype.
 RolloutEngineOptions rollout_engine_options(const RunConfig& config,
                                             const RoleProcesses* processes = nullptr);
 

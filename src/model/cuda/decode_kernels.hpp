@@ -50,15 +50,38 @@ void launch_embed_rmsnorm(int dtype, const int64_t* tokens, const void* embed, c
 void launch_add_rmsnorm(int dtype, void* x, const void* delta, const void* norm_weight, float eps,
                         const int* position, int B, int H, void* h, const Launch& launch);
 
+// FP8 KV cache (GeneratorOptions::fp8_kv_cache): the pools hold e4m3 bytes, and each (token,
+// key-value head) row of D values one fp32 scale, k and v [num_blocks, block_size, Hkv]: the row's
+// values divided by max|row| / 448 and rounded to e4m3 (saturating), so each value comes back within
+// half an e4m3 step, |x - q * scale| <= max(|x| / 16, scale / 1024). Null pointers: the pools hold
+// the model's dtype.
+struct KvScales {
+    float* k = nullptr;
+    float* v = nullptr;
+    bool fp8() const { return k != nullptr; }
+};
+
 // qkv [B, (Hq + 2 Hkv) D] from the fused projection: q and k heads are RMS-normalised (q_norm,
-// k_norm [D]) and rotated at position[b]; q goes to q_out [B, Hq, D], k and v into the pools.
+// k_norm [D]) and rotated at position[b]; q goes to q_out [B, Hq, D], k and v into the pools (as
+// e4m3 rows and their scales with `fp8`; bf16 only).
 void launch_qk_norm_rope_store(int dtype, const void* qkv, const void* q_norm, const void* k_norm, float eps,
                                float rope_theta, const int* position, const int* slot, const int* block_table,
                                int max_blocks, int block_size, int B, int Hq, int Hkv, int D, void* q_out,
-                               void* k_pool, void* v_pool, const Launch& launch);
+                               void* k_pool, void* v_pool, const Launch& launch, const KvScales& fp8 = {});
+
+// The FP8 KV cache's moves outside the decode step (prefill): rows i < n of src [n, Hkv, D] (bf16)
+// into pool rows rows[i] (token index: block * block_size + offset) as e4m3 with their scales; and
+// the reverse, pool rows rows[i] to out [n, Hkv, D] (bf16, each value times its scale, rounded).
+void launch_kv_rows_to_fp8(const void* src, const int64_t* rows, int64_t n, int Hkv, int D, uint8_t* pool,
+                           float* scales, const Launch& launch);
+void launch_kv_rows_from_fp8(const uint8_t* pool, const float* scales, const int64_t* rows, int64_t n,
+                             int Hkv, int D, void* out, const Launch& launch);
 
 // Query heads per key-value head the attention kernel is built for (1, 2, 4, 8, 16).
 bool attention_group_supported(int group);
+// Whether attention can read an FP8 KV cache: the tensor-core kernel's shapes (groups of 4, 8 or 16
+// query heads of 64 or 128 dims; bf16 queries).
+bool attention_fp8_kv_supported(int Hq, int Hkv, int D);
 
 // Sequence chunk of the split attention's smallest split; partials per (row, kv head) for
 // sequences of max_seq_len tokens.
@@ -87,11 +110,15 @@ struct QkvInput {
 // pools are written. Each block reads position, slot and block table and asks L2 for the cached keys
 // and values before position[b] before it waits for the previous kernel (Launch::overlap): none of
 // those may be written by the two kernels just before (in a decode step the host writes them before
-// the step, earlier steps the cache).
+// the step, earlier steps the cache). With `fp8` the pools are e4m3 with those scales (KvScales):
+// every step runs the tensor-core kernel with whole groups (bf16), the keys and values widened to
+// bf16 exactly (as value x 2^-120, the power of two taken back in fp32), each key's scale applied to
+// its scores and each value's to its probabilities before they are rounded to bf16; qkv.qkv must be
+// null (launch_qk_norm_rope_store stores the new rows first).
 void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool, const int* position,
                             const int* slot, const int* block_table, int max_blocks, int block_size, int B,
                             int Hq, int Hkv, int D, float* partial, int* split_done, void* out,
-                            const Launch& launch, const QkvInput& qkv = {});
+                            const Launch& launch, const QkvInput& qkv = {}, const KvScales& fp8 = {});
 
 // Softmax top-k routing of router logits [B, E] (fp32 softmax, renormalised top-k when
 // norm_topk_prob) and the grouping of the (row, k) slots by expert. One block.

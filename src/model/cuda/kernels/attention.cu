@@ -20,6 +20,7 @@
 // the memory bandwidth, while the tensor cores keep it near the copy bandwidth at RL lengths
 // (bench/RESULTS.md, "Rollout at RL lengths").
 #include <cfloat>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -329,13 +330,35 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-template <int G, int D>
+// FP8 KV cache: 8 e4m3 bytes to 8 bf16 in the same order, each e4m3 value x 2^-120 exactly: sign to
+// bit 15, the 4 exponent and 3 mantissa bits to bits 10..4 (bf16's exponent bias is 120 above
+// e4m3's; e4m3 subnormals land on bf16 subnormals). Bit moves only, no conversion instructions.
+constexpr float kE4m3InBf16 = 0x1p120f;
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8_scaled(const uint2 raw) {
+    auto pair = [](uint32_t word, uint32_t select) {
+        const uint32_t s = __byte_perm(word, 0u, select);  // two bytes, each in the low byte of a half
+        return ((s & 0x00800080u) << 8) | ((s & 0x007f007fu) << 4);
+    };
+    return make_uint4(pair(raw.x, 0x4140), pair(raw.x, 0x4342), pair(raw.y, 0x4140), pair(raw.y, 0x4342));
+}
+// The power of two split between the fp8 kernel's bf16 operands (the queries and the value-scaled
+// probabilities, x 2^64) and its fp32 results (x 2^56), so no operand leaves bf16's normal range.
+constexpr float kFp8OperandScale = 0x1p64f;
+constexpr float kFp8ResultScale = kE4m3InBf16 / kFp8OperandScale;
+
+//
+// KV = uint8_t: an FP8 KV cache (KvScales). Each lane widens its e4m3 keys and values to bf16 as value
+// x 2^-120 (e4m3x8_to_bf16x8_scaled); the queries enter x 2^64, so a score comes out x 2^-56 and is
+// multiplied back with its key's scale; the probabilities are multiplied by their value's scale
+// (x 2^64) before they are rounded to bf16 (the softmax sum takes them unscaled), and the output x 2^56.
+template <int G, int D, typename KV>
 __global__ void __launch_bounds__(kMmaAttnWarps * 32)
-    paged_attention_mma_kernel(const __nv_bfloat16* q, __nv_bfloat16* k_pool, __nv_bfloat16* v_pool,
+    paged_attention_mma_kernel(const __nv_bfloat16* q, KV* k_pool, KV* v_pool, KvScales fp8,
                                const int* position, const int* slot, const int* block_table, int max_blocks,
                                int block_size, int Hkv, int chunk, Partials part,
                                QkvTyped<__nv_bfloat16> fused, __nv_bfloat16* out) {
     using T = __nv_bfloat16;
+    constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
     constexpr int kNT = (G + 7) / 8;   // column tiles of heads
     constexpr int kBlocks32 = D / 32;  // 32-dim blocks of a key row
     constexpr int kLaneDims = D / 8;   // dims of a lane in the value product
@@ -349,13 +372,13 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
         const int pos = position[b];
         const int first = split * chunk, last = min(min(pos, first + chunk), first + kAttentionMinChunk);
         const int* table = block_table + static_cast<size_t>(slot[b]) * max_blocks;
-        constexpr int lines = (D * 2 + 127) / 128;
+        constexpr int lines = (D * static_cast<int>(sizeof(KV)) + 127) / 128;
         for (int i = threadIdx.x; i < (last - first) * 2 * lines; i += blockDim.x) {
             const int t = first + i / (2 * lines), r = i % (2 * lines);
             const size_t row =
                 (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
                 static_cast<size_t>(kv_head) * D;
-            const T* base = (r < lines ? k_pool : v_pool) + row;
+            const KV* base = (r < lines ? k_pool : v_pool) + row;
             asm volatile(
                 "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(base) + (r % lines) * 128));
         }
@@ -386,7 +409,11 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     };
     for (int i = threadIdx.x * 8; i < (8 * kNT - G) * D; i += blockDim.x * 8)
         *reinterpret_cast<uint4*>(q_s + G * D + i) = make_uint4(0, 0, 0, 0);
-    if (fused.qkv != nullptr) {
+    if constexpr (kFp8) {
+        const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+            q_s[i] = __float2bfloat16(__bfloat162float(q_row[i]) * kFp8OperandScale);
+    } else if (fused.qkv != nullptr) {
         // As in the CUDA-core kernel: a warp a query head, normalised and rotated from the
         // projection (rounded to bf16 as launch_qk_norm_rope_store rounds it); the chunk holding the
         // new token stores its key (last warp) and value (the one before) first.
@@ -436,23 +463,41 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     for (int base = first + warp * 16; base < last; base += kMmaAttnWarps * 16) {
         // Keys of tokens base + g and base + g + 8; values of tokens base + 2t, + 1, + 8, + 9 (a token
         // past the chunk reads the chunk's first and is masked: its probability and value are zero).
+        // FP8: the scales of tokens base + g and base + g + 8, the keys' x 2^56, the values' x 2^64.
         uint4 kf[2][kBlocks32], vf[4][kLaneDims / 8];
+        float k_scale[2] = {1.0f, 1.0f}, v_scale[2] = {1.0f, 1.0f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int token = base + g + 8 * h;
-            const T* k_row = k_pool + row_of(token < last ? token : first);
+            const size_t row = row_of(token < last ? token : first);
+            const KV* k_row = k_pool + row;
 #pragma unroll
-            for (int s = 0; s < kBlocks32; ++s)
-                kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
+            for (int s = 0; s < kBlocks32; ++s) {
+                if constexpr (kFp8)
+                    kf[h][s] =
+                        e4m3x8_to_bf16x8_scaled(*reinterpret_cast<const uint2*>(k_row + 32 * s + 8 * t));
+                else
+                    kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
+            }
+            if constexpr (kFp8) {
+                k_scale[h] = fp8.k[row / D] * kFp8ResultScale;
+                v_scale[h] = fp8.v[row / D] * kFp8OperandScale;
+            }
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int token = base + 2 * t + (j & 1) + 8 * (j >> 1);
-            const T* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
+            const KV* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
 #pragma unroll
-            for (int w = 0; w < kLaneDims / 8; ++w)
-                vf[j][w] =
-                    token < last ? *reinterpret_cast<const uint4*>(v_row + 8 * w) : make_uint4(0, 0, 0, 0);
+            for (int w = 0; w < kLaneDims / 8; ++w) {
+                if constexpr (kFp8)
+                    vf[j][w] = token < last
+                                   ? e4m3x8_to_bf16x8_scaled(*reinterpret_cast<const uint2*>(v_row + 8 * w))
+                                   : make_uint4(0, 0, 0, 0);
+                else
+                    vf[j][w] = token < last ? *reinterpret_cast<const uint4*>(v_row + 8 * w)
+                                            : make_uint4(0, 0, 0, 0);
+            }
         }
         const bool valid_lo = base + g < last, valid_hi = base + g + 8 < last;
 #pragma unroll
@@ -467,8 +512,8 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
             float p[4];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const float lo = valid_lo ? sc[c] * scale : -FLT_MAX,
-                            hi = valid_hi ? sc[2 + c] * scale : -FLT_MAX;
+                const float lo = valid_lo ? sc[c] * (scale * k_scale[0]) : -FLT_MAX,
+                            hi = valid_hi ? sc[2 + c] * (scale * k_scale[1]) : -FLT_MAX;
                 float tile_max = fmaxf(lo, hi);
 #pragma unroll
                 for (int off = 4; off < 32; off <<= 1)
@@ -486,8 +531,8 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
                 }
             }
             // P^T as the B operand: column (head) g, tokens 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1).
-            const uint32_t b0 = transpose_8x8(pack_bf16(p[0], p[1]));
-            const uint32_t b1 = transpose_8x8(pack_bf16(p[2], p[3]));
+            const uint32_t b0 = transpose_8x8(pack_bf16(p[0] * v_scale[0], p[1] * v_scale[0]));
+            const uint32_t b1 = transpose_8x8(pack_bf16(p[2] * v_scale[1], p[3] * v_scale[1]));
 #pragma unroll
             for (int i = 0; i < kMTiles; ++i) {
                 // Dims 16g + 2i (low halves) and 16g + 2i + 1 (high halves) of the lane's four tokens.
@@ -518,11 +563,12 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
                 m_s[warp * G + head] = m[n][c] * 0.6931471805599453f;  // natural log units, as finish_split
                 l_s[warp * G + head] = sum;
             }
+            constexpr float out_scale = kFp8 ? kFp8ResultScale : 1.0f;
 #pragma unroll
             for (int i = 0; i < kMTiles; ++i) {
                 float* acc = acc_s + (warp * G + head) * D + kLaneDims * g + 2 * i;
-                acc[0] = o[n][i][c];
-                acc[1] = o[n][i][2 + c];
+                acc[0] = o[n][i][c] * out_scale;
+                acc[1] = o[n][i][2 + c] * out_scale;
             }
         }
     __syncthreads();
@@ -540,6 +586,7 @@ struct AttnLaunch {
     void* out;
     Launch launch;
     QkvInput fused;
+    KvScales fp8;
 };
 
 template <typename T, int G, int kDimsPerLane, int kWarps, int kLanes>
@@ -586,15 +633,15 @@ int heads_per_block(int B, int Hq, int Hkv) {
     return 1;
 }
 
-template <int G, int D>
+template <int G, int D, typename KV>
 void launch_mma_shape(const AttnLaunch& l) {
     const size_t smem = sizeof(float) * (2 * kMmaAttnWarps * G + kMmaAttnWarps * G * D) +
                         sizeof(__nv_bfloat16) * 8 * ((G + 7) / 8) * D;
-    auto kernel = paged_attention_mma_kernel<G, D>;
+    auto kernel = paged_attention_mma_kernel<G, D, KV>;
     ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     using T = __nv_bfloat16;
     launch_kernel(kernel, dim3(l.Hkv, l.B, l.splits), kMmaAttnWarps * 32, smem, l.launch,
-                  static_cast<const T*>(l.q), static_cast<T*>(l.k_pool), static_cast<T*>(l.v_pool),
+                  static_cast<const T*>(l.q), static_cast<KV*>(l.k_pool), static_cast<KV*>(l.v_pool), l.fp8,
                   l.position, l.slot, l.block_table, l.max_blocks, l.block_size, l.Hkv, l.chunk, l.part,
                   QkvTyped<T>{static_cast<const T*>(l.fused.qkv), static_cast<const T*>(l.fused.q_norm),
                               static_cast<const T*>(l.fused.k_norm), l.fused.eps, l.fused.rope_theta},
@@ -607,20 +654,21 @@ bool mma_supported(int dtype, int heads, int Hq, int Hkv, int D) {
            (D == 64 || D == 128);
 }
 
-template <int G>
+template <int G, typename KV>
 void launch_mma_dims(const AttnLaunch& l) {
-    if (l.D == 64) return launch_mma_shape<G, 64>(l);
-    launch_mma_shape<G, 128>(l);
+    if (l.D == 64) return launch_mma_shape<G, 64, KV>(l);
+    launch_mma_shape<G, 128, KV>(l);
 }
 
+template <typename KV>
 void launch_mma(const AttnLaunch& l) {
     switch (l.heads) {
         case 4:
-            return launch_mma_dims<4>(l);
+            return launch_mma_dims<4, KV>(l);
         case 8:
-            return launch_mma_dims<8>(l);
+            return launch_mma_dims<8, KV>(l);
         default:
-            return launch_mma_dims<16>(l);
+            return launch_mma_dims<16, KV>(l);
     }
 }
 
@@ -648,6 +696,10 @@ bool attention_group_supported(int group) {
     return group == 1 || group == 2 || group == 4 || group == 8 || group == 16;
 }
 
+bool attention_fp8_kv_supported(int Hq, int Hkv, int D) {
+    return Hkv > 0 && Hq % Hkv == 0 && mma_supported(1, Hq / Hkv, Hq, Hkv, D);
+}
+
 int attention_partial_splits(int max_seq_len) {
     return (max_seq_len + kAttentionMinChunk - 1) / kAttentionMinChunk;
 }
@@ -655,26 +707,32 @@ int attention_partial_splits(int max_seq_len) {
 void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool, const int* position,
                             const int* slot, const int* block_table, int max_blocks, int block_size, int B,
                             int Hq, int Hkv, int D, float* partial, int* split_done, void* out,
-                            const Launch& launch, const QkvInput& qkv) {
+                            const Launch& launch, const QkvInput& qkv, const KvScales& fp8) {
     if (B == 0) return;
+    MOERL_CHECK(!fp8.fp8() || (dtype == 1 && attention_fp8_kv_supported(Hq, Hkv, D) && qkv.qkv == nullptr),
+                "paged_attention: an FP8 KV cache needs bf16 queries in groups of 4, 8 or 16 heads of 64 or "
+                "128 dims, stored before the call (got dtype ",
+                dtype, ", ", Hq, " query heads per ", Hkv, " key-value heads of ", D, " dims)");
     // Chunks of the sequence per block: one pass of the block's warps (kAttentionMinChunk tokens),
     // longer while there would be more than 1024 blocks (one split, no merge, once rows alone give
     // that many).
     const int max_seq_len = max_blocks * block_size;
-    const int heads = heads_per_block(B, Hq, Hkv);
+    const int heads = fp8.fp8() ? Hq / Hkv : heads_per_block(B, Hq, Hkv);
     const int blocks_without_split = B * (Hq / heads);
     int chunk = kAttentionMinChunk;
     while (chunk < max_seq_len && blocks_without_split * ((max_seq_len + chunk - 1) / chunk) > 1024)
         chunk *= 2;
     AttnLaunch l{q,          k_pool, v_pool, position, slot, block_table, max_blocks,
                  block_size, B,      Hq,     Hkv,      D,    chunk,       (max_seq_len + chunk - 1) / chunk,
-                 heads,      {},     out,    launch,   qkv};
+                 heads,      {},     out,    launch,   qkv,  fp8};
     l.part.splits = attention_partial_splits(max_seq_len);
     l.part.done = split_done;
     l.part.ml = partial;
     l.part.acc = partial + static_cast<size_t>(B) * Hq * l.part.splits * 2;  // after ml [B, Hq, splits, 2]
-    if (mma_supported(dtype, heads, Hq, Hkv, D))
-        launch_mma(l);
+    if (fp8.fp8())
+        launch_mma<uint8_t>(l);
+    else if (mma_supported(dtype, heads, Hq, Hkv, D))
+        launch_mma<__nv_bfloat16>(l);
     else if (dtype == 0)
         launch_typed<float>(l);
     else

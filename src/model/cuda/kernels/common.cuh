@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <mutex>
@@ -257,6 +258,69 @@ __device__ __forceinline__ void norm_rope_head_to(const T* src, const T* w, floa
         dst[j] = lo;
         dst[j + D / 2] = hi;
     });
+}
+
+// FP8 KV cache rows (KvScales): a (token, head) row of D values is stored as e4m3(value / scale),
+// scale = max|row| / 448 (1 for a row of zeros), rounded to nearest even and saturating.
+constexpr float kE4m3Max = 448.0f;
+__device__ __forceinline__ float e4m3_row_scale(float amax) { return amax > 0.0f ? amax / kE4m3Max : 1.0f; }
+__device__ __forceinline__ uint8_t to_e4m3(float v, float scale) {
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3));
+}
+__device__ __forceinline__ float e4m3_to_float(uint8_t b) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
+}
+
+// One warp stores the D values at src as an FP8 KV-cache row: dst [D] e4m3, *scale_out its scale.
+template <typename T>
+__device__ __forceinline__ void store_row_e4m3(const T* src, int D, uint8_t* dst, float* scale_out) {
+    constexpr int kPerLane = kMaxHeadDim / 32;
+    const int lane = threadIdx.x & 31;
+    float v[kPerLane];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        v[i] = c < D ? to_float(src[c]) : 0.0f;
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const float scale = e4m3_row_scale(warp_max(amax));
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+        if (lane + 32 * i < D) dst[lane + 32 * i] = to_e4m3(v[i], scale);
+    if (lane == 0) *scale_out = scale;
+}
+
+// norm_rope_head stored as an FP8 KV-cache row (the key of a new token), from the values rounded
+// to T as norm_rope_head_to stores them.
+template <typename T>
+__device__ __forceinline__ void norm_rope_head_to_e4m3(const T* src, const T* w, float eps, float rope_theta,
+                                                       int pos, int D, uint8_t* dst, float* scale_out) {
+    constexpr int kPairs = kMaxHeadDim / 64;
+    const int lane = threadIdx.x & 31;
+    float lo[kPairs], hi[kPairs];
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) lo[p] = hi[p] = 0.0f;
+    norm_rope_head(src, w, eps, rope_theta, pos, D, [&](int j, T a, T b) {
+#pragma unroll
+        for (int p = 0; p < kPairs; ++p)  // j = lane + 32 p: a constant index keeps the arrays in registers
+            if (j == lane + 32 * p) {
+                lo[p] = to_float(a);
+                hi[p] = to_float(b);
+            }
+    });
+    float amax = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) amax = fmaxf(amax, fmaxf(fabsf(lo[p]), fabsf(hi[p])));
+    const float scale = e4m3_row_scale(warp_max(amax));
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+        const int j = lane + 32 * p;
+        if (j >= D / 2) continue;
+        dst[j] = to_e4m3(lo[p], scale);
+        dst[j + D / 2] = to_e4m3(hi[p], scale);
+    }
+    if (lane == 0) *scale_out = scale;
 }
 
 // True in the one block that finishes last of `expected` blocks counting on *done (which it returns to

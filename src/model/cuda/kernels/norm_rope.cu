@@ -1,6 +1,8 @@
 // Embedding, residual add + RMSNorm, and the per-head q/k RMSNorm + RoPE + KV-cache store.
 // Rounding follows the model's eager path: the residual stream, normalised values and the weight
 // product are each rounded to the model dtype.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace moerl::model::cuda {
@@ -43,11 +45,14 @@ __global__ void __launch_bounds__(kNormThreads)
 }
 
 // One warp per (row, head) over the Hq query, Hkv key and Hkv value heads of the fused projection.
-template <typename T>
+// KV = uint8_t: the pools are an FP8 KV cache (KvScales).
+template <typename T, typename KV>
 __global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T* k_norm, float eps,
                                           float rope_theta, const int* position, const int* slot,
                                           const int* block_table, int max_blocks, int block_size, int B,
-                                          int Hq, int Hkv, int D, T* q_out, T* k_pool, T* v_pool) {
+                                          int Hq, int Hkv, int D, T* q_out, KV* k_pool, KV* v_pool,
+                                          KvScales fp8) {
+    constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
     griddep_wait();
     griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
@@ -62,14 +67,25 @@ __global__ void qk_norm_rope_store_kernel(const T* qkv, const T* q_norm, const T
     const int block = block_table[static_cast<size_t>(slot[b]) * max_blocks + pos / block_size];
     const size_t cache_row = (static_cast<size_t>(block) * block_size + pos % block_size) * Hkv;
     if (head >= Hq + Hkv) {  // value head: stored as is
-        T* dst = v_pool + (cache_row + (head - Hq - Hkv)) * D;
-        for (int c = lane; c < D; c += 32) dst[c] = src[c];
+        const size_t row = cache_row + (head - Hq - Hkv);
+        if constexpr (kFp8) {
+            store_row_e4m3(src, D, v_pool + row * D, fp8.v + row);
+        } else {
+            KV* dst = v_pool + row * D;
+            for (int c = lane; c < D; c += 32) dst[c] = src[c];
+        }
         return;
     }
-    const bool is_q = head < Hq;
-    const T* w = is_q ? q_norm : k_norm;
-    T* dst = is_q ? q_out + (static_cast<size_t>(b) * Hq + head) * D : k_pool + (cache_row + (head - Hq)) * D;
-    norm_rope_head_to(src, w, eps, rope_theta, pos, D, dst);
+    if (head < Hq) {
+        norm_rope_head_to(src, q_norm, eps, rope_theta, pos, D,
+                          q_out + (static_cast<size_t>(b) * Hq + head) * D);
+        return;
+    }
+    const size_t row = cache_row + (head - Hq);
+    if constexpr (kFp8)
+        norm_rope_head_to_e4m3(src, k_norm, eps, rope_theta, pos, D, k_pool + row * D, fp8.k + row);
+    else
+        norm_rope_head_to(src, k_norm, eps, rope_theta, pos, D, k_pool + row * D);
 }
 
 }  // namespace
@@ -105,23 +121,31 @@ void launch_add_rmsnorm(int dtype, void* x, const void* delta, const void* norm_
 void launch_qk_norm_rope_store(int dtype, const void* qkv, const void* q_norm, const void* k_norm, float eps,
                                float rope_theta, const int* position, const int* slot, const int* block_table,
                                int max_blocks, int block_size, int B, int Hq, int Hkv, int D, void* q_out,
-                               void* k_pool, void* v_pool, const Launch& launch) {
+                               void* k_pool, void* v_pool, const Launch& launch, const KvScales& fp8) {
     const int tasks = B * (Hq + 2 * Hkv);
     if (tasks == 0) return;
     constexpr int kWarps = 8;
     const int blocks = (tasks + kWarps - 1) / kWarps;
-    if (dtype == 0)
-        launch_kernel(qk_norm_rope_store_kernel<float>, blocks, kWarps * 32, 0, launch,
+    using bf16 = __nv_bfloat16;
+    MOERL_CHECK(!fp8.fp8() || dtype == 1, "qk_norm_rope_store: an FP8 KV cache needs bf16 inputs");
+    if (fp8.fp8())
+        launch_kernel(qk_norm_rope_store_kernel<bf16, uint8_t>, blocks, kWarps * 32, 0, launch,
+                      static_cast<const bf16*>(qkv), static_cast<const bf16*>(q_norm),
+                      static_cast<const bf16*>(k_norm), eps, rope_theta, position, slot, block_table,
+                      max_blocks, block_size, B, Hq, Hkv, D, static_cast<bf16*>(q_out),
+                      static_cast<uint8_t*>(k_pool), static_cast<uint8_t*>(v_pool), fp8);
+    else if (dtype == 0)
+        launch_kernel(qk_norm_rope_store_kernel<float, float>, blocks, kWarps * 32, 0, launch,
                       static_cast<const float*>(qkv), static_cast<const float*>(q_norm),
                       static_cast<const float*>(k_norm), eps, rope_theta, position, slot, block_table,
                       max_blocks, block_size, B, Hq, Hkv, D, static_cast<float*>(q_out),
-                      static_cast<float*>(k_pool), static_cast<float*>(v_pool));
+                      static_cast<float*>(k_pool), static_cast<float*>(v_pool), fp8);
     else
-        launch_kernel(qk_norm_rope_store_kernel<__nv_bfloat16>, blocks, kWarps * 32, 0, launch,
-                      static_cast<const __nv_bfloat16*>(qkv), static_cast<const __nv_bfloat16*>(q_norm),
-                      static_cast<const __nv_bfloat16*>(k_norm), eps, rope_theta, position, slot, block_table,
-                      max_blocks, block_size, B, Hq, Hkv, D, static_cast<__nv_bfloat16*>(q_out),
-                      static_cast<__nv_bfloat16*>(k_pool), static_cast<__nv_bfloat16*>(v_pool));
+        launch_kernel(qk_norm_rope_store_kernel<bf16, bf16>, blocks, kWarps * 32, 0, launch,
+                      static_cast<const bf16*>(qkv), static_cast<const bf16*>(q_norm),
+                      static_cast<const bf16*>(k_norm), eps, rope_theta, position, slot, block_table,
+                      max_blocks, block_size, B, Hq, Hkv, D, static_cast<bf16*>(q_out),
+                      static_cast<bf16*>(k_pool), static_cast<bf16*>(v_pool), fp8);
 }
 
 }  // namespace moerl::model::cuda
