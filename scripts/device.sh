@@ -323,6 +323,19 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       timeout 150 "$MOERL" run "$RL_TMP/gpu-quickstart-fp8.yaml" --out "$RL_TMP/quickstart-fp8" --quiet >"$OUT/rl-quickstart-fp8.log" 2>&1
       step rl_quickstart_fp8 "rc=$? $(summarise_run "$RL_TMP/quickstart-fp8/metrics.jsonl")"
       tail -n 3 "$OUT/rl-quickstart-fp8.log"
+      # The FP8 KV cache (rollout.kv_cache_dtype: fp8) serves 4-16 query heads per key-value head of
+      # 64 or 128 dims: the job with 8 heads of 64, its cache in bf16 and in fp8, both at once.
+      for kv in auto fp8; do
+        sed -e 's/^  num_heads: 4$/  num_heads: 8/' -e 's/^  head_dim: 16$/  head_dim: 64/' \
+          -e "s/^  max_seq_len: 64$/  max_seq_len: 64\n  kv_cache_dtype: $kv/" examples/gpu-quickstart.yaml \
+          >"$RL_TMP/gpu-quickstart-kv-$kv.yaml"
+        (timeout 200 "$MOERL" run "$RL_TMP/gpu-quickstart-kv-$kv.yaml" --out "$RL_TMP/quickstart-kv-$kv" --quiet \
+          >"$OUT/rl-quickstart-kv-$kv.log" 2>&1; echo $? >"$RL_TMP/kv-$kv.rc") &
+      done
+      wait
+      for kv in auto fp8; do
+        step rl_quickstart_kv_$kv "rc=$(cat "$RL_TMP/kv-$kv.rc") $(summarise_run "$RL_TMP/quickstart-kv-$kv/metrics.jsonl")"
+      done
     fi
     if [ "${MOERL_DEVICE_RL_PROCESSES:-1}" = 1 ]; then
       # The same job with the trainer and the rollout engine as two processes each (rank 0 shared: 3 in
@@ -438,7 +451,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-text.log benc
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done
