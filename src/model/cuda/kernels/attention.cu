@@ -22,6 +22,7 @@
 #include <cfloat>
 #include <type_traits>
 
+#include "../kv_fp8_bits.hpp"
 #include "common.cuh"
 
 namespace moerl::model::cuda {
@@ -330,16 +331,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// FP8 KV cache: 8 e4m3 bytes to 8 bf16 in the same order, each e4m3 value x 2^-120 exactly: sign to
-// bit 15, the 4 exponent and 3 mantissa bits to bits 10..4 (bf16's exponent bias is 120 above
-// e4m3's; e4m3 subnormals land on bf16 subnormals). Bit moves only, no conversion instructions.
-constexpr float kE4m3InBf16 = 0x1p120f;
+// FP8 KV cache: 8 e4m3 bytes to 8 bf16 in the same order, each value x 2^-120 (kv_fp8_bits.hpp).
 __device__ __forceinline__ uint4 e4m3x8_to_bf16x8_scaled(const uint2 raw) {
-    auto pair = [](uint32_t word, uint32_t select) {
-        const uint32_t s = __byte_perm(word, 0u, select);  // two bytes, each in the low byte of a half
-        return ((s & 0x00800080u) << 8) | ((s & 0x007f007fu) << 4);
-    };
-    return make_uint4(pair(raw.x, 0x4140), pair(raw.x, 0x4342), pair(raw.y, 0x4140), pair(raw.y, 0x4342));
+    uint32_t w[4];
+    widen_e4m3x8(raw.x, raw.y, w);
+    return make_uint4(w[0], w[1], w[2], w[3]);
 }
 // The power of two split between the fp8 kernel's bf16 operands (the queries and the value-scaled
 // probabilities, x 2^64) and its fp32 results (x 2^56), so no operand leaves bf16's normal range.
