@@ -45,6 +45,7 @@ struct RlBenchArgs {
     std::string device;        // overrides rollout.device and train.device
     std::string dtype;         // overrides rollout.dtype and train.dtype
     double peak_tflops = 989;  // dense bf16 peak of the GPU (H100/H200 SXM)
+    std::string save_policy;   // set: the last policy's weights written here (bench rollout --model)
 };
 
 // Parameters a token passes through in training (6 x this x tokens = forward + backward FLOPs;
@@ -118,6 +119,7 @@ void bench_rl(const RlBenchArgs& a) {
     opt.output_dir = out.string();
     opt.progress = false;
     opt.final_checkpoint = false;  // a real-size model's weights and moments are tens of GB
+    opt.final_weights_dir = a.save_policy;
     std::vector<std::string> argv{self_executable(),
                                   "bench",
                                   "rl",
@@ -132,6 +134,7 @@ void bench_rl(const RlBenchArgs& a) {
                                   std::to_string(a.peak_tflops)};
     if (!a.device.empty()) argv.insert(argv.end(), {"--device", a.device});
     if (!a.dtype.empty()) argv.insert(argv.end(), {"--dtype", a.dtype});
+    if (!a.save_policy.empty()) argv.insert(argv.end(), {"--save-policy", a.save_policy});
     const LocalRanks ranks = launch_or_join_local_ranks(cfg, a.config, argv);
     MOERL_CHECK(ranks.exit_code <= 0, "bench rl: a rank exited with ", ranks.exit_code);
     if (ranks.exit_code == 0) return;
@@ -534,6 +537,10 @@ void register_bench_rl(CLI::App& bench) {
     cmd->add_option("--device", a->device, "cpu or cuda: overrides rollout.device and train.device");
     cmd->add_option("--dtype", a->dtype, "fp32 or bf16: overrides rollout.dtype and train.dtype");
     cmd->add_option("--peak-tflops", a->peak_tflops, "The GPU's dense bf16 peak for MFU (default 989, H200)");
+    cmd->add_option(
+        "--save-policy", a->save_policy,
+        "Write the last policy's weights here (Hugging Face layout, fp32): `bench rollout --model` "
+        "then decodes with the routing the run trained, outside the loop");
     cmd->callback([a] { bench_rl(*a); });
 }
 

@@ -42,8 +42,9 @@ namespace {
 
 struct RolloutArgs {
     std::string device = "cpu";
-    std::string config;  // cpu: run configuration (YAML); cuda: model config.json
-    int layers = 8;      // built-in CUDA model: layers of the Qwen3-30B-A3B shape
+    std::string config;     // cpu: run configuration (YAML); cuda: model config.json
+    std::string model_dir;  // cuda: a Hugging Face checkpoint whose weights decode (random otherwise)
+    int layers = 8;         // built-in CUDA model: layers of the Qwen3-30B-A3B shape
     std::vector<int> batches{1, 16, 64, 256};
     int prompt = 128;  // the case being run (the first of the sweeps elsewhere)
     int new_tokens = 128;
@@ -358,24 +359,28 @@ void bench_cuda(const RolloutArgs& args) {
     MOERL_CHECK(torch::cuda::is_available(), "bench rollout --device cuda: no CUDA device is available");
     MOERL_CHECK(model::Generator::available(),
                 "bench rollout --device cuda: this build has no CUDA generation engine");
-    const model::ModelConfig c =
-        args.config.empty() ? qwen3_30b_a3b_shape(args.layers) : model::ModelConfig::load(args.config);
+    const model::ModelConfig c = !args.model_dir.empty() ? model::ModelConfig::load(args.model_dir)
+                                 : args.config.empty()   ? qwen3_30b_a3b_shape(args.layers)
+                                                         : model::ModelConfig::load(args.config);
     for (int B : args.batches)
         MOERL_CHECK(B % args.group == 0, "--batch ", B, " is not a multiple of --group ", args.group);
     MOERL_CHECK(args.hf_dir.empty() || (args.prompts.size() == 1 && args.news.size() == 1 && args.group == 1),
                 "--hf-dir compares one case: one --prompt, one --new, no --group");
     const at::Device device(at::kCUDA, 0);
     const double copy_bw = copy_bandwidth(device);
-    model::MoeModel m(c, {device, at::kBFloat16});
+    model::MoeModel m = args.model_dir.empty()
+                            ? model::MoeModel(c, {device, at::kBFloat16})
+                            : model::MoeModel::from_pretrained(args.model_dir, {device, at::kBFloat16});
     m.set_requires_grad(false);
-    init_on_device(m, args.seed);
+    if (args.model_dir.empty()) init_on_device(m, args.seed);
     const int max_batch = *std::max_element(args.batches.begin(), args.batches.end());
     std::printf(
         "moerl bench rollout: CUDA bf16, %s params (%s active per token), %d layers, hidden %d, %d experts "
-        "top-%d, vocab %d; random prompts%s, greedy, %s\n",
+        "top-%d, vocab %d, %s; random prompts%s, greedy, %s\n",
         human_count(static_cast<double>(c.num_parameters())).c_str(),
         human_count(static_cast<double>(c.num_active_parameters())).c_str(), c.num_hidden_layers,
         c.hidden_size, c.num_experts, c.num_experts_per_tok, c.vocab_size,
+        args.model_dir.empty() ? "random weights" : ("weights of " + args.model_dir).c_str(),
         args.group > 1 ? (", " + std::to_string(args.group) + " samples a prompt").c_str() : "",
         args.profile     ? "eager launches, profiled"
         : args.no_graphs ? "eager launches"
@@ -670,6 +675,9 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--config", a->config,
                   "cpu: run configuration (YAML, default built-in); cuda: model config.json (default: the "
                   "Qwen3-30B-A3B shape with --layers layers)");
+    b->add_option("--model", a->model_dir,
+                  "cuda: a Hugging Face checkpoint directory (config.json + safetensors) to decode with its "
+                  "own weights, and so its own routing (default: random weights)");
     b->add_option("--layers", a->layers, "cuda, built-in model: layers")->check(CLI::Range(1, 1 << 24));
     b->add_option("--batch", a->batches, "Batch sizes, e.g. 1,16,64,256 (cpu: max_batch values)")
         ->delimiter(',')
@@ -721,6 +729,10 @@ void register_bench_rollout(CLI::App& bench) {
     b->callback([a] {
         a->prompt = a->prompts.front();
         a->new_tokens = a->news.front();
+        MOERL_CHECK(a->model_dir.empty() || (a->device.rfind("cuda", 0) == 0 && a->ep_ranks == 0),
+                    "--model decodes a checkpoint in the CUDA engine: it needs --device cuda and no --ep");
+        MOERL_CHECK(a->model_dir.empty() || a->config.empty(),
+                    "--model and --config both name the model: give one");
         if (a->ep_ranks > 0) {
             MOERL_CHECK(
                 a->prompts.size() == 1 && a->news.size() == 1 && a->group == 1 &&

@@ -104,6 +104,7 @@ RunSummary run_local(const RunConfig& config_in, const RunOptions& opt) {
     loop.resume = opt.resume;
     loop.stop_after = opt.stop_after;
     loop.final_checkpoint = opt.final_checkpoint;
+    loop.final_weights_dir = opt.final_weights_dir;
     // Every worker is in this process, or in the processes launched with it on this machine.
     const bool trainer_spread = opt.trainer_processes != nullptr && opt.trainer_processes->world_size > 1;
     loop.handoff = !embedded                          ? PolicyHandoff::kFiles

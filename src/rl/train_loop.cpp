@@ -273,6 +273,11 @@ class Loop {
                      std::to_string(saved_next_) + ")");
         } else {
             if (saved_next_ != step && opt_.final_checkpoint) checkpoint(step);
+            if (!opt_.final_weights_dir.empty()) {
+                trainer.save_weights(opt_.final_weights_dir);
+                if (opt_.log)
+                    note("policy of step " + std::to_string(step) + " written to " + opt_.final_weights_dir);
+            }
             if (reached || step >= cfg_.steps) {
                 nlohmann::json done = {
                     {"next_step", step}, {"version", trainer.version()}, {"reached_reward", reached}};

@@ -408,5 +408,6 @@ size_t TrainerRole::num_held(int64_t step) const {
     return it == impl_->held.end() ? 0 : it->second.size();
 }
 void TrainerRole::republish_policy() { impl_->publish_policy(); }
+void TrainerRole::save_weights(const std::string& dir) const { impl_->trainer->save_weights(dir); }
 
 }  // namespace moerl::rl

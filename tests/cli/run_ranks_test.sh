@@ -68,9 +68,14 @@ sed 's/^  train: 2$/  train: 2\n  rollout: 2/' procs.yaml >both.yaml
 close_metrics threads/metrics.jsonl both/metrics.jsonl
 # bench rl measures such a config as moerl run runs it: over its processes.
 rm -rf bench-both
-"$moerl" bench rl both.yaml --steps 4 --warmup 1 --out bench-both >bench-both.log 2>&1 || fail "bench rl: $(cat bench-both.log)"
+# With --save-policy the last policy's weights (both ranks' experts) are a checkpoint that loads.
+rm -rf bench-both-policy
+"$moerl" bench rl both.yaml --steps 4 --warmup 1 --out bench-both --save-policy bench-both-policy >bench-both.log 2>&1 ||
+  fail "bench rl: $(cat bench-both.log)"
 grep -q "ranks: trainer 2, rollout 2 processes (3 in all)" bench-both.log || fail "bench rl: no ranks line: $(cat bench-both.log)"
 grep -q "^median over steps 1..3" bench-both.log || fail "bench rl: no summary: $(cat bench-both.log)"
+[ -f bench-both-policy/config.json ] || fail "bench rl --save-policy wrote no config.json: $(ls bench-both-policy)"
+"$moerl" ckpt inspect bench-both-policy >inspect.log 2>&1 || fail "the saved policy does not load: $(cat inspect.log)"
 
 # Ten steps, then --resume to twenty: what the uninterrupted run did.
 "$moerl" run procs.yaml --steps 10 --out split --quiet >split.log 2>&1 || fail "first half: $(cat split.log)"

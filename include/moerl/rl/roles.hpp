@@ -163,6 +163,10 @@ class TrainerRole {
     size_t num_held(int64_t step) const;
     // Publishes the current version again (the registry lost it: a control plane without its data).
     void republish_policy();
+    // Writes the current policy's weights to `dir` as a Hugging Face checkpoint (config.json and
+    // fp32 safetensors; every rank's experts), no optimizer state: what `moerl bench rollout --model`
+    // and other tools load.
+    void save_weights(const std::string& dir) const;
 
   private:
     struct Impl;

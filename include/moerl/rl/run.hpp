@@ -26,6 +26,7 @@ struct RunOptions {
     bool progress = true;     // the live progress line on stderr
     const std::atomic<bool>* stop = nullptr;  // Ctrl-C: stop before the next step (RunSummary::stopped)
     bool final_checkpoint = true;             // false: no checkpoint at the end (a benchmark's throwaway run)
+    std::string final_weights_dir;  // set: the policy's weights written here at the end (HF layout, fp32)
     // config.train_ranks > 1: this process is rank 0 of the trainer's processes (follow_trainer
     // runs on the others).
     const RoleProcesses* trainer_processes = nullptr;

@@ -50,6 +50,8 @@ class ExperienceProducer {
 
 struct TrainLoopOptions {
     bool final_checkpoint = true;  // false: the end of the run writes no checkpoint (benchmarks)
+    // Set: the end of a run that finished writes the policy's weights here (TrainerRole::save_weights).
+    std::string final_weights_dir;
     // How new policy versions reach the rollout workers (TrainerRole).
     PolicyHandoff handoff = PolicyHandoff::kFiles;
     // The trainer is rank 0 of these processes (config.train_ranks); none: one process.
