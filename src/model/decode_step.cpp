@@ -285,10 +285,9 @@ void Generator::DecodeStep::run(int B, const int64_t* token_ids) {
         }
         mark("qkv mm", launch);
         // Up to fused_qk_max_batch, attention normalises and rotates q and the new key itself.
-        // An FP8 KV cache takes its new rows from the store kernel (attention reads e4m3 only).
-        const cuda::KvScales kv_scales = this->kv_scales(l);
+        const cuda::KvScales kv_scales = this->kv_scales(l);  // an FP8 cache's scales
         cuda::QkvInput qkv_in;
-        if (B <= opt_.fused_qk_max_batch && !kv_scales.fp8()) {
+        if (B <= opt_.fused_qk_max_batch) {
             qkv_in = {qkv_.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), eps,
                       static_cast<float>(c.rope_theta)};
         } else {

@@ -6,7 +6,7 @@
 // replaces; routing with exact ties, padding rows and expert counts that need 1 and 16 probabilities a
 // lane; the tensor-core expert kernels against the CUDA-core ones and a CPU reference (bf16); the dense
 // GEMV with and without its weights in shared memory (fp32); the fused one-row MoE kernels against the
-// kernels they replace; the FP8 KV cache's rows, store and attention.
+// kernels they replace; the FP8 KV cache's rows, store, attention and fused store.
 #include "decode_kernels.hpp"
 
 #include <cuda_bf16.h>
@@ -325,6 +325,69 @@ TEST(DecodeAttentionFusedQk, MatchesTwoKernels) {
     if (!have_device()) GTEST_SKIP() << "no CUDA device";
     for (int B : {1, 20})
         for_each_dtype([&](int dtype, auto t) { fused_qk_matches_two_kernels<decltype(t)>(dtype, B); });
+}
+
+// The same with an FP8 KV cache: the store kernel then attention against attention storing the new
+// rows itself (e4m3 and their scales), bit for bit, one row and 20 rows with a padding row.
+TEST(DecodeAttentionFusedQk, MatchesTwoKernelsWithAnFp8Cache) {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    using T = __nv_bfloat16;
+    for (const int B : {1, 20}) {
+        SCOPED_TRACE("rows " + std::to_string(B));
+        constexpr int Hq = 8, Hkv = 2, D = 128, bs = 16, max_len = 300;
+        const int heads = Hq + 2 * Hkv, max_blocks = (max_len + bs - 1) / bs, num_blocks = B * max_blocks + 1;
+        const size_t rows = static_cast<size_t>(num_blocks) * bs * Hkv;
+        std::mt19937 rng(177 + B);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        std::vector<int> position(B), slot(B), table(static_cast<size_t>(B) * max_blocks);
+        for (int b = 0; b < B; ++b) {
+            position[b] = b == B - 1 && B > 1 ? -1 : static_cast<int>(rng() % max_len);
+            slot[b] = b;
+            for (int j = 0; j < max_blocks; ++j)
+                table[static_cast<size_t>(b) * max_blocks + j] = 1 + b * max_blocks + j;
+        }
+        std::vector<T> qkv(static_cast<size_t>(B) * heads * D), q_norm(D), k_norm(D);
+        for (auto* v : {&qkv, &q_norm, &k_norm})
+            for (T& x : *v) x = T(normal(rng));
+        std::vector<uint8_t> pool(rows * D);
+        for (uint8_t& x : pool)
+            x = static_cast<uint8_t>(rng() % 0x7f) | static_cast<uint8_t>(rng() & 0x80);  // no NaN
+        std::vector<float> scales(rows);
+        for (float& x : scales) x = 0.01f * (1.0f + static_cast<float>(rng() % 100));
+        const int splits = mc::attention_partial_splits(max_blocks * bs);
+        Dev<T> d_qkv(qkv), d_qn(q_norm), d_kn(k_norm), d_q(std::vector<T>(static_cast<size_t>(B) * Hq * D));
+        Dev<uint8_t> k_two(pool), v_two(pool), k_fused(pool), v_fused(pool);
+        Dev<float> ks_two(scales), vs_two(scales), ks_fused(scales), vs_fused(scales);
+        Dev<T> out_two(std::vector<T>(static_cast<size_t>(B) * Hq * D)), out_fused(out_two.read());
+        Dev<float> partial(std::vector<float>(static_cast<size_t>(B) * Hq * splits * (D + 2)));
+        Dev<int> d_pos(position), d_slot(slot), d_table(table),
+            done(std::vector<int>(static_cast<size_t>(B) * Hq));
+        const mc::Launch eager{nullptr, false};
+        mc::launch_qk_norm_rope_store(1, d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f, d_pos.p, d_slot.p, d_table.p,
+                                      max_blocks, bs, B, Hq, Hkv, D, d_q.p, k_two.p, v_two.p, eager,
+                                      {ks_two.p, vs_two.p});
+        mc::launch_paged_attention(1, d_q.p, k_two.p, v_two.p, d_pos.p, d_slot.p, d_table.p, max_blocks, bs,
+                                   B, Hq, Hkv, D, partial.p, done.p, out_two.p, eager, {},
+                                   {ks_two.p, vs_two.p});
+        const mc::QkvInput fused{d_qkv.p, d_qn.p, d_kn.p, 1e-6f, 1e6f};
+        mc::launch_paged_attention(1, nullptr, k_fused.p, v_fused.p, d_pos.p, d_slot.p, d_table.p, max_blocks,
+                                   bs, B, Hq, Hkv, D, partial.p, done.p, out_fused.p, eager, fused,
+                                   {ks_fused.p, vs_fused.p});
+        CK(cudaGetLastError());
+        auto same = [](const auto& a, const auto& b) {
+            const auto x = a.read(), y = b.read();
+            return std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+        };
+        EXPECT_TRUE(same(out_two, out_fused)) << "attention output differs";
+        EXPECT_TRUE(same(k_two, k_fused)) << "key pool differs";
+        EXPECT_TRUE(same(v_two, v_fused)) << "value pool differs";
+        EXPECT_TRUE(same(ks_two, ks_fused)) << "key scales differ";
+        EXPECT_TRUE(same(vs_two, vs_fused)) << "value scales differ";
+        EXPECT_FALSE(same(ks_fused, Dev<float>(scales))) << "the new keys' scales were not stored";
+        const std::vector<T> out = out_fused.read();
+        EXPECT_TRUE(
+            std::all_of(out.begin(), out.end(), [](T x) { return std::isfinite(static_cast<float>(x)); }));
+    }
 }
 
 class DecodeRoute : public ::testing::TestWithParam<int> {};

@@ -113,8 +113,8 @@ struct QkvInput {
 // the step, earlier steps the cache). With `fp8` the pools are e4m3 with those scales (KvScales):
 // every step runs the tensor-core kernel with whole groups (bf16), the keys and values widened to
 // bf16 exactly (as value x 2^-120, the power of two taken back in fp32), each key's scale applied to
-// its scores and each value's to its probabilities before they are rounded to bf16; qkv.qkv must be
-// null (launch_qk_norm_rope_store stores the new rows first).
+// its scores and each value's to its probabilities before they are rounded to bf16; with qkv.qkv
+// the new rows are stored quantised as launch_qk_norm_rope_store stores them.
 void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool, const int* position,
                             const int* slot, const int* block_table, int max_blocks, int block_size, int B,
                             int Hq, int Hkv, int D, float* partial, int* split_done, void* out,

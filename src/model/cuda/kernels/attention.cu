@@ -405,32 +405,48 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     };
     for (int i = threadIdx.x * 8; i < (8 * kNT - G) * D; i += blockDim.x * 8)
         *reinterpret_cast<uint4*>(q_s + G * D + i) = make_uint4(0, 0, 0, 0);
-    if constexpr (kFp8) {
-        const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
-        for (int i = threadIdx.x; i < G * D; i += blockDim.x)
-            q_s[i] = __float2bfloat16(__bfloat162float(q_row[i]) * kFp8OperandScale);
-    } else if (fused.qkv != nullptr) {
+    // The queries enter an FP8 cache's products x 2^64 (a power of two: exact).
+    auto as_query = [](T v) {
+        if constexpr (kFp8)
+            return __float2bfloat16(__bfloat162float(v) * kFp8OperandScale);
+        else
+            return v;
+    };
+    if (fused.qkv != nullptr) {
         // As in the CUDA-core kernel: a warp a query head, normalised and rotated from the
         // projection (rounded to bf16 as launch_qk_norm_rope_store rounds it); the chunk holding the
-        // new token stores its key (last warp) and value (the one before) first.
+        // new token stores its key (last warp) and value (the one before) first, as e4m3 rows and
+        // their scales in an FP8 cache (as launch_qk_norm_rope_store stores them).
         const T* qkv_row = fused.qkv + static_cast<size_t>(b) * (Hq + 2 * Hkv) * D;
         for (int h = warp; h < G; h += kMmaAttnWarps)
             norm_rope_head(qkv_row + static_cast<size_t>(kv_head * G + h) * D, fused.q_norm, fused.eps,
                            fused.rope_theta, pos, D, [&](int j, T lo, T hi) {
-                               q_s[h * D + j] = lo;
-                               q_s[h * D + j + D / 2] = hi;
+                               q_s[h * D + j] = as_query(lo);
+                               q_s[h * D + j + D / 2] = as_query(hi);
                            });
         if (pos < last) {
             const size_t row = row_of(pos);
+            const T* k_src = qkv_row + static_cast<size_t>(Hq + kv_head) * D;
+            const T* v_src = qkv_row + static_cast<size_t>(Hq + Hkv + kv_head) * D;
             if (warp == kMmaAttnWarps - 1) {
-                norm_rope_head_to(qkv_row + static_cast<size_t>(Hq + kv_head) * D, fused.k_norm, fused.eps,
-                                  fused.rope_theta, pos, D, k_pool + row);
+                if constexpr (kFp8)
+                    norm_rope_head_to_e4m3(k_src, fused.k_norm, fused.eps, fused.rope_theta, pos, D,
+                                           k_pool + row, fp8.k + row / D);
+                else
+                    norm_rope_head_to(k_src, fused.k_norm, fused.eps, fused.rope_theta, pos, D, k_pool + row);
             } else if (warp == kMmaAttnWarps - 2) {
-                const T* v_src = qkv_row + static_cast<size_t>(Hq + Hkv + kv_head) * D;
-                for (int c = lane * 8; c < D; c += 256)
-                    *reinterpret_cast<uint4*>(v_pool + row + c) = *reinterpret_cast<const uint4*>(v_src + c);
+                if constexpr (kFp8) {
+                    store_row_e4m3(v_src, D, v_pool + row, fp8.v + row / D);
+                } else {
+                    for (int c = lane * 8; c < D; c += 256)
+                        *reinterpret_cast<uint4*>(v_pool + row + c) =
+                            *reinterpret_cast<const uint4*>(v_src + c);
+                }
             }
         }
+    } else if constexpr (kFp8) {
+        const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = as_query(q_row[i]);
     } else {
         const T* q_row = q + (static_cast<size_t>(b) * Hq + kv_head * G) * D;  // q [B, Hq, D]
         for (int i = threadIdx.x * 8; i < G * D; i += blockDim.x * 8)
@@ -705,9 +721,9 @@ void launch_paged_attention(int dtype, const void* q, void* k_pool, void* v_pool
                             int Hq, int Hkv, int D, float* partial, int* split_done, void* out,
                             const Launch& launch, const QkvInput& qkv, const KvScales& fp8) {
     if (B == 0) return;
-    MOERL_CHECK(!fp8.fp8() || (dtype == 1 && attention_fp8_kv_supported(Hq, Hkv, D) && qkv.qkv == nullptr),
+    MOERL_CHECK(!fp8.fp8() || (dtype == 1 && attention_fp8_kv_supported(Hq, Hkv, D)),
                 "paged_attention: an FP8 KV cache needs bf16 queries in groups of 4, 8 or 16 heads of 64 or "
-                "128 dims, stored before the call (got dtype ",
+                "128 dims (got dtype ",
                 dtype, ", ", Hq, " query heads per ", Hkv, " key-value heads of ", D, " dims)");
     // Chunks of the sequence per block: one pass of the block's warps (kAttentionMinChunk tokens),
     // longer while there would be more than 1024 blocks (one split, no merge, once rows alone give
