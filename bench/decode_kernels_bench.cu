@@ -1,7 +1,8 @@
 // The decode step's latency-bound kernels one at a time, at the Qwen3-30B-A3B shape (hidden 2048,
 // 32 query / 4 key-value heads of 128, 128 experts top-8): the time of one launch inside a CUDA
 // graph of many back-to-back launches (what a decode step pays for it, launch gap included), plain
-// and with programmatic dependent launch, next to an empty kernel's. Then the weight-streaming
+// and with programmatic dependent launch, next to an empty kernel's (the cache store and attention
+// with bf16 and FP8 KV caches). Then the weight-streaming
 // kernels (dense GEMVs, expert products on CUDA or tensor cores) in the same way, each launch on
 // another copy of the weights (or another routing) so that nothing is served from L2, with the
 // bandwidth of the weight bytes each launch reads. Last, one decode layer at batch 1 with its kernels
@@ -577,6 +578,15 @@ int main(int argc, char** argv) {
                 mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
                                               kBlock, B, kHq, kHkv, kD, q, k_pool, v_pool, l);
             });
+            // The same into an FP8 KV cache (e4m3 rows and their scales).
+            auto* k8 = pool.zeros<uint8_t>(pool_elems);
+            auto* v8 = pool.zeros<uint8_t>(pool_elems);
+            const mc::KvScales scales8{pool.zeros<float>(pool_elems / kD),
+                                       pool.zeros<float>(pool_elems / kD)};
+            row("qk_norm_rope_store fp8 kv", B, seq, [&](const mc::Launch& l) {
+                mc::launch_qk_norm_rope_store(1, qkv, qn, kn, 1e-6f, 1e6f, d_pos, d_slot, d_table, max_blocks,
+                                              kBlock, B, kHq, kHkv, kD, q, k8, v8, l, scales8);
+            });
             row("route", B, 0,
                 [&](const mc::Launch& l) { mc::launch_route(1, logits, d_pos, B, kE, kK, true, r, l); });
             mc::launch_route(1, logits, d_pos, B, kE, kK, true, r,
@@ -602,6 +612,14 @@ int main(int argc, char** argv) {
             row("attention", B, len, [&](const mc::Launch& l) {
                 mc::launch_paged_attention(1, q, kp, vp, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq, kHkv,
                                            kD, partial, done, attn_out, l);
+            });
+            // Over an FP8 KV cache: half the bytes of each cached token, plus a scale a row.
+            auto* kp8 = pool.zeros<uint8_t>(elems);
+            auto* vp8 = pool.zeros<uint8_t>(elems);
+            const mc::KvScales s8{pool.zeros<float>(elems / kD), pool.zeros<float>(elems / kD)};
+            row("attention fp8 kv", B, len, [&](const mc::Launch& l) {
+                mc::launch_paged_attention(1, q, kp8, vp8, d_pos_len, d_slot, d_tab, mb, kBlock, B, kHq, kHkv,
+                                           kD, partial, done, attn_out, l, {}, s8);
             });
         }
     }
