@@ -217,7 +217,7 @@ if [ -x "$MOERL" ]; then
     timeout 240 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
       --prompt 2048 --new ${MOERL_DEVICE_LONG_NEW:-2048} >"$OUT/bench-rollout-long.log" 2>&1
     step bench_rollout_long "rc=$?"
-    timeout 280 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
+    timeout 320 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 16,64,256 \
       --prompt 8192 --new 64 --kv-cache bf16,fp8 >"$OUT/bench-rollout-8k.log" 2>&1
     step bench_rollout_8k "rc=$? $(grep -oE 'greedy agreement [0-9.]+%' "$OUT/bench-rollout-8k.log")"
     timeout 120 "$MOERL" bench rollout --device cuda --layers ${MOERL_DEVICE_LAYERS:-8} --batch 64 --group 8 \
