@@ -146,10 +146,11 @@ void bench_rl(const RlBenchArgs& a) {
     std::ifstream in(s.metrics_path);
     for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
     const bool gpu = cfg.train_device == "cuda";
-    std::printf("bench rl: %s, rollout %s %s, train %s %s, %lld prompts x %d samples a step, ep %d\n",
+    std::printf("bench rl: %s, rollout %s %s%s, train %s %s, %lld prompts x %d samples a step, ep %d\n",
                 a.config.c_str(), cfg.rollout_device.c_str(), cfg.rollout_dtype.c_str(),
-                cfg.train_device.c_str(), cfg.train_dtype.c_str(),
-                static_cast<long long>(cfg.prompts_per_step), cfg.group_size, cfg.ep_ranks);
+                cfg.rollout_kv_cache_dtype == "fp8" ? " (fp8 KV cache)" : "", cfg.train_device.c_str(),
+                cfg.train_dtype.c_str(), static_cast<long long>(cfg.prompts_per_step), cfg.group_size,
+                cfg.ep_ranks);
     const int processes = cfg.train_ranks + cfg.rollout_ranks - 1;
     if (processes > 1) {
         const bool one_gpu = gpu && at::detail::getCUDAHooks().getNumGPUs() == 1;
