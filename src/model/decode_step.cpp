@@ -44,11 +44,11 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
     {
         // Every layer's pools (and scales) in one region of device memory (zeroed), 256-byte aligned each.
         const bool fp8 = opt.fp8_kv_cache;
-        const at::TensorOptions pool_t = fp8 ? t.dtype(at::kByte) : t;
+        const at::TensorOptions pool_t = t.dtype(fp8 ? at::kByte : m.options.dtype);
         const int64_t rows = num_blocks * opt.block_size * Hkv_;
         auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
         const size_t pool_bytes =
-            aligned(static_cast<size_t>(rows * D_) * at::elementSize(fp8 ? at::kByte : m.options.dtype));
+            aligned(static_cast<size_t>(rows * D_) * at::elementSize(pool_t.dtype().toScalarType()));
         const size_t scale_bytes = fp8 ? aligned(static_cast<size_t>(rows) * sizeof(float)) : 0;
         const size_t layer_bytes = 2 * (pool_bytes + scale_bytes);
         const int device =

@@ -370,25 +370,25 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
             const at::Tensor from_t = at::tensor(from, at::kLong).to(g.device),
                              to_t = at::tensor(to, at::kLong).to(g.device);
             for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
-                // An FP8 cache's rows come back dequantised to the model's bf16.
-                auto gather = [&](const at::Tensor& pool, const at::Tensor* scales, at::Tensor& contiguous) {
+                // An FP8 cache's rows (scales set) come back dequantised to the model's bf16.
+                auto gather = [&](const at::Tensor& pool, const float* scales, at::Tensor& contiguous) {
                     at::Tensor rows;
                     if (scales == nullptr) {
                         rows = pool.view({pool_tokens, Hkv, D}).index_select(0, from_t);
                     } else {
                         rows = at::empty({from_t.size(0), Hkv, D}, contiguous.options());
                         cuda::launch_kv_rows_from_fp8(
-                            pool.data_ptr<uint8_t>(), scales->data_ptr<float>(), from_t.data_ptr<int64_t>(),
-                            from_t.size(0), static_cast<int>(Hkv), static_cast<int>(D), rows.data_ptr(),
+                            pool.data_ptr<uint8_t>(), scales, from_t.data_ptr<int64_t>(), from_t.size(0),
+                            static_cast<int>(Hkv), static_cast<int>(D), rows.data_ptr(),
                             {c10::cuda::getCurrentCUDAStream().stream(), false});
                     }
                     at::Tensor flat = at::zeros({pass_rows * P, Hkv, D}, contiguous.options());
                     flat.index_copy_(0, to_t, rows);
                     contiguous.narrow(2, 0, P).copy_(flat.view({pass_rows, P, Hkv, D}).permute({0, 2, 1, 3}));
                 };
-                const bool fp8 = !g.step.k_scale.empty();
-                gather(g.step.k_pool[l], fp8 ? &g.step.k_scale[l] : nullptr, cache.keys[l]);
-                gather(g.step.v_pool[l], fp8 ? &g.step.v_scale[l] : nullptr, cache.values[l]);
+                const cuda::KvScales scales = g.step.kv_scales(l);
+                gather(g.step.k_pool[l], scales.k, cache.keys[l]);
+                gather(g.step.v_pool[l], scales.v, cache.values[l]);
             }
             cache.key_valid.narrow(1, 0, P).copy_(valid);
             cache.next_position.copy_(next_position);
@@ -418,8 +418,8 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
         const at::Tensor src_t = at::tensor(src, at::kLong).to(g.device),
                          dst_t = at::tensor(dst, at::kLong).to(g.device);
         for (size_t l = 0; l < g.step.k_pool.size(); ++l) {
-            // Into an FP8 cache as e4m3 rows and their scales.
-            auto move = [&](const at::Tensor& contiguous, at::Tensor& pool, at::Tensor* scales) {
+            // Into an FP8 cache (scales set) as e4m3 rows and their scales.
+            auto move = [&](const at::Tensor& contiguous, at::Tensor& pool, float* scales) {
                 at::Tensor moved = contiguous.narrow(2, P, pass_len)
                                        .permute({0, 2, 1, 3})
                                        .reshape({pass_rows * pass_len, Hkv, D})
@@ -430,12 +430,12 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
                 }
                 cuda::launch_kv_rows_to_fp8(moved.data_ptr(), dst_t.data_ptr<int64_t>(), dst_t.size(0),
                                             static_cast<int>(Hkv), static_cast<int>(D),
-                                            pool.data_ptr<uint8_t>(), scales->data_ptr<float>(),
+                                            pool.data_ptr<uint8_t>(), scales,
                                             {c10::cuda::getCurrentCUDAStream().stream(), false});
             };
-            const bool fp8 = !g.step.k_scale.empty();
-            move(cache.keys[l], g.step.k_pool[l], fp8 ? &g.step.k_scale[l] : nullptr);
-            move(cache.values[l], g.step.v_pool[l], fp8 ? &g.step.v_scale[l] : nullptr);
+            const cuda::KvScales scales = g.step.kv_scales(l);
+            move(cache.keys[l], g.step.k_pool[l], scales.k);
+            move(cache.values[l], g.step.v_pool[l], scales.v);
         }
         logit_parts.push_back(out.logits);
         if (g.opt.record_routing) {

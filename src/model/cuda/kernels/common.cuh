@@ -260,8 +260,9 @@ __device__ __forceinline__ void norm_rope_head_to(const T* src, const T* w, floa
     });
 }
 
-// FP8 KV cache rows (KvScales): a (token, head) row of D values is stored as e4m3(value / scale),
-// scale = max|row| / 448 (1 for a row of zeros), rounded to nearest even and saturating.
+// e4m3 with a scale, as FP8 weights (a 128 x 128 block a scale) and the FP8 KV cache (a row a scale)
+// store values: e4m3(value / scale), scale = max|values| / 448 (1 when all are zero), rounded to
+// nearest even and saturating.
 constexpr float kE4m3Max = 448.0f;
 __device__ __forceinline__ float e4m3_row_scale(float amax) { return amax > 0.0f ? amax / kE4m3Max : 1.0f; }
 __device__ __forceinline__ uint8_t to_e4m3(float v, float scale) {

@@ -11,7 +11,6 @@ namespace moerl::model::cuda {
 namespace {
 
 constexpr int kQuantThreads = 256;
-constexpr float kFp8Max = 448.0f;
 
 template <typename T>
 __global__ void __launch_bounds__(kQuantThreads)
@@ -34,7 +33,7 @@ __global__ void __launch_bounds__(kQuantThreads)
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = amax;
     __syncthreads();
     amax = warp_max((threadIdx.x & 31) < kQuantThreads / 32 ? scratch[threadIdx.x & 31] : 0.0f);
-    const float scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
+    const float scale = e4m3_row_scale(amax);
     if (threadIdx.x == 0) {
         const int64_t block_cols = (cols + kFp8BlockCols - 1) / kFp8BlockCols;
         const int64_t block_rows = (rows + kFp8BlockRows - 1) / kFp8BlockRows;
@@ -44,8 +43,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         const int r = i / kFp8BlockCols, c = i % kFp8BlockCols;
         if (c >= tile_cols) continue;
         const int64_t at = (row0 + r) * cols + col0 + c;
-        dst[at] =
-            static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_float(src[at]) / scale, __NV_SATFINITE, __NV_E4M3));
+        dst[at] = to_e4m3(to_float(src[at]), scale);
     }
 }
 
