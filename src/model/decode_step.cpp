@@ -85,7 +85,7 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
     o_ = at::zeros({B, H_}, t);
     router_logits_ = at::zeros({B, std::max<int64_t>(E_, 1)}, t);
     act_ = at::zeros({B * K_, I_}, t);
-    y_ = at::zeros({B * K_ + 1, H_}, t.dtype(at::kFloat));  // + a spare row for unrouted slots
+    y_ = at::zeros({B * K_, H_}, t.dtype(at::kFloat));
     logits = at::zeros({B, V_}, t);
     greedy = at::zeros({B}, t.dtype(at::kLong));
     argmax_keys_ = at::zeros({B}, t.dtype(at::kLong));

@@ -71,6 +71,9 @@ struct Generator::Impl {
     };
     std::array<QueuedStep, 2> queue;
     int queue_head = 0, queue_count = 0;
+    // The i-th queued step from the oldest (i = queue_count: the next one to queue).
+    QueuedStep& queued(int i) { return queue[(queue_head + i) % queue.size()]; }
+    const QueuedStep& queued(int i) const { return queue[(queue_head + i) % queue.size()]; }
 
     Impl(const MoeModel& owner, const MoeModel::Impl& weights, const GeneratorOptions& o)
         : model(owner),
@@ -594,7 +597,7 @@ void Generator::queue_step(const std::vector<int>& slots, const at::Tensor& toke
                 " uniform draws for ", n, " slots");
     c10::NoGradGuard no_grad;
     c10::cuda::CUDAGuard device_guard(g.device);
-    Impl::QueuedStep& q = g.queue[(g.queue_head + g.queue_count) % g.queue.size()];
+    Impl::QueuedStep& q = g.queued(g.queue_count);
     if (!q.tokens.defined()) {
         const int64_t M = g.m.config.num_moe_layers(), K = g.m.config.num_experts_per_tok;
         auto pinned = at::TensorOptions().pinned_memory(true);
@@ -618,14 +621,14 @@ void Generator::queue_step(const std::vector<int>& slots, const at::Tensor& toke
 at::Tensor Generator::queued_tokens() const {
     const Impl& g = *impl_;
     MOERL_CHECK(g.queue_count > 0, "queued_tokens: no step is queued");
-    const Impl::QueuedStep& q = g.queue[(g.queue_head + g.queue_count - 1) % g.queue.size()];
+    const Impl::QueuedStep& q = g.queued(g.queue_count - 1);
     return q.tokens.narrow(0, 0, q.n);
 }
 
 DrawnStep Generator::collect_step() {
     Impl& g = *impl_;
     MOERL_CHECK(g.queue_count > 0, "collect_step: no step is queued");
-    Impl::QueuedStep& q = g.queue[g.queue_head];
+    Impl::QueuedStep& q = g.queued(0);
     q.copied.synchronize();
     DrawnStep d;
     const double* p = q.draws.data_ptr<double>();
@@ -641,7 +644,7 @@ int Generator::queued_steps() const { return impl_->queue_count; }
 
 void Generator::wait_queued() {
     Impl& g = *impl_;
-    for (int i = 0; i < g.queue_count; ++i) g.queue[(g.queue_head + i) % g.queue.size()].copied.synchronize();
+    for (int i = 0; i < g.queue_count; ++i) g.queued(i).copied.synchronize();
 }
 
 void Generator::drop_queued() {

@@ -385,6 +385,13 @@ struct RolloutEngine::Impl {
         return n;
     }
 
+    // Waiting requests admit() takes while `in_use` slots are held: the whole groups that fit.
+    size_t admissible(size_t in_use) const {
+        const int64_t room = std::max<int64_t>(0, max_batch - static_cast<int64_t>(in_use));
+        return detail::whole_groups(waiting, static_cast<size_t>(room), static_cast<size_t>(max_batch),
+                                    in_use == 0, shares_prompts());
+    }
+
     // Each sequence draws its first token from its row of logits [rows, V] (rows[i] for seqs[i]);
     // those that finish leave (done), the others join `active`, in order. Returns the indices into
     // seqs of those that joined.
@@ -425,10 +432,7 @@ struct RolloutEngine::Impl {
     // the joining contexts, oldest first, go through one prefill call. A group whose context is now
     // whole forks it into its other samples, and all of them draw their first token.
     void admit_in_parts(int64_t version, std::vector<GenResult>& done) {
-        const size_t in_use = held();
-        const size_t n =
-            detail::whole_groups(waiting, static_cast<size_t>(std::max<int64_t>(0, max_batch - in_use)),
-                                 static_cast<size_t>(max_batch), in_use == 0, true);
+        const size_t n = admissible(held());
         for (size_t taken = 0; taken < n;) {
             const size_t run = std::min(n - taken, detail::same_context_run(waiting, 0));
             JoiningGroup j;
@@ -488,9 +492,7 @@ struct RolloutEngine::Impl {
     // prefill_pass: another rank of the engine prefills now (this one joins the collectives).
     void admit(int64_t version, std::vector<GenResult>& done, bool prefill_pass) {
         if (gen && prefill_chunk_tokens > 0) return admit_in_parts(version, done);
-        const size_t n =
-            detail::whole_groups(waiting, static_cast<size_t>(std::max(0, max_batch - (int)active.size())),
-                                 static_cast<size_t>(max_batch), active.empty(), shares_prompts());
+        const size_t n = admissible(active.size());
         if (n == 0) {
             if (prefill_pass) model.idle_pass();
             return;
@@ -606,16 +608,13 @@ struct RolloutEngine::Impl {
         return done;
     }
 
-    // Whether admit() would take a request or run a prefill part now.
+    // Whether admit() would take a request or run a prefill part now (finished husks hold no slot).
     bool admission_due() const {
         if (!joining.empty()) return true;
         if (waiting.empty()) return false;
-        size_t live = 0;
-        for (const Seq& s : active) live += !s.finished;
-        for (const JoiningGroup& j : joining) live += j.seqs.size();
-        const size_t room = static_cast<size_t>(std::max<int64_t>(0, max_batch - static_cast<int64_t>(live)));
-        return detail::whole_groups(waiting, room, static_cast<size_t>(max_batch), live == 0,
-                                    shares_prompts()) > 0;
+        const size_t husks = static_cast<size_t>(
+            std::count_if(active.begin(), active.end(), [](const Seq& s) { return s.finished; }));
+        return admissible(held() - husks) > 0;
     }
 
     // Queues a decode step of active[rows] on `in` (host ids, or the last queued step's draws on the
