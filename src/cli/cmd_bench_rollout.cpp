@@ -355,6 +355,45 @@ void bench_joins(const model::MoeModel& m, const model::ModelConfig& c, const Ro
                     r.steady_ms, r.longest_ms, r.mean_ms);
 }
 
+// One case of a.prompt + a.new_tokens at every batch size, with the decode reading `weights` and
+// `kv_cache` (bf16 or fp8), the group's prompt blocks shared or not: its rows appended to `rows`.
+void bench_format(const model::MoeModel& m, const model::ModelConfig& c, const RolloutArgs& a,
+                  const std::string& weights, const std::string& kv_cache, bool share, double copy_bw,
+                  std::vector<Row>& rows) {
+    model::Generator gen(m, {.max_batch = *std::max_element(a.batches.begin(), a.batches.end()),
+                             .max_seq_len = a.prompt + a.new_tokens + 1,
+                             .block_size = kBlockSize,
+                             .num_blocks = 0,
+                             .share_prompts = share,
+                             .cuda_graphs = !a.no_graphs && !a.profile,
+                             .profile = a.profile,
+                             .fp8_weights = weights == "fp8",
+                             .fp8_kv_cache = kv_cache == "fp8"});
+    {
+        // Warm-up: the first prefill and decode pay for library initialisation.
+        const int s = gen.acquire();
+        model::GenerationStep w = gen.prefill({s}, {std::vector<int64_t>(a.prompt, 1)});
+        gen.decode({s}, w.greedy);
+        torch::cuda::synchronize();
+        gen.release(s);
+    }
+    for (int B : a.batches) {
+        rows.push_back(bench_batch(gen, c, a, B));
+        Row& r = rows.back();
+        r.shared = share && a.group > 1;
+        r.weights = weights;
+        r.kv_cache = kv_cache;
+        std::printf(
+            "prompt %d + %d new, batch %d, %s weights, %s KV cache%s: step %.3f ms, %.0f tok/s decode, "
+            "%.1f%% "
+            "of copy bandwidth, prefill %.3f s\n",
+            a.prompt, a.new_tokens, B, weights.c_str(), kv_cache.c_str(),
+            a.group > 1 ? (share ? ", shared prompts" : ", unshared") : "", r.step_s * 1e3, B / r.step_s,
+            100.0 * r.bytes_per_step / r.step_s / copy_bw, r.prefill_s);
+        std::fflush(stdout);
+    }
+}
+
 void bench_cuda(const RolloutArgs& args) {
     MOERL_CHECK(torch::cuda::is_available(), "bench rollout --device cuda: no CUDA device is available");
     MOERL_CHECK(model::Generator::available(),
@@ -373,7 +412,6 @@ void bench_cuda(const RolloutArgs& args) {
                             : model::MoeModel::from_pretrained(args.model_dir, {device, at::kBFloat16});
     m.set_requires_grad(false);
     if (args.model_dir.empty()) init_on_device(m, args.seed);
-    const int max_batch = *std::max_element(args.batches.begin(), args.batches.end());
     std::printf(
         "moerl bench rollout: CUDA bf16, %s params (%s active per token), %d layers, hidden %d, %d experts "
         "top-%d, vocab %d, %s; random prompts%s, greedy, %s\n",
@@ -400,39 +438,7 @@ void bench_cuda(const RolloutArgs& args) {
                         RolloutArgs a = args;
                         a.prompt = prompt;
                         a.new_tokens = new_tokens;
-                        model::Generator gen(m, {.max_batch = max_batch,
-                                                 .max_seq_len = a.prompt + a.new_tokens + 1,
-                                                 .block_size = kBlockSize,
-                                                 .num_blocks = 0,
-                                                 .share_prompts = share,
-                                                 .cuda_graphs = !a.no_graphs && !a.profile,
-                                                 .profile = a.profile,
-                                                 .fp8_weights = weights == "fp8",
-                                                 .fp8_kv_cache = kv_cache == "fp8"});
-                        {
-                            // Warm-up: the first prefill and decode pay for library initialisation.
-                            const int s = gen.acquire();
-                            model::GenerationStep w = gen.prefill({s}, {std::vector<int64_t>(a.prompt, 1)});
-                            gen.decode({s}, w.greedy);
-                            torch::cuda::synchronize();
-                            gen.release(s);
-                        }
-                        for (int B : a.batches) {
-                            rows.push_back(bench_batch(gen, c, a, B));
-                            Row& r = rows.back();
-                            r.shared = share && a.group > 1;
-                            r.weights = weights;
-                            r.kv_cache = kv_cache;
-                            std::printf(
-                                "prompt %d + %d new, batch %d, %s weights, %s KV cache%s: step %.3f ms, %.0f "
-                                "tok/s "
-                                "decode, %.1f%% of copy bandwidth, prefill %.3f s\n",
-                                a.prompt, a.new_tokens, B, weights.c_str(), kv_cache.c_str(),
-                                a.group > 1 ? (share ? ", shared prompts" : ", unshared") : "",
-                                r.step_s * 1e3, B / r.step_s, 100.0 * r.bytes_per_step / r.step_s / copy_bw,
-                                r.prefill_s);
-                            std::fflush(stdout);
-                        }
+                        bench_format(m, c, a, weights, kv_cache, share, copy_bw, rows);
                     }
     if (!args.hf_dir.empty()) {
         m.save_pretrained(args.hf_dir);
