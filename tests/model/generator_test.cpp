@@ -550,8 +550,10 @@ ModelConfig fp8_kv_config() {
 
 // FP8 KV cache (GeneratorOptions::fp8_kv_cache). A token takes (D + 4) / 2D of the bf16 cache's
 // bytes. Teacher-forced on the bf16-cache engine's greedy tokens (1 row, and 8 rows of prompts of 5
-// to 12 tokens), the FP8-cache engine's logits stay within a tenth of each row's range of the bf16
-// cache's (e4m3 keeps 3 mantissa bits: a few percent a value) and its greedy tokens mostly agree. Forks
+// to 12 tokens), the FP8-cache engine's logits stay within 4% of each row's range of the bf16 cache's
+// on average (e4m3 keeps 3 mantissa bits: a few percent a value; 1.3-2% seen on an H100) and within a
+// quarter in every row and step (a token whose experts change with the rounding moves further: 11%
+// seen once), and its greedy tokens mostly agree. Forks
 // of a prompt with a partial last block (its copy carries the scales) decode bit for bit as the
 // prompt's own slot; a prompt continued in a second part (its cached rows read back dequantised)
 // decodes close to the whole prompt. Bad uses are refused by name.
@@ -580,7 +582,7 @@ TEST(Generator, Fp8KvCacheDecodesCloseToBf16AndForksExactly) {
         at::Tensor tokens = bf16.prefill(s16, ps).greedy.clone();
         fp8.prefill(s8, ps);
         int64_t agree = 0, compared = 0;
-        double diff_sum = 0;
+        double diff_sum = 0, apart_sum = 0;
         for (int i = 0; i < 20; ++i) {
             const GenerationStep a = fp8.decode(s8, tokens);
             const at::Tensor xa = a.logits.to(at::kFloat).cpu(), ga = a.greedy.cpu();
@@ -595,11 +597,14 @@ TEST(Generator, Fp8KvCacheDecodesCloseToBf16AndForksExactly) {
             compared += rows;
             const at::Tensor range = std::get<0>(xb.max(-1)) - std::get<0>(xb.min(-1));
             const at::Tensor apart = std::get<0>((xa - xb).abs().max(-1));
-            EXPECT_TRUE((apart <= range * 0.1).all().item<bool>())
+            EXPECT_TRUE((apart <= range * 0.25).all().item<bool>())
                 << "step " << i << ": logits apart by " << apart << " against row ranges " << range;
+            apart_sum += (apart / range).sum().item<double>();
             tokens = b.greedy.clone();
         }
         EXPECT_LT(diff_sum / static_cast<double>(compared), 0.1) << "mean |log-prob difference|";
+        EXPECT_LT(apart_sum / static_cast<double>(compared), 0.04)
+            << "mean largest logit difference / row range";
         EXPECT_GE(agree * 10, compared * 7) << agree << " of " << compared << " greedy tokens agree";
     }
     // Forks: 10 tokens (two full blocks and a partial one), forked twice, the same token fed to all

@@ -472,41 +472,76 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
         for (int i = 0; i < kMTiles; ++i) o[n][i][0] = o[n][i][1] = o[n][i][2] = o[n][i][3] = 0.0f;
     }
     const float scale = rsqrtf(static_cast<float>(D)) * 1.4426950408889634f;  // log2(e) / sqrt(D)
-    for (int base = first + warp * 16; base < last; base += kMmaAttnWarps * 16) {
-        // Keys of tokens base + g and base + g + 8; values of tokens base + 2t, + 1, + 8, + 9 (a token
-        // past the chunk reads the chunk's first and is masked: its probability and value are zero).
-        // FP8: the scales of tokens base + g and base + g + 8, the keys' x 2^56, the values' x 2^64.
-        uint4 kf[2][kBlocks32], vf[4][kLaneDims / 8];
-        float k_scale[2] = {1.0f, 1.0f}, v_scale[2] = {1.0f, 1.0f};
+    // FP8: a tile's e4m3 bytes and scales are loaded one tile ahead of its products. An e4m3 tile is
+    // half a bf16 one and the kernel holds more registers (3 blocks an SM against 4): loading a tile
+    // only when its products start left a warp with a third of bf16's bytes in flight (8k context,
+    // batch 64: 0.93x the bf16 cache's step on half its KV bytes).
+    struct Fp8Tile {
+        uint2 k[2][kBlocks32], v[4][kLaneDims / 8];
+        float k_scale[2],
+            v_scale[2];  // tokens base + g and base + g + 8: the keys' x 2^56, the values' x 2^64
+    };
+    auto load_fp8_tile = [&](int base, Fp8Tile& f) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int token = base + g + 8 * h;
             const size_t row = row_of(token < last ? token : first);
-            const KV* k_row = k_pool + row;
 #pragma unroll
-            for (int s = 0; s < kBlocks32; ++s) {
-                if constexpr (kFp8)
-                    kf[h][s] =
-                        e4m3x8_to_bf16x8_scaled(*reinterpret_cast<const uint2*>(k_row + 32 * s + 8 * t));
-                else
-                    kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
-            }
-            if constexpr (kFp8) {
-                k_scale[h] = fp8.k[row / D] * kFp8ResultScale;
-                v_scale[h] = fp8.v[row / D] * kFp8OperandScale;
-            }
+            for (int s = 0; s < kBlocks32; ++s)
+                f.k[h][s] = *reinterpret_cast<const uint2*>(k_pool + row + 32 * s + 8 * t);
+            f.k_scale[h] = fp8.k[row / D] * kFp8ResultScale;
+            f.v_scale[h] = fp8.v[row / D] * kFp8OperandScale;
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int token = base + 2 * t + (j & 1) + 8 * (j >> 1);
             const KV* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
 #pragma unroll
-            for (int w = 0; w < kLaneDims / 8; ++w) {
-                if constexpr (kFp8)
-                    vf[j][w] = token < last
-                                   ? e4m3x8_to_bf16x8_scaled(*reinterpret_cast<const uint2*>(v_row + 8 * w))
-                                   : make_uint4(0, 0, 0, 0);
-                else
+            for (int w = 0; w < kLaneDims / 8; ++w)
+                f.v[j][w] = *reinterpret_cast<const uint2*>(v_row + 8 * w);
+        }
+    };
+    constexpr int kStride = kMmaAttnWarps * 16;
+    Fp8Tile ahead;
+    if constexpr (kFp8)
+        if (first + warp * 16 < last) load_fp8_tile(first + warp * 16, ahead);
+    for (int base = first + warp * 16; base < last; base += kStride) {
+        // Keys of tokens base + g and base + g + 8; values of tokens base + 2t, + 1, + 8, + 9 (a token
+        // past the chunk reads the chunk's first and is masked: its probability and value are zero).
+        uint4 kf[2][kBlocks32], vf[4][kLaneDims / 8];
+        float k_scale[2] = {1.0f, 1.0f}, v_scale[2] = {1.0f, 1.0f};
+        if constexpr (kFp8) {
+            const Fp8Tile cur = ahead;
+            if (base + kStride < last) load_fp8_tile(base + kStride, ahead);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int s = 0; s < kBlocks32; ++s) kf[h][s] = e4m3x8_to_bf16x8_scaled(cur.k[h][s]);
+                k_scale[h] = cur.k_scale[h];
+                v_scale[h] = cur.v_scale[h];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bool valid = base + 2 * t + (j & 1) + 8 * (j >> 1) < last;
+#pragma unroll
+                for (int w = 0; w < kLaneDims / 8; ++w)
+                    vf[j][w] = valid ? e4m3x8_to_bf16x8_scaled(cur.v[j][w]) : make_uint4(0, 0, 0, 0);
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int token = base + g + 8 * h;
+                const KV* k_row = k_pool + row_of(token < last ? token : first);
+#pragma unroll
+                for (int s = 0; s < kBlocks32; ++s)
+                    kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int token = base + 2 * t + (j & 1) + 8 * (j >> 1);
+                const KV* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
+#pragma unroll
+                for (int w = 0; w < kLaneDims / 8; ++w)
                     vf[j][w] = token < last ? *reinterpret_cast<const uint4*>(v_row + 8 * w)
                                             : make_uint4(0, 0, 0, 0);
             }
