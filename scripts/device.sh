@@ -363,6 +363,11 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       timeout 150 "$MOERL" bench rollout --device cuda --layers 4 --batch 128 --prompt 16 --new 128 \
         >>"$OUT/bench-rollout-policy.log" 2>&1
       step bench_rollout_random "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-policy.log" | tail -1)"
+      # The loop's batch itself: 16 prompts x 8 samples drawn at temperature 1 on the device, a step
+      # queued ahead, routing recorded (the group's samples route alike: fewer distinct experts).
+      timeout 150 "$MOERL" bench rollout --device cuda --model "$RL_TMP/bench-big-policy" --batch 128 --group 8 \
+        --prompt 16 --new 128 --temperature 1 --record-routing >>"$OUT/bench-rollout-policy.log" 2>&1
+      step bench_rollout_policy_groups "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-policy.log" | tail -2 | tr '\n' ' ')"
       # MOERL_DEVICE_PROFILE=1: time per kernel kind of both (eager steps), where the fixed cost of a step is.
       if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
         for m in --model="$RL_TMP/bench-big-policy" --layers=4; do
@@ -468,7 +473,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-text.log benc
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy bench_rollout_random bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy bench_rollout_random bench_rollout_policy_groups bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

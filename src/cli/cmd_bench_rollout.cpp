@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -59,7 +60,11 @@ struct RolloutArgs {
     std::string hf_dir;          // write the checkpoint here and run the transformers reference
     std::string hf_script = "bench/hf_generate.py";
     uint64_t seed = 1;
-    int ep_ranks = 0;  // > 0: expert parallelism over this many GPUs (one process each)
+    // cuda: > 0 draws each token on the device from softmax(logits / temperature), the next step queued
+    // before the host reads the draws, as the RL rollout engine decodes (0: greedy, a step at a time).
+    double temperature = 0;
+    bool record_routing = false;  // cuda: every step also copies the experts each row used to the host
+    int ep_ranks = 0;             // > 0: expert parallelism over this many GPUs (one process each)
     // cuda: prompts joining running sequences, prefilled in parts of this many tokens a step (0 =
     // whole): the decode pauses they cause (bench_join).
     std::vector<int64_t> join_chunks;
@@ -125,11 +130,30 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
     row.prefill_tokens = gen.stats().prefill_tokens - before.prefill_tokens;
     row.prompt_kv_bytes = static_cast<double>(free_before - gen.free_blocks()) * kBlockSize *
                           static_cast<double>(gen.kv_bytes_per_token());
+    // n decode steps from `next`, which ends as the last step's tokens. Sampled: each step is queued
+    // on the previous one's draws on the device and the oldest step's draws are read while the next
+    // runs (Generator::queue_step, as rl::RolloutEngine decodes).
+    std::mt19937_64 rng(a.seed * 7919 + static_cast<uint64_t>(B));
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    std::vector<double> uniforms(B);
+    auto decode_steps = [&](int n) {
+        if (a.temperature <= 0) {
+            for (int s = 0; s < n; ++s) next = gen.decode(slots, next).greedy;
+            return;
+        }
+        for (int s = 0; s < n; ++s) {
+            for (double& u : uniforms) u = uniform(rng);
+            gen.queue_step(slots, gen.queued_steps() > 0 ? gen.queued_tokens() : next, uniforms,
+                           a.temperature);
+            if (gen.queued_steps() == 2) gen.collect_step();
+        }
+        next = gen.queued_tokens().clone();
+        while (gen.queued_steps() > 0) gen.collect_step();
+    };
     // The first two steps capture this bucket's graphs (the prefill's tokens copied in, then the
-    // step's own greedy tokens read in place); the timed steps replay the second.
+    // step's own tokens read in place); the timed steps replay the second.
     const auto t1 = Clock::now();
-    next = gen.decode(slots, next).greedy;
-    next = gen.decode(slots, next).greedy;
+    decode_steps(2);
     torch::cuda::synchronize();
     const double first_steps = seconds_since(t1);
     gen.reset_stats();
@@ -142,7 +166,7 @@ Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const Rollou
     if (range) cudaProfilerStart();
 #endif
     const auto t2 = Clock::now();
-    for (int s = 0; s < timed; ++s) next = gen.decode(slots, next).greedy;
+    decode_steps(timed);
     torch::cuda::synchronize();
     const double decode_s = seconds_since(t2);
 #if defined(MOERL_HAVE_CUDA)
@@ -367,6 +391,7 @@ void bench_format(const model::MoeModel& m, const model::ModelConfig& c, const R
                              .share_prompts = share,
                              .cuda_graphs = !a.no_graphs && !a.profile,
                              .profile = a.profile,
+                             .record_routing = a.record_routing,
                              .fp8_weights = weights == "fp8",
                              .fp8_kv_cache = kv_cache == "fp8"});
     {
@@ -412,14 +437,19 @@ void bench_cuda(const RolloutArgs& args) {
                             : model::MoeModel::from_pretrained(args.model_dir, {device, at::kBFloat16});
     m.set_requires_grad(false);
     if (args.model_dir.empty()) init_on_device(m, args.seed);
+    char sampled[96];
+    std::snprintf(sampled, sizeof sampled, "sampled at temperature %g on the device, a step queued ahead",
+                  args.temperature);
+    const std::string decoding = args.temperature > 0 ? sampled : "greedy";
     std::printf(
         "moerl bench rollout: CUDA bf16, %s params (%s active per token), %d layers, hidden %d, %d experts "
-        "top-%d, vocab %d, %s; random prompts%s, greedy, %s\n",
+        "top-%d, vocab %d, %s; random prompts%s, %s%s, %s\n",
         human_count(static_cast<double>(c.num_parameters())).c_str(),
         human_count(static_cast<double>(c.num_active_parameters())).c_str(), c.num_hidden_layers,
         c.hidden_size, c.num_experts, c.num_experts_per_tok, c.vocab_size,
         args.model_dir.empty() ? "random weights" : ("weights of " + args.model_dir).c_str(),
         args.group > 1 ? (", " + std::to_string(args.group) + " samples a prompt").c_str() : "",
+        decoding.c_str(), args.record_routing ? ", routing recorded" : "",
         args.profile     ? "eager launches, profiled"
         : args.no_graphs ? "eager launches"
                          : "CUDA graphs");
@@ -724,6 +754,13 @@ void register_bench_rollout(CLI::App& bench) {
         ->delimiter(',')
         ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
     b->add_option("--seed", a->seed, "Weight and prompt seed");
+    b->add_option("--temperature", a->temperature,
+                  "cuda: draw each token on the device from softmax(logits / T), the next step queued before "
+                  "the host reads the draws, as RL rollout decodes (0, the default: greedy)")
+        ->check(CLI::Range(0.0, 1e6));
+    b->add_flag("--record-routing", a->record_routing,
+                "cuda: every decode step also copies the experts each row used to the host (RL's routing "
+                "records)");
     b->add_option("--ep", a->ep_ranks,
                   "expert parallelism over this many ranks (processes; on cuda one GPU each; the eager model "
                   "path)")
@@ -739,6 +776,11 @@ void register_bench_rollout(CLI::App& bench) {
                     "--model decodes a checkpoint in the CUDA engine: it needs --device cuda and no --ep");
         MOERL_CHECK(a->model_dir.empty() || a->config.empty(),
                     "--model and --config both name the model: give one");
+        MOERL_CHECK((a->temperature == 0 && !a->record_routing) ||
+                        (a->device.rfind("cuda", 0) == 0 && a->ep_ranks == 0 && a->hf_dir.empty() &&
+                         a->join_chunks.empty()),
+                    "--temperature and --record-routing apply to the CUDA engine's decode cases: they need "
+                    "--device cuda and none of --ep, --hf-dir, --join-chunk");
         if (a->ep_ranks > 0) {
             MOERL_CHECK(
                 a->prompts.size() == 1 && a->news.size() == 1 && a->group == 1 &&

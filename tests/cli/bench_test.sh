@@ -43,6 +43,14 @@ echo "$out" | grep -q -- "--ep: Value -1 not in range" || fail "unclear refusal 
 out=$("$moerl" bench rollout --device cpu --ep 2 --transport host --config tiny.json --batch 0 2>&1) &&
   fail "--batch 0 accepted"
 echo "$out" | grep -q -- "--batch: Value 0 not in range" || fail "unclear refusal of --batch 0: $out"
+# Sampled decoding and routing records are the CUDA engine's decode cases: refused elsewhere by name.
+out=$("$moerl" bench rollout --device cpu --temperature 1 2>&1) && fail "--temperature on the CPU accepted"
+echo "$out" | grep -q -- "--temperature and --record-routing apply to the CUDA engine" ||
+  fail "unclear refusal of --temperature on the CPU: $out"
+out=$("$moerl" bench rollout --device cuda --ep 2 --record-routing 2>&1) && fail "--record-routing with --ep accepted"
+echo "$out" | grep -q -- "none of --ep" || fail "unclear refusal of --record-routing with --ep: $out"
+out=$("$moerl" bench rollout --device cuda --temperature -1 2>&1) && fail "--temperature -1 accepted"
+echo "$out" | grep -q -- "--temperature: Value -1 not in range" || fail "unclear refusal of --temperature -1: $out"
 
 # Rollout over EP on a machine without the GPUs: every transport's row names the missing device.
 out=$(CUDA_VISIBLE_DEVICES= "$moerl" bench rollout --device cuda --ep 2 --transport cuda,nccl --layers 1 --batch 1 \
