@@ -474,12 +474,12 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     const float scale = rsqrtf(static_cast<float>(D)) * 1.4426950408889634f;  // log2(e) / sqrt(D)
     // FP8: a tile's e4m3 bytes and scales are loaded one tile ahead of its products. An e4m3 tile is
     // half a bf16 one and the kernel holds more registers (3 blocks an SM against 4): loading a tile
-    // only when its products start left a warp with a third of bf16's bytes in flight (8k context,
-    // batch 64: 0.93x the bf16 cache's step on half its KV bytes).
+    // only when its products started left an SM a third of bf16's bytes in flight (8k context, batch
+    // 64, H100: 0.93x the bf16 cache's decode on half its KV bytes).
     struct Fp8Tile {
         uint2 k[2][kBlocks32], v[4][kLaneDims / 8];
-        float k_scale[2],
-            v_scale[2];  // tokens base + g and base + g + 8: the keys' x 2^56, the values' x 2^64
+        // Tokens base + g and base + g + 8: the keys' scales x 2^56, the values' x 2^64.
+        float k_scale[2], v_scale[2];
     };
     auto load_fp8_tile = [&](int base, Fp8Tile& f) {
 #pragma unroll
