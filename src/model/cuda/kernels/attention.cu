@@ -476,6 +476,17 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     // half a bf16 one and the kernel holds more registers (3 blocks an SM against 4): loading a tile
     // only when its products started left an SM a third of bf16's bytes in flight (8k context, batch
     // 64, H100: 0.93x the bf16 cache's decode on half its KV bytes).
+    // A tile's rows: keys of tokens base + g + 8h, values of tokens value_token(base, j) (a token past
+    // the chunk reads the chunk's first).
+    auto key_row = [&](int base, int h) {
+        const int token = base + g + 8 * h;
+        return row_of(token < last ? token : first);
+    };
+    auto value_token = [&](int base, int j) { return base + 2 * t + (j & 1) + 8 * (j >> 1); };
+    auto value_row = [&](int base, int j) {
+        const int token = value_token(base, j);
+        return v_pool + row_of(token < last ? token : first) + kLaneDims * g;
+    };
     struct Fp8Tile {
         uint2 k[2][kBlocks32], v[4][kLaneDims / 8];
         // Tokens base + g and base + g + 8: the keys' scales x 2^56, the values' x 2^64.
@@ -484,8 +495,7 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
     auto load_fp8_tile = [&](int base, Fp8Tile& f) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int token = base + g + 8 * h;
-            const size_t row = row_of(token < last ? token : first);
+            const size_t row = key_row(base, h);
 #pragma unroll
             for (int s = 0; s < kBlocks32; ++s)
                 f.k[h][s] = *reinterpret_cast<const uint2*>(k_pool + row + 32 * s + 8 * t);
@@ -494,8 +504,7 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int token = base + 2 * t + (j & 1) + 8 * (j >> 1);
-            const KV* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
+            const KV* v_row = value_row(base, j);
 #pragma unroll
             for (int w = 0; w < kLaneDims / 8; ++w)
                 f.v[j][w] = *reinterpret_cast<const uint2*>(v_row + 8 * w);
@@ -522,7 +531,7 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const bool valid = base + 2 * t + (j & 1) + 8 * (j >> 1) < last;
+                const bool valid = value_token(base, j) < last;
 #pragma unroll
                 for (int w = 0; w < kLaneDims / 8; ++w)
                     vf[j][w] = valid ? e4m3x8_to_bf16x8_scaled(cur.v[j][w]) : make_uint4(0, 0, 0, 0);
@@ -530,20 +539,19 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
         } else {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int token = base + g + 8 * h;
-                const KV* k_row = k_pool + row_of(token < last ? token : first);
+                const KV* k_row = k_pool + key_row(base, h);
 #pragma unroll
                 for (int s = 0; s < kBlocks32; ++s)
                     kf[h][s] = *reinterpret_cast<const uint4*>(k_row + 32 * s + 8 * t);
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const int token = base + 2 * t + (j & 1) + 8 * (j >> 1);
-                const KV* v_row = v_pool + row_of(token < last ? token : first) + kLaneDims * g;
+                const bool valid = value_token(base, j) < last;
+                const KV* v_row = value_row(base, j);
 #pragma unroll
                 for (int w = 0; w < kLaneDims / 8; ++w)
-                    vf[j][w] = token < last ? *reinterpret_cast<const uint4*>(v_row + 8 * w)
-                                            : make_uint4(0, 0, 0, 0);
+                    vf[j][w] =
+                        valid ? *reinterpret_cast<const uint4*>(v_row + 8 * w) : make_uint4(0, 0, 0, 0);
             }
         }
         const bool valid_lo = base + g < last, valid_hi = base + g + 8 < last;
