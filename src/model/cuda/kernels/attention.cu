@@ -472,10 +472,6 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
         for (int i = 0; i < kMTiles; ++i) o[n][i][0] = o[n][i][1] = o[n][i][2] = o[n][i][3] = 0.0f;
     }
     const float scale = rsqrtf(static_cast<float>(D)) * 1.4426950408889634f;  // log2(e) / sqrt(D)
-    // FP8: a tile's e4m3 bytes and scales are loaded one tile ahead of its products. An e4m3 tile is
-    // half a bf16 one and the kernel holds more registers (3 blocks an SM against 4): loading a tile
-    // only when its products started left an SM a third of bf16's bytes in flight (8k context, batch
-    // 64, H100: 0.93x the bf16 cache's decode on half its KV bytes).
     // A tile's rows: keys of tokens base + g + 8h, values of tokens value_token(base, j) (a token past
     // the chunk reads the chunk's first).
     auto key_row = [&](int base, int h) {
@@ -487,6 +483,10 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
         const int token = value_token(base, j);
         return v_pool + row_of(token < last ? token : first) + kLaneDims * g;
     };
+    // FP8: a tile's e4m3 bytes and scales are loaded one tile ahead of its products. An e4m3 tile is
+    // half a bf16 one and the kernel holds more registers (3 blocks an SM against 4): loading a tile
+    // only when its products started left an SM a third of bf16's bytes in flight (8k context, batch
+    // 64, H100: 0.93x the bf16 cache's decode on half its KV bytes).
     struct Fp8Tile {
         uint2 k[2][kBlocks32], v[4][kLaneDims / 8];
         // Tokens base + g and base + g + 8: the keys' scales x 2^56, the values' x 2^64.
