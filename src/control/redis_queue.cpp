@@ -3,8 +3,12 @@
 //   moerl:{run}:tasks:open   set of task ids put and not yet acknowledged (outstanding())
 //   moerl:{run}:tasks:done   set of acknowledged task ids: never handed out again
 // Every state change is one Lua script, so a command retried after a lost reply changes nothing twice.
+// Done entries leave the stream from its head only (XTRIM MINID), never by XDEL: a deleted entry at or
+// past the group's last-delivered id makes Redis report the group's lag as null until the group reads
+// on, and KEDA's lagCount scaler reads the lag (a null as no task waiting) to size the rollout workers.
 #include <algorithm>
 #include <map>
+#include <string>
 #include <thread>
 
 #include "backends.hpp"
@@ -30,10 +34,33 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 )lua";
 
+// Shared by the scripts that end leases: drops the entries before the group's oldest lease, or every
+// entry up to the last one delivered when nothing is leased. Done entries between two leases stay
+// until the head passes them (no queue operation reads them: they are neither pending nor new).
+constexpr const char* kTrimDone = R"lua(
+local function trim_done(stream, group)
+  local p = redis.call('XPENDING', stream, group)
+  local keep = p[2]
+  if p[1] == 0 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+      local name, last = nil, nil
+      for i = 1, #g, 2 do
+        if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then last = g[i + 1] end
+      end
+      if name == group then
+        local ms, seq = string.match(last, '^(%d+)-(%d+)$')
+        keep = ms .. '-' .. string.format('%d', tonumber(seq) + 1)
+      end
+    end
+  end
+  if keep then redis.call('XTRIM', stream, 'MINID', keep) end
+end
+)lua";
+
 // KEYS: stream, done. ARGV: group, consumer, min idle ms. Takes over the first lease idle for longer
 // than the lease timeout; returns {entry id, fields, times delivered} or nil. Entries of tasks already
 // done (or deleted) are acknowledged and skipped.
-constexpr const char* kClaimScript = R"lua(
+const std::string kClaimScript = std::string(kTrimDone) + R"lua(
 local cursor = '0-0'
 repeat
   local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
@@ -45,7 +72,7 @@ repeat
     end
     if task == nil or redis.call('SISMEMBER', KEYS[2], task) == 1 then
       redis.call('XACK', KEYS[1], ARGV[1], entry)
-      redis.call('XDEL', KEYS[1], entry)
+      trim_done(KEYS[1], ARGV[1])
     else
       local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
       return {entry, f, p[1][4]}
@@ -59,11 +86,11 @@ return false
 // the task done: after the control plane lost its data (a Redis restarted empty), a worker's late
 // ack of a lease from before must not mark done a task whose experience went with the data, or the
 // trainer's re-issue would skip it and wait for that experience forever. A second ack finds nothing.
-constexpr const char* kAckScript = R"lua(
+const std::string kAckScript = std::string(kTrimDone) + R"lua(
 local n = redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
 if type(n) ~= 'number' then n = 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
 if n == 0 then return 0 end
+trim_done(KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[3])
 redis.call('SREM', KEYS[2], ARGV[3])
 return 1
@@ -71,13 +98,13 @@ return 1
 
 // KEYS: stream, done. ARGV: group, entry id, worker, task id, attempt, payload, partial. Re-adds the task
 // only while the lease still belongs to this worker (it may have expired and moved on).
-constexpr const char* kReleaseScript = R"lua(
+const std::string kReleaseScript = std::string(kTrimDone) + R"lua(
 if redis.call('SISMEMBER', KEYS[2], ARGV[4]) == 1 then return 0 end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] then return 0 end
 redis.call('XADD', KEYS[1], '*', 'id', ARGV[4], 'attempt', ARGV[5], 'payload', ARGV[6], 'partial', ARGV[7])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
+trim_done(KEYS[1], ARGV[1])
 return 1
 )lua";
 

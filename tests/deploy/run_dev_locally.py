@@ -255,22 +255,18 @@ def redis_cli(cluster, *args):
 def scaler_reading(cluster, so):
     """The lag KEDA's redis-streams scaler reads, and the replica count it asks for."""
     md = so["spec"]["triggers"][0]["metadata"]
-    # Redis reports the lag as null while it cannot count it (entries deleted past the group's
-    # last-delivered id, e.g. right after released tasks were added back); it recovers once the
-    # group reads on. A lag that stays null for 10 s would leave KEDA blind: that fails.
-    for _ in range(20):
-        groups = redis_cli(cluster, "XINFO", "GROUPS", md["stream"])
-        if not groups:
-            return None, None
-        g = next((g for g in groups if g.get("name") == md["consumerGroup"]), None)
-        if g is None:
-            return None, None
-        lag = g.get("lag")
-        if lag is not None:
-            break
-        time.sleep(0.5)
+    groups = redis_cli(cluster, "XINFO", "GROUPS", md["stream"])
+    if not groups:
+        return None, None
+    g = next((g for g in groups if g.get("name") == md["consumerGroup"]), None)
+    if g is None:
+        return None, None
+    # Redis reports the lag as null when entries were deleted at or past the group's read position;
+    # KEDA's lagCount scaler would read that as no task waiting. The queue trims done entries from the
+    # stream's head only, so the lag is a number at every reading.
+    lag = g.get("lag")
     if lag is None:
-        fail(f"XINFO GROUPS {md['stream']}: lag stayed null for 10 s, so KEDA's lagCount scaler cannot read it")
+        fail(f"XINFO GROUPS {md['stream']}: the lag is null, so KEDA's lagCount scaler cannot read it")
     lo, hi = so["spec"].get("minReplicaCount", 0), so["spec"]["maxReplicaCount"]
     want = min(hi, max(lo, math.ceil(lag / float(md["lagCount"]))))
     return lag, want
