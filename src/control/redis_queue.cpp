@@ -59,9 +59,9 @@ end
 
 // KEYS: stream, done. ARGV: group, consumer, min idle ms. Takes over the first lease idle for longer
 // than the lease timeout; returns {entry id, fields, times delivered} or nil. Entries of tasks already
-// done (or deleted) are acknowledged and skipped.
+// done (or deleted) are acknowledged and skipped (and trimmed once, at the end).
 const std::string kClaimScript = std::string(kTrimDone) + R"lua(
-local cursor = '0-0'
+local cursor, acked = '0-0', false
 repeat
   local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
   cursor = r[1]
@@ -72,13 +72,15 @@ repeat
     end
     if task == nil or redis.call('SISMEMBER', KEYS[2], task) == 1 then
       redis.call('XACK', KEYS[1], ARGV[1], entry)
-      trim_done(KEYS[1], ARGV[1])
+      acked = true
     else
+      if acked then trim_done(KEYS[1], ARGV[1]) end
       local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
       return {entry, f, p[1][4]}
     end
   end
 until cursor == '0-0'
+if acked then trim_done(KEYS[1], ARGV[1]) end
 return false
 )lua";
 

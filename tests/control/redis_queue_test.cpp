@@ -48,10 +48,11 @@ TEST(RedisTaskQueue, ARestartedWorkerReclaimsItsOwnLeasesAtOnce) {
     EXPECT_FALSE(restarted->lease("rollout-1", 0ms));
 }
 
+namespace redis = moerl::control::redis;
+
 // XINFO GROUPS' lag of the queue's group: the tasks no worker has leased yet; -1 for a null lag.
-static long long group_lag(const std::string& url, const std::string& run) {
-    moerl::control::redis::Client client(url, moerl::control::redis::Options::from_url(url));
-    auto reply = client.command({"XINFO", "GROUPS", moerl::control::redis::run_key(run, "tasks")});
+static long long group_lag(redis::Client& client, const std::string& run) {
+    auto reply = client.command({"XINFO", "GROUPS", redis::run_key(run, "tasks")});
     EXPECT_EQ(reply->type, REDIS_REPLY_ARRAY);
     EXPECT_EQ(reply->elements, 1u);
     const redisReply* group = reply->element[0];
@@ -60,12 +61,6 @@ static long long group_lag(const std::string& url, const std::string& run) {
             return group->element[i + 1]->type == REDIS_REPLY_NIL ? -1 : group->element[i + 1]->integer;
     ADD_FAILURE() << "XINFO GROUPS has no lag (Redis older than 7?)";
     return -2;
-}
-
-static long long stream_length(const std::string& url, const std::string& run) {
-    moerl::control::redis::Client client(url, moerl::control::redis::Options::from_url(url));
-    auto reply = client.command({"XLEN", moerl::control::redis::run_key(run, "tasks")});
-    return moerl::control::redis::as_integer(reply.get(), "XLEN");
 }
 
 // The lag stays a number through acks and releases of any lease: ending the lease delivered last while
@@ -77,23 +72,25 @@ TEST(RedisTaskQueue, TheLagStaysCountableAsLeasesEnd) {
     if (url == nullptr || *url == '\0') GTEST_SKIP() << "MOERL_TEST_REDIS_URL is not set";
     const std::string run = "lag-" + std::to_string(::getpid()) + "-" + std::to_string(std::rand());
     auto queue = make_task_queue(url, run, Millis(60000));
+    redis::Client client(url, redis::Options::from_url(url));
     for (int i = 0; i < 5; ++i) queue->put({"t" + std::to_string(i), 0, "payload", ""});
-    EXPECT_EQ(group_lag(url, run), 5);
+    EXPECT_EQ(group_lag(client, run), 5);
     auto older = queue->lease("rollout-0", 1000ms);
     auto newer = queue->lease("rollout-1", 1000ms);
     ASSERT_TRUE(older && newer);
-    EXPECT_EQ(group_lag(url, run), 3);
+    EXPECT_EQ(group_lag(client, run), 3);
     queue->ack(*newer);  // the entry delivered last, with an older lease still held
-    EXPECT_EQ(group_lag(url, run), 3);
+    EXPECT_EQ(group_lag(client, run), 3);
     queue->release(*older, "");  // back on the stream as a new entry
-    EXPECT_EQ(group_lag(url, run), 4);
+    EXPECT_EQ(group_lag(client, run), 4);
     for (int i = 0; i < 4; ++i) {
         auto lease = queue->lease("rollout-0", 1000ms);
         ASSERT_TRUE(lease) << "lease " << i;
         if (i == 0) EXPECT_EQ(lease->task.id, "t2");
         queue->ack(*lease);
-        EXPECT_EQ(group_lag(url, run), 3 - i) << "after ack " << i;
+        EXPECT_EQ(group_lag(client, run), 3 - i) << "after ack " << i;
     }
     EXPECT_EQ(queue->outstanding(), 0u);
-    EXPECT_EQ(stream_length(url, run), 0);
+    auto length = client.command({"XLEN", redis::run_key(run, "tasks")});
+    EXPECT_EQ(redis::as_integer(length.get(), "XLEN"), 0);
 }
