@@ -13,64 +13,13 @@
 // mma steps of a 32-column block take columns 8t + {0..3} and 8t + {4..7}: logical k = 2t + u maps to
 // column 8t + 4j + u and k = 2t + 8 + u to 8t + 4j + 2 + u in both operands (j: the step, u: 0 or 1),
 // so no shuffles are needed to build the fragments.
-#include "common.cuh"
+#include "routing.cuh"
 
 namespace moerl::model::cuda {
 namespace {
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaRowsPerBlock = 16 * kMmaWarps;
-
-// The pass a block makes: blockIdx.y counts the passes of every active expert in order (an expert
-// with n tokens has ceil(n / tokens_per_pass) of them), so a popular expert's passes run on as many
-// blocks at once rather than one after another on one (a skewed routing's tail). Blocks past the
-// last pass get expert -1. Warp 0 scans the active experts' pass counts, 32 at a time.
-struct ExpertPass {
-    int expert, first, count;  // the expert, its first token slot of this pass, tokens in the pass
-};
-
-__device__ ExpertPass find_pass(const MoeRouting& r, int tokens_per_pass) {
-    __shared__ ExpertPass pass;
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x, want = static_cast<int>(blockIdx.y), active = *r.num_active;
-        ExpertPass found{-1, 0, 0};
-        for (int i0 = 0, base = 0; i0 < active; i0 += 32) {
-            const int i = i0 + lane;
-            int e = -1, lo = 0, n = 0, passes = 0;
-            if (i < active) {
-                e = r.active_experts[i];
-                lo = r.expert_offset[e];
-                n = r.expert_offset[e + 1] - lo;
-                passes = (n + tokens_per_pass - 1) / tokens_per_pass;
-            }
-            int upto = passes;  // inclusive prefix sum over the lanes
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(kFullMask, upto, o);
-                if (lane >= o) upto += v;
-            }
-            const int mine = want - (base + upto - passes);  // this lane's pass index, if in range
-            const unsigned hit = __ballot_sync(kFullMask, passes > 0 && mine >= 0 && mine < passes);
-            if (hit != 0) {
-                const int src = __ffs(hit) - 1;
-                const int pe = __shfl_sync(kFullMask, e, src), plo = __shfl_sync(kFullMask, lo, src),
-                          pn = __shfl_sync(kFullMask, n, src), pm = __shfl_sync(kFullMask, mine, src);
-                found = {pe, plo + pm * tokens_per_pass, min(tokens_per_pass, pn - pm * tokens_per_pass)};
-                break;
-            }
-            base += __shfl_sync(kFullMask, upto, 31);
-        }
-        if (lane == 0) pass = found;
-    }
-    __syncthreads();
-    return pass;
-}
-
-// Blocks along y for up to B * K slots in passes of `tokens_per_pass`: sum over active experts of
-// ceil(n_e / t) <= active + floor(B K / t).
-int pass_blocks(int slots, int max_active, int tokens_per_pass) {
-    return max_active + slots / tokens_per_pass;
-}
 
 // Elements of padding after each token row in shared memory, so that the 8 rows one quarter warp
 // reads start 64 bytes apart modulo 128 (no bank conflicts).

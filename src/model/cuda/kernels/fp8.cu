@@ -5,7 +5,7 @@
 // weights: what decode reads drops to a byte a weight.
 #include <cuda_fp8.h>
 
-#include "common.cuh"
+#include "routing.cuh"
 
 namespace moerl::model::cuda {
 namespace {
@@ -177,33 +177,22 @@ constexpr int kF8Warps = 4;
 // Scale blocks ahead of the products whose weights a warp has asked of L2: 2 against none took the
 // experts from 2.9 to 3.0-3.1 TB/s (H200, batch 16 and 64); 4 lost (2.5-2.7).
 constexpr int kF8L2Ahead = 2;
-constexpr int kF8Pad =
-    8;  // halves after a token row: the rows a quarter warp reads start 16 bytes apart mod 128
 
 enum class Fp8Product { kDense, kGated, kDown };
 
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
-    const __half2_raw h =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-
-// 8 bf16 to 8 fp16, saturating at fp16's largest finite magnitude.
-__device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& raw) {
-    const auto* in = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    uint4 out;
-    auto* o = reinterpret_cast<__half2*>(&out);
+// A lane's 16 bytes of its two rows (w[m][0], w[m][1]) in both 64-column chunks of the scale block at
+// column base, for every matrix; a chunk past the last column is left as it was.
+template <int kMats>
+__device__ __forceinline__ void load_fp8_block(const uint8_t* const (&w)[kMats][2], int base, int cols,
+                                               uint4 (&wq)[2][kMats][2]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(in[i]);
-        o[i] =
-            __floats2half2_rn(fminf(fmaxf(f.x, -65504.0f), 65504.0f), fminf(fmaxf(f.y, -65504.0f), 65504.0f));
-    }
-    return out;
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    for (int ch = 0; ch < 2; ++ch)
+        if (base + 64 * ch < cols)
+#pragma unroll
+            for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    wq[ch][m][h] = *reinterpret_cast<const uint4*>(w[m][h] + base + 64 * ch);
 }
 
 // kDense: out[b] = in[b] (q0 * s0)^T for b < B (bf16 out). kGated: act[s] = silu(in[s / row_div] gate^T)
@@ -221,9 +210,9 @@ __global__ void __launch_bounds__(kF8Warps * 32)
     constexpr int kTokens = 8 * kNTiles;
     constexpr int kRowGroups = kF8Warps / kSplit;
     extern __shared__ __align__(16) unsigned char f8_smem[];
-    auto* tile = reinterpret_cast<__half*>(f8_smem);    // [kTokens, cols + kF8Pad] during the products
+    auto* tile = reinterpret_cast<__half*>(f8_smem);    // [kTokens, cols + kFp8TokenPad] during the products
     auto* partial = reinterpret_cast<float*>(f8_smem);  // [kF8Warps, kMats, kNTiles, 32, 4] after them
-    const int stride = cols + kF8Pad;
+    const int stride = cols + kFp8TokenPad;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int split = warp % kSplit;
     const int row0 = (blockIdx.x * kRowGroups + warp / kSplit) * 16;
@@ -271,15 +260,7 @@ __global__ void __launch_bounds__(kF8Warps * 32)
     // This warp's weights of scale block kb (two 64-column chunks, the second absent past the end)
     // and its scales: loaded one block ahead of the products.
     auto load = [&](int kb, uint4(&wq)[2][kMats][2], float(&scale)[kMats]) {
-        const int base = kb * kFp8BlockCols;
-#pragma unroll
-        for (int ch = 0; ch < 2; ++ch)
-            if (base + 64 * ch < cols)
-#pragma unroll
-                for (int m = 0; m < kMats; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        wq[ch][m][h] = *reinterpret_cast<const uint4*>(w[m][h] + base + 64 * ch);
+        load_fp8_block<kMats>(w, kb * kFp8BlockCols, cols, wq);
 #pragma unroll
         for (int m = 0; m < kMats; ++m) scale[m] = sc[m][kb];
     };
@@ -400,11 +381,12 @@ __global__ void __launch_bounds__(kF8Warps * 32)
 
 template <Fp8Product kP, int kNTiles>
 size_t fp8_mma_smem(int cols) {
-    const size_t tile = sizeof(__half) * 8 * kNTiles * (cols + kF8Pad);
+    const size_t tile = sizeof(__half) * 8 * kNTiles * (cols + kFp8TokenPad);
     const size_t sums = sizeof(float) * kF8Warps * (kP == Fp8Product::kGated ? 2 : 1) * kNTiles * 128;
     return tile > sums ? tile : sums;
 }
 
+// B rows of in; the experts' slots are B * row_div (each row of in feeds row_div of them).
 struct Fp8Operands {
     const void* in;
     const uint8_t* q0;
@@ -427,16 +409,158 @@ void launch_fp8_mma(const Fp8Operands& o, const MoeRouting& r, const Launch& lau
                   o.row_div, o.cols, o.out_rows, static_cast<__nv_bfloat16*>(o.out), o.y);
 }
 
+constexpr int kPassRows = 16 * kF8Warps;
+
+// The dense and gate/up products in passes, for grids of two blocks an SM or more (the LM head; the
+// experts from a few tokens a step on): a block takes 64 rows of one matrix (4 warps of 16, every
+// column) and one pass of up to 8 * kNTiles of its tokens; a popular expert's passes are blocks of
+// their own (find_pass, as the bf16 expert kernels), the dense projection's passes go along
+// blockIdx.x. kUnroll scale blocks of weights are loaded at once, as many bytes in flight a warp as
+// the bf16 expert kernel's: gate and up 2 blocks of both, one matrix 4. The fragments and the scales
+// as in fp8_rows_mma_kernel.
+template <Fp8Product kP, int kNTiles>
+__global__ void __launch_bounds__(kF8Warps * 32)
+    fp8_passes_mma_kernel(const __nv_bfloat16* in, const uint8_t* q0, const float* s0, const uint8_t* q1,
+                          const float* s1, MoeRouting r, int B, int row_div, int cols, int out_rows,
+                          __nv_bfloat16* out) {
+    static_assert(kP != Fp8Product::kDown, "the down experts run fp8_rows_mma_kernel");
+    constexpr bool kDense = kP == Fp8Product::kDense, kGated = kP == Fp8Product::kGated;
+    constexpr int kMats = kGated ? 2 : 1;
+    constexpr int kUnroll = kGated ? 2 : 4;
+    constexpr int kTokens = 8 * kNTiles;
+    griddep_wait();
+    griddep_launch_dependents();
+    extern __shared__ __align__(16) unsigned char mma_smem[];
+    auto* tile = reinterpret_cast<__half*>(mma_smem);  // [kTokens, cols + kFp8TokenPad]
+    const int stride = cols + kFp8TokenPad;
+    // The dense projection's passes go along x, so a row block's passes run side by side (its weights
+    // read once from memory, then from L2); an expert's rows go along x.
+    const int row_block = kDense ? blockIdx.y : blockIdx.x;
+    int e = 0, first = blockIdx.x * kTokens, nt = min(kTokens, B - first);
+    if constexpr (!kDense) {
+        const ExpertPass pass = find_pass(r, kTokens);
+        if (pass.expert < 0) return;
+        e = pass.expert, first = pass.first, nt = pass.count;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = (row_block * kF8Warps + warp) * 16;
+    const int block_cols = cols / kFp8BlockCols + (cols % kFp8BlockCols != 0);
+    const int block_rows = (out_rows + kFp8BlockRows - 1) / kFp8BlockRows;
+    // Rows row0 + g and row0 + g + 8 (the last row past the end) at the lane's 16 bytes; the scale
+    // blocks of row0's 128 rows.
+    const uint8_t* wr[kMats][2];
+    const float* sc[kMats];
+#pragma unroll
+    for (int m = 0; m < kMats; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = min(row0 + g + 8 * h, out_rows - 1);
+            wr[m][h] = (m == 0 ? q0 : q1) + (static_cast<size_t>(e) * out_rows + row) * cols + 16 * t;
+        }
+        const int rb = min(row0, out_rows - 1) / kFp8BlockRows;
+        sc[m] = (m == 0 ? s0 : s1) + (static_cast<size_t>(e) * block_rows + rb) * block_cols;
+    }
+    for (int i = threadIdx.x * 8; i < kTokens * cols; i += blockDim.x * 8) {
+        const int j = i / cols, c = i % cols;
+        uint4 v = make_uint4(0, 0, 0, 0);  // rows past the pass's tokens multiply as zeros
+        if (j < nt) {
+            const int src = kDense ? first + j : r.expert_slots[first + j] / row_div;
+            v = bf16x8_to_f16x8(*reinterpret_cast<const uint4*>(in + static_cast<size_t>(src) * cols + c));
+        }
+        *reinterpret_cast<uint4*>(tile + j * stride + c) = v;
+    }
+    __syncthreads();
+    if (row0 >= out_rows) return;
+    float acc[kMats][kNTiles][4] = {};
+    for (int kb0 = 0; kb0 < block_cols; kb0 += kUnroll) {
+        uint4 wq[kUnroll][2][kMats][2];  // [block][64-column chunk][matrix][row g, row g + 8]
+        float scale[kUnroll][kMats];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            load_fp8_block<kMats>(wr, (kb0 + u) * kFp8BlockCols, cols, wq[u]);
+#pragma unroll
+            for (int m = 0; m < kMats; ++m) scale[u][m] = kb0 + u < block_cols ? sc[m][kb0 + u] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int base = (kb0 + u) * kFp8BlockCols;
+            if (base >= cols) break;
+            float part[kMats][kNTiles][4] = {};
+#pragma unroll
+            for (int ch = 0; ch < 2; ++ch) {
+                if (base + 64 * ch >= cols) break;
+                uint32_t b[kNTiles][8];
+#pragma unroll
+                for (int q = 0; q < kNTiles; ++q) {
+                    const __half* tp = tile + (q * 8 + g) * stride + base + 64 * ch + 16 * t;
+                    const uint4 b0 = *reinterpret_cast<const uint4*>(tp);
+                    const uint4 b1 = *reinterpret_cast<const uint4*>(tp + 8);
+                    b[q][0] = b0.x, b[q][1] = b0.y, b[q][2] = b0.z, b[q][3] = b0.w;
+                    b[q][4] = b1.x, b[q][5] = b1.y, b[q][6] = b1.z, b[q][7] = b1.w;
+                }
+#pragma unroll
+                for (int m = 0; m < kMats; ++m) {
+                    const auto* lo = reinterpret_cast<const uint32_t*>(&wq[u][ch][m][0]);  // row g
+                    const auto* hi = reinterpret_cast<const uint32_t*>(&wq[u][ch][m][1]);  // row g + 8
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const uint32_t a0 = e4m3x2_to_f16x2(lo[j]), a1 = e4m3x2_to_f16x2(hi[j]),
+                                       a2 = e4m3x2_to_f16x2(lo[j] >> 16), a3 = e4m3x2_to_f16x2(hi[j] >> 16);
+#pragma unroll
+                        for (int q = 0; q < kNTiles; ++q)
+                            mma_f16(part[m][q], a0, a1, a2, a3, b[q][2 * j], b[q][2 * j + 1]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < kMats; ++m)
+#pragma unroll
+                for (int q = 0; q < kNTiles; ++q)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[m][q][i] += scale[u][m] * part[m][q][i];
+        }
+    }
+    // acc[m][q][2h + v]: row row0 + g + 8h, token q * 8 + 2t + v of this pass
+#pragma unroll
+    for (int q = 0; q < kNTiles; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const int token = q * 8 + 2 * t + v, row = row0 + g + 8 * h;
+                if (token >= nt || row >= out_rows) continue;
+                const float v0 = acc[0][q][2 * h + v];
+                if constexpr (kDense) {
+                    out[static_cast<size_t>(first + token) * out_rows + row] = __float2bfloat16(v0);
+                } else {
+                    const size_t at = static_cast<size_t>(r.expert_slots[first + token]) * out_rows + row;
+                    const float gv = round_to<__nv_bfloat16>(v0),
+                                uv = round_to<__nv_bfloat16>(acc[kMats - 1][q][2 * h + v]);
+                    out[at] = __float2bfloat16(round_to<__nv_bfloat16>(silu(gv)) * uv);
+                }
+            }
+}
+
+template <Fp8Product kP, int kNTiles>
+void launch_fp8_passes(const Fp8Operands& o, const MoeRouting& r, const Launch& launch) {
+    constexpr int kTokens = 8 * kNTiles;
+    const size_t smem = sizeof(__half) * kTokens * (o.cols + kFp8TokenPad);
+    auto kernel = fp8_passes_mma_kernel<kP, kNTiles>;
+    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+    const int passes = kP == Fp8Product::kDense ? (o.B + kTokens - 1) / kTokens
+                                                : pass_blocks(o.B * o.row_div, o.groups, kTokens);
+    const int row_blocks = (o.out_rows + kPassRows - 1) / kPassRows;
+    const dim3 grid = kP == Fp8Product::kDense ? dim3(passes, row_blocks) : dim3(row_blocks, passes);
+    launch_kernel(kernel, grid, kF8Warps * 32, smem, launch, static_cast<const __nv_bfloat16*>(o.in), o.q0,
+                  o.s0, o.q1, o.s1, r, o.B, o.row_div, o.cols, o.out_rows,
+                  static_cast<__nv_bfloat16*>(o.out));
+}
+
 // The split of the columns: the fewest warps a row group (the most rows a block, so the token tile
 // is loaded for more weights) that still gives every SM two blocks or more.
 template <Fp8Product kP, int kNTiles>
 void launch_fp8_split(const Fp8Operands& o, const MoeRouting& r, const Launch& launch) {
-    static const int sms = [] {
-        int device = 0, count = 0;
-        MOERL_CUDA_CHECK(cudaGetDevice(&device));
-        MOERL_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-        return count;
-    }();
+    const int sms = device_sms();
     auto blocks = [&](int split) { return int64_t{(o.out_rows + 64 / split - 1) / (64 / split)} * o.groups; };
     if (blocks(1) >= 2 * sms) return launch_fp8_mma<kP, kNTiles, 1>(o, r, launch);
     if (blocks(2) >= 2 * sms) return launch_fp8_mma<kP, kNTiles, 2>(o, r, launch);
@@ -450,6 +574,15 @@ void launch_fp8_tiles(const Fp8Operands& o, int tokens, const MoeRouting& r, con
     if (o.B == 0 || o.groups == 0 || o.out_rows == 0) return;
     MOERL_CHECK(fp8_products_supported(o.cols), "FP8 products: ", o.cols,
                 " columns, expected a multiple of 64 up to ", kMaxHidden);
+    const int64_t blocks = int64_t{(o.out_rows + kPassRows - 1) / kPassRows} * o.groups;
+    // The down experts keep the split kernel: in passes they took 84.7 us against 81.5 at batch 64
+    // and the same at 16 (H100), where gate + up went from 160.5 to 146.0 and 103.9 to 97.4.
+    if constexpr (kP != Fp8Product::kDown) {
+        if (blocks >= 2 * device_sms()) {
+            if (tokens > 8) return launch_fp8_passes<kP, 2>(o, r, launch);
+            return launch_fp8_passes<kP, 1>(o, r, launch);
+        }
+    }
     if (tokens > 8)
         launch_fp8_split<kP, 2>(o, r, launch);
     else
