@@ -96,6 +96,23 @@ MOERL_DEFINE_MMA(mma_bf16, "bf16")
 MOERL_DEFINE_MMA(mma_f16, "f16")
 #undef MOERL_DEFINE_MMA
 
+// The outputs a lane holds after kNTiles such products of 16 weight rows from row0 with 8 tokens
+// each: c[q][i] (i = 2h + v) is row row0 + g + 8h, token q * 8 + 2t + v. f(q, i, token, row) for
+// those among the nt tokens and out_rows rows.
+template <int kNTiles, typename F>
+__device__ __forceinline__ void for_each_mma_output(int row0, int nt, int out_rows, F&& f) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int q = 0; q < kNTiles; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const int token = q * 8 + 2 * t + v, row = row0 + g + 8 * h;
+                if (token < nt && row < out_rows) f(q, 2 * h + v, token, row);
+            }
+}
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 

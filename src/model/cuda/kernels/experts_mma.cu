@@ -92,25 +92,16 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
             }
         }
     }
-    // acc[m][q][2h + v]: row row0 + g + 8h, token q * 8 + 2t + v of this pass
-#pragma unroll
-    for (int q = 0; q < kNTiles; ++q)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int v = 0; v < 2; ++v) {
-                const int token = q * 8 + 2 * t + v, row = row0 + g + 8 * h;
-                if (token >= nt || row >= out_rows) continue;
-                const int s = r.expert_slots[first + token];
-                const size_t at = static_cast<size_t>(s) * out_rows + row;
-                const float v0 = round_to<__nv_bfloat16>(acc[0][q][2 * h + v]);
-                if constexpr (kGated) {
-                    const float v1 = round_to<__nv_bfloat16>(acc[kMats - 1][q][2 * h + v]);
-                    act[at] = from_float<__nv_bfloat16>(round_to<__nv_bfloat16>(silu(v0)) * v1);
-                } else {
-                    y[at] = v0;
-                }
-            }
+    for_each_mma_output<kNTiles>(row0, nt, out_rows, [&](int q, int i, int token, int row) {
+        const size_t at = static_cast<size_t>(r.expert_slots[first + token]) * out_rows + row;
+        const float v0 = round_to<__nv_bfloat16>(acc[0][q][i]);
+        if constexpr (kGated) {
+            const float v1 = round_to<__nv_bfloat16>(acc[kMats - 1][q][i]);
+            act[at] = from_float<__nv_bfloat16>(round_to<__nv_bfloat16>(silu(v0)) * v1);
+        } else {
+            y[at] = v0;
+        }
+    });
 }
 
 template <bool kGated, int kNTiles>

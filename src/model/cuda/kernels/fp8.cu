@@ -520,25 +520,16 @@ __global__ void __launch_bounds__(kF8Warps * 32)
                     for (int i = 0; i < 4; ++i) acc[m][q][i] += scale[u][m] * part[m][q][i];
         }
     }
-    // acc[m][q][2h + v]: row row0 + g + 8h, token q * 8 + 2t + v of this pass
-#pragma unroll
-    for (int q = 0; q < kNTiles; ++q)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int v = 0; v < 2; ++v) {
-                const int token = q * 8 + 2 * t + v, row = row0 + g + 8 * h;
-                if (token >= nt || row >= out_rows) continue;
-                const float v0 = acc[0][q][2 * h + v];
-                if constexpr (kDense) {
-                    out[static_cast<size_t>(first + token) * out_rows + row] = __float2bfloat16(v0);
-                } else {
-                    const size_t at = static_cast<size_t>(r.expert_slots[first + token]) * out_rows + row;
-                    const float gv = round_to<__nv_bfloat16>(v0),
-                                uv = round_to<__nv_bfloat16>(acc[kMats - 1][q][2 * h + v]);
-                    out[at] = __float2bfloat16(round_to<__nv_bfloat16>(silu(gv)) * uv);
-                }
-            }
+    for_each_mma_output<kNTiles>(row0, nt, out_rows, [&](int q, int i, int token, int row) {
+        if constexpr (kDense) {
+            out[static_cast<size_t>(first + token) * out_rows + row] = __float2bfloat16(acc[0][q][i]);
+        } else {
+            const size_t at = static_cast<size_t>(r.expert_slots[first + token]) * out_rows + row;
+            const float gv = round_to<__nv_bfloat16>(acc[0][q][i]),
+                        uv = round_to<__nv_bfloat16>(acc[kMats - 1][q][i]);
+            out[at] = __float2bfloat16(round_to<__nv_bfloat16>(silu(gv)) * uv);
+        }
+    });
 }
 
 template <Fp8Product kP, int kNTiles>
