@@ -130,8 +130,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, kLanes == 4 ? 2 : 1)
                                    static_cast<size_t>(Hkv) * D +
                                static_cast<size_t>(kv_head) * D;
             const T* base = (r < lines ? k_pool : v_pool) + row;
-            asm volatile(
-                "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(base) + (r % lines) * 128));
+            prefetch_l2(reinterpret_cast<const char*>(base) + (r % lines) * 128);
         }
     }
     griddep_wait();
@@ -375,8 +374,7 @@ __global__ void __launch_bounds__(kMmaAttnWarps * 32)
                 (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * head_stride +
                 static_cast<size_t>(kv_head) * D;
             const KV* base = (r < lines ? k_pool : v_pool) + row;
-            asm volatile(
-                "prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(base) + (r % lines) * 128));
+            prefetch_l2(reinterpret_cast<const char*>(base) + (r % lines) * 128);
         }
     }
     griddep_wait();

@@ -35,6 +35,11 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
+// Asks L2 for the 128-byte line at p (no registers wait for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // kernel<<<grid, block, smem, launch.stream>>>(args...), with programmatic stream serialisation
 // when launch.overlap (the kernel may start before the previous one on the stream has finished).
 template <typename... Params, typename... Args>
@@ -57,17 +62,6 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
 
 // Raises a kernel's dynamic shared memory limit once (before a graph capture, by the eager warm-up
 // step), so launches inside a capture make no attribute calls.
-// The current device's SM count (asked once).
-inline int device_sms() {
-    static const int sms = [] {
-        int device = 0, count = 0;
-        MOERL_CUDA_CHECK(cudaGetDevice(&device));
-        MOERL_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-        return count;
-    }();
-    return sms;
-}
-
 inline void ensure_dynamic_smem(const void* kernel, size_t bytes) {
     if (bytes <= 48 * 1024) return;
     static std::mutex mu;
@@ -298,34 +292,6 @@ __device__ __forceinline__ uint8_t to_e4m3(float v, float scale) {
 }
 __device__ __forceinline__ float e4m3_to_float(uint8_t b) {
     return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
-}
-// Two e4m3 bytes (the low 16 bits) to an fp16 pair, exactly.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
-    const __half2_raw h =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-
-// 8 bf16 to 8 fp16, saturating at fp16's largest finite magnitude.
-__device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& raw) {
-    const auto* in = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    uint4 out;
-    auto* o = reinterpret_cast<__half2*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(in[i]);
-        o[i] =
-            __floats2half2_rn(fminf(fmaxf(f.x, -65504.0f), 65504.0f), fminf(fmaxf(f.y, -65504.0f), 65504.0f));
-    }
-    return out;
-}
-
-// Halves after each fp16 token row of the FP8 products' tiles: the rows a quarter warp reads start 16
-// bytes apart modulo 128.
-constexpr int kFp8TokenPad = 8;
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // One warp stores the D values at src as an FP8 KV-cache row: dst [D] e4m3, *scale_out its scale.

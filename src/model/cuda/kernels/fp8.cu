@@ -163,6 +163,42 @@ void launch_dense_rows_fp8(const void* in, const uint8_t* q, const float* scales
 namespace moerl::model::cuda {
 namespace {
 
+// The current device's SM count (asked once).
+inline int device_sms() {
+    static const int sms = [] {
+        int device = 0, count = 0;
+        MOERL_CUDA_CHECK(cudaGetDevice(&device));
+        MOERL_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+        return count;
+    }();
+    return sms;
+}
+
+// Two e4m3 bytes (the low 16 bits) to an fp16 pair, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// 8 bf16 to 8 fp16, saturating at fp16's largest finite magnitude.
+__device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& raw) {
+    const auto* in = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    uint4 out;
+    auto* o = reinterpret_cast<__half2*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(in[i]);
+        o[i] =
+            __floats2half2_rn(fminf(fmaxf(f.x, -65504.0f), 65504.0f), fminf(fmaxf(f.y, -65504.0f), 65504.0f));
+    }
+    return out;
+}
+
+// Halves after each fp16 token row of the FP8 products' tiles: the rows a quarter warp reads start 16
+// bytes apart modulo 128.
+constexpr int kFp8TokenPad = 8;
+
 // The products of FP8 rollout on the tensor cores, for any number of tokens: a block takes 64 /
 // kSplit output rows of one weight matrix (the dense projection's, or one routed expert's: gate and
 // up rows alike for the gated experts) and every token of that matrix, in passes of 8 * kNTiles
@@ -604,7 +640,7 @@ void launch_moe_down_fp8(const void* act, const uint8_t* down_q, const float* do
                          const Launch& launch) {
     const int per_expert = max_active > 0 ? (B * K + max_active - 1) / max_active : 0;
     launch_fp8_tiles<Fp8Product::kDown>(
-        {act, down_q, down_scales, nullptr, nullptr, B, 1, I, H, max_active, nullptr, y}, per_expert, r,
+        {act, down_q, down_scales, nullptr, nullptr, B * K, 1, I, H, max_active, nullptr, y}, per_expert, r,
         launch);
 }
 

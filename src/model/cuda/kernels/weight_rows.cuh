@@ -106,7 +106,7 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* w, int row0, int rows,
     const char* base = reinterpret_cast<const char*>(w) + first * row_bytes;
     const size_t bytes = (last - first) * row_bytes;
     for (size_t off = threadIdx.x * size_t{128}; off < bytes; off += blockDim.x * size_t{128})
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
+        prefetch_l2(base + off);
 }
 
 // Copies rows [row0, row0 + rows) of w [out_rows, cols] (16-byte aligned rows) into dst, asynchronously
