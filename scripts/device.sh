@@ -355,24 +355,22 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b.yaml --steps 5 --warmup 2 --out "$RL_TMP/bench-big" \
         --save-policy "$RL_TMP/bench-big-policy" >"$OUT/bench-rl-big.log" 2>&1
       step bench_rl_big "rc=$? $(grep -oE '[0-9.]+% of the device copy bandwidth' "$OUT/bench-rl-big.log" | head -1)"
-      # The loop's decode against the engine alone on the same routing: the last policy's weights,
-      # the loop's batch (16 prompts x 8) and lengths, then random weights of the same shape.
-      timeout 150 "$MOERL" bench rollout --device cuda --model "$RL_TMP/bench-big-policy" --batch 128 --prompt 16 \
-        --new 128 >"$OUT/bench-rollout-policy.log" 2>&1
-      step bench_rollout_policy "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-policy.log" | head -1)"
-      timeout 150 "$MOERL" bench rollout --device cuda --layers 4 --batch 128 --prompt 16 --new 128 \
-        >>"$OUT/bench-rollout-policy.log" 2>&1
-      step bench_rollout_random "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-policy.log" | tail -1)"
-      # The loop's batch itself: 16 prompts x 8 samples drawn at temperature 1 on the device, a step
-      # queued ahead, routing recorded (the group's samples route alike: fewer distinct experts).
+      # The loop's decode against the engine alone: the last policy's weights, the loop's batch (16
+      # prompts x 8 samples drawn at temperature 1 on the device, a step queued ahead, routing
+      # recorded) and lengths; first on the run's own prompts (--prompts-from: they route as the loop's
+      # do), then on random prompts of 16 tokens (they reach more distinct experts).
+      timeout 150 "$MOERL" bench rollout --device cuda --model "$RL_TMP/bench-big-policy" --batch 128 --group 8 \
+        --prompts-from examples/gpu-qwen3-30b-a3b.yaml --new 128 --temperature 1 --record-routing \
+        >"$OUT/bench-rollout-policy.log" 2>&1
+      step bench_rollout_policy_run_prompts "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-policy.log" | tail -2 | tr '\n' ' ')"
       timeout 150 "$MOERL" bench rollout --device cuda --model "$RL_TMP/bench-big-policy" --batch 128 --group 8 \
         --prompt 16 --new 128 --temperature 1 --record-routing >>"$OUT/bench-rollout-policy.log" 2>&1
-      step bench_rollout_policy_groups "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-policy.log" | tail -2 | tr '\n' ' ')"
+      step bench_rollout_policy_random_prompts "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-policy.log" | tail -2 | tr '\n' ' ')"
       # MOERL_DEVICE_PROFILE=1: time per kernel kind of both (eager steps), where the fixed cost of a step is.
       if [ "${MOERL_DEVICE_PROFILE:-0}" = 1 ]; then
-        for m in --model="$RL_TMP/bench-big-policy" --layers=4; do
-          timeout 100 "$MOERL" bench rollout --device cuda "$m" --batch 128 --prompt 16 --new 16 --profile \
-            >>"$OUT/bench-profile-policy.log" 2>&1
+        for p in --prompts-from=examples/gpu-qwen3-30b-a3b.yaml --prompt=16; do
+          timeout 100 "$MOERL" bench rollout --device cuda --model "$RL_TMP/bench-big-policy" "$p" --batch 128 \
+            --group 8 --new 32 --profile >>"$OUT/bench-profile-policy.log" 2>&1
         done
       fi
       rm -rf "$RL_TMP/bench-big-policy"

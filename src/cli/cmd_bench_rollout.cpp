@@ -35,6 +35,7 @@
 
 #ifdef MOERL_HAVE_CMD_RUN
 #include "moerl/rl/config.hpp"
+#include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/roles.hpp"
 #endif
 
@@ -51,6 +52,11 @@ struct RolloutArgs {
     int new_tokens = 128;
     std::vector<int> prompts{128}, news{128};  // cuda: --prompt / --new sweeps
     int group = 1;  // cuda: samples per prompt (a GRPO group), run with and without shared prompt blocks
+    // cuda: a run configuration whose prompts (task or dataset, through its tokenizer and chat
+    // template) the batches decode instead of random ones, so that they route as that run's rollout
+    // does; run_prompts holds them once loaded, prompt i of the run's steps in order.
+    std::string prompts_from;
+    std::vector<std::vector<int64_t>> run_prompts;
     std::vector<std::string> weights{"bf16"};    // cuda: what decode reads: bf16, fp8 (e4m3 copies)
     std::vector<std::string> kv_caches{"bf16"};  // cuda: the KV cache: bf16, fp8 (e4m3 rows, scales)
     int sequences = 512;                         // cpu
@@ -105,17 +111,27 @@ struct Row {
 
 constexpr int kBlockSize = 16;  // tokens per cache block
 
-// B sequences of a.prompt random tokens, a.group samples of each prompt one after another.
+// B sequences of a.prompt random tokens (or the run's prompts, --prompts-from), a.group samples of
+// each prompt one after another.
 Row bench_batch(model::Generator& gen, const model::ModelConfig& c, const RolloutArgs& a, int B) {
     Row row;
     row.prompt = a.prompt;
     row.new_tokens = a.new_tokens;
     row.batch = B;
-    at::Tensor prompts = at::randint(1, c.vocab_size, {B / a.group, a.prompt}, at::kLong);
     std::vector<std::vector<int64_t>> ps(B);
-    for (int b = 0; b < B; ++b) {
-        const int64_t* p = prompts[b / a.group].data_ptr<int64_t>();
-        ps[b].assign(p, p + a.prompt);
+    if (!a.run_prompts.empty()) {
+        int64_t tokens = 0;
+        for (int b = 0; b < B; ++b) {
+            ps[b] = a.run_prompts[static_cast<size_t>(b / a.group)];
+            tokens += static_cast<int64_t>(ps[b].size());
+        }
+        row.prompt = static_cast<int>((tokens + B / 2) / B);  // the mean length
+    } else {
+        at::Tensor prompts = at::randint(1, c.vocab_size, {B / a.group, a.prompt}, at::kLong);
+        for (int b = 0; b < B; ++b) {
+            const int64_t* p = prompts[b / a.group].data_ptr<int64_t>();
+            ps[b].assign(p, p + a.prompt);
+        }
     }
     const model::GeneratorStats before = gen.stats();
     const int64_t free_before = gen.free_blocks();
@@ -419,17 +435,51 @@ void bench_format(const model::MoeModel& m, const model::ModelConfig& c, const R
     }
 }
 
-void bench_cuda(const RolloutArgs& args) {
-    MOERL_CHECK(torch::cuda::is_available(), "bench rollout --device cuda: no CUDA device is available");
-    MOERL_CHECK(model::Generator::available(),
-                "bench rollout --device cuda: this build has no CUDA generation engine");
+// --prompts-from: the first n prompts of the run configuration at `path` (train.prompts_per_step a
+// step, the steps in order, as its rollout takes them), each checked against the model's vocabulary.
+std::vector<std::vector<int64_t>> load_run_prompts(const std::string& path, int n, int64_t vocab_size) {
+#ifdef MOERL_HAVE_CMD_RUN
+    const rl::RunConfig rc = rl::RunConfig::load(path);
+    const std::unique_ptr<rl::PromptSource> source = rl::make_prompt_source(rc);
+    std::vector<std::vector<int64_t>> prompts;
+    for (int i = 0; i < n; ++i) {
+        const rl::Prompt p = source->train(i / rc.prompts_per_step, i % rc.prompts_per_step);
+        MOERL_CHECK(!p.tokens.empty(), "--prompts-from ", path, ": prompt ", i, " has no tokens");
+        for (int t : p.tokens)
+            MOERL_CHECK(t >= 0 && t < vocab_size, "--prompts-from ", path, ": prompt ", i, " has token id ",
+                        t, ", outside the model's vocabulary of ", vocab_size);
+        prompts.emplace_back(p.tokens.begin(), p.tokens.end());
+    }
+    return prompts;
+#else
+    (void)path, (void)n, (void)vocab_size;
+    MOERL_FAIL("--prompts-from reads a run configuration's prompts; this build has no rl layer");
+#endif
+}
+
+void bench_cuda(RolloutArgs args) {
     const model::ModelConfig c = !args.model_dir.empty() ? model::ModelConfig::load(args.model_dir)
                                  : args.config.empty()   ? qwen3_30b_a3b_shape(args.layers)
                                                          : model::ModelConfig::load(args.config);
     for (int B : args.batches)
         MOERL_CHECK(B % args.group == 0, "--batch ", B, " is not a multiple of --group ", args.group);
+    std::string prompts = "random prompts";
+    if (!args.prompts_from.empty()) {
+        const int groups = *std::max_element(args.batches.begin(), args.batches.end()) / args.group;
+        args.run_prompts = load_run_prompts(args.prompts_from, groups, c.vocab_size);
+        size_t longest = 0, tokens = 0;
+        for (const auto& p : args.run_prompts) longest = std::max(longest, p.size()), tokens += p.size();
+        args.prompts = {static_cast<int>(longest)};  // sizes the cache; the rows report the mean
+        prompts = "the prompts of " + args.prompts_from + " (" + std::to_string(args.run_prompts.size()) +
+                  ", mean " +
+                  std::to_string((tokens + args.run_prompts.size() / 2) / args.run_prompts.size()) +
+                  " tokens, longest " + std::to_string(longest) + ")";
+    }
     MOERL_CHECK(args.hf_dir.empty() || (args.prompts.size() == 1 && args.news.size() == 1 && args.group == 1),
                 "--hf-dir compares one case: one --prompt, one --new, no --group");
+    MOERL_CHECK(torch::cuda::is_available(), "bench rollout --device cuda: no CUDA device is available");
+    MOERL_CHECK(model::Generator::available(),
+                "bench rollout --device cuda: this build has no CUDA generation engine");
     const at::Device device(at::kCUDA, 0);
     const double copy_bw = copy_bandwidth(device);
     model::MoeModel m = args.model_dir.empty()
@@ -443,11 +493,11 @@ void bench_cuda(const RolloutArgs& args) {
     const std::string decoding = args.temperature > 0 ? sampled : "greedy";
     std::printf(
         "moerl bench rollout: CUDA bf16, %s params (%s active per token), %d layers, hidden %d, %d experts "
-        "top-%d, vocab %d, %s; random prompts%s, %s%s, %s\n",
+        "top-%d, vocab %d, %s; %s%s, %s%s, %s\n",
         human_count(static_cast<double>(c.num_parameters())).c_str(),
         human_count(static_cast<double>(c.num_active_parameters())).c_str(), c.num_hidden_layers,
         c.hidden_size, c.num_experts, c.num_experts_per_tok, c.vocab_size,
-        args.model_dir.empty() ? "random weights" : ("weights of " + args.model_dir).c_str(),
+        args.model_dir.empty() ? "random weights" : ("weights of " + args.model_dir).c_str(), prompts.c_str(),
         args.group > 1 ? (", " + std::to_string(args.group) + " samples a prompt").c_str() : "",
         decoding.c_str(), args.record_routing ? ", routing recorded" : "",
         args.profile     ? "eager launches, profiled"
@@ -718,9 +768,10 @@ void register_bench_rollout(CLI::App& bench) {
     b->add_option("--batch", a->batches, "Batch sizes, e.g. 1,16,64,256 (cpu: max_batch values)")
         ->delimiter(',')
         ->check(CLI::Range(1, 1 << 24));
-    b->add_option("--prompt", a->prompts, "cuda: prompt tokens per sequence; a list sweeps, e.g. 2048,8192")
-        ->delimiter(',')
-        ->check(CLI::Range(1, 1 << 24));
+    CLI::Option* prompt = b->add_option("--prompt", a->prompts,
+                                        "cuda: prompt tokens per sequence; a list sweeps, e.g. 2048,8192")
+                              ->delimiter(',')
+                              ->check(CLI::Range(1, 1 << 24));
     b->add_option("--new", a->news, "cuda: generated tokens per sequence (>= 4); a list sweeps")
         ->delimiter(',')
         ->check(CLI::Range(1, 1 << 24));
@@ -728,6 +779,12 @@ void register_bench_rollout(CLI::App& bench) {
                   "cuda: samples per prompt (a GRPO group; divides every batch); each case runs with the "
                   "group's prompt blocks shared and with a copy each")
         ->check(CLI::Range(1, 1 << 16));
+    CLI::Option* from = b->add_option(
+        "--prompts-from", a->prompts_from,
+        "cuda: decode the prompts of this run configuration (its task or dataset, tokenizer and chat "
+        "template; --group samples each) instead of random ones, so the batch routes as the run's rollout "
+        "does");
+    from->excludes(prompt);
     b->add_option("--weights", a->weights,
                   "cuda: what decode steps read, a list compares: bf16, fp8 (e4m3 copies with 128 x 128 "
                   "block scales; with fp8 also the greedy agreement and log-prob difference against bf16)")
@@ -781,6 +838,11 @@ void register_bench_rollout(CLI::App& bench) {
                          a->join_chunks.empty()),
                     "--temperature and --record-routing apply to the CUDA engine's decode cases: they need "
                     "--device cuda and none of --ep, --hf-dir, --join-chunk");
+        MOERL_CHECK(
+            a->prompts_from.empty() || (a->device.rfind("cuda", 0) == 0 && a->ep_ranks == 0 &&
+                                        a->hf_dir.empty() && a->join_chunks.empty()),
+            "--prompts-from applies to the CUDA engine's decode cases: it needs --device cuda and none "
+            "of --ep, --hf-dir, --join-chunk");
         if (a->ep_ranks > 0) {
             MOERL_CHECK(
                 a->prompts.size() == 1 && a->news.size() == 1 && a->group == 1 &&

@@ -52,6 +52,24 @@ echo "$out" | grep -q -- "none of --ep" || fail "unclear refusal of --record-rou
 out=$("$moerl" bench rollout --device cuda --temperature -1 2>&1) && fail "--temperature -1 accepted"
 echo "$out" | grep -q -- "--temperature: Value -1 not in range" || fail "unclear refusal of --temperature -1: $out"
 
+# --prompts-from decodes a run configuration's prompts: refused with --prompt or off the CUDA engine,
+# and a prompt token the model's vocabulary lacks is named (checked before any device is touched).
+out=$("$moerl" bench rollout --device cuda --prompts-from run.yaml --prompt 8 2>&1) && fail "--prompt accepted"
+echo "$out" | grep -q -- "--prompt excludes --prompts-from" || fail "unclear refusal of --prompt: $out"
+out=$("$moerl" bench rollout --device cpu --prompts-from run.yaml 2>&1) && fail "--prompts-from on the CPU accepted"
+echo "$out" | grep -q -- "--prompts-from applies to the CUDA engine" || fail "unclear refusal on the CPU: $out"
+if "$moerl" run --help >/dev/null 2>&1; then
+  sed 's/"vocab_size": 64/"vocab_size": 4/' tiny.json >tiny-vocab4.json
+  printf 'task: {kind: sort, length: 3, max_value: 5}\ntrain: {prompts_per_step: 2, group_size: 2}\n' >run.yaml
+  out=$("$moerl" bench rollout --device cuda --config tiny-vocab4.json --prompts-from run.yaml --batch 4 \
+    --group 2 2>&1) && fail "prompts outside the vocabulary accepted"
+  echo "$out" | grep -qE -- "--prompts-from run.yaml: prompt 0 has token id [0-9]+, outside the model's vocabulary of 4" ||
+    fail "unclear refusal of an out-of-vocabulary prompt: $out"
+  out=$("$moerl" bench rollout --device cuda --config tiny.json --prompts-from missing.yaml 2>&1) &&
+    fail "a missing run configuration accepted"
+  echo "$out" | grep -q "missing.yaml" || fail "the missing run configuration is not named: $out"
+fi
+
 # Rollout over EP on a machine without the GPUs: every transport's row names the missing device.
 out=$(CUDA_VISIBLE_DEVICES= "$moerl" bench rollout --device cuda --ep 2 --transport cuda,nccl --layers 1 --batch 1 \
   --new 3 2>&1)
