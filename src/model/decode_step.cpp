@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/version.h>
 
@@ -53,7 +54,10 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
         const size_t layer_bytes = 2 * (pool_bytes + scale_bytes);
         const int device =
             m.options.device.has_index() ? m.options.device.index() : c10::cuda::current_device();
-        cache_memory = std::make_unique<DeviceRegion>(device, m.layers.size() * layer_bytes);
+        cache_memory = std::make_unique<DeviceRegion>(
+            device, m.layers.size() * layer_bytes, "the KV cache",
+            "lower rollout.max_batch or rollout max_seq_len, or GeneratorOptions::num_blocks; or halve it "
+            "with rollout.kv_cache_dtype: fp8");
         char* base = static_cast<char*>(cache_memory->data());
         for (size_t l = 0; l < m.layers.size(); ++l) {
             char* layer = base + l * layer_bytes;
@@ -67,6 +71,7 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
                 at::from_blob(layer + 2 * pool_bytes + scale_bytes, {num_blocks, opt.block_size, Hkv_}, f32));
         }
     }
+    place_weight_copies();
     take_weights();
     const int64_t B = opt.max_batch;
     tokens = at::zeros({B}, t.dtype(at::kLong));
@@ -142,18 +147,70 @@ void Generator::DecodeStep::record(int moe_index, int B, const cuda::Launch& lau
                                        row, B, cudaMemcpyDeviceToDevice, launch.stream));
 }
 
+void Generator::DecodeStep::place_weight_copies() {
+    // What the copies are (tensor, sizes, element type), then their bytes, then views of the region.
+    struct Copy {
+        at::Tensor* into;
+        std::vector<int64_t> sizes;
+        at::ScalarType dtype;
+    };
+    std::vector<Copy> copies;
+    const size_t L = m_.layers.size();
+    qkv_weight_.resize(L);
+    for (size_t l = 0; l < L; ++l)
+        copies.push_back({&qkv_weight_[l], {(Hq_ + 2 * Hkv_) * D_, H_}, m_.options.dtype});
+    if (opt_.fp8_weights) {
+        auto fp8 = [&](std::vector<int64_t> sizes, Fp8Matrix& f) {
+            const int64_t batch = sizes.size() == 3 ? sizes[0] : 1, rows = sizes[sizes.size() - 2],
+                          cols = sizes.back();
+            copies.push_back({&f.q, sizes, at::kByte});
+            copies.push_back({&f.scales,
+                              {batch, (rows + cuda::kFp8BlockRows - 1) / cuda::kFp8BlockRows,
+                               (cols + cuda::kFp8BlockCols - 1) / cuda::kFp8BlockCols},
+                              at::kFloat});
+        };
+        fp8_layers_.resize(L);
+        for (size_t l = 0; l < L; ++l) {
+            const LayerWeights& w = m_.layers[l];
+            Fp8Layer& f = fp8_layers_[l];
+            fp8({(Hq_ + 2 * Hkv_) * D_, H_}, f.qkv);
+            fp8(w.o_proj.sizes().vec(), f.o);
+            if (w.moe_index < 0) continue;
+            fp8(w.experts_gate.sizes().vec(), f.gate);
+            fp8(w.experts_up.sizes().vec(), f.up);
+            fp8(w.experts_down.sizes().vec(), f.down);
+        }
+        fp8(m_.output_weight().sizes().vec(), fp8_head_);
+    }
+    auto bytes = [](const Copy& c) {
+        int64_t n = 1;
+        for (int64_t d : c.sizes) n *= d;
+        return (static_cast<size_t>(n) * at::elementSize(c.dtype) + 255) / 256 * 256;
+    };
+    size_t total = 0;
+    for (const Copy& c : copies) total += bytes(c);
+    const int device =
+        m_.options.device.has_index() ? m_.options.device.index() : c10::cuda::current_device();
+    weight_copies = std::make_unique<DeviceRegion>(
+        device, total,
+        "the rollout's weight copies (the fused q/k/v projection; e4m3 with rollout.dtype fp8)",
+        "rollout.dtype bf16 keeps no e4m3 copies; a smaller train.micro_batch_tokens leaves the trainer's "
+        "cache smaller");
+    char* next = static_cast<char*>(weight_copies->data());
+    for (const Copy& c : copies) {
+        *c.into = at::from_blob(next, c.sizes, at::TensorOptions().device(m_.options.device).dtype(c.dtype));
+        next += bytes(c);
+    }
+}
+
 void Generator::DecodeStep::take_weights() {
+    if (!weight_copies->mapped()) take_memory(*weight_copies);
     for (size_t l = 0; l < m_.layers.size(); ++l) {
         const LayerWeights& w = m_.layers[l];
-        at::Tensor fused = at::cat({w.q_proj.detach(), w.k_proj.detach(), w.v_proj.detach()}, 0);
-        if (qkv_weight_.size() <= l)
-            qkv_weight_.push_back(fused);
-        else
-            qkv_weight_[l].copy_(fused);
+        at::cat_out(qkv_weight_[l], {w.q_proj.detach(), w.k_proj.detach(), w.v_proj.detach()}, 0);
     }
     if (!opt_.fp8_weights) return;
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-    fp8_layers_.resize(m_.layers.size());
     for (size_t l = 0; l < m_.layers.size(); ++l) {
         const LayerWeights& w = m_.layers[l];
         Fp8Layer& f = fp8_layers_[l];
@@ -168,18 +225,21 @@ void Generator::DecodeStep::take_weights() {
     MOERL_CUDA_CHECK(cudaGetLastError());
 }
 
+void Generator::DecodeStep::take_memory(DeviceRegion& region) {
+    if (region.map(/*may_fail=*/true)) return;
+    // What training left in LibTorch's cache goes back to the driver first.
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    region.map();
+}
+
 void Generator::DecodeStep::quantize(const at::Tensor& w, Fp8Matrix& into, cudaStream_t stream) {
     const at::Tensor src = w.detach().contiguous();
     MOERL_CHECK(src.scalar_type() == at::kBFloat16 && (src.dim() == 2 || src.dim() == 3),
                 "fp8_weights: expected bf16 weights of 2 or 3 dimensions, got ", src.scalar_type(), " ",
                 src.sizes());
     const int64_t batch = src.dim() == 3 ? src.size(0) : 1, rows = src.size(-2), cols = src.size(-1);
-    if (!into.q.defined()) {
-        into.q = at::empty(src.sizes(), src.options().dtype(at::kByte));
-        into.scales = at::empty({batch, (rows + cuda::kFp8BlockRows - 1) / cuda::kFp8BlockRows,
-                                 (cols + cuda::kFp8BlockCols - 1) / cuda::kFp8BlockCols},
-                                src.options().dtype(at::kFloat));
-    }
+    MOERL_CHECK(into.q.sizes() == src.sizes(), "fp8_weights: the weight ", src.sizes(),
+                " changed shape since its e4m3 copy ", into.q.sizes(), " was placed");
     cuda::launch_quantize_fp8_blocks(1, src.data_ptr(), batch, rows, cols, into.q.data_ptr<uint8_t>(),
                                      into.scales.data_ptr<float>(), {stream, false});
 }

@@ -28,8 +28,12 @@ class Generator::DecodeStep {
     void run(int B, const int64_t* token_ids);
 
     // Re-reads the weights kept in the step's own layout from the model's: the fused q/k/v
-    // projection and, with GeneratorOptions::fp8_weights, the e4m3 copies (quantised again).
+    // projection and, with GeneratorOptions::fp8_weights, the e4m3 copies (quantised again). Takes
+    // weight_copies' memory back first when it was given back.
     void take_weights();
+    // Maps a region given back, emptying LibTorch's allocator cache first when the GPU lacks the
+    // bytes; throws naming them when even that is not enough.
+    static void take_memory(DeviceRegion& region);
 
     // With GeneratorOptions::fp8_weights: bytes a step of `rows` rows reads less than in bf16 for
     // the dense projections (q/k/v, o, LM head), which it reads in e4m3 up to kFp8DenseMaxRows rows;
@@ -67,6 +71,10 @@ class Generator::DecodeStep {
         return {k_scale[l].data_ptr<float>(), v_scale[l].data_ptr<float>()};
     }
     std::unique_ptr<DeviceRegion> cache_memory;
+    // The weights kept in the step's own layout (qkv_weight_ and the e4m3 copies) are views of this
+    // region: given back with the KV cache while training runs (their contents are lost; take_weights
+    // fills them again at the next sync or prefill), at unchanged addresses for the graphs.
+    std::unique_ptr<DeviceRegion> weight_copies;
     StepProfiler profiler;
 
   private:
@@ -82,7 +90,10 @@ class Generator::DecodeStep {
     // e4m3 copy `fp8` on the tensor cores when given.
     void linear(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out, int B,
                 const cuda::Launch& launch, const Fp8Matrix* fp8 = nullptr) const;
-    // into = e4m3(w) (allocated on first use, then rewritten in place: the graphs keep its address).
+    // Views of weight_copies for qkv_weight_ and, with GeneratorOptions::fp8_weights, every e4m3
+    // copy and its scales (256-byte aligned each).
+    void place_weight_copies();
+    // into = e4m3(w), rewritten in place (the graphs keep its address).
     static void quantize(const at::Tensor& w, Fp8Matrix& into, cudaStream_t stream);
     // The experts of a large batch as grouped GEMMs (LibTorch >= 2.8), into y.
     void experts_grouped(int B, const LayerWeights& w, const cuda::Launch& launch);

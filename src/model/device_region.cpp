@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "moerl/core/cuda_check.hpp"
 #include "moerl/core/error.hpp"
@@ -35,7 +36,8 @@ double gib(size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 
 
 }  // namespace
 
-DeviceRegion::DeviceRegion(int device, size_t bytes) : device_(device) {
+DeviceRegion::DeviceRegion(int device, size_t bytes, std::string what, std::string advice)
+    : device_(device), what_(std::move(what)), advice_(std::move(advice)) {
     MOERL_CU_CHECK(cuInit(0));
     const CUmemAllocationProp prop = device_memory(device);
     size_t granularity = 0;
@@ -76,11 +78,8 @@ bool DeviceRegion::map(bool may_fail) {
         if (may_fail) return false;
         size_t free = 0, total = 0;
         cudaMemGetInfo(&free, &total);
-        MOERL_FAIL(
-            "GPU ", device_, " out of memory: the KV cache needs ", gib(size_), " GiB, ", gib(free),
-            " GiB of ", gib(total),
-            " are free (lower rollout.max_batch or rollout max_seq_len, or GeneratorOptions::num_blocks; or "
-            "halve it with rollout.kv_cache_dtype: fp8)");
+        MOERL_FAIL("GPU ", device_, " out of memory: ", what_, " needs ", gib(size_), " GiB, ", gib(free),
+                   " GiB of ", gib(total), " are free (", advice_, ")");
     }
     MOERL_CU_CHECK(r);
     const CUdeviceptr base = static_cast<CUdeviceptr>(base_);

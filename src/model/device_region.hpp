@@ -3,20 +3,22 @@
 // allocation mapped into it while held). Tensors viewing the range, and CUDA graphs that captured
 // kernels reading it, stay valid across a give-back; the contents do not.
 //
-//   DeviceRegion r(device, bytes);  // reserved and mapped, zeroed
+//   DeviceRegion r(device, bytes, "the KV cache", "lower rollout.max_batch");  // reserved, mapped, zeroed
 //   r.unmap();                      // the GPU memory is free for others (training)
 //   r.map();                        // taken again, zeroed
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace moerl::model {
 
 class DeviceRegion {
   public:
-    // Reserves `bytes` (rounded up to the allocation granularity) on the device and maps them.
-    DeviceRegion(int device, size_t bytes);
+    // Reserves `bytes` (rounded up to the allocation granularity) on the device and maps them. `what`
+    // names the contents and `advice` how to need less, for the out-of-memory error.
+    DeviceRegion(int device, size_t bytes, std::string what, std::string advice);
     ~DeviceRegion();
     DeviceRegion(const DeviceRegion&) = delete;
     DeviceRegion& operator=(const DeviceRegion&) = delete;
@@ -33,6 +35,7 @@ class DeviceRegion {
 
   private:
     int device_;
+    std::string what_, advice_;
     size_t size_ = 0;
     uint64_t base_ = 0;    // CUdeviceptr
     uint64_t handle_ = 0;  // CUmemGenericAllocationHandle while mapped

@@ -291,7 +291,7 @@ GenerationStep Generator::prefill(const std::vector<int>& slots,
     MOERL_CHECK(!slots.empty(), "prefill: no sequences");
     const int64_t n = static_cast<int64_t>(slots.size());
     const int bs = g.opt.block_size;
-    restore_cache_memory();
+    restore_memory();
     // Identical prompts of empty slots (the samples of a GRPO group) run through the model once:
     // row_of[i] is the model row of prompt i, and leaders[r] the first prompt of row r. A slot that
     // already holds tokens (an earlier chunk of its prompt) is always a row of its own.
@@ -660,33 +660,42 @@ void Generator::idle_step() {
     g.step.idle_ep();
 }
 
-int64_t Generator::release_cache_memory() {
+int64_t Generator::release_memory() {
     Impl& g = *impl_;
-    DeviceRegion& region = *g.step.cache_memory;
-    if (!region.mapped()) return 0;
+    DeviceRegion& cache = *g.step.cache_memory;
+    DeviceRegion& copies = *g.step.weight_copies;
+    if (!cache.mapped() && !copies.mapped()) return 0;
     std::string holding;
     for (int s = 0; s < g.opt.max_batch; ++s)
         if (g.length[s] > 0) holding += (holding.empty() ? "" : ", ") + std::to_string(s);
-    MOERL_CHECK(holding.empty(), "release_cache_memory: slots ", holding,
+    MOERL_CHECK(holding.empty(), "release_memory: slots ", holding,
                 " still hold sequences in the KV cache (release them first)");
     c10::cuda::CUDAGuard device_guard(g.device);
-    MOERL_CUDA_CHECK(cudaDeviceSynchronize());  // the last steps reading the pools
-    region.unmap();
-    return static_cast<int64_t>(region.size());
+    MOERL_CUDA_CHECK(cudaDeviceSynchronize());  // the last steps reading them
+    int64_t bytes = 0;
+    for (DeviceRegion* region : {&cache, &copies})
+        if (region->mapped()) {
+            region->unmap();
+            bytes += static_cast<int64_t>(region->size());
+        }
+    return bytes;
 }
 
-void Generator::restore_cache_memory() {
-    DeviceRegion& region = *impl_->step.cache_memory;
-    if (region.mapped()) return;
-    c10::cuda::CUDAGuard device_guard(impl_->device);
-    if (region.map(/*may_fail=*/true)) return;
-    // What training left in LibTorch's cache goes back to the driver first.
-    c10::cuda::CUDACachingAllocator::emptyCache();
-    region.map();
+void Generator::restore_memory() {
+    Impl& g = *impl_;
+    c10::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard device_guard(g.device);
+    if (!g.step.cache_memory->mapped()) DecodeStep::take_memory(*g.step.cache_memory);
+    if (!g.step.weight_copies->mapped()) g.step.take_weights();
 }
 
 int64_t Generator::cache_memory_bytes() const {
     const DeviceRegion& region = *impl_->step.cache_memory;
+    return region.mapped() ? static_cast<int64_t>(region.size()) : 0;
+}
+
+int64_t Generator::weight_copy_bytes() const {
+    const DeviceRegion& region = *impl_->step.weight_copies;
     return region.mapped() ? static_cast<int64_t>(region.size()) : 0;
 }
 

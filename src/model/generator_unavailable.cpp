@@ -36,9 +36,10 @@ int Generator::queued_steps() const { unavailable(); }
 void Generator::wait_queued() { unavailable(); }
 void Generator::drop_queued() { unavailable(); }
 int64_t Generator::shared_blocks() const { unavailable(); }
-int64_t Generator::release_cache_memory() { unavailable(); }
-void Generator::restore_cache_memory() { unavailable(); }
+int64_t Generator::release_memory() { unavailable(); }
+void Generator::restore_memory() { unavailable(); }
 int64_t Generator::cache_memory_bytes() const { unavailable(); }
+int64_t Generator::weight_copy_bytes() const { unavailable(); }
 GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std::vector<int64_t>>&) {
     unavailable();
 }

@@ -1041,9 +1041,9 @@ size_t RolloutEngine::num_active() const {
 size_t RolloutEngine::num_waiting() const {
     return spread_ ? spread_->pending.size() : impl_->waiting.size();
 }
-int64_t RolloutEngine::release_cache_memory() {
+int64_t RolloutEngine::release_memory() {
     if (!impl_->gen || !idle()) return 0;
-    return impl_->gen->release_cache_memory();
+    return impl_->gen->release_memory();
 }
 
 namespace {

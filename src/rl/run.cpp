@@ -66,10 +66,10 @@ class LocalProducer final : public ExperienceProducer {
             reward_->work(control::Millis(0));
             p.reward_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         }
-        // Rollout and training take turns on one GPU: the trainer gets the KV cache's memory until
-        // the next step's prefill takes it back.
+        // Rollout and training take turns on one GPU: the trainer gets the KV cache's memory and the
+        // engine's weight copies until the next sync or prefill takes them back.
         if (cfg_.rollout_device == "cuda" && cfg_.train_device == "cuda")
-            p.cache_released_bytes = worker_->release_cache_memory();
+            p.rollout_released_bytes = worker_->release_memory();
         return p;
     }
 

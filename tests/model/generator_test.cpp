@@ -930,53 +930,75 @@ size_t free_device_bytes() {
     return free;
 }
 
-// Colocated RL: the KV cache's memory goes back to the GPU between rollouts (the driver's free
-// memory grows by it), the next prefill takes it back, and generation through the graphs captured
-// before gives the same tokens. A sequence still in the cache keeps it, with an error naming its slot.
-TEST(Generator, CacheMemoryGoesBackAndGenerationResumes) {
+// Colocated RL: the generator's own memory (the KV cache and its weight copies: the fused q/k/v
+// projection, with FP8 weights every e4m3 copy) goes back to the GPU between rollouts (the driver's
+// free memory grows by it), a weight sync or the next prefill takes it back, and generation through
+// the graphs captured before gives the same tokens. A sequence still in the cache keeps it, with an
+// error naming its slot.
+TEST(Generator, OwnMemoryGoesBackAndGenerationResumes) {
     SKIP_WITHOUT_ENGINE();
-    const ModelConfig c = engine_config();
+    const ModelConfig c = fp8_config();  // e4m3 copies need columns in blocks of 64
     Twins t(c, at::kBFloat16);
-    Generator gen(t.gpu, {.max_batch = 8, .max_seq_len = 16384, .block_size = 16});
-    const std::vector<int64_t> prompt = random_prompt(37, c.vocab_size, 51);
-    auto generate = [&] {
-        const int s = gen.acquire();
-        at::Tensor next = gen.prefill({s}, {prompt}).greedy;
-        std::vector<int64_t> out{next.cpu().item<int64_t>()};
-        for (int i = 0; i < 6; ++i) {
-            next = gen.decode({s}, next).greedy;
-            out.push_back(next.cpu().item<int64_t>());
+    for (const bool fp8 : {false, true}) {
+        SCOPED_TRACE(fp8 ? "fp8 weights" : "bf16 weights");
+        Generator gen(t.gpu, {.max_batch = 8, .max_seq_len = 16384, .block_size = 16, .fp8_weights = fp8});
+        const std::vector<int64_t> prompt = random_prompt(37, c.vocab_size, 51);
+        auto generate = [&] {
+            const int s = gen.acquire();
+            at::Tensor next = gen.prefill({s}, {prompt}).greedy;
+            std::vector<int64_t> out{next.cpu().item<int64_t>()};
+            for (int i = 0; i < 6; ++i) {
+                next = gen.decode({s}, next).greedy;
+                out.push_back(next.cpu().item<int64_t>());
+            }
+            return std::make_pair(s, out);
+        };
+        auto [s, before] = generate();
+        const int64_t cache = gen.cache_memory_bytes(), copies = gen.weight_copy_bytes();
+        ASSERT_GT(cache, 32LL << 20);  // 50 MiB: 8 slots x 16k tokens x 3 layers
+        // q/k/v of every layer, bf16; with FP8 also e4m3 copies of the experts and the LM head.
+        const int64_t qkv = int64_t{c.num_hidden_layers} *
+                            (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.hidden_size *
+                            2;
+        EXPECT_GE(copies, fp8 ? qkv + int64_t{c.vocab_size} * c.hidden_size : qkv);
+        try {
+            gen.release_memory();
+            ADD_FAILURE() << "released the memory of a held sequence";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("slots " + std::to_string(s) + " still hold"),
+                      std::string::npos)
+                << e.what();
         }
-        return std::make_pair(s, out);
-    };
-    auto [s, before] = generate();
-    const int64_t held = gen.cache_memory_bytes();
-    ASSERT_GT(held, 32LL << 20);  // 50 MiB: 8 slots x 16k tokens x 3 layers
-    try {
-        gen.release_cache_memory();
-        ADD_FAILURE() << "released the memory of a held sequence";
-    } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("slots " + std::to_string(s) + " still hold"), std::string::npos)
-            << e.what();
+        EXPECT_EQ(gen.cache_memory_bytes(), cache);
+        EXPECT_EQ(gen.weight_copy_bytes(), copies);
+        gen.release(s);
+        torch::cuda::synchronize();
+        const size_t free0 = free_device_bytes();
+        EXPECT_EQ(gen.release_memory(), cache + copies);
+        const size_t free1 = free_device_bytes();
+        EXPECT_GE(static_cast<double>(free1) - static_cast<double>(free0),
+                  0.95 * static_cast<double>(cache + copies));
+        EXPECT_EQ(gen.cache_memory_bytes(), 0);
+        EXPECT_EQ(gen.weight_copy_bytes(), 0);
+        EXPECT_EQ(gen.release_memory(), 0) << "already released";
+        {
+            // What training would do with it meanwhile.
+            const int64_t n = (cache + copies) / 4;
+            at::Tensor scratch = at::ones({n}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+            EXPECT_EQ(scratch.sum().item<double>(), static_cast<double>(n));
+        }
+        if (fp8) {
+            // A weight sync while released refills the copies (the cache waits for the prefill).
+            gen.refresh_weights();
+            EXPECT_EQ(gen.weight_copy_bytes(), copies);
+            EXPECT_EQ(gen.cache_memory_bytes(), 0);
+        }
+        auto [s2, after] = generate();  // the prefill takes the rest back
+        EXPECT_EQ(gen.cache_memory_bytes(), cache);
+        EXPECT_EQ(gen.weight_copy_bytes(), copies);
+        EXPECT_EQ(after, before);
+        gen.release(s2);
     }
-    EXPECT_EQ(gen.cache_memory_bytes(), held);
-    gen.release(s);
-    torch::cuda::synchronize();
-    const size_t free0 = free_device_bytes();
-    EXPECT_EQ(gen.release_cache_memory(), held);
-    const size_t free1 = free_device_bytes();
-    EXPECT_GE(static_cast<double>(free1) - static_cast<double>(free0), 0.95 * static_cast<double>(held));
-    EXPECT_EQ(gen.cache_memory_bytes(), 0);
-    EXPECT_EQ(gen.release_cache_memory(), 0) << "already released";
-    {
-        // What training would do with it meanwhile.
-        at::Tensor scratch = at::ones({held / 4}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
-        EXPECT_EQ(scratch.sum().item<double>(), static_cast<double>(held / 4));
-    }
-    auto [s2, after] = generate();  // the prefill takes the memory back
-    EXPECT_EQ(gen.cache_memory_bytes(), held);
-    EXPECT_EQ(after, before);
-    gen.release(s2);
 }
 #endif
 

@@ -44,7 +44,7 @@ TEST(RlRun, RewardRises) {
     for (const auto& row : read_metrics(s.metrics_path, /*drop_timing=*/false)) {
         prefilled += row.at("prompt_tokens").get<int64_t>();
         EXPECT_EQ(row.at("prompt_tokens_shared").get<int64_t>(), 0);
-        EXPECT_EQ(row.at("kv_released_bytes").get<int64_t>(), 0);
+        EXPECT_EQ(row.at("rollout_released_bytes").get<int64_t>(), 0);
     }
     const int64_t prompt_len = static_cast<int64_t>(make_task_payload(c, 0, 0, 0).prompt_tokens.size());
     EXPECT_EQ(prefilled, int64_t{80} * 16 * 8 * prompt_len);

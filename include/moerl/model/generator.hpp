@@ -206,15 +206,19 @@ class Generator {
     // rank with nothing to decode does while the others decode.
     void idle_step();
 
-    // The KV cache's GPU memory, for a GPU shared with training (colocated RL): release gives it back
-    // to the driver while no sequence holds a block (throws naming the slots that do) and returns
-    // the bytes given back (0 when already released); the addresses stay, and so do the captured
-    // CUDA graphs. restore takes it back (the next prefill does it itself), first emptying LibTorch's
-    // allocator cache when the GPU lacks the bytes; it throws naming them when even that is not
-    // enough. cache_memory_bytes: the bytes held now.
-    int64_t release_cache_memory();
-    void restore_cache_memory();
+    // The generator's own GPU memory, for a GPU shared with training (colocated RL): the KV cache
+    // and the weights it keeps in its own layout (the fused q/k/v projection; with fp8_weights every
+    // e4m3 copy, the bulk of it). release_memory gives both back to the driver while no sequence
+    // holds a block (throws naming the slots that do) and returns the bytes given back (0 when
+    // already released); the addresses stay, and so do the captured CUDA graphs. restore_memory
+    // takes them back and fills the weight copies again from the model's weights (the next prefill
+    // and refresh_weights do it themselves), first emptying LibTorch's allocator cache when the GPU
+    // lacks the bytes; it throws naming them when even that is not enough. cache_memory_bytes and
+    // weight_copy_bytes: the bytes held now.
+    int64_t release_memory();
+    void restore_memory();
     int64_t cache_memory_bytes() const;
+    int64_t weight_copy_bytes() const;
 
     // Re-reads weights the generator keeps in its own layout (the fused q/k/v projection); call
     // after the model's weights changed in place.

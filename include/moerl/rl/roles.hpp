@@ -60,7 +60,8 @@ struct RolloutStats {
     double sync_seconds = 0, last_sync_seconds = 0;
     int64_t sync_bytes = 0;
     std::string sync_path;
-    int64_t cache_bytes_released = 0;  // KV-cache memory given back for training, the last time
+    int64_t memory_released =
+        0;  // bytes of the engine's KV cache and weight copies lent to training, last time
 };
 
 class RolloutWorker {
@@ -84,9 +85,10 @@ class RolloutWorker {
     size_t work(control::Millis wait, const std::atomic<bool>* stop = nullptr, int max_engine_steps = 0);
     // Preemption: gives every leased task back with its partial trajectory.
     size_t release_all();
-    // The engine's KV-cache memory back to the GPU while it holds no sequence (colocated with the
-    // trainer on one GPU: the trainer uses it until the next work()). Returns the bytes.
-    int64_t release_cache_memory();
+    // The engine's own GPU memory (the KV cache, its weight copies) back to the GPU while it holds no
+    // sequence (colocated with the trainer on one GPU: the trainer uses it until the next sync or
+    // work()). Returns the bytes.
+    int64_t release_memory();
     const RolloutStats& stats() const;
     int64_t policy_version() const;
     // False once a rank of the engine has failed (the engine cannot generate again).

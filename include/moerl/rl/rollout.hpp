@@ -145,9 +145,10 @@ class RolloutEngine {
     bool healthy() const;
     // Whether sequences decode through model::Generator.
     bool uses_generator() const;
-    // Gives the CUDA engine's KV-cache memory back while nothing is active or waiting (for training
-    // on the same GPU); the next prefill takes it back. Returns the bytes given back (0 otherwise).
-    int64_t release_cache_memory();
+    // Gives the CUDA engine's own memory (the KV cache, its weight copies) back while nothing is
+    // active or waiting (for training on the same GPU); the next sync or prefill takes it back.
+    // Returns the bytes given back (0 otherwise).
+    int64_t release_memory();
 
     size_t num_active() const;
     size_t num_waiting() const;

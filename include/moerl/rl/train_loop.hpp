@@ -23,13 +23,13 @@ namespace moerl::rl {
 
 // What producing one step's experiences took.
 struct ProducedStep {
-    double tokens_per_s = 0;           // sampled tokens per second of generation
-    double generate_s = 0;             // decoding
-    double reward_s = 0;               // scoring the responses
-    double sync_s = 0;                 // loading the newest policy into the rollout model
-    int64_t sync_bytes = 0;            // of it, weight bytes copied from the trainer's memory
-    std::string sync_path;             // how the newest arrived (RolloutStats::sync_path), "" for none
-    int64_t cache_released_bytes = 0;  // KV-cache memory the rollout gave back for training
+    double tokens_per_s = 0;             // sampled tokens per second of generation
+    double generate_s = 0;               // decoding
+    double reward_s = 0;                 // scoring the responses
+    double sync_s = 0;                   // loading the newest policy into the rollout model
+    int64_t sync_bytes = 0;              // of it, weight bytes copied from the trainer's memory
+    std::string sync_path;               // how the newest arrived (RolloutStats::sync_path), "" for none
+    int64_t rollout_released_bytes = 0;  // the rollout's KV cache and weight copies lent to training
     // Context tokens prefilled, and of them those taken from a group-mate's cache blocks.
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
     DecodeTraffic decode;  // of generate_s, the CUDA engine's decode steps (their bandwidth use)
