@@ -415,8 +415,9 @@ TEST(RlGpu, SamplingOnTheDeviceDrawsFromTheDistribution) {
     }
 }
 
-// After an update on the GPU, a bf16 generator that copied the trainer's weights in place decodes
-// exactly what a generator built on a model loaded from the saved checkpoint decodes.
+// After an update on the GPU, a bf16 generator that lent its memory to the update and copied the
+// trainer's weights in place decodes exactly what a generator built on a model loaded from the saved
+// checkpoint decodes.
 TEST(RlGpu, GeneratorAfterAnInPlaceSyncEqualsAFreshOne) {
     SKIP_WITHOUT_CUDA();
     if (!moerl::model::Generator::available()) GTEST_SKIP() << "no CUDA generation engine in this build";
@@ -435,6 +436,11 @@ TEST(RlGpu, GeneratorAfterAnInPlaceSyncEqualsAFreshOne) {
     moerl::model::MoeModel synced(c.model, o);
     synced.init_random(99);  // other weights to start from
     moerl::model::Generator gen_synced(synced, {.max_batch = 4, .max_seq_len = 64});
+    // Colocated: the engine lends its KV cache and weight copies to the update; the sync and the
+    // prefill take them back.
+    const int64_t own = gen_synced.cache_memory_bytes() + gen_synced.weight_copy_bytes();
+    EXPECT_GT(gen_synced.weight_copy_bytes(), 0);
+    EXPECT_EQ(gen_synced.release_memory(), own);
     trainer.update(batch, group_advantages(rewards, c.group_size));
     {
         c10::NoGradGuard g;
@@ -443,6 +449,7 @@ TEST(RlGpu, GeneratorAfterAnInPlaceSyncEqualsAFreshOne) {
         for (const auto& [name, src] : trainer.weights()) dst.at(name).copy_(src);
     }
     gen_synced.refresh_weights();
+    EXPECT_GT(gen_synced.weight_copy_bytes(), 0);
     trainer.save_weights((t.path / "saved").string());
     moerl::model::MoeModel fresh(c.model, o);
     fresh.load_weights((t.path / "saved").string());
