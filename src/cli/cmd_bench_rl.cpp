@@ -7,6 +7,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <sys/resource.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -89,10 +90,10 @@ double device_copy_seconds(int64_t bytes) {
     at::Tensor src = at::ones({bytes}, opts), dst = at::empty({bytes}, opts);
     std::vector<double> times;
     for (int i = 0; i < 6; ++i) {
-        src.sum(at::kLong).item<int64_t>();  // a sync, so each copy is timed alone
+        torch::cuda::synchronize();  // each copy timed alone
         const auto t0 = Clock::now();
         dst.copy_(src);
-        dst.select(0, 0).item<uint8_t>();
+        torch::cuda::synchronize();
         if (i > 0) times.push_back(seconds_since(t0));
     }
     return median(times);
@@ -227,10 +228,11 @@ void bench_rl(const RlBenchArgs& a) {
                                    .c_str()
                              : "");
     if (cfg.rollout_device == "cuda" && cfg.train_device == "cuda") {
-        // The in-memory sync copies the trainer's weights into the rollout model: its floor is a
-        // device copy of the same bytes, timed here in the same process.
-        const double bytes = static_cast<double>(cfg.model.num_parameters()) *
-                             (cfg.rollout_dtype == "bf16" || cfg.rollout_dtype == "fp16" ? 2 : 4);
+        // The in-memory sync copies the trainer's weights into the rollout model (bf16 for FP8
+        // rollout too, which then quantises its e4m3 copies): its floor is a device copy of the same
+        // bytes, timed here in the same process.
+        const double bytes =
+            static_cast<double>(cfg.model.num_parameters()) * (cfg.rollout_dtype == "fp32" ? 4 : 2);
         const double copy = device_copy_seconds(static_cast<int64_t>(bytes));
         std::printf("weight sync %.2f ms against a device copy of the same %s: %.2f ms (%.2fx)\n",
                     1e3 * median(sync), human_bytes(bytes).c_str(), 1e3 * copy, median(sync) / copy);
