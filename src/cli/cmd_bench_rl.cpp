@@ -167,7 +167,8 @@ void bench_rl(const RlBenchArgs& a) {
     std::printf("%5s %9s %9s %9s %9s %9s %9s %9s %11s %11s %7s\n", "step", "rollout_s", "reward_s", "sync_s",
                 "train_s", "publish_s", "other_s", "step_s", "gen_tok/s", "train_tok/s", "mfu");
     std::vector<double> share_other, rollout, train, sync, step_s, gen_rate, train_rate, mfu;
-    double decode_s = 0, decode_bytes = 0, decode_steps = 0, rollout_peak = 0, train_peak = 0, lent = 0;
+    double decode_s = 0, decode_bytes = 0, decode_steps = 0, rollout_peak = 0, train_peak = 0, lent = 0,
+           kept = 0;
     for (const auto& r : rows) {
         const double ro = number(r, "rollout_s"), rw = number(r, "reward_s"), sy = number(r, "sync_s"),
                      tr = number(r, "train_s"), pu = number(r, "publish_s"), st = number(r, "step_seconds");
@@ -197,6 +198,7 @@ void bench_rl(const RlBenchArgs& a) {
         rollout_peak = std::max(rollout_peak, number(r, "rollout_peak_bytes"));
         train_peak = std::max(train_peak, number(r, "train_peak_bytes"));
         lent = std::max(lent, number(r, "rollout_released_bytes"));
+        kept = std::max(kept, number(r, "rollout_kept_bytes"));
     }
     MOERL_CHECK(!step_s.empty(), "bench rl: no steps after the warmup");
     std::printf(
@@ -224,7 +226,8 @@ void bench_rl(const RlBenchArgs& a) {
         std::printf("peak GPU memory: rollout %s, training %s%s\n", human_bytes(rollout_peak).c_str(),
                     human_bytes(train_peak).c_str(),
                     lent > 0 ? ("; the rollout engine lends training " + human_bytes(lent) +
-                                " (its KV cache and weight copies)")
+                                " (its KV cache and weight copies) and keeps " + human_bytes(kept) +
+                                " (step buffers, graph pools)")
                                    .c_str()
                              : "");
     if (cfg.rollout_device == "cuda" && cfg.train_device == "cuda") {

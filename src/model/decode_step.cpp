@@ -147,6 +147,43 @@ void Generator::DecodeStep::record(int moe_index, int B, const cuda::Launch& lau
                                        row, B, cudaMemcpyDeviceToDevice, launch.stream));
 }
 
+int64_t Generator::DecodeStep::buffer_bytes() const {
+    int64_t bytes = 0;
+    for (const at::Tensor* t : {&tokens,
+                                &position,
+                                &slot,
+                                &table,
+                                &logits,
+                                &greedy,
+                                &experts_read,
+                                &routing_record,
+                                &x_,
+                                &h_,
+                                &qkv_,
+                                &q_,
+                                &attn_,
+                                &attn_partial_,
+                                &attn_split_done_,
+                                &o_,
+                                &router_logits_,
+                                &act_,
+                                &y_,
+                                &argmax_keys_,
+                                &argmax_done_,
+                                &fused_done_,
+                                &topk_idx_,
+                                &topk_weights_,
+                                &expert_offset_,
+                                &active_experts_,
+                                &num_active_,
+                                &expert_slots_,
+                                &ep_topk_,
+                                &ep_recv_x_,
+                                &ep_out_})
+        if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    return bytes;
+}
+
 void Generator::DecodeStep::place_weight_copies() {
     // What the copies are (tensor, sizes, element type), then their bytes, then views of the region.
     struct Copy {

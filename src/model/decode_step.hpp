@@ -50,6 +50,9 @@ class Generator::DecodeStep {
 
     // With GeneratorOptions::ep: one step's dispatches and combines with no rows (eager).
     void idle_ep();
+    // Bytes of the step's buffers (inputs, outputs, intermediates of max_batch rows): device memory
+    // the step keeps while its KV cache and weight copies are given back.
+    int64_t buffer_bytes() const;
 
     // Step inputs: tokens [max_batch] int64, position and slot [max_batch] int32 (position -1 = a
     // padding row), block table [max_batch, max_blocks] int32.

@@ -694,6 +694,10 @@ int64_t Generator::cache_memory_bytes() const {
     return region.mapped() ? static_cast<int64_t>(region.size()) : 0;
 }
 
+int64_t Generator::kept_memory_bytes() const {
+    return impl_->step.buffer_bytes() + impl_->graphs.pool_bytes();
+}
+
 int64_t Generator::weight_copy_bytes() const {
     const DeviceRegion& region = *impl_->step.weight_copies;
     return region.mapped() ? static_cast<int64_t>(region.size()) : 0;

@@ -40,6 +40,7 @@ int64_t Generator::release_memory() { unavailable(); }
 void Generator::restore_memory() { unavailable(); }
 int64_t Generator::cache_memory_bytes() const { unavailable(); }
 int64_t Generator::weight_copy_bytes() const { unavailable(); }
+int64_t Generator::kept_memory_bytes() const { unavailable(); }
 GenerationStep Generator::prefill(const std::vector<int>&, const std::vector<std::vector<int64_t>>&) {
     unavailable();
 }

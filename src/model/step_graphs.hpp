@@ -4,6 +4,7 @@
 
 #include <ATen/cuda/CUDAGraph.h>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -17,9 +18,13 @@ class StepGraphs {
     // stream (this step's results; it also creates the cuBLAS state a capture needs), then is
     // captured there.
     void replay(int bucket, bool fed_back, const std::function<void()>& step);
+    // Device memory the captures took for their private pools (what the captured steps allocate
+    // inside them: the grouped experts' temporaries), held until the graphs go.
+    int64_t pool_bytes() const { return pool_bytes_; }
 
   private:
     std::map<std::pair<int, bool>, std::unique_ptr<at::cuda::CUDAGraph>> graphs_;
+    int64_t pool_bytes_ = 0;
 };
 
 }  // namespace moerl::model

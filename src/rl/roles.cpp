@@ -625,6 +625,7 @@ int64_t RolloutWorker::release_memory() {
     if (bytes > 0) impl_->stats.memory_released = bytes;
     return bytes;
 }
+int64_t RolloutWorker::kept_memory_bytes() const { return impl_->engine->kept_memory_bytes(); }
 int64_t RolloutWorker::policy_version() const { return impl_->version; }
 bool RolloutWorker::healthy() const { return impl_->engine->healthy(); }
 

@@ -1045,6 +1045,7 @@ int64_t RolloutEngine::release_memory() {
     if (!impl_->gen || !idle()) return 0;
     return impl_->gen->release_memory();
 }
+int64_t RolloutEngine::kept_memory_bytes() const { return impl_->gen ? impl_->gen->kept_memory_bytes() : 0; }
 
 namespace {
 template <class Field>

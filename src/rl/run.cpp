@@ -68,8 +68,10 @@ class LocalProducer final : public ExperienceProducer {
         }
         // Rollout and training take turns on one GPU: the trainer gets the KV cache's memory and the
         // engine's weight copies until the next sync or prefill takes them back.
-        if (cfg_.rollout_device == "cuda" && cfg_.train_device == "cuda")
+        if (cfg_.rollout_device == "cuda" && cfg_.train_device == "cuda") {
             p.rollout_released_bytes = worker_->release_memory();
+            p.rollout_kept_bytes = worker_->kept_memory_bytes();
+        }
         return p;
     }
 

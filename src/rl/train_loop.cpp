@@ -135,6 +135,7 @@ nlohmann::json metrics_row(const StepResult& r, double tokens_per_s, double step
         {"sync_bytes", p ? nlohmann::json(p->sync_bytes) : nlohmann::json(nullptr)},
         {"sync_path", p && !p->sync_path.empty() ? nlohmann::json(p->sync_path) : nlohmann::json(nullptr)},
         {"rollout_released_bytes", p ? nlohmann::json(p->rollout_released_bytes) : nlohmann::json(nullptr)},
+        {"rollout_kept_bytes", p ? nlohmann::json(p->rollout_kept_bytes) : nlohmann::json(nullptr)},
         {"prompt_tokens", p ? nlohmann::json(p->prompt_tokens) : nlohmann::json(nullptr)},
         {"prompt_tokens_shared", p ? nlohmann::json(p->prompt_tokens_shared) : nlohmann::json(nullptr)},
         {"train_s", r.train_seconds},

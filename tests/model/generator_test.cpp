@@ -961,6 +961,11 @@ TEST(Generator, OwnMemoryGoesBackAndGenerationResumes) {
                             (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.hidden_size *
                             2;
         EXPECT_GE(copies, fp8 ? qkv + int64_t{c.vocab_size} * c.hidden_size : qkv);
+        // What stays: at least the logits of max_batch rows (bf16); the graphs' pools and other
+        // buffers are not nothing, but far less than a 16k-token cache.
+        const int64_t kept = gen.kept_memory_bytes();
+        EXPECT_GE(kept, int64_t{8} * c.vocab_size * 2);
+        EXPECT_LT(kept, cache);
         try {
             gen.release_memory();
             ADD_FAILURE() << "released the memory of a held sequence";
@@ -980,6 +985,7 @@ TEST(Generator, OwnMemoryGoesBackAndGenerationResumes) {
                   0.95 * static_cast<double>(cache + copies));
         EXPECT_EQ(gen.cache_memory_bytes(), 0);
         EXPECT_EQ(gen.weight_copy_bytes(), 0);
+        EXPECT_EQ(gen.kept_memory_bytes(), kept);
         EXPECT_EQ(gen.release_memory(), 0) << "already released";
         {
             // What training would do with it meanwhile.

@@ -52,9 +52,9 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path, bool dr
                 j.erase(timing);
             // What the producer's call before the step did (a resumed run regenerates the steps
             // ahead that the stopped one had generated).
-            for (const char* work :
-                 {"prompt_tokens", "prompt_tokens_shared", "rollout_released_bytes", "sync_bytes",
-                  "sync_path", "decode_bytes", "decode_steps", "rollout_peak_bytes", "train_peak_bytes"})
+            for (const char* work : {"prompt_tokens", "prompt_tokens_shared", "rollout_released_bytes",
+                                     "rollout_kept_bytes", "sync_bytes", "sync_path", "decode_bytes",
+                                     "decode_steps", "rollout_peak_bytes", "train_peak_bytes"})
                 j.erase(work);
         }
         out.push_back(j);

@@ -214,11 +214,13 @@ class Generator {
     // takes them back and fills the weight copies again from the model's weights (the next prefill
     // and refresh_weights do it themselves), first emptying LibTorch's allocator cache when the GPU
     // lacks the bytes; it throws naming them when even that is not enough. cache_memory_bytes and
-    // weight_copy_bytes: the bytes held now.
+    // weight_copy_bytes: the bytes held now; kept_memory_bytes: what release_memory keeps (the
+    // step's buffers of max_batch rows and the CUDA graphs' private pools).
     int64_t release_memory();
     void restore_memory();
     int64_t cache_memory_bytes() const;
     int64_t weight_copy_bytes() const;
+    int64_t kept_memory_bytes() const;
 
     // Re-reads weights the generator keeps in its own layout (the fused q/k/v projection); call
     // after the model's weights changed in place.

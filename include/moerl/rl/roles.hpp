@@ -89,6 +89,8 @@ class RolloutWorker {
     // sequence (colocated with the trainer on one GPU: the trainer uses it until the next sync or
     // work()). Returns the bytes.
     int64_t release_memory();
+    // What the engine keeps of its GPU memory meanwhile (RolloutEngine::kept_memory_bytes).
+    int64_t kept_memory_bytes() const;
     const RolloutStats& stats() const;
     int64_t policy_version() const;
     // False once a rank of the engine has failed (the engine cannot generate again).

@@ -149,6 +149,8 @@ class RolloutEngine {
     // active or waiting (for training on the same GPU); the next sync or prefill takes it back.
     // Returns the bytes given back (0 otherwise).
     int64_t release_memory();
+    // The CUDA engine's GPU memory that release_memory keeps (step buffers, graph pools; 0 on the CPU).
+    int64_t kept_memory_bytes() const;
 
     size_t num_active() const;
     size_t num_waiting() const;

@@ -30,6 +30,7 @@ struct ProducedStep {
     int64_t sync_bytes = 0;              // of it, weight bytes copied from the trainer's memory
     std::string sync_path;               // how the newest arrived (RolloutStats::sync_path), "" for none
     int64_t rollout_released_bytes = 0;  // the rollout's KV cache and weight copies lent to training
+    int64_t rollout_kept_bytes = 0;      // what it keeps meanwhile (step buffers, graph pools)
     // Context tokens prefilled, and of them those taken from a group-mate's cache blocks.
     int64_t prompt_tokens = 0, prompt_tokens_shared = 0;
     DecodeTraffic decode;  // of generate_s, the CUDA engine's decode steps (their bandwidth use)
