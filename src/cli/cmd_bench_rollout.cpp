@@ -833,14 +833,15 @@ void register_bench_rollout(CLI::App& bench) {
                     "--model decodes a checkpoint in the CUDA engine: it needs --device cuda and no --ep");
         MOERL_CHECK(a->model_dir.empty() || a->config.empty(),
                     "--model and --config both name the model: give one");
-        MOERL_CHECK((a->temperature == 0 && !a->record_routing) ||
-                        (a->device.rfind("cuda", 0) == 0 && a->ep_ranks == 0 && a->hf_dir.empty() &&
-                         a->join_chunks.empty()),
+        // The CUDA engine's decode cases (bench_format): what sampling, routing records and a run's
+        // prompts apply to.
+        const bool decode_cases = a->device.rfind("cuda", 0) == 0 && a->ep_ranks == 0 && a->hf_dir.empty() &&
+                                  a->join_chunks.empty();
+        MOERL_CHECK((a->temperature == 0 && !a->record_routing) || decode_cases,
                     "--temperature and --record-routing apply to the CUDA engine's decode cases: they need "
                     "--device cuda and none of --ep, --hf-dir, --join-chunk");
         MOERL_CHECK(
-            a->prompts_from.empty() || (a->device.rfind("cuda", 0) == 0 && a->ep_ranks == 0 &&
-                                        a->hf_dir.empty() && a->join_chunks.empty()),
+            a->prompts_from.empty() || decode_cases,
             "--prompts-from applies to the CUDA engine's decode cases: it needs --device cuda and none "
             "of --ep, --hf-dir, --join-chunk");
         if (a->ep_ranks > 0) {

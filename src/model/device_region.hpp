@@ -26,6 +26,8 @@ class DeviceRegion {
     void* data() const { return reinterpret_cast<void*>(base_); }
     size_t size() const { return size_; }
     bool mapped() const { return mapped_; }
+    // The device memory held now: size() while mapped, else 0.
+    int64_t held_bytes() const { return mapped_ ? static_cast<int64_t>(size_) : 0; }
 
     // Gives the memory back to the driver (no kernel may still use it: the caller synchronises).
     void unmap();

@@ -664,7 +664,8 @@ int64_t Generator::release_memory() {
     Impl& g = *impl_;
     DeviceRegion& cache = *g.step.cache_memory;
     DeviceRegion& copies = *g.step.weight_copies;
-    if (!cache.mapped() && !copies.mapped()) return 0;
+    const int64_t bytes = cache.held_bytes() + copies.held_bytes();
+    if (bytes == 0) return 0;
     std::string holding;
     for (int s = 0; s < g.opt.max_batch; ++s)
         if (g.length[s] > 0) holding += (holding.empty() ? "" : ", ") + std::to_string(s);
@@ -672,12 +673,8 @@ int64_t Generator::release_memory() {
                 " still hold sequences in the KV cache (release them first)");
     c10::cuda::CUDAGuard device_guard(g.device);
     MOERL_CUDA_CHECK(cudaDeviceSynchronize());  // the last steps reading them
-    int64_t bytes = 0;
-    for (DeviceRegion* region : {&cache, &copies})
-        if (region->mapped()) {
-            region->unmap();
-            bytes += static_cast<int64_t>(region->size());
-        }
+    cache.unmap();                              // no-op when already given back
+    copies.unmap();
     return bytes;
 }
 
@@ -689,19 +686,13 @@ void Generator::restore_memory() {
     if (!g.step.weight_copies->mapped()) g.step.take_weights();
 }
 
-int64_t Generator::cache_memory_bytes() const {
-    const DeviceRegion& region = *impl_->step.cache_memory;
-    return region.mapped() ? static_cast<int64_t>(region.size()) : 0;
-}
+int64_t Generator::cache_memory_bytes() const { return impl_->step.cache_memory->held_bytes(); }
 
 int64_t Generator::kept_memory_bytes() const {
     return impl_->step.buffer_bytes() + impl_->graphs.pool_bytes();
 }
 
-int64_t Generator::weight_copy_bytes() const {
-    const DeviceRegion& region = *impl_->step.weight_copies;
-    return region.mapped() ? static_cast<int64_t>(region.size()) : 0;
-}
+int64_t Generator::weight_copy_bytes() const { return impl_->step.weight_copies->held_bytes(); }
 
 void Generator::refresh_weights() {
     c10::NoGradGuard no_grad;

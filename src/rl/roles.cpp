@@ -620,11 +620,7 @@ size_t RolloutWorker::work(control::Millis wait, const std::atomic<bool>* stop, 
 size_t RolloutWorker::release_all() { return impl_->release(); }
 const RolloutStats& RolloutWorker::stats() const { return impl_->stats; }
 
-int64_t RolloutWorker::release_memory() {
-    const int64_t bytes = impl_->engine->release_memory();
-    if (bytes > 0) impl_->stats.memory_released = bytes;
-    return bytes;
-}
+int64_t RolloutWorker::release_memory() { return impl_->engine->release_memory(); }
 int64_t RolloutWorker::kept_memory_bytes() const { return impl_->engine->kept_memory_bytes(); }
 int64_t RolloutWorker::policy_version() const { return impl_->version; }
 bool RolloutWorker::healthy() const { return impl_->engine->healthy(); }

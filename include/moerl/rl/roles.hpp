@@ -60,8 +60,6 @@ struct RolloutStats {
     double sync_seconds = 0, last_sync_seconds = 0;
     int64_t sync_bytes = 0;
     std::string sync_path;
-    int64_t memory_released =
-        0;  // bytes of the engine's KV cache and weight copies lent to training, last time
 };
 
 class RolloutWorker {
