@@ -30,6 +30,7 @@
 #include "moerl/model/device_memory.hpp"
 #include "moerl/rl/config.hpp"
 #include "moerl/rl/experience.hpp"
+#include "moerl/rl/prompt_source.hpp"
 #include "moerl/rl/run.hpp"
 #include "moerl/rl/trainer.hpp"
 
@@ -496,9 +497,81 @@ void bench_experience(const ExperienceBenchArgs& a) {
     }
 }
 
+struct RewardBenchArgs {
+    std::string config;
+    int64_t samples = 0;     // 0: a step's (train.prompts_per_step x train.group_size)
+    int64_t response = 128;  // tokens of a random response
+    int repeats = 5;
+};
+
+// What scoring a step's responses costs on the host: the run's prompts, its tokenizer and its
+// verifier mix (or its task's verifier), as the rollout workers score them when sequences finish.
+// Two kinds of response: random tokens (what a policy with random weights writes: much text, many
+// numbers for the math verifier to look through) and each prompt's reference answer (short, right).
+void bench_reward(const RewardBenchArgs& a) {
+    const rl::RunConfig cfg = rl::RunConfig::load(a.config);
+    MOERL_CHECK(a.response > 0 && a.repeats > 0, "bench reward: --response and --repeats must be positive");
+    const int per_step = cfg.prompts_per_step * cfg.group_size;
+    const int64_t n = a.samples > 0 ? a.samples : per_step;
+    std::unique_ptr<rl::PromptSource> source = rl::make_prompt_source(cfg);
+    std::unique_ptr<rl::Rewarder> rewarder = rl::make_prompt_rewarder(cfg);
+    const int vocab = rl::response_vocab_size(cfg);
+    std::vector<rl::Scored> random_batch, answer_batch;
+    uint64_t state = 88172645463325252ull;
+    auto next = [&] {
+        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+        return state;
+    };
+    for (int64_t i = 0; i < n; ++i) {
+        // Sample i of the run's step i / per_step: prompt (i % per_step) / group_size of it.
+        const rl::Prompt p = source->train(i / per_step, static_cast<int>(i % per_step / cfg.group_size));
+        rl::Scored r{p.problem, p.tokens, {}, true};
+        for (int64_t t = 0; t < a.response; ++t)
+            r.response_tokens.push_back(static_cast<int>(next() % vocab));
+        random_batch.push_back(r);
+        r.response_tokens = rl::encode_response(cfg, p.problem.answer);
+        answer_batch.push_back(std::move(r));
+    }
+    using Clock = std::chrono::steady_clock;
+    std::printf("bench reward: %s, %lld responses a step (%s), median of %d\n\n", a.config.c_str(),
+                static_cast<long long>(n),
+                cfg.use_data ? "reward.verifiers over the decoded text" : "the task's verifier", a.repeats);
+    std::printf(
+        "| responses | tokens each | reward mean | ms a step | us a response |\n|---|---|---|---|---|\n");
+    for (const bool random : {true, false}) {
+        const std::vector<rl::Scored>& batch = random ? random_batch : answer_batch;
+        std::vector<double> times;
+        double mean = 0;
+        for (int r = 0; r < a.repeats; ++r) {
+            const auto t0 = Clock::now();
+            const std::vector<double> rewards = rewarder->score(batch);
+            times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+            mean = 0;
+            for (double x : rewards) mean += x / static_cast<double>(rewards.size());
+        }
+        double tokens = 0;
+        for (const auto& s : batch) tokens += static_cast<double>(s.response_tokens.size());
+        std::printf("| %s | %.0f | %.3f | %.2f | %.1f |\n", random ? "random tokens" : "reference answers",
+                    tokens / static_cast<double>(batch.size()), mean, 1e3 * median(times),
+                    1e6 * median(times) / static_cast<double>(batch.size()));
+    }
+}
+
 }  // namespace
 
 void register_bench_rl(CLI::App& bench) {
+    {
+        auto a = std::make_shared<RewardBenchArgs>();
+        CLI::App* cmd = bench.add_subcommand(
+            "reward", "Scoring a step's responses with the run's verifiers: host time a step and a response");
+        cmd->add_option("config", a->config, "Run configuration (YAML): its task or data, tokenizer, reward")
+            ->required();
+        cmd->add_option("--samples", a->samples,
+                        "Responses a step (default train.prompts_per_step x train.group_size)");
+        cmd->add_option("--response", a->response, "Tokens of a random response (default 128)");
+        cmd->add_option("--repeats", a->repeats, "Timed repeats, the median printed (default 5)");
+        cmd->callback([a] { bench_reward(*a); });
+    }
     {
         auto a = std::make_shared<ExperienceBenchArgs>();
         CLI::App* cmd = bench.add_subcommand(

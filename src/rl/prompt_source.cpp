@@ -285,6 +285,17 @@ std::string decode_response(const RunConfig& c, const std::vector<int>& tokens) 
     return shared_tokenizer(c.tokenizer_path)->decode(ids);
 }
 
+std::vector<int> encode_response(const RunConfig& c, const std::string& text) {
+    if (!c.use_data) return Tokenizer::get().encode(text);
+    const std::vector<int32_t> ids = shared_tokenizer(c.tokenizer_path)->encode(text, false);
+    return {ids.begin(), ids.end()};
+}
+
+int response_vocab_size(const RunConfig& c) {
+    if (!c.use_data) return Tokenizer::get().vocab_size();
+    return shared_tokenizer(c.tokenizer_path)->vocab_size();
+}
+
 void resolve_text_config(RunConfig& c, const std::vector<std::string>& stop_token_names,
                          bool vocab_size_given) {
     const std::string& s = c.source;
@@ -401,6 +412,12 @@ void copy_tokenizer_files(const RunConfig&, const std::string&) {}
 std::string decode_response(const RunConfig&, const std::vector<int>& tokens) {
     return Tokenizer::get().decode(tokens);
 }
+
+std::vector<int> encode_response(const RunConfig&, const std::string& text) {
+    return Tokenizer::get().encode(text);
+}
+
+int response_vocab_size(const RunConfig&) { return Tokenizer::get().vocab_size(); }
 
 int token_id(const RunConfig& c, const std::string&, const std::string& key) {
     MOERL_FAIL(c.source, ": ", key, ": token names need the text layer, which this build lacks");

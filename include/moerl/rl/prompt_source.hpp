@@ -54,6 +54,10 @@ int token_id(const RunConfig& config, const std::string& name, const std::string
 
 // The text of response tokens under the run's tokenizer (for logs: special tokens kept).
 std::string decode_response(const RunConfig& config, const std::vector<int>& tokens);
+// The tokens of `text` under the run's tokenizer (no special tokens added), and how many ids that
+// tokenizer has: what a response can hold (`moerl bench reward` draws from them).
+std::vector<int> encode_response(const RunConfig& config, const std::string& text);
+int response_vocab_size(const RunConfig& config);
 
 // Fills in what the tokenizer and the checkpoint decide (called by RunConfig::from_yaml_text; the
 // data files are not read here, so that a rollout worker needs only the tokenizer):
