@@ -64,28 +64,38 @@ plain=$!
 start_engine
 start_time=$SECONDS
 
-# Wait until the engine holds leases (it generates), then SIGKILL its rank 1.
-for _ in $(seq 600); do
-    engine_holds_leases && break
-    kill -0 "$trainer" 2>/dev/null || break
-    sleep 0.05
+# Wait until the engine holds leases (it generates), then SIGKILL its rank 1; the launcher stops rank
+# 0, which gives the engine's leases back; a supervisor starts the engine again. Between the look
+# at the leases and the kill the engine may finish its batch and hold none: then nothing went back,
+# and the kill is tried again (at most 3 times) while the run lasts.
+for attempt in 1 2 3; do
+    held=0  # what the loop saw decides: asking again could find the engine between two batches
+    for _ in $(seq 600); do
+        engine_holds_leases && { held=1; break; }
+        kill -0 "$trainer" 2>/dev/null || break
+        sleep 0.05
+    done
+    ((held)) || { fail "the engine never held a lease (attempt $attempt)"; exit 1; }
+    victim=""
+    for p in $(pgrep -P "$engine"); do
+        tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1" && victim=$p
+    done
+    [[ -n $victim ]] || { fail "no rank 1 under the engine's launcher"; exit 1; }
+    logged=$(wc -l <"$tmp/logs/engine.log")
+    kill -9 "$victim"
+    killed_at=$((SECONDS - start_time))
+    wait "$engine"
+    engine_rc=$?
+    ((engine_rc != 0)) || fail "the engine's launcher exited 0 after its rank 1 was killed"
+    # Its leases come back (rank 0 gives them back).
+    for _ in $(seq 200); do engine_holds_leases || break; sleep 0.1; done
+    engine_holds_leases && fail "the dead engine still holds leases"
+    echo "rollout ranks chaos: rank 1 killed at ${killed_at} s; the engine exited with $engine_rc after $((SECONDS - start_time - killed_at)) s"
+    start_engine  # what a supervisor does
+    tail -n "+$((logged + 1))" "$tmp/logs/engine.log" | grep -qE "went back to the queue|terminated: .* released [1-9]" &&
+        break
+    echo "rollout ranks chaos: the engine held no lease when its rank 1 died; again"
 done
-engine_holds_leases || { fail "the engine never held a lease"; exit 1; }
-victim=""
-for p in $(pgrep -P "$engine"); do
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1" && victim=$p
-done
-[[ -n $victim ]] || { fail "no rank 1 under the engine's launcher"; exit 1; }
-kill -9 "$victim"
-killed_at=$((SECONDS - start_time))
-wait "$engine"
-engine_rc=$?
-((engine_rc != 0)) || fail "the engine's launcher exited 0 after its rank 1 was killed"
-# Its leases come back (rank 0 gives them back).
-for _ in $(seq 200); do engine_holds_leases || break; sleep 0.1; done
-engine_holds_leases && fail "the dead engine still holds leases"
-echo "rollout ranks chaos: rank 1 killed at ${killed_at} s; the engine exited with $engine_rc after $((SECONDS - start_time - killed_at)) s"
-start_engine  # what a supervisor does
 
 while kill -0 "$trainer" 2>/dev/null; do
     ((SECONDS - start_time <= 200)) || { fail "the run did not finish within 200 s"; exit 1; }
