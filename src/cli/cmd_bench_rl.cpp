@@ -510,7 +510,8 @@ struct RewardBenchArgs {
 // numbers for the math verifier to look through) and each prompt's reference answer (short, right).
 void bench_reward(const RewardBenchArgs& a) {
     const rl::RunConfig cfg = rl::RunConfig::load(a.config);
-    MOERL_CHECK(a.response > 0 && a.repeats > 0, "bench reward: --response and --repeats must be positive");
+    MOERL_CHECK(a.response > 0 && a.repeats > 0 && a.samples >= 0,
+                "bench reward: --response and --repeats must be positive, --samples not negative");
     const int per_step = cfg.prompts_per_step * cfg.group_size;
     const int64_t n = a.samples > 0 ? a.samples : per_step;
     std::unique_ptr<rl::PromptSource> source = rl::make_prompt_source(cfg);

