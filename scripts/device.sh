@@ -16,9 +16,9 @@
 # MOERL_DEVICE_FP8=0 the FP8 rollout bench (--weights bf16,fp8, inside MOERL_DEVICE_ROLLOUT).
 # MOERL_DEVICE_FABRIC_ROOT=DIR (DIR/include/rdma: libfabric headers brought along) builds the fabric
 # transport against the machine's libfabric.so.1 and runs its tests (GPU memory regions included).
-# MOERL_DEVICE_TEXT_ROOT=DIR (PCRE2 and utf8proc brought along: scripts/text-root DIR packs them) builds
-# the text layer, and with the Qwen3 tokenizer under node_modules the RL part benches
-# examples/gpu-qwen3-30b-a3b-math.yaml too.
+# MOERL_DEVICE_TEXT_ROOT=DIR (PCRE2 and utf8proc brought along: scripts/text-root DIR packs them;
+# default .textroot where present) builds the text layer, and with the Qwen3 tokenizer under
+# node_modules the RL part benches examples/gpu-qwen3-30b-a3b-math.yaml too.
 # MOERL_DEVICE_RL (default ON) builds the rl layer too: its GPU tests, the GPU quickstart RL run
 # end to end (examples/gpu-quickstart.yaml, learning to reward 0.9) and `moerl bench rl` on it and on
 # the Qwen3-30B-A3B shape (MOERL_DEVICE_RL_BIG=0 skips that one, MOERL_DEVICE_RL_BIG_FP8=0 its
@@ -76,6 +76,7 @@ fi
 # The text layer (tokenizers, chat templates, datasets) needs PCRE2 and utf8proc, whose headers this
 # machine lacks too: MOERL_DEVICE_TEXT_ROOT=DIR names a copy (DIR/include, DIR/lib with the shared
 # libraries and DIR/lib/pkgconfig, brought along with the tree); without it the text layer is left out.
+[ -z "${MOERL_DEVICE_TEXT_ROOT:-}" ] && [ -d .textroot ] && MOERL_DEVICE_TEXT_ROOT=.textroot
 if [ -n "${MOERL_DEVICE_TEXT_ROOT:-}" ] && [ -d "$MOERL_DEVICE_TEXT_ROOT/lib/pkgconfig" ]; then
   TEXT_ROOT=$(realpath "$MOERL_DEVICE_TEXT_ROOT")
   export PKG_CONFIG_PATH="$TEXT_ROOT/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
