@@ -420,6 +420,15 @@ struct ExperienceBenchArgs {
     int layers = 0;  // 0: the config's model.num_layers
 };
 
+// Fixed pseudo-random numbers for the synthetic records and responses (the same every run).
+struct XorShift {
+    uint64_t state = 88172645463325252ull;
+    uint64_t operator()() {
+        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+        return state;
+    }
+};
+
 // A step's experience records at a model's shape (routing recorded over every position), encoded
 // and parsed as the rollout workers and the trainer do, against the same records with the per-token
 // arrays as JSON numbers (the format before they were packed; still read).
@@ -428,11 +437,7 @@ void bench_experience(const ExperienceBenchArgs& a) {
     if (a.layers > 0) cfg.model.num_hidden_layers = a.layers;
     const int layers = cfg.model.num_moe_layers(), K = cfg.model.num_experts_per_tok;
     std::vector<rl::ExperienceRecord> records(static_cast<size_t>(a.samples));
-    uint64_t state = 88172645463325252ull;
-    auto next = [&] {
-        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-        return state;
-    };
+    XorShift next;
     for (size_t i = 0; i < records.size(); ++i) {
         rl::ExperienceRecord& e = records[i];
         e.task_id = rl::task_id(0, static_cast<int>(i / 8), static_cast<int>(i % 8));
@@ -518,11 +523,7 @@ void bench_reward(const RewardBenchArgs& a) {
     std::unique_ptr<rl::Rewarder> rewarder = rl::make_prompt_rewarder(cfg);
     const int vocab = rl::response_vocab_size(cfg);
     std::vector<rl::Scored> random_batch, answer_batch;
-    uint64_t state = 88172645463325252ull;
-    auto next = [&] {
-        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-        return state;
-    };
+    XorShift next;
     for (int64_t i = 0; i < n; ++i) {
         // Sample i of the run's step i / per_step: prompt (i % per_step) / group_size of it.
         const rl::Prompt p = source->train(i / per_step, static_cast<int>(i % per_step / cfg.group_size));

@@ -74,42 +74,48 @@ Generator::DecodeStep::DecodeStep(const MoeModel::Impl& m, const GeneratorOption
     place_weight_copies();
     take_weights();
     const int64_t B = opt.max_batch;
-    tokens = at::zeros({B}, t.dtype(at::kLong));
-    position = at::full({B}, -1, i32);
-    slot = at::zeros({B}, i32);
-    table = at::zeros({B, max_blocks}, i32);
-    x_ = at::zeros({B, H_}, t);
-    h_ = at::zeros({B, H_}, t);
-    qkv_ = at::zeros({B, (Hq_ + 2 * Hkv_) * D_}, t);
-    q_ = at::zeros({B, Hq_ * D_}, t);
-    attn_ = at::zeros({B, Hq_ * D_}, t);
-    attn_partial_ = at::zeros(
+    // The step's buffers of max_batch rows, counted as they are made (buffer_bytes).
+    auto buffer = [this](at::Tensor made) {
+        buffer_bytes_ += static_cast<int64_t>(made.nbytes());
+        return made;
+    };
+    tokens = buffer(at::zeros({B}, t.dtype(at::kLong)));
+    position = buffer(at::full({B}, -1, i32));
+    slot = buffer(at::zeros({B}, i32));
+    table = buffer(at::zeros({B, max_blocks}, i32));
+    x_ = buffer(at::zeros({B, H_}, t));
+    h_ = buffer(at::zeros({B, H_}, t));
+    qkv_ = buffer(at::zeros({B, (Hq_ + 2 * Hkv_) * D_}, t));
+    q_ = buffer(at::zeros({B, Hq_ * D_}, t));
+    attn_ = buffer(at::zeros({B, Hq_ * D_}, t));
+    attn_partial_ = buffer(at::zeros(
         {B * Hkv_ * cuda::attention_partial_splits(max_blocks * opt.block_size) * (Hq_ / Hkv_) * (D_ + 2)},
-        t.dtype(at::kFloat));
-    attn_split_done_ = at::zeros({B * Hq_}, i32);
-    o_ = at::zeros({B, H_}, t);
-    router_logits_ = at::zeros({B, std::max<int64_t>(E_, 1)}, t);
-    act_ = at::zeros({B * K_, I_}, t);
-    y_ = at::zeros({B * K_, H_}, t.dtype(at::kFloat));
-    logits = at::zeros({B, V_}, t);
-    greedy = at::zeros({B}, t.dtype(at::kLong));
-    argmax_keys_ = at::zeros({B}, t.dtype(at::kLong));
-    argmax_done_ = at::zeros({B}, i32);
-    fused_done_ = at::zeros({cuda::fused_rows_done_counters(static_cast<int>(H_))}, i32);
-    topk_idx_ = at::zeros({B * K_}, i32);
-    topk_weights_ = at::zeros({B * K_}, t.dtype(at::kFloat));
-    expert_offset_ = at::zeros({E_ + 1}, i32);
-    active_experts_ = at::zeros({std::max<int64_t>(E_, 1)}, i32);
-    num_active_ = at::zeros({1}, i32);
-    expert_slots_ = at::zeros({B * K_}, i32);
-    experts_read = at::zeros({1}, t.dtype(at::kLong));
+        t.dtype(at::kFloat)));
+    attn_split_done_ = buffer(at::zeros({B * Hq_}, i32));
+    o_ = buffer(at::zeros({B, H_}, t));
+    router_logits_ = buffer(at::zeros({B, std::max<int64_t>(E_, 1)}, t));
+    act_ = buffer(at::zeros({B * K_, I_}, t));
+    y_ = buffer(at::zeros({B * K_, H_}, t.dtype(at::kFloat)));
+    logits = buffer(at::zeros({B, V_}, t));
+    greedy = buffer(at::zeros({B}, t.dtype(at::kLong)));
+    argmax_keys_ = buffer(at::zeros({B}, t.dtype(at::kLong)));
+    argmax_done_ = buffer(at::zeros({B}, i32));
+    fused_done_ = buffer(at::zeros({cuda::fused_rows_done_counters(static_cast<int>(H_))}, i32));
+    topk_idx_ = buffer(at::zeros({B * K_}, i32));
+    topk_weights_ = buffer(at::zeros({B * K_}, t.dtype(at::kFloat)));
+    expert_offset_ = buffer(at::zeros({E_ + 1}, i32));
+    active_experts_ = buffer(at::zeros({std::max<int64_t>(E_, 1)}, i32));
+    num_active_ = buffer(at::zeros({1}, i32));
+    expert_slots_ = buffer(at::zeros({B * K_}, i32));
+    experts_read = buffer(at::zeros({1}, t.dtype(at::kLong)));
     if (opt.record_routing)
-        routing_record = at::full({B, std::max(1, m.config.num_moe_layers()), K_}, -1, i32);
+        routing_record = buffer(at::full({B, std::max(1, m.config.num_moe_layers()), K_}, -1, i32));
     if (opt.ep != nullptr) {
         const ep::Config& c = opt.ep->config();
-        ep_topk_ = at::full({B, K_}, -1, t.dtype(at::kLong));
-        ep_recv_x_ = at::zeros({int64_t{c.num_local_experts()} * c.low_latency_rows_per_expert(), H_}, t);
-        ep_out_ = at::zeros({B, H_}, t);
+        ep_topk_ = buffer(at::full({B, K_}, -1, t.dtype(at::kLong)));
+        ep_recv_x_ =
+            buffer(at::zeros({int64_t{c.num_local_experts()} * c.low_latency_rows_per_expert(), H_}, t));
+        ep_out_ = buffer(at::zeros({B, H_}, t));
     }
 }
 
@@ -145,43 +151,6 @@ void Generator::DecodeStep::record(int moe_index, int B, const cuda::Launch& lau
     MOERL_CUDA_CHECK(cudaMemcpy2DAsync(routing_record.data_ptr<int>() + moe_index * K_,
                                        routing_record.stride(0) * sizeof(int), topk_idx_.data_ptr<int>(), row,
                                        row, B, cudaMemcpyDeviceToDevice, launch.stream));
-}
-
-int64_t Generator::DecodeStep::buffer_bytes() const {
-    int64_t bytes = 0;
-    for (const at::Tensor* t : {&tokens,
-                                &position,
-                                &slot,
-                                &table,
-                                &logits,
-                                &greedy,
-                                &experts_read,
-                                &routing_record,
-                                &x_,
-                                &h_,
-                                &qkv_,
-                                &q_,
-                                &attn_,
-                                &attn_partial_,
-                                &attn_split_done_,
-                                &o_,
-                                &router_logits_,
-                                &act_,
-                                &y_,
-                                &argmax_keys_,
-                                &argmax_done_,
-                                &fused_done_,
-                                &topk_idx_,
-                                &topk_weights_,
-                                &expert_offset_,
-                                &active_experts_,
-                                &num_active_,
-                                &expert_slots_,
-                                &ep_topk_,
-                                &ep_recv_x_,
-                                &ep_out_})
-        if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
-    return bytes;
 }
 
 void Generator::DecodeStep::place_weight_copies() {

@@ -52,7 +52,7 @@ class Generator::DecodeStep {
     void idle_ep();
     // Bytes of the step's buffers (inputs, outputs, intermediates of max_batch rows): device memory
     // the step keeps while its KV cache and weight copies are given back.
-    int64_t buffer_bytes() const;
+    int64_t buffer_bytes() const { return buffer_bytes_; }
 
     // Step inputs: tokens [max_batch] int64, position and slot [max_batch] int32 (position -1 = a
     // padding row), block table [max_batch, max_blocks] int32.
@@ -115,6 +115,7 @@ class Generator::DecodeStep {
     int64_t H_, Hq_, Hkv_, D_, E_, K_, I_, V_;
     int max_blocks_;
     bool use_grouped_mm_;
+    int64_t buffer_bytes_ = 0;            // the buffers below, as the constructor made them
     std::vector<at::Tensor> qkv_weight_;  // per layer: q, k and v projections stacked
     // With GeneratorOptions::fp8_weights: per layer (experts empty in dense layers), and the LM head.
     std::vector<Fp8Layer> fp8_layers_;
