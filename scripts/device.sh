@@ -308,6 +308,15 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       cp "$RL_TMP/quickstart/metrics.jsonl" "$OUT/rl-quickstart-metrics.txt" 2>/dev/null
       summarise_run "$OUT/rl-quickstart-metrics.txt" | tee -a "$OUT/rl-quickstart.log"
     fi
+    # The same job with AdamW's moments in bf16 (train.moments_dtype: bf16, rounded stochastically);
+    # MOERL_DEVICE_RL_MOMENTS=0 leaves it out.
+    if [ "${MOERL_DEVICE_RL_MOMENTS:-1}" = 1 ]; then
+      sed 's/^  grad_clip: 1.0$/  grad_clip: 1.0\n  moments_dtype: bf16/' examples/gpu-quickstart.yaml >"$RL_TMP/gpu-quickstart-moments.yaml"
+      timeout 240 "$MOERL" run "$RL_TMP/gpu-quickstart-moments.yaml" --out "$RL_TMP/quickstart-moments" --quiet \
+        >"$OUT/rl-quickstart-moments.log" 2>&1
+      step rl_quickstart_bf16_moments "rc=$? $(summarise_run "$RL_TMP/quickstart-moments/metrics.jsonl")"
+      tail -n 3 "$OUT/rl-quickstart-moments.log"
+    fi
     # More seeds of the same job (MOERL_DEVICE_RL_SEEDS, default "2 3"; "" for none): how far one
     # seed's step count says anything. They run at once: each is launch-bound and leaves the GPU idle.
     seeds=(${MOERL_DEVICE_RL_SEEDS-2 3})
@@ -402,17 +411,19 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       rm -rf "$RL_TMP/bench-text-policy"
     fi
   fi
-  # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro[:ckpt]"
-  # each; ckpt 1 = activation checkpointing, next to the same case without it for the memory it saves).
+  # The trainer alone at RL lengths (MOERL_DEVICE_TRAIN_CASES: "layers:samples:prompt:response:micro[:ckpt[:moments]]"
+  # each; ckpt 1 = activation checkpointing, next to the same case without it for the memory it saves;
+  # moments bf16 = AdamW's moments in bf16, next to the same case with fp32 ones).
   # The first case also traces one more update; bench/trace_kernels.py sums its kernels by kind.
   : >"$OUT/bench-train.log"
   trace=(--trace "$RL_TMP/train-trace.json")
   for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 4:64:1024:1024:16384 4:16:1024:1024:32768 4:16:1024:1024:32768:1}; do
     [ "$case" = none ] && continue  # MOERL_DEVICE_TRAIN_CASES=none: no trainer benchmark
-    IFS=: read -r tl ts tp tr tm tc <<<"$case"
+    IFS=: read -r tl ts tp tr tm tc tmo <<<"$case"
     ckpt=(); [ "${tc:-0}" = 1 ] && ckpt=(--activation-checkpointing)
     timeout 240 "$MOERL" bench train examples/gpu-qwen3-30b-a3b.yaml --layers "$tl" --samples "$ts" --prompt "$tp" \
-      --response "$tr" --micro-batch-tokens "$tm" --steps 5 --warmup 2 "${ckpt[@]}" "${trace[@]}" >>"$OUT/bench-train.log" 2>&1
+      --response "$tr" --micro-batch-tokens "$tm" --moments-dtype "${tmo:-fp32}" --steps 5 --warmup 2 "${ckpt[@]}" \
+      "${trace[@]}" >>"$OUT/bench-train.log" 2>&1
     rc=$?; [ $rc != 0 ] && tail -n 4 "$OUT/bench-train.log"
     step bench_train "rc=$rc $(grep -E '^median' "$OUT/bench-train.log" | tail -1 | grep -oE 'MFU [0-9.]+%')"
     echo >>"$OUT/bench-train.log"

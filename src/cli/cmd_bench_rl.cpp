@@ -255,6 +255,7 @@ struct TrainBenchArgs {
     bool activation_checkpointing = false;  // true: on whatever the config says
     int layers = 0;                         // 0: the config's model.num_layers
     std::string device, dtype;
+    std::string moments_dtype;  // empty: the config's train.moments_dtype
     double peak_tflops = 989;
     std::string trace;  // a Chrome trace of the last step (LibTorch's profiler)
 };
@@ -296,6 +297,7 @@ void bench_train(const TrainBenchArgs& a) {
     rl::RunConfig cfg = rl::RunConfig::load(a.config);
     if (!a.device.empty()) cfg.train_device = a.device;
     if (!a.dtype.empty()) cfg.train_dtype = a.dtype;
+    if (!a.moments_dtype.empty()) cfg.moments_dtype = a.moments_dtype;
     cfg.ep_ranks = 1;  // one rank: the figure of one device
     cfg.train_ranks = 1;
     cfg.train_ep_transport.clear();
@@ -352,11 +354,11 @@ void bench_train(const TrainBenchArgs& a) {
             : std::string("one padded batch");
     std::printf(
         "bench train: %s, %s %s, %d layers, %lld samples x (%lld prompt + %lld response) = %.0f tokens "
-        "a step, %s, %d ppo epoch(s)%s\n",
+        "a step, %s, %d ppo epoch(s), %s AdamW moments%s\n",
         a.config.c_str(), cfg.train_device.c_str(), cfg.train_dtype.c_str(), cfg.model.num_hidden_layers,
         static_cast<long long>(a.samples), static_cast<long long>(a.prompt),
         static_cast<long long>(a.response), all_tokens, micro.c_str(), cfg.ppo_epochs,
-        cfg.activation_checkpointing ? ", activation checkpointing" : "");
+        cfg.moments_dtype.c_str(), cfg.activation_checkpointing ? ", activation checkpointing" : "");
     std::printf("active parameters: layers %s + output %s; %.2f TFLOP a step (%.2f of them attention's)",
                 human_count(trunk_parameters(cfg.model)).c_str(),
                 human_count(output_parameters(cfg.model)).c_str(), flops / 1e12,
@@ -605,6 +607,9 @@ void register_bench_rl(CLI::App& bench) {
                       "Sets train.activation_checkpointing (layers recomputed in the backward)");
         cmd->add_option("--device", a->device, "cpu or cuda: overrides train.device");
         cmd->add_option("--dtype", a->dtype, "fp32 or bf16: overrides train.dtype");
+        cmd->add_option("--moments-dtype", a->moments_dtype,
+                        "fp32 or bf16: overrides train.moments_dtype (AdamW's moments)")
+            ->check(CLI::IsMember({"fp32", "bf16"}));
         cmd->add_option("--peak-tflops", a->peak_tflops,
                         "The GPU's dense bf16 peak for MFU (default 989, H200)");
         cmd->add_option(

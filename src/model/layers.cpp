@@ -382,10 +382,10 @@ LoadBalanceLoss::LayerSums LoadBalanceLoss::layer_sums(const Routing& routing) {
     const int64_t E = routing.probs.size(1);
     at::Tensor valid = (routing.topk_idx.select(1, 0) >= 0).to(at::kFloat);  // masked tokens have all -1
     at::Tensor flat = routing.topk_idx.reshape({-1});
-    at::Tensor chosen = flat.masked_select(flat >= 0);
     LayerSums s;
     s.counts = at::zeros({E}, routing.probs.options().requires_grad(false));
-    s.counts.index_add_(0, chosen, at::ones({chosen.size(0)}, s.counts.options()));
+    // Slots without an expert add 0 (to expert 0): no masked_select, whose size the host would wait for.
+    s.counts.index_add_(0, flat.clamp_min(0), (flat >= 0).to(s.counts.scalar_type()));
     s.prob_sum = (routing.probs * valid.unsqueeze(1)).sum(0);
     s.num_tokens = valid.sum();
     return s;

@@ -141,14 +141,21 @@ void adamw_master_step(const at::Tensor& master, const at::Tensor& grad, const a
         return t.defined() && t.is_cuda() && t.device() == master.device() && t.is_contiguous() &&
                t.scalar_type() == type && t.sizes() == master.sizes();
     };
-    MOERL_CHECK(fits(master, at::kFloat) && fits(m, at::kFloat) && fits(v, at::kFloat) &&
-                    (fits(grad, at::kBFloat16) || fits(grad, at::kFloat)) &&
-                    (!weight.defined() || fits(weight, at::kBFloat16)),
-                "adamw_master_step: master ", master.sizes(), " ", master.scalar_type(), ", grad ",
-                grad.sizes(), " ", grad.scalar_type(),
-                ", moments and weight must be contiguous on one CUDA device (fp32 "
-                "master and moments, bf16 or fp32 gradient, bf16 weight)");
+    const bool moments_fit =
+        (fits(m, at::kFloat) && fits(v, at::kFloat)) || (fits(m, at::kBFloat16) && fits(v, at::kBFloat16));
+    MOERL_CHECK(
+        fits(master, at::kFloat) && moments_fit && (fits(grad, at::kBFloat16) || fits(grad, at::kFloat)) &&
+            (!weight.defined() || fits(weight, at::kBFloat16)),
+        "adamw_master_step: master ", master.sizes(), " ", master.scalar_type(), ", grad ", grad.sizes(), " ",
+        grad.scalar_type(), ", moments ", m.defined() ? m.scalar_type() : at::kFloat,
+        " and weight must be contiguous on one CUDA device (fp32 master, both moments fp32 or "
+        "both bf16, bf16 or fp32 gradient, bf16 weight)");
     MOERL_CHECK(s.step >= 1, "adamw_master_step: step ", s.step, ", expected >= 1");
+    const at::Tensor& scale = s.grad_scale_on_device;
+    MOERL_CHECK(
+        !scale.defined() || (scale.numel() == 1 && scale.is_cuda() && scale.device() == master.device() &&
+                             scale.scalar_type() == at::kFloat),
+        "adamw_master_step: the gradient scale on the device must be one fp32 on the master's device");
     c10::cuda::CUDAGuard guard(master.device());
     cuda::AdamwArgs a;
     a.lr = static_cast<float>(s.lr);
@@ -160,9 +167,11 @@ void adamw_master_step(const at::Tensor& master, const at::Tensor& grad, const a
     a.bias_correction2_sqrt =
         static_cast<float>(std::sqrt(1.0 - std::pow(s.beta2, static_cast<double>(s.step))));
     a.grad_scale = static_cast<float>(s.grad_scale);
-    cuda::launch_adamw_master(
-        master.data_ptr<float>(), dtype_code(grad), grad.data_ptr(), m.data_ptr<float>(), v.data_ptr<float>(),
-        weight.defined() ? weight.data_ptr() : nullptr, master.numel(), a, stream_of(master));
+    a.seed = s.rounding_seed;
+    cuda::launch_adamw_master(master.data_ptr<float>(), dtype_code(grad), grad.data_ptr(), dtype_code(m),
+                              m.data_ptr(), v.data_ptr(), weight.defined() ? weight.data_ptr() : nullptr,
+                              master.numel(), a, scale.defined() ? scale.data_ptr<float>() : nullptr,
+                              stream_of(master));
 }
 
 bool cuda_rows_serve(const at::Tensor& t) {

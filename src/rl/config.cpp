@@ -479,6 +479,7 @@ RunConfig RunConfig::from_yaml_text(const std::string& text, const std::string& 
             s.number("tis_cap", 1, 1e300, c.grpo.tis_cap);
             s.choice("device", {"cpu", "cuda"}, c.train_device);
             s.choice("dtype", {"fp32", "bf16"}, c.train_dtype);
+            s.choice("moments_dtype", {"fp32", "bf16"}, c.moments_dtype);
             s.integer("micro_batch_tokens", 0, INT64_C(1) << 40, c.micro_batch_tokens);
             s.boolean("activation_checkpointing", c.activation_checkpointing);
         },
@@ -614,6 +615,10 @@ void RunConfig::validate() const {
     MOERL_CHECK(train_device != "cuda" || ep_ranks == 1 || train_ranks > 1, s,
                 ": train.device: cuda runs one rank per process, so ranks.ep must be 1 (got ", ep_ranks,
                 "), or set ranks.train to ", ep_ranks, " processes");
+    MOERL_CHECK(moments_dtype == "fp32" || (train_device == "cuda" && train_dtype == "bf16"), s,
+                ": train.moments_dtype: bf16 moments are kept by the GPU trainer's bf16 update: set "
+                "train.device: cuda and train.dtype: bf16 (got ",
+                train_device, " and ", train_dtype, "), or moments_dtype: fp32");
     MOERL_CHECK(rollout_ranks == 1 || (m.num_moe_layers() > 0 && m.num_experts % rollout_ranks == 0), s,
                 ": ranks.rollout: ", rollout_ranks,
                 " processes each hold an equal share of the experts, but ", "the model has ", m.num_experts,

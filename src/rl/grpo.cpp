@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "moerl/core/error.hpp"
@@ -24,7 +25,7 @@ std::vector<double> group_advantages(const std::vector<double>& rewards, int gro
     return adv;
 }
 
-GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& p) {
+GrpoOutput grpo_loss_queued(const GrpoInputs& in, const GrpoParams& p) {
     MOERL_CHECK(in.logp.dim() == 2 && in.prox_logp.sizes() == in.logp.sizes() &&
                     in.behaviour_logp.sizes() == in.logp.sizes() && in.mask.sizes() == in.logp.sizes(),
                 "grpo_loss: logp ", in.logp.sizes(), ", prox_logp ", in.prox_logp.sizes(),
@@ -60,17 +61,24 @@ GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& p) {
     out.loss = in.num_tokens > 0 ? loss_sum / in.num_tokens : loss_sum / count.clamp_min(1.0);
     // The gradient is zero where the clipped branch is the smaller one and differs from the other.
     const at::Tensor lost = (clipped < unclipped).to(at::kFloat) * mask;
-    // The statistics reach the host in one transfer (one synchronisation a micro-batch, not six).
-    const at::Tensor sums = at::stack({count, kl_sum, lost.sum(), (ratio.detach() * mask).sum(),
-                                       (w * mask).sum(), ((w_raw > p.tis_cap).to(at::kFloat) * mask).sum()})
-                                .to(at::kCPU, at::kDouble);
-    const double* v = sums.data_ptr<double>();
+    out.sums = at::stack({count, kl_sum, lost.sum(), (ratio.detach() * mask).sum(), (w * mask).sum(),
+                          ((w_raw > p.tis_cap).to(at::kFloat) * mask).sum()});
+    return out;
+}
+
+void GrpoOutput::read_stats(const double* v) {
     const double local_n = std::max(1.0, v[0]);
-    out.kl = v[1] / local_n;
-    out.clip_fraction = v[2] / local_n;
-    out.mean_ratio = v[3] / local_n;
-    out.mean_is_weight = v[4] / local_n;
-    out.truncated_fraction = v[5] / local_n;
+    kl = v[1] / local_n;
+    clip_fraction = v[2] / local_n;
+    mean_ratio = v[3] / local_n;
+    mean_is_weight = v[4] / local_n;
+    truncated_fraction = v[5] / local_n;
+}
+
+GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& p) {
+    GrpoOutput out = grpo_loss_queued(in, p);
+    const at::Tensor host = out.sums.to(at::kCPU, at::kDouble).contiguous();  // one synchronisation
+    out.read_stats(host.data_ptr<double>());
     return out;
 }
 

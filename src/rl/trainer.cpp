@@ -199,7 +199,8 @@ struct PolicyTrainer::Impl {
         // weights (every rank holds those and their summed gradients, but only one keeps their
         // AdamW moments and steps them; the others take the result: the optimizer state is sharded).
         std::vector<bool> updates;
-        std::vector<at::Tensor> m, v;  // fp32 moments; undefined for the dense weights of other ranks
+        std::vector<at::Tensor> m,
+            v;  // moments (train.moments_dtype); undefined for other ranks' dense weights
     };
     RunConfig cfg;
     int W = 1;               // ranks in all
@@ -294,11 +295,17 @@ struct PolicyTrainer::Impl {
             k.ref->set_requires_grad(false);
         }
         k.updates = updated_here(k.params, first_rank + r);
+        // bf16 moments live only in the GPU update's pass (config validation asks for cuda + bf16).
+        const bool bf16_moments = cfg.moments_dtype == "bf16";
+        MOERL_CHECK(!bf16_moments || (k.master && device.is_cuda() && model::adamw_master_available()),
+                    "train.moments_dtype: bf16 needs the GPU trainer's update pass (train.device: cuda, "
+                    "train.dtype: bf16, a build with the CUDA trainer kernels)");
+        const at::ScalarType moments = bf16_moments ? at::kBFloat16 : at::kFloat;
         for (size_t i = 0; i < k.weights.size(); ++i) {
             const at::Tensor& w = k.weights[i];
-            k.m.push_back(k.updates[i] ? at::zeros_like(w, w.options().dtype(at::kFloat)).detach()
+            k.m.push_back(k.updates[i] ? at::zeros_like(w, w.options().dtype(moments)).detach()
                                        : at::Tensor());
-            k.v.push_back(k.updates[i] ? at::zeros_like(w, w.options().dtype(at::kFloat)).detach()
+            k.v.push_back(k.updates[i] ? at::zeros_like(w, w.options().dtype(moments)).detach()
                                        : at::Tensor());
         }
     }
@@ -363,7 +370,10 @@ struct PolicyTrainer::Impl {
         // The load-balancing loss is not a sum over tokens: each micro-batch's counts 1/n.
         const double aux_scale = mc.router_aux_loss_coef / W / static_cast<double>(std::max<size_t>(1, n));
         for (int epoch = 0; epoch < cfg.ppo_epochs; ++epoch) {
-            double clip = 0, weighted = 0;
+            // Each micro-batch's statistics stay on the device until the update is queued: one
+            // copy to the host an epoch (with the gradient norm), not four a micro-batch, so the GPU
+            // is not left waiting between the backward and the update.
+            std::vector<at::Tensor> rows(n);
             for (size_t i = 0; i < n; ++i) {
                 const Batch& b = batches[i];
                 model::ForwardOutput out = forward(*k.model, b);
@@ -376,32 +386,45 @@ struct PolicyTrainer::Impl {
                               b.resp_mask,
                               ref_lp[i],
                               static_cast<double>(global_tokens)};
-                GrpoOutput g = grpo_loss(in, cfg.grpo);
+                GrpoOutput g = grpo_loss_queued(in, cfg.grpo);
                 (g.loss + aux_scale * out.aux_loss).backward();
-                const double w = static_cast<double>(b.num_tokens);
+                c10::NoGradGuard no_grad;
+                // Training-inference mismatch, on the weights that sampled (when on-policy).
+                at::Tensor d = (prox[i] - b.behaviour) * b.resp_mask;
+                at::Tensor ratio = at::exp(prox[i] - b.behaviour) * b.resp_mask;
+                rows[i] =
+                    at::cat({g.sums.to(at::kFloat),
+                             at::stack({g.loss.detach().to(at::kFloat), out.aux_loss.detach().to(at::kFloat),
+                                        d.abs().sum(), ratio.sum(), (ratio * ratio).sum()})});
+            }
+            const at::Tensor norm_t = step_optimizer(r, epoch);
+            at::Tensor host = at::stack(rows).reshape(-1);
+            if (norm_t.device() == host.device())
+                host = at::cat({host, norm_t.to(host.scalar_type()).reshape(1)});
+            host = host.to(at::kCPU, at::kDouble).contiguous();
+            const double* v = host.data_ptr<double>();
+            double clip = 0, weighted = 0;
+            for (size_t i = 0; i < n; ++i) {
+                const double* row = v + i * kStatsRow;
+                GrpoOutput g;
+                g.read_stats(row);
+                const double w = static_cast<double>(batches[i].num_tokens);
                 clip += w * g.clip_fraction;
                 weighted += w;
                 if (epoch > 0) continue;
                 TrainStats& st = sums.stats;
-                st.loss += g.loss.item<double>();
-                st.aux_loss += out.aux_loss.item<double>() / static_cast<double>(n);
+                st.loss += row[6];
+                st.aux_loss += row[7] / static_cast<double>(n);
                 st.mean_ratio += w * g.mean_ratio;
                 st.mean_is_weight += w * g.mean_is_weight;
                 st.truncated_fraction += w * g.truncated_fraction;
                 st.kl += w * g.kl;
-                // Training-inference mismatch, on the weights that sampled (when on-policy).
-                c10::NoGradGuard no_grad;
-                at::Tensor d = (prox[i] - b.behaviour) * b.resp_mask;
-                at::Tensor ratio = at::exp(prox[i] - b.behaviour) * b.resp_mask;
-                // One copy to the host for the three sums.
-                at::Tensor m =
-                    at::stack({d.abs().sum(), ratio.sum(), (ratio * ratio).sum()}).to(at::kCPU, at::kDouble);
-                const double* v = m.data_ptr<double>();
-                sums.diff_sum += v[0];
-                sums.ratio_sum += v[1];
-                sums.ratio_sq_sum += v[2];
+                sums.diff_sum += row[8];
+                sums.ratio_sum += row[9];
+                sums.ratio_sq_sum += row[10];
             }
-            const double grad_norm = step_optimizer(r, epoch);
+            // The norm came along where it was on the device; a norm summed on the host is exact.
+            const double grad_norm = norm_t.is_cuda() ? v[n * kStatsRow] : norm_t.item<double>();
             if (epoch == 0) {
                 if (r == 0) first_norm = grad_norm;  // the gradient of the logged loss
                 sums.weighted_tokens = weighted;
@@ -417,10 +440,15 @@ struct PolicyTrainer::Impl {
         if (r == 0) total = RankSums::unpack(every_rank);
     }
 
+    // A micro-batch's statistics on the device, in this order: GrpoOutput::sums (6), the loss, the
+    // load-balancing loss, then the mismatch sums |prox - behaviour|, ratio and ratio^2.
+    static constexpr size_t kStatsRow = 11;
+
     // Sums dense gradients across ranks, clips by the global norm, applies AdamW (to the fp32
     // master weights when training in bf16). Returns the global norm before clipping (the same on
-    // every rank).
-    double step_optimizer(int r, int epoch) {
+    // every rank), as a scalar tensor: on one GPU rank it stays on the device, and the clipping
+    // scale with it, so the update is queued without waiting for the backward to finish.
+    at::Tensor step_optimizer(int r, int epoch) {
         Rank& k = ranks[r];
         c10::NoGradGuard g;
         // bf16 on a GPU: one pass a parameter (model::adamw_master_step) reads the gradients as the
@@ -443,23 +471,35 @@ struct PolicyTrainer::Impl {
                 for (auto& d : dense) v.push_back(d.reshape(-1));
                 return v;
             }());
-        double own_sq = 0;
+        at::Tensor own_sq_t;  // on the device
         if (!own.empty()) {
             std::vector<at::Tensor> norms;
             for (auto& e : own) norms.push_back(at::linalg_vector_norm(e, 2, {}, false, at::kFloat));
-            own_sq = at::stack(norms).pow(2).sum().item<double>();  // one sync for all
+            own_sq_t = at::stack(norms).pow(2).sum();
         }
-        if (W > 1) {
-            group->sum(r, flat);
-            at::Tensor sq = at::full({1}, own_sq, at::kDouble);
-            group->sum(r, sq);
-            own_sq = sq.item<double>();
+        // One rank with the AdamW pass: every gradient is its own, and the norm never leaves the device.
+        const bool norm_on_device = master_kernel && W == 1 && flat.numel() == 0 && own_sq_t.defined();
+        at::Tensor norm_t, scale_t;
+        double norm = 0, scale = 1.0;
+        if (norm_on_device) {
+            norm_t = own_sq_t.sqrt();
+            if (cfg.grad_clip > 0)
+                scale_t = at::where(norm_t > cfg.grad_clip, cfg.grad_clip / (norm_t + 1e-6),
+                                    at::ones({}, norm_t.options()))
+                              .reshape(1);
+        } else {
+            double own_sq = own_sq_t.defined() ? own_sq_t.item<double>() : 0.0;  // one sync for all
+            if (W > 1) {
+                group->sum(r, flat);
+                at::Tensor sq = at::full({1}, own_sq, at::kDouble);
+                group->sum(r, sq);
+                own_sq = sq.item<double>();
+            }
+            const double flat_sq = flat.numel() == 0 ? 0.0 : flat.pow(2).sum().item<double>();
+            norm = std::sqrt(flat_sq + own_sq);
+            scale = (cfg.grad_clip > 0 && norm > cfg.grad_clip) ? cfg.grad_clip / (norm + 1e-6) : 1.0;
+            norm_t = at::scalar_tensor(norm, at::kDouble);
         }
-        // On one rank with the AdamW pass no gradient is in `flat`: no second sync for its norm.
-        const double flat_sq = flat.numel() == 0 ? 0.0 : flat.pow(2).sum().item<double>();
-        const double norm = std::sqrt(flat_sq + own_sq);
-        const double scale =
-            (cfg.grad_clip > 0 && norm > cfg.grad_clip) ? cfg.grad_clip / (norm + 1e-6) : 1.0;
         const int64_t t = step_count_for_update + epoch + 1;
         const double bc1 = 1 - std::pow(cfg.beta1, static_cast<double>(t));
         const double bc2 = 1 - std::pow(cfg.beta2, static_cast<double>(t));
@@ -476,18 +516,23 @@ struct PolicyTrainer::Impl {
             }
         }
         if (master_kernel) {
-            const model::AdamwStep step{lr, cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.adam_eps, t, scale};
-            for (size_t i = 0; i < k.params.size(); ++i)
-                if (k.updates[i])
-                    model::adamw_master_step(k.weights[i], grads[i].contiguous(), k.m[i], k.v[i],
-                                             k.params[i].tensor, step);
+            model::AdamwStep step{lr, cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.adam_eps, t, scale};
+            step.grad_scale_on_device = scale_t;
+            for (size_t i = 0; i < k.params.size(); ++i) {
+                if (!k.updates[i]) continue;
+                // A different stream of rounding bits for each step and tensor (bf16 moments).
+                step.rounding_seed =
+                    static_cast<uint32_t>(t * 0x9e3779b1u) ^ static_cast<uint32_t>(i * 0x85ebca6bu);
+                model::adamw_master_step(k.weights[i], grads[i].contiguous(), k.m[i], k.v[i],
+                                         k.params[i].tensor, step);
+            }
             share_dense_updates(r, flat);
             // The dense weights another rank updated came in with the share above.
             for (size_t i = 0; i < k.params.size() && W > 1; ++i)
                 if (!k.updates[i]) k.params[i].tensor.copy_(k.weights[i]);
             k.model->zero_grad();
             if (W > 1) group->barrier(r);
-            return norm;
+            return norm_t;
         }
 #ifdef MOERL_HAVE_FUSED_ADAMW
         if (k.weights.front().is_cuda()) {
@@ -512,7 +557,7 @@ struct PolicyTrainer::Impl {
             k.model->zero_grad();
             copy_master(k);
             if (W > 1) group->barrier(r);
-            return norm;
+            return norm_t;
         }
 #endif
         for (size_t i = 0; i < k.params.size(); ++i) {
@@ -529,7 +574,7 @@ struct PolicyTrainer::Impl {
         k.model->zero_grad();
         copy_master(k);
         if (W > 1) group->barrier(r);
-        return norm;
+        return norm_t;
     }
 
     // Every dense weight from the rank that updated it, to the others: a sum over ranks in which

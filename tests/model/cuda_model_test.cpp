@@ -8,6 +8,7 @@
 #include "ep_ranks.hpp"
 #include "model_test_util.hpp"
 #include "moerl/core/error.hpp"
+#include "moerl/model/adamw.hpp"
 #include "moerl/model/layers.hpp"
 #include "moerl/model/model.hpp"
 #include "train_rows.hpp"
@@ -321,6 +322,93 @@ TEST(Cuda, WeightedSwigluKernelMatchesTheComposition) {
         ADD_FAILURE() << "3 weights for 4 rows were accepted";
     } catch (const moerl::Error& e) {
         EXPECT_NE(std::string(e.what()).find("weighted_swiglu"), std::string::npos) << e.what();
+    }
+}
+
+// The AdamW update pass against torch.optim's formula in double: fp32 moments on the 16-byte path
+// with its tail, on a view one element off alignment (one element at a time), with the clipping
+// scale read from the device; bf16 moments within a bf16 step of the reference. And bf16 moments
+// round without bias: a second moment decaying by beta2 = 0.999 a step reaches 0.999^1000 on
+// average (round to nearest would keep it at 1: a 0.1% step is under half of bf16's).
+TEST(Cuda, AdamwMasterStepMatchesTheReference) {
+    SKIP_WITHOUT_CUDA();
+    if (!adamw_master_available()) GTEST_SKIP() << "no CUDA trainer kernels in this build";
+    at::manual_seed(5);
+    const int64_t n = 100003;  // past the last group of 8: a tail
+    const auto cuda = at::TensorOptions().device(at::kCUDA);
+    struct Case {
+        at::ScalarType moments;
+        int64_t offset;  // elements into a larger allocation: 1 = not 16-byte aligned
+        bool scale_on_device;
+    };
+    for (const Case& c : {Case{at::kFloat, 0, false}, Case{at::kFloat, 1, false}, Case{at::kFloat, 0, true},
+                          Case{at::kBFloat16, 0, false}, Case{at::kBFloat16, 1, true}}) {
+        const std::string what = std::string(c.moments == at::kFloat ? "fp32" : "bf16") +
+                                 " moments, offset " + std::to_string(c.offset) +
+                                 (c.scale_on_device ? ", scale on the device" : "");
+        auto on_gpu = [&](const at::Tensor& host, at::ScalarType type) {
+            at::Tensor big = at::empty({n + c.offset}, cuda.dtype(type));
+            at::Tensor t = big.narrow(0, c.offset, n);
+            t.copy_(host);
+            return t;
+        };
+        const at::Tensor p0 = at::randn({n}), g0 = at::randn({n}).to(at::kBFloat16).to(at::kFloat);
+        const at::Tensor m0 = (at::randn({n}) * 0.1).to(c.moments).to(at::kFloat);
+        const at::Tensor v0 = (at::rand({n}) * 0.2 + 0.01).to(c.moments).to(at::kFloat);
+        at::Tensor p = on_gpu(p0, at::kFloat), g = on_gpu(g0, at::kBFloat16);
+        at::Tensor m = on_gpu(m0, c.moments), v = on_gpu(v0, c.moments), w = on_gpu(p0, at::kBFloat16);
+        AdamwStep s;
+        s.lr = 1e-2, s.beta1 = 0.9, s.beta2 = 0.99, s.weight_decay = 0.1, s.eps = 1e-8, s.step = 3;
+        s.grad_scale = 0.5;
+        double scale = 0.5;
+        if (c.scale_on_device) {
+            s.grad_scale = 7.0;  // ignored
+            s.grad_scale_on_device = at::full({1}, 0.25, cuda.dtype(at::kFloat));
+            scale = 0.25;
+        }
+        s.rounding_seed = 11;
+        adamw_master_step(p, g, m, v, w, s);
+        // The reference in double.
+        const at::Tensor gd = g0.to(at::kDouble) * scale;
+        const at::Tensor md = m0.to(at::kDouble) * s.beta1 + gd * (1 - s.beta1);
+        const at::Tensor vd = v0.to(at::kDouble) * s.beta2 + gd * gd * (1 - s.beta2);
+        const double bc1 = 1 - std::pow(s.beta1, 3.0), bc2 = 1 - std::pow(s.beta2, 3.0);
+        const at::Tensor pd = p0.to(at::kDouble) * (1 - s.lr * s.weight_decay) -
+                              (s.lr / bc1) * md / (vd.sqrt() / std::sqrt(bc2) + s.eps);
+        auto worst = [](const at::Tensor& got, const at::Tensor& want) {
+            return (got.to(at::kCPU, at::kDouble) - want).abs().max().item<double>();
+        };
+        EXPECT_LT(worst(p, pd), 1e-5) << what;
+        EXPECT_LT(worst(w, pd), 1.0 / 128 * pd.abs().max().item<double>()) << what;  // bf16 of the master
+        EXPECT_EQ(worst(w, p.to(at::kBFloat16).to(at::kCPU, at::kDouble)), 0.0) << what;
+        // fp32 moments to fp32's rounding of the sums; bf16 ones within one bf16 step (2^-7 relative).
+        const double rel = c.moments == at::kFloat ? 0.0 : 1.0 / 128 + 1e-5;
+        const double abs_tol = c.moments == at::kFloat ? 1e-6 : 1e-7;
+        const at::Tensor m_err = (m.to(at::kCPU, at::kDouble) - md).abs() - rel * md.abs();
+        const at::Tensor v_err = (v.to(at::kCPU, at::kDouble) - vd).abs() - rel * vd.abs();
+        EXPECT_LT(m_err.max().item<double>(), abs_tol) << what;
+        EXPECT_LT(v_err.max().item<double>(), abs_tol) << what;
+    }
+    // Unbiased rounding: 1000 steps of zero gradient from v = 1.
+    const int64_t k = 4096;
+    at::Tensor p = at::zeros({k}, cuda.dtype(at::kFloat)), g = at::zeros({k}, cuda.dtype(at::kBFloat16));
+    at::Tensor m = at::zeros({k}, cuda.dtype(at::kBFloat16)), v = at::ones({k}, cuda.dtype(at::kBFloat16));
+    AdamwStep s;
+    s.lr = 0, s.beta1 = 0.9, s.beta2 = 0.999;
+    for (int t = 1; t <= 1000; ++t) {
+        s.step = t;
+        s.rounding_seed = static_cast<uint32_t>(t) * 2654435761u;
+        adamw_master_step(p, g, m, v, at::Tensor(), s);
+    }
+    const double mean = v.to(at::kCPU, at::kDouble).mean().item<double>(), want = std::pow(0.999, 1000.0);
+    EXPECT_NEAR(mean, want, 0.01 * want) << "bf16 second moments after 1000 decays";
+    // Moments of two dtypes are refused by name.
+    try {
+        adamw_master_step(p, g, m, v.to(at::kFloat), at::Tensor(), s);
+        ADD_FAILURE() << "bf16 and fp32 moments were accepted together";
+    } catch (const moerl::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("both moments fp32 or both bf16"), std::string::npos)
+            << e.what();
     }
 }
 

@@ -325,6 +325,44 @@ TEST(TrainerConfig, CudaNeedsOneRankAndADevice) {
     }
 }
 
+// bf16 AdamW moments live in the GPU update's pass only: elsewhere the config is refused, naming
+// what to set; an unknown value is refused by the parser.
+TEST(TrainerConfig, Bf16MomentsNeedTheGpuBf16Trainer) {
+    TempDir t("momentscfg");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.moments_dtype = "bf16";
+    for (const auto& [device, dtype] : {std::pair{"cpu", "bf16"}, {"cuda", "fp32"}, {"cpu", "fp32"}}) {
+        c.train_device = device;
+        c.train_dtype = dtype;
+        try {
+            c.validate();
+            FAIL() << "bf16 moments accepted on " << device << " / " << dtype;
+        } catch (const moerl::Error& e) {
+            EXPECT_NE(std::string(e.what()).find("train.moments_dtype: bf16 moments are kept by the GPU "
+                                                 "trainer's bf16 update: set train.device: cuda and "
+                                                 "train.dtype: bf16 (got " +
+                                                 std::string(device) + " and " + dtype + ")"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
+    c.train_device = "cuda";
+    c.train_dtype = "bf16";
+    EXPECT_NO_THROW(c.validate());
+    const std::string base = "run: {steps: 2}\ntask: {kind: sort, length: 2, max_value: 4}\n";
+    const RunConfig parsed = RunConfig::from_yaml_text(
+        base + "train: {device: cuda, dtype: bf16, moments_dtype: bf16}\nranks: {ep: 1}\n", "m.yaml");
+    EXPECT_EQ(parsed.moments_dtype, "bf16");
+    EXPECT_EQ(RunConfig::from_yaml_text(base, "m.yaml").moments_dtype, "fp32");
+    try {
+        RunConfig::from_yaml_text(base + "train: {moments_dtype: fp8}\n", "m.yaml");
+        FAIL() << "moments_dtype fp8 accepted";
+    } catch (const moerl::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("moments_dtype"), std::string::npos) << e.what();
+    }
+}
+
 TEST(TrainerConfig, ProcessRanksAreCheckedAtValidation) {
     TempDir t("rankscfg");
     auto error_of = [&](const std::function<void(RunConfig&)>& change) -> std::string {

@@ -31,17 +31,28 @@ struct GrpoInputs {
 };
 
 struct GrpoOutput {
-    at::Tensor loss;           // scalar
+    at::Tensor loss;  // scalar
+    // The statistics below as sums over the response tokens, on the loss's device: [6] fp32 of
+    // (tokens, k3 KL, tokens that lost their gradient to the clip, ratio, importance weight, tokens
+    // whose weight hit tis_cap). read_stats() turns them into the means.
+    at::Tensor sums;
     double clip_fraction = 0;  // tokens whose ratio was clipped and that lost their gradient
     double mean_ratio = 0;
     double mean_is_weight = 0;      // mean truncated importance weight
     double truncated_fraction = 0;  // tokens whose importance weight hit tis_cap
     double kl = 0;                  // mean k3 KL to the reference (0 without one)
+
+    // The means from sums copied to the host as doubles ([6], in sums' order).
+    void read_stats(const double* host_sums);
 };
 
 // Per token: w = min(exp(prox - behaviour), tis_cap) (no grad); r = exp(logp - prox);
 // l = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3(ref, logp);
-// loss = sum(l * mask) / num_tokens.
+// loss = sum(l * mask) / num_tokens. The statistics are read (one synchronisation).
 GrpoOutput grpo_loss(const GrpoInputs& in, const GrpoParams& params);
+
+// The same with the statistics left in `sums` on the device: a trainer reads every micro-batch's
+// at once, after its update is queued.
+GrpoOutput grpo_loss_queued(const GrpoInputs& in, const GrpoParams& params);
 
 }  // namespace moerl::rl

@@ -55,12 +55,15 @@ struct AdamwArgs {
     float lr, beta1, beta2, weight_decay, eps;
     float step_size;              // lr / (1 - beta1^t)
     float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-    float grad_scale;             // clipping, 1 = none
+    float grad_scale;             // clipping, 1 = none (when no scale on the device is given)
+    uint32_t seed;                // of the stochastic rounding of bf16 moments
 };
-// p, m, v fp32; g of grad_dtype (1 = bf16, else fp32); w_bf16: the model's bf16 copy of p, written
-// in the same pass (null = none).
-void launch_adamw_master(float* p, int grad_dtype, const void* g, float* m, float* v, void* w_bf16, int64_t n,
-                         const AdamwArgs& a, cudaStream_t stream);
+// p fp32; g of grad_dtype and m, v of moment_dtype (1 = bf16, else fp32; bf16 moments are rounded
+// stochastically); w_bf16: the model's bf16 copy of p, written in the same pass (null = none).
+// scale_on_device: one fp32 on the device that replaces a.grad_scale (null = none).
+void launch_adamw_master(float* p, int grad_dtype, const void* g, int moment_dtype, void* m, void* v,
+                         void* w_bf16, int64_t n, const AdamwArgs& a, const float* scale_on_device,
+                         cudaStream_t stream);
 
 // Per row r of logits [rows, vocab] (row stride ld): z = logits / temperature + bias (bias [vocab]
 // or null), lp[r] = z[t] - logsumexp(z) for t = targets[r] (in [0, vocab), checked by the caller).

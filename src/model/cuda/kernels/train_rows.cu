@@ -268,22 +268,89 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     }
 }
 
-// AdamW on fp32 master weights p with moments m, v, reading the gradient in its own type G and writing
-// the model's copy w (bf16; null = none) in the same pass, as torch.optim.AdamW computes it.
-template <typename G>
+template <typename T>
+struct TypeTag {  // a type passed to a generic lambda
+    using type = T;
+};
+
+// A 32-bit hash of (seed, i): the random bits of stochastic rounding.
+__device__ __forceinline__ uint32_t mix32(uint32_t seed, int64_t i) {
+    uint32_t x = seed ^ static_cast<uint32_t>(i) ^ (static_cast<uint32_t>(i >> 32) * 0x9e3779b9u);
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// v rounded to bf16 up or down with probability by distance (16 random bits added below bf16's last
+// bit, then truncated): unbiased, so a moment that changes by less than half a bf16 step a step still
+// moves on average. Round to nearest would leave beta2 = 0.999's decay of v stuck at most values.
+__device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float v, uint32_t random) {
+    uint32_t bits = __float_as_uint(v);
+    if ((bits & 0x7f800000u) != 0x7f800000u) bits += random & 0xffffu;  // inf and NaN as they are
+    return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
+}
+
+// Moments of type M stored from floats: fp32 as they are, bf16 rounded stochastically.
+template <typename M>
+__device__ __forceinline__ M store_moment(float v, uint32_t seed, int64_t i) {
+    if constexpr (std::is_same_v<M, float>) {
+        return v;
+    } else {
+        return round_bf16_stochastic(v, mix32(seed, i));
+    }
+}
+
+// AdamW on fp32 master weights p with moments m, v (fp32, or bf16 rounded stochastically), reading
+// the gradient in its own type G and writing the model's copy w (bf16; null = none) in the same pass,
+// as torch.optim.AdamW computes it. V = 8: each thread moves 16-byte groups of eight elements (all
+// pointers 16-byte aligned); V = 1: one element at a time. The clipping scale is read from the
+// device where given (no host round trip for the gradient norm).
+template <int V, typename G, typename M>
 __global__ void __launch_bounds__(256)
-    adamw_master_kernel(float* p, const G* g, float* m, float* v, __nv_bfloat16* w, int64_t n, AdamwArgs a) {
+    adamw_master_kernel(float* p, const G* g, M* m, M* v, __nv_bfloat16* w, int64_t n, AdamwArgs a,
+                        const float* scale_on_device) {
+    const float grad_scale = scale_on_device != nullptr ? *scale_on_device : a.grad_scale;
+    const int64_t groups = n / V;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float grad = to_float(g[i]) * a.grad_scale;
-        const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * grad;
-        const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * grad * grad;
-        const float denom = sqrtf(vi) / a.bias_correction2_sqrt + a.eps;
-        const float pi = p[i] * (1.0f - a.lr * a.weight_decay) - a.step_size * mi / denom;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi;
-        if (w != nullptr) w[i] = __float2bfloat16(pi);
+    for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < groups; k += stride) {
+        const int64_t i0 = k * V;
+        float pv[V], gv[V], mv[V], vv[V];
+        if constexpr (V == 8) {
+            load8(p + i0, pv);
+            load8(g + i0, gv);
+            load8(m + i0, mv);
+            load8(v + i0, vv);
+        } else {
+            pv[0] = p[i0], gv[0] = to_float(g[i0]), mv[0] = to_float(m[i0]), vv[0] = to_float(v[i0]);
+        }
+        alignas(16) M mo[V], vo[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float grad = gv[j] * grad_scale;
+            const float mi = a.beta1 * mv[j] + (1.0f - a.beta1) * grad;
+            const float vi = a.beta2 * vv[j] + (1.0f - a.beta2) * grad * grad;
+            const float denom = sqrtf(vi) / a.bias_correction2_sqrt + a.eps;
+            pv[j] = pv[j] * (1.0f - a.lr * a.weight_decay) - a.step_size * mi / denom;
+            mo[j] = store_moment<M>(mi, a.seed, i0 + j);
+            vo[j] = store_moment<M>(vi, a.seed ^ 0x5bd1e995u, i0 + j);
+        }
+        if constexpr (V == 8) {
+            store8(p + i0, pv);
+            if (w != nullptr) store8(w + i0, pv);
+            if constexpr (std::is_same_v<M, float>) {
+                store8(m + i0, mo);
+                store8(v + i0, vo);
+            } else {
+                *reinterpret_cast<uint4*>(m + i0) = *reinterpret_cast<const uint4*>(mo);
+                *reinterpret_cast<uint4*>(v + i0) = *reinterpret_cast<const uint4*>(vo);
+            }
+        } else {
+            p[i0] = pv[0], m[i0] = mo[0], v[i0] = vo[0];
+            if (w != nullptr) w[i0] = __float2bfloat16(pv[0]);
+        }
     }
 }
 
@@ -537,18 +604,50 @@ void launch_weighted_swiglu_backward(int dtype, const void* dh, const void* g, c
     });
 }
 
-void launch_adamw_master(float* p, int grad_dtype, const void* g, float* m, float* v, void* w_bf16, int64_t n,
-                         const AdamwArgs& a, cudaStream_t stream) {
+void launch_adamw_master(float* p, int grad_dtype, const void* g, int moment_dtype, void* m, void* v,
+                         void* w_bf16, int64_t n, const AdamwArgs& a, const float* scale_on_device,
+                         cudaStream_t stream) {
     if (n == 0) return;
-    const int threads = 256;
-    const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 132 * 16));
     auto* w = static_cast<__nv_bfloat16*>(w_bf16);
-    if (grad_dtype == 1)
-        adamw_master_kernel<<<blocks, threads, 0, stream>>>(p, static_cast<const __nv_bfloat16*>(g), m, v, w,
-                                                            n, a);
+    auto aligned = [](const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+    const bool wide = aligned(p) && aligned(g) && aligned(m) && aligned(v) && aligned(w);
+    auto run = [&](auto vec, auto grad_type, auto moment_type) {
+        constexpr int V = decltype(vec)::value;
+        using G = typename decltype(grad_type)::type;
+        using M = typename decltype(moment_type)::type;
+        const int threads = 256;
+        const int64_t items = V == 1 ? n : n / V;
+        if (items > 0) {
+            const auto blocks =
+                static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 132 * 16));
+            adamw_master_kernel<V><<<blocks, threads, 0, stream>>>(p, static_cast<const G*>(g),
+                                                                   static_cast<M*>(m), static_cast<M*>(v), w,
+                                                                   items * V, a, scale_on_device);
+            MOERL_CUDA_CHECK(cudaGetLastError());
+        }
+        if (V == 1 || n % V == 0) return;
+        const int64_t done = n - n % V;  // the tail, one element a thread
+        adamw_master_kernel<1><<<1, 32, 0, stream>>>(
+            p + done, static_cast<const G*>(g) + done, static_cast<M*>(m) + done, static_cast<M*>(v) + done,
+            w == nullptr ? nullptr : w + done, n - done, a, scale_on_device);
+        MOERL_CUDA_CHECK(cudaGetLastError());
+    };
+    auto by_moments = [&](auto vec, auto grad_type) {
+        if (moment_dtype == 1)
+            run(vec, grad_type, TypeTag<__nv_bfloat16>{});
+        else
+            run(vec, grad_type, TypeTag<float>{});
+    };
+    auto by_grad = [&](auto vec) {
+        if (grad_dtype == 1)
+            by_moments(vec, TypeTag<__nv_bfloat16>{});
+        else
+            by_moments(vec, TypeTag<float>{});
+    };
+    if (wide)
+        by_grad(std::integral_constant<int, 8>{});
     else
-        adamw_master_kernel<<<blocks, threads, 0, stream>>>(p, static_cast<const float*>(g), m, v, w, n, a);
-    MOERL_CUDA_CHECK(cudaGetLastError());
+        by_grad(std::integral_constant<int, 1>{});
 }
 
 void launch_selected_logprob_rows(int dtype, void* logits, int64_t ld, const int64_t* targets,
