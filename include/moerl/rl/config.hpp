@@ -113,8 +113,8 @@ struct RunConfig {
     std::string train_device = "cpu";
     // fp32, or bf16: forward and backward in bf16 with fp32 master weights and AdamW moments.
     std::string train_dtype = "fp32";
-    // AdamW's two moments: fp32, or bf16 (train.device: cuda with train.dtype: bf16): 8 bytes a
-    // parameter less to keep and to read and write each update (20 instead of 28), rounded
+    // AdamW's two moments: fp32, or bf16 (train.device: cuda with train.dtype: bf16): 4 bytes a
+    // parameter less to keep and 8 less to read and write each update (20 instead of 28), rounded
     // stochastically so that the moments' small steps survive on average (as DeepSeek-V3 trained).
     // Checkpoints hold them in fp32 either way.
     std::string moments_dtype = "fp32";
