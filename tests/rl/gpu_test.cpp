@@ -207,6 +207,75 @@ TEST(RlGpu, CudaOptimizerStepsMatchTheCpuSteps) {
     EXPECT_LT(off, total / 200) << off << " of " << total << " weights differ by more than lr/10";
 }
 
+// bf16 training on the GPU (fp32 masters, the one-pass AdamW whose clipping scale is computed on the
+// device, fp32 or bf16 moments): the gradient norm it reports is the CPU fp32 trainer's, and the clip
+// reaches the update. Adam's first step moves a weight by about lr whatever the gradient's scale,
+// unless the gradient is clipped so small that eps dominates: clipped to 1e-10 no weight moves by
+// lr / 20.
+TEST(RlGpu, Bf16UpdateTakesItsClipFromTheDevice) {
+    SKIP_WITHOUT_CUDA();
+    TempDir t("gpuclip");
+    RunConfig c = small_config(t.path);
+    c.ep_ranks = 1;
+    c.weight_decay = 0;
+    c.model.router_aux_loss_coef = 0;
+    const auto batch = batch_of(c);
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    const auto adv = group_advantages(rewards, c.group_size);
+    auto weights_of = [&](const PolicyTrainer& trainer, const std::string& name) {
+        const fs::path dir = t.path / name;
+        trainer.save_weights(dir.string());
+        std::map<std::string, std::vector<float>> out;
+        for (const auto& entry : fs::directory_iterator(dir)) {
+            if (entry.path().extension() != ".safetensors") continue;
+            moerl::model::SafetensorsFile f(entry.path().string());
+            for (const auto& info : f.tensors()) {
+                const float* p = reinterpret_cast<const float*>(f.data(info));
+                out[info.name].assign(p, p + info.numel());
+            }
+        }
+        return out;
+    };
+    RunConfig cpu = c;
+    cpu.grad_clip = 0;
+    const double cpu_norm = PolicyTrainer(cpu, (t.path / "cpu").string()).update(batch, adv).grad_norm;
+    ASSERT_GT(cpu_norm, 0.0);
+    int run_index = 0;
+    for (const char* moments : {"fp32", "bf16"}) {
+        for (const double clip : {0.0, 1e-10}) {
+            SCOPED_TRACE(std::string(moments) + " moments, clip " + std::to_string(clip));
+            RunConfig run = c;
+            run.train_device = "cuda";
+            run.train_dtype = "bf16";
+            run.moments_dtype = moments;
+            run.grad_clip = clip;
+            const std::string name = "g" + std::to_string(run_index++);
+            PolicyTrainer trainer(run, (t.path / name).string());
+            const auto before = weights_of(trainer, name + "-before");
+            const TrainStats st = trainer.update(batch, adv);
+            EXPECT_NEAR(st.grad_norm, cpu_norm, 0.1 * cpu_norm);
+            const auto after = weights_of(trainer, name + "-after");
+            int64_t total = 0, moved = 0;
+            double largest = 0;
+            for (const auto& [key, a] : before) {
+                const auto& b = after.at(key);
+                ASSERT_EQ(a.size(), b.size()) << key;
+                for (size_t i = 0; i < a.size(); ++i, ++total) {
+                    const double d = std::abs(static_cast<double>(b[i]) - a[i]);
+                    largest = std::max(largest, d);
+                    moved += d > 0.5 * c.lr;
+                }
+            }
+            if (clip == 0) {
+                EXPECT_GT(moved, total / 20) << moved << " of " << total << " weights moved by lr / 2";
+            } else {
+                EXPECT_LT(largest, c.lr / 20) << "a weight moved by " << largest << " under a clip of 1e-10";
+            }
+        }
+    }
+}
+
 // Rollouts with routing records, greedy and sampled: on the GPU (the fused engine) the tokens,
 // their log-probabilities and versions, and the experts recorded for every position and MoE layer
 // are the CPU eager path's (as sets: the order of a position's K experts is free), with contexts
