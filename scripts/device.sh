@@ -417,7 +417,7 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
   # The first case also traces one more update; bench/trace_kernels.py sums its kernels by kind.
   : >"$OUT/bench-train.log"
   trace=(--trace "$RL_TMP/train-trace.json")
-  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:16384 4:64:1024:1024:16384 4:16:1024:1024:32768 4:16:1024:1024:32768:1}; do
+  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:32768 4:16:1024:1024:32768:0:bf16 4:8:1024:1024:16384 4:64:1024:1024:32768 4:16:1024:1024:32768:1}; do
     [ "$case" = none ] && continue  # MOERL_DEVICE_TRAIN_CASES=none: no trainer benchmark
     IFS=: read -r tl ts tp tr tm tc tmo <<<"$case"
     ckpt=(); [ "${tc:-0}" = 1 ] && ckpt=(--activation-checkpointing)
