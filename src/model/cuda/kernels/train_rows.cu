@@ -305,18 +305,19 @@ __device__ __forceinline__ M store_moment(float v, uint32_t seed, int64_t i) {
 
 // AdamW on fp32 master weights p with moments m, v (fp32, or bf16 rounded stochastically), reading
 // the gradient in its own type G and writing the model's copy w (bf16; null = none) in the same pass,
-// as torch.optim.AdamW computes it. V = 8: each thread moves 16-byte groups of eight elements (all
-// pointers 16-byte aligned); V = 1: one element at a time. The clipping scale is read from the
-// device where given (no host round trip for the gradient norm).
+// as torch.optim.AdamW computes it, over elements [begin, end). V = 8: each thread moves 16-byte
+// groups of eight elements (all pointers 16-byte aligned, end - begin a multiple of 8); V = 1: one
+// element at a time. The clipping scale is read from the device where given (no host round trip
+// for the gradient norm).
 template <int V, typename G, typename M>
 __global__ void __launch_bounds__(256)
-    adamw_master_kernel(float* p, const G* g, M* m, M* v, __nv_bfloat16* w, int64_t n, AdamwArgs a,
-                        const float* scale_on_device) {
+    adamw_master_kernel(float* p, const G* g, M* m, M* v, __nv_bfloat16* w, int64_t begin, int64_t end,
+                        AdamwArgs a, const float* scale_on_device) {
     const float grad_scale = scale_on_device != nullptr ? *scale_on_device : a.grad_scale;
-    const int64_t groups = n / V;
+    const int64_t groups = (end - begin) / V;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < groups; k += stride) {
-        const int64_t i0 = k * V;
+        const int64_t i0 = begin + k * V;
         float pv[V], gv[V], mv[V], vv[V];
         if constexpr (V == 8) {
             load8(p + i0, pv);
@@ -616,20 +617,19 @@ void launch_adamw_master(float* p, int grad_dtype, const void* g, int moment_dty
         using G = typename decltype(grad_type)::type;
         using M = typename decltype(moment_type)::type;
         const int threads = 256;
-        const int64_t items = V == 1 ? n : n / V;
+        const auto* gt = static_cast<const G*>(g);
+        auto *mt = static_cast<M*>(m), *vt = static_cast<M*>(v);
+        const int64_t items = n / V, done = items * V;
         if (items > 0) {
             const auto blocks =
                 static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 132 * 16));
-            adamw_master_kernel<V><<<blocks, threads, 0, stream>>>(p, static_cast<const G*>(g),
-                                                                   static_cast<M*>(m), static_cast<M*>(v), w,
-                                                                   items * V, a, scale_on_device);
+            adamw_master_kernel<V>
+                <<<blocks, threads, 0, stream>>>(p, gt, mt, vt, w, 0, done, a, scale_on_device);
             MOERL_CUDA_CHECK(cudaGetLastError());
         }
-        if (V == 1 || n % V == 0) return;
-        const int64_t done = n - n % V;  // the tail, one element a thread
-        adamw_master_kernel<1><<<1, 32, 0, stream>>>(
-            p + done, static_cast<const G*>(g) + done, static_cast<M*>(m) + done, static_cast<M*>(v) + done,
-            w == nullptr ? nullptr : w + done, n - done, a, scale_on_device);
+        if (done == n) return;
+        // The tail past the last group of V, one element a thread.
+        adamw_master_kernel<1><<<1, 32, 0, stream>>>(p, gt, mt, vt, w, done, n, a, scale_on_device);
         MOERL_CUDA_CHECK(cudaGetLastError());
     };
     auto by_moments = [&](auto vec, auto grad_type) {
