@@ -56,6 +56,37 @@ std::map<std::string, std::vector<float>> moments(const fs::path& dir) {
     return out;
 }
 
+// The small config on one rank, without the load-balancing loss (not a sum over tokens: how a
+// batch is split into micro-batches changes it).
+RunConfig one_rank_config(const fs::path& dir) {
+    RunConfig c = small_config(dir);
+    c.ep_ranks = 1;
+    c.model.router_aux_loss_coef = 0;
+    return c;
+}
+
+// GRPO advantages of a batch's rewards.
+std::vector<double> advantages_of(const std::vector<ExperienceRecord>& batch, int group_size) {
+    std::vector<double> rewards;
+    for (const auto& e : batch) rewards.push_back(e.reward);
+    return group_advantages(rewards, group_size);
+}
+
+// The fp32 weights a trainer saves into `dir`, by tensor name.
+std::map<std::string, std::vector<float>> saved_weights(const PolicyTrainer& trainer, const fs::path& dir) {
+    trainer.save_weights(dir.string());
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+        if (entry.path().extension() != ".safetensors") continue;
+        moerl::model::SafetensorsFile f(entry.path().string());
+        for (const auto& info : f.tensors()) {
+            const float* p = reinterpret_cast<const float*>(f.data(info));
+            out[info.name].assign(p, p + info.numel());
+        }
+    }
+    return out;
+}
+
 // One random model, on the CPU and on the first GPU.
 struct CpuAndGpuModels {
     moerl::model::MoeModel cpu, gpu;
@@ -82,14 +113,10 @@ std::vector<GenResult> by_id(std::vector<GenResult> v) {
 TEST(RlGpu, CudaTrainerMatchesTheCpuTrainer) {
     SKIP_WITHOUT_CUDA();
     TempDir t("gputrain");
-    RunConfig c = small_config(t.path);
-    c.ep_ranks = 1;
+    RunConfig c = one_rank_config(t.path);
     c.grad_clip = 0;
-    c.model.router_aux_loss_coef = 0;  // not a sum over tokens: micro-batches change it
     const auto batch = batch_of(c);
-    std::vector<double> rewards;
-    for (const auto& e : batch) rewards.push_back(e.reward);
-    const auto adv = group_advantages(rewards, c.group_size);
+    const auto adv = advantages_of(batch, c.group_size);
     // 0: CPU; 1: CUDA; 2: CUDA with activation checkpointing.
     TrainStats st[3];
     for (int v = 0; v < 3; ++v) {
@@ -134,9 +161,7 @@ TEST(RlGpu, OutOfMemoryInTrainingNamesWhatToLower) {
     c.ep_ranks = 1;
     c.train_device = "cuda";
     const auto batch = batch_of(c);
-    std::vector<double> rewards;
-    for (const auto& e : batch) rewards.push_back(e.reward);
-    const auto adv = group_advantages(rewards, c.group_size);
+    const auto adv = advantages_of(batch, c.group_size);
     PolicyTrainer trainer(c, (t.path / "w").string());
     c10::cuda::CUDACachingAllocator::emptyCache();
     c10::cuda::CUDACachingAllocator::setMemoryFraction(1e-6, 0);
@@ -163,15 +188,11 @@ TEST(RlGpu, OutOfMemoryInTrainingNamesWhatToLower) {
 TEST(RlGpu, CudaOptimizerStepsMatchTheCpuSteps) {
     SKIP_WITHOUT_CUDA();
     TempDir t("gpuadam");
-    RunConfig c = small_config(t.path);
-    c.ep_ranks = 1;
+    RunConfig c = one_rank_config(t.path);
     c.grad_clip = 0.05;  // small enough that every update is clipped
     c.weight_decay = 0.1;
-    c.model.router_aux_loss_coef = 0;
     const auto batch = batch_of(c);
-    std::vector<double> rewards;
-    for (const auto& e : batch) rewards.push_back(e.reward);
-    const auto adv = group_advantages(rewards, c.group_size);
+    const auto adv = advantages_of(batch, c.group_size);
     std::map<std::string, std::vector<float>> weights[2];
     double norms[2] = {0, 0};
     for (int gpu = 0; gpu < 2; ++gpu) {
@@ -179,16 +200,7 @@ TEST(RlGpu, CudaOptimizerStepsMatchTheCpuSteps) {
         run.train_device = gpu ? "cuda" : "cpu";
         PolicyTrainer trainer(run, (t.path / ("w" + std::to_string(gpu))).string());
         for (int s = 0; s < 3; ++s) norms[gpu] = trainer.update(batch, adv).grad_norm;
-        const fs::path dir = t.path / ("s" + std::to_string(gpu));
-        trainer.save_weights(dir.string());
-        for (const auto& entry : fs::directory_iterator(dir)) {
-            if (entry.path().extension() != ".safetensors") continue;
-            moerl::model::SafetensorsFile f(entry.path().string());
-            for (const auto& info : f.tensors()) {
-                const float* p = reinterpret_cast<const float*>(f.data(info));
-                weights[gpu][info.name].assign(p, p + info.numel());
-            }
-        }
+        weights[gpu] = saved_weights(trainer, t.path / ("s" + std::to_string(gpu)));
     }
     EXPECT_GT(norms[0], c.grad_clip);
     EXPECT_NEAR(norms[1], norms[0], 1e-3 * norms[0]);
@@ -215,28 +227,10 @@ TEST(RlGpu, CudaOptimizerStepsMatchTheCpuSteps) {
 TEST(RlGpu, Bf16UpdateTakesItsClipFromTheDevice) {
     SKIP_WITHOUT_CUDA();
     TempDir t("gpuclip");
-    RunConfig c = small_config(t.path);
-    c.ep_ranks = 1;
+    RunConfig c = one_rank_config(t.path);
     c.weight_decay = 0;
-    c.model.router_aux_loss_coef = 0;
     const auto batch = batch_of(c);
-    std::vector<double> rewards;
-    for (const auto& e : batch) rewards.push_back(e.reward);
-    const auto adv = group_advantages(rewards, c.group_size);
-    auto weights_of = [&](const PolicyTrainer& trainer, const std::string& name) {
-        const fs::path dir = t.path / name;
-        trainer.save_weights(dir.string());
-        std::map<std::string, std::vector<float>> out;
-        for (const auto& entry : fs::directory_iterator(dir)) {
-            if (entry.path().extension() != ".safetensors") continue;
-            moerl::model::SafetensorsFile f(entry.path().string());
-            for (const auto& info : f.tensors()) {
-                const float* p = reinterpret_cast<const float*>(f.data(info));
-                out[info.name].assign(p, p + info.numel());
-            }
-        }
-        return out;
-    };
+    const auto adv = advantages_of(batch, c.group_size);
     RunConfig cpu = c;
     cpu.grad_clip = 0;
     const double cpu_norm = PolicyTrainer(cpu, (t.path / "cpu").string()).update(batch, adv).grad_norm;
@@ -252,10 +246,10 @@ TEST(RlGpu, Bf16UpdateTakesItsClipFromTheDevice) {
             run.grad_clip = clip;
             const std::string name = "g" + std::to_string(run_index++);
             PolicyTrainer trainer(run, (t.path / name).string());
-            const auto before = weights_of(trainer, name + "-before");
+            const auto before = saved_weights(trainer, t.path / (name + "-before"));
             const TrainStats st = trainer.update(batch, adv);
             EXPECT_NEAR(st.grad_norm, cpu_norm, 0.1 * cpu_norm);
-            const auto after = weights_of(trainer, name + "-after");
+            const auto after = saved_weights(trainer, t.path / (name + "-after"));
             int64_t total = 0, moved = 0;
             double largest = 0;
             for (const auto& [key, a] : before) {
@@ -497,8 +491,6 @@ TEST(RlGpu, GeneratorAfterAnInPlaceSyncEqualsAFreshOne) {
     c.train_dtype = "bf16";
     PolicyTrainer trainer(c, (t.path / "work").string());
     const auto batch = batch_of(c);
-    std::vector<double> rewards;
-    for (const auto& e : batch) rewards.push_back(e.reward);
     moerl::model::ModelOptions o;
     o.device = at::Device(at::kCUDA, 0);
     o.dtype = at::kBFloat16;
@@ -510,7 +502,7 @@ TEST(RlGpu, GeneratorAfterAnInPlaceSyncEqualsAFreshOne) {
     const int64_t own = gen_synced.cache_memory_bytes() + gen_synced.weight_copy_bytes();
     EXPECT_GT(gen_synced.weight_copy_bytes(), 0);
     EXPECT_EQ(gen_synced.release_memory(), own);
-    trainer.update(batch, group_advantages(rewards, c.group_size));
+    trainer.update(batch, advantages_of(batch, c.group_size));
     {
         c10::NoGradGuard g;
         std::map<std::string, at::Tensor> dst;
@@ -562,9 +554,7 @@ TEST(RlGpu, CudaIpcExportReadInTheTrainersProcessEqualsItsWeights) {
     c.train_dtype = "bf16";
     PolicyTrainer trainer(c, (t.path / "work").string());
     const auto batch = batch_of(c);
-    std::vector<double> rewards;
-    for (const auto& e : batch) rewards.push_back(e.reward);
-    const auto adv = group_advantages(rewards, c.group_size);
+    const auto adv = advantages_of(batch, c.group_size);
     trainer.update(batch, adv);
     std::string why;
     const std::vector<std::string> parts = trainer.export_weights_ipc(why);
