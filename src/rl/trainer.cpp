@@ -199,8 +199,8 @@ struct PolicyTrainer::Impl {
         // weights (every rank holds those and their summed gradients, but only one keeps their
         // AdamW moments and steps them; the others take the result: the optimizer state is sharded).
         std::vector<bool> updates;
-        std::vector<at::Tensor> m,
-            v;  // moments (train.moments_dtype); undefined for other ranks' dense weights
+        // AdamW's moments (of train.moments_dtype); undefined for the dense weights of other ranks.
+        std::vector<at::Tensor> m, v;
     };
     RunConfig cfg;
     int W = 1;               // ranks in all
