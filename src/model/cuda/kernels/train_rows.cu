@@ -268,11 +268,6 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     }
 }
 
-template <typename T>
-struct TypeTag {  // a type passed to a generic lambda
-    using type = T;
-};
-
 // A 32-bit hash of (seed, i): the random bits of stochastic rounding.
 __device__ __forceinline__ uint32_t mix32(uint32_t seed, int64_t i) {
     uint32_t x = seed ^ static_cast<uint32_t>(i) ^ (static_cast<uint32_t>(i >> 32) * 0x9e3779b9u);
@@ -610,44 +605,33 @@ void launch_adamw_master(float* p, int grad_dtype, const void* g, int moment_dty
                          cudaStream_t stream) {
     if (n == 0) return;
     auto* w = static_cast<__nv_bfloat16*>(w_bf16);
-    auto aligned = [](const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-    const bool wide = aligned(p) && aligned(g) && aligned(m) && aligned(v) && aligned(w);
-    auto run = [&](auto vec, auto grad_type, auto moment_type) {
-        constexpr int V = decltype(vec)::value;
-        using G = typename decltype(grad_type)::type;
-        using M = typename decltype(moment_type)::type;
-        const int threads = 256;
-        const auto* gt = static_cast<const G*>(g);
-        auto *mt = static_cast<M*>(m), *vt = static_cast<M*>(v);
-        const int64_t items = n / V, done = items * V;
-        if (items > 0) {
-            const auto blocks =
-                static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 132 * 16));
-            adamw_master_kernel<V>
-                <<<blocks, threads, 0, stream>>>(p, gt, mt, vt, w, 0, done, a, scale_on_device);
+    // The gradient's type and the vector width as for the row kernels, then the moments' type.
+    for_rows(grad_dtype, vec8(8, 8, p, g) && vec8(8, 8, m, v) && vec8(8, 8, w), [&](auto grad, auto vec) {
+        auto run = [&](auto moments) {
+            constexpr int V = decltype(vec)::value;
+            using G = typename decltype(grad)::type;
+            using M = typename decltype(moments)::type;
+            const int threads = 256;
+            const auto* gt = static_cast<const G*>(g);
+            auto *mt = static_cast<M*>(m), *vt = static_cast<M*>(v);
+            const int64_t items = n / V, done = items * V;
+            if (items > 0) {
+                const auto blocks =
+                    static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 132 * 16));
+                adamw_master_kernel<V>
+                    <<<blocks, threads, 0, stream>>>(p, gt, mt, vt, w, 0, done, a, scale_on_device);
+                MOERL_CUDA_CHECK(cudaGetLastError());
+            }
+            if (done == n) return;
+            // The tail past the last group of V, one element a thread.
+            adamw_master_kernel<1><<<1, 32, 0, stream>>>(p, gt, mt, vt, w, done, n, a, scale_on_device);
             MOERL_CUDA_CHECK(cudaGetLastError());
-        }
-        if (done == n) return;
-        // The tail past the last group of V, one element a thread.
-        adamw_master_kernel<1><<<1, 32, 0, stream>>>(p, gt, mt, vt, w, done, n, a, scale_on_device);
-        MOERL_CUDA_CHECK(cudaGetLastError());
-    };
-    auto by_moments = [&](auto vec, auto grad_type) {
+        };
         if (moment_dtype == 1)
-            run(vec, grad_type, TypeTag<__nv_bfloat16>{});
+            run(Elements<__nv_bfloat16>{});
         else
-            run(vec, grad_type, TypeTag<float>{});
-    };
-    auto by_grad = [&](auto vec) {
-        if (grad_dtype == 1)
-            by_moments(vec, TypeTag<__nv_bfloat16>{});
-        else
-            by_moments(vec, TypeTag<float>{});
-    };
-    if (wide)
-        by_grad(std::integral_constant<int, 8>{});
-    else
-        by_grad(std::integral_constant<int, 1>{});
+            run(Elements<float>{});
+    });
 }
 
 void launch_selected_logprob_rows(int dtype, void* logits, int64_t ld, const int64_t* targets,
