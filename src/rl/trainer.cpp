@@ -413,15 +413,15 @@ struct PolicyTrainer::Impl {
                 weighted += w;
                 if (epoch > 0) continue;
                 TrainStats& st = sums.stats;
-                st.loss += row[6];
-                st.aux_loss += row[7] / static_cast<double>(n);
+                st.loss += row[kLoss];
+                st.aux_loss += row[kAuxLoss] / static_cast<double>(n);
                 st.mean_ratio += w * g.mean_ratio;
                 st.mean_is_weight += w * g.mean_is_weight;
                 st.truncated_fraction += w * g.truncated_fraction;
                 st.kl += w * g.kl;
-                sums.diff_sum += row[8];
-                sums.ratio_sum += row[9];
-                sums.ratio_sq_sum += row[10];
+                sums.diff_sum += row[kDiff];
+                sums.ratio_sum += row[kRatio];
+                sums.ratio_sq_sum += row[kRatioSq];
             }
             // The norm came along where it was on the device; a norm summed on the host is exact.
             const double grad_norm = norm_t.is_cuda() ? v[n * kStatsRow] : norm_t.item<double>();
@@ -440,9 +440,10 @@ struct PolicyTrainer::Impl {
         if (r == 0) total = RankSums::unpack(every_rank);
     }
 
-    // A micro-batch's statistics on the device, in this order: GrpoOutput::sums (6), the loss, the
+    // A micro-batch's statistics on the device, in this order: GrpoOutput::sums, the loss, the
     // load-balancing loss, then the mismatch sums |prox - behaviour|, ratio and ratio^2.
-    static constexpr size_t kStatsRow = 11;
+    static constexpr size_t kLoss = GrpoOutput::kNumSums, kAuxLoss = kLoss + 1, kDiff = kLoss + 2,
+                            kRatio = kLoss + 3, kRatioSq = kLoss + 4, kStatsRow = kLoss + 5;
 
     // Sums dense gradients across ranks, clips by the global norm, applies AdamW (to the fp32
     // master weights when training in bf16). Returns the global norm before clipping (the same on
@@ -480,7 +481,7 @@ struct PolicyTrainer::Impl {
         // One rank with the AdamW pass: every gradient is its own, and the norm never leaves the device.
         const bool norm_on_device = master_kernel && W == 1 && flat.numel() == 0 && own_sq_t.defined();
         at::Tensor norm_t, scale_t;
-        double norm = 0, scale = 1.0;
+        double scale = 1.0;  // when the clip is computed on the host
         if (norm_on_device) {
             norm_t = own_sq_t.sqrt();
             if (cfg.grad_clip > 0)
@@ -496,7 +497,7 @@ struct PolicyTrainer::Impl {
                 own_sq = sq.item<double>();
             }
             const double flat_sq = flat.numel() == 0 ? 0.0 : flat.pow(2).sum().item<double>();
-            norm = std::sqrt(flat_sq + own_sq);
+            const double norm = std::sqrt(flat_sq + own_sq);
             scale = (cfg.grad_clip > 0 && norm > cfg.grad_clip) ? cfg.grad_clip / (norm + 1e-6) : 1.0;
             norm_t = at::scalar_tensor(norm, at::kDouble);
         }

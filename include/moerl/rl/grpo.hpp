@@ -36,13 +36,14 @@ struct GrpoOutput {
     // (tokens, k3 KL, tokens that lost their gradient to the clip, ratio, importance weight, tokens
     // whose weight hit tis_cap). read_stats() turns them into the means.
     at::Tensor sums;
+    static constexpr int kNumSums = 6;
     double clip_fraction = 0;  // tokens whose ratio was clipped and that lost their gradient
     double mean_ratio = 0;
     double mean_is_weight = 0;      // mean truncated importance weight
     double truncated_fraction = 0;  // tokens whose importance weight hit tis_cap
     double kl = 0;                  // mean k3 KL to the reference (0 without one)
 
-    // The means from sums copied to the host as doubles ([6], in sums' order).
+    // The means from sums copied to the host as doubles ([kNumSums], in sums' order).
     void read_stats(const double* host_sums);
 };
 
