@@ -217,15 +217,19 @@ struct SlotGateUp : torch::autograd::Function<SlotGateUp> {
 // grouped GEMM per projection. The routing weights scale the rows of silu(g) * u, which the down
 // projection maps linearly: a third of the bytes of scaling its output.
 at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
-                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                           bool every_slot_routed) {
     const int64_t L = gate.size(0);
     const SlotOrder slots = sort_slots(idx, L);
     const at::Tensor& keys = slots.keys;
-    at::Tensor offsets = at::bincount(keys, {}, L + 1).narrow(0, 0, L).cumsum(0).to(at::kInt);
+    // Expert e's rows end where the sorted keys pass e (bincount would read the largest key back).
+    at::Tensor offsets =
+        at::searchsorted(keys, at::arange(L, keys.options()), /*out_int32=*/true, /*right=*/true);
     // Whether every slot has an expert here (sorted: the last key is the largest). Otherwise the
     // grouped GEMM leaves the rows past the last offset unwritten, in its output and in its
     // backward's input gradient, and where()s keep them out of y and of x's gradient.
-    const int64_t last_key = keys.numel() == 0 ? 0 : keys[keys.numel() - 1].item<int64_t>();
+    const int64_t last_key =
+        keys.numel() == 0 || every_slot_routed ? 0 : keys[keys.numel() - 1].item<int64_t>();
     MOERL_CHECK(last_key <= L, "experts_forward: an expert id is >= the ", L, " local experts");
     const bool all_routed = last_key < L;
     at::Tensor with_expert, zero;
@@ -245,7 +249,8 @@ at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at:
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-    if (cuda_rows_serve(x) && x.size(-1) > 0) return cuda_rms_norm(x, weight, eps);
+    if (cuda_rows_serve(x) && x.size(-1) > 0)
+        if (at::Tensor y = cuda_rms_norm(x, weight, eps); y.defined()) return y;
     at::Tensor x32 = x.to(at::kFloat);
     at::Tensor inv = at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
     return weight * (x32 * inv).to(x.scalar_type());
@@ -342,17 +347,20 @@ Routing route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_
     }
     r.topk_idx = idx;
     r.topk_weights = w;
+    // top-k over all E, and a replay's ids checked to lie in [-1, E) with -1 rows left to the router.
+    r.every_slot_routed = !token_valid.defined();
     return r;
 }
 
 at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
-                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                           bool every_slot_routed) {
     const int64_t N = x.size(0), K = idx.size(1), L = gate.size(0);
     if (N == 0 || L == 0) return at::zeros_like(x);
 #ifdef MOERL_HAVE_GROUPED_MM
     if (use_grouped_mm(x, w, gate)) {
         try {
-            return experts_grouped(x, idx, w, gate, up, down);
+            return experts_grouped(x, idx, w, gate, up, down, every_slot_routed);
         } catch (const c10::Error& e) {
             grouped_mm_failed = true;  // e.g. an architecture the kernel does not support
             log_line(std::string("grouped GEMM unavailable, using the per-expert loop: ") +

@@ -310,7 +310,7 @@ MoeModel::Impl::Trunk MoeModel::Impl::run(const at::Tensor& ids, const at::Tenso
         in.sin_bshd = in.sin.transpose(1, 2);
     }
     in.allowed = allowed;
-    in.valid_flat = token_valid.reshape({B * S});
+    if (token_valid.defined()) in.valid_flat = token_valid.reshape({B * S});
     in.varlen = varlen;
     in.cache = cache;
     in.col0 = col0;
@@ -359,22 +359,34 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
     const Impl& m = *impl_;
     MOERL_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got shape ", input_ids.sizes());
     const int64_t B = input_ids.size(0), S = input_ids.size(1);
-    at::Tensor ids = input_ids.to(m.options.device, at::kLong);
-    check_token_ids(ids, m.config.vocab_size, "input_ids");
-    at::Tensor valid, segments;
+    // Inputs given on the host are checked and laid out there, then copied without waiting: a
+    // training step then never stops the GPU to read its own inputs back. Inputs given on the
+    // device are checked there (a synchronisation each).
+    const at::Device device = m.options.device;
+    auto to_device = [&](const at::Tensor& t, at::ScalarType type) {
+        return t.to(device, type, /*non_blocking=*/true);
+    };
+    const at::Tensor ids_in = input_ids.to(at::kLong);
+    check_token_ids(ids_in, m.config.vocab_size, "input_ids");
+    const at::Tensor ids = to_device(ids_in, at::kLong);
+    at::Tensor valid_in, segments_in;  // on the inputs' device
     if (options.segment_ids.defined()) {
         MOERL_CHECK(!attention_mask.defined(), "forward: give attention_mask or segment_ids, not both");
         MOERL_CHECK(options.segment_ids.sizes() == input_ids.sizes(), "segment_ids has shape ",
                     options.segment_ids.sizes(), ", expected the shape of input_ids ", input_ids.sizes());
-        segments = options.segment_ids.to(m.options.device, at::kLong);
-        valid = segments > 0;
+        segments_in = options.segment_ids.to(at::kLong);
+        valid_in = segments_in > 0;
     } else if (attention_mask.defined()) {
         MOERL_CHECK(attention_mask.sizes() == input_ids.sizes(), "attention_mask has shape ",
                     attention_mask.sizes(), ", expected the shape of input_ids ", input_ids.sizes());
-        valid = attention_mask.to(m.options.device).to(at::kBool);
-    } else {
-        valid = at::ones({B, S}, ids.options().dtype(at::kBool));
+        valid_in = attention_mask.to(at::kBool);
     }
+    // Whether every token is real, where that is known without a device read.
+    const bool every_token_valid =
+        !valid_in.defined() || (!valid_in.is_cuda() && valid_in.all().item<bool>());
+    const at::Tensor valid = valid_in.defined() ? to_device(valid_in, at::kBool)
+                                                : at::ones({B, S}, ids.options().dtype(at::kBool));
+    const at::Tensor segments = segments_in.defined() ? to_device(segments_in, at::kLong) : at::Tensor();
     at::Tensor replay;
     if (options.replay_routing.defined()) {
         const int64_t M = m.config.num_moe_layers(), K = m.config.num_experts_per_tok;
@@ -383,14 +395,16 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
                         options.replay_routing.size(3) == K,
                     "replay_routing has shape ", options.replay_routing.sizes(), ", expected [", B, ", ", S,
                     ", ", M, ", ", K, "] (batch, seq, MoE layers, top-k)");
-        check_replay_ids(options.replay_routing, m.config.num_experts);  // every layer's, one sync
-        replay = options.replay_routing.to(m.options.device, at::kLong);
+        check_replay_ids(options.replay_routing, m.config.num_experts);  // every layer's at once
+        replay = to_device(options.replay_routing, at::kLong);
     }
     const ModelConfig& c = m.config;
     std::optional<VarlenLayout> varlen;
     if (B * S > 0 && varlen_attention_available(m.embed.options(), c.num_attention_heads,
-                                                c.num_key_value_heads, c.head_dim))
-        varlen = varlen_layout(valid, segments);
+                                                c.num_key_value_heads, c.head_dim)) {
+        varlen = varlen_layout(valid_in.defined() ? valid_in : at::ones({B, S}, at::kBool), segments_in);
+        varlen->cu_seqlens = to_device(varlen->cu_seqlens, at::kInt);
+    }
     at::Tensor positions, allowed;
     if (segments.defined()) {
         // Each column's distance from the first column of its run.
@@ -409,8 +423,9 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
         positions = (valid.to(at::kLong).cumsum(1) - 1).clamp_min(0);
         if (!varlen) allowed = allowed_keys(valid, S, 0);
     }
-    Impl::Trunk t = m.run(ids, positions, allowed, valid, nullptr, 0, replay, options.record_routing,
-                          /*want_aux=*/true, varlen ? &*varlen : nullptr, options.activation_checkpointing);
+    Impl::Trunk t = m.run(ids, positions, allowed, every_token_valid ? at::Tensor() : valid, nullptr, 0,
+                          replay, options.record_routing, /*want_aux=*/true, varlen ? &*varlen : nullptr,
+                          options.activation_checkpointing);
     ForwardOutput out;
     const bool selected = options.compute_logprobs && options.logprob_mask.defined();
     if (options.return_logits || options.compute_logprobs) {
@@ -421,12 +436,15 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
     if (selected) {
         MOERL_CHECK(options.logprob_mask.sizes() == input_ids.sizes(), "logprob_mask has shape ",
                     options.logprob_mask.sizes(), ", expected the shape of input_ids ", input_ids.sizes());
-        at::Tensor mask = options.logprob_mask.to(m.options.device, at::kBool).clone();
+        // The chosen positions and their targets where the mask is (the host: no read back).
+        at::Tensor mask = options.logprob_mask.to(at::kBool).clone();
         mask.select(1, 0).fill_(false);  // column 0 has no predecessor
-        at::Tensor where = mask.reshape({B * S}).nonzero().squeeze(1);
+        const at::Tensor where_in = mask.reshape({B * S}).nonzero().squeeze(1);
+        const at::Tensor targets = ids_in.reshape({B * S}).index_select(0, where_in.to(ids_in.device()));
+        const at::Tensor where = to_device(where_in, at::kLong);
         at::Tensor h = t.hidden.reshape({B * S, t.hidden.size(2)}).index_select(0, where - 1);
-        at::Tensor lp = selected_logprobs(h, m.output_weight(), ids.reshape({B * S}).index_select(0, where),
-                                          options.logprob_temperature, options.logprob_bias);
+        at::Tensor lp = selected_logprobs(h, m.output_weight(), targets, options.logprob_temperature,
+                                          options.logprob_bias);
         out.token_logprobs = at::zeros({B * S}, lp.options()).index_copy(0, where, lp).view({B, S});
     }
     if (options.return_logits || (options.compute_logprobs && !selected)) {

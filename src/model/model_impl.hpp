@@ -55,7 +55,8 @@ struct MoeModel::Impl {
         at::Tensor aux_loss;
         at::Tensor routing;  // [B, S, M, K] int16
     };
-    // ids/positions [B, S]; allowed [B, S, L]; token_valid [B, S] bool. With a cache the new keys
+    // ids/positions [B, S]; allowed [B, S, L]; token_valid [B, S] bool, undefined where every token
+    // is (the experts then need not read the routing back to learn that). With a cache the new keys
     // and values are written at columns [col0, col0 + S) and attention reads columns [0, col0 + S).
     // With `varlen` (no cache) attention runs over its sequences and `allowed` is not read.
     Trunk run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& allowed,

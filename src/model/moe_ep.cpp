@@ -147,7 +147,8 @@ at::Tensor moe_forward(const at::Tensor& x, const Routing& routing, const at::Te
     if (buffer == nullptr) {
         MOERL_CHECK(gate.size(0) == routing.probs.size(1), "moe_forward without EP needs all ",
                     routing.probs.size(1), " experts, but holds ", gate.size(0));
-        return experts_forward(x, routing.topk_idx, routing.topk_weights, gate, up, down);
+        return experts_forward(x, routing.topk_idx, routing.topk_weights, gate, up, down,
+                               routing.every_slot_routed);
     }
     const auto& cfg = buffer->config();
     const int64_t T = x.size(0), H = x.size(1), E = routing.probs.size(1), K = routing.topk_idx.size(1);

@@ -110,13 +110,15 @@ at::Tensor selected_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
     MOERL_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == V), "selected_logprobs: bias ",
                 bias.sizes(), " must be [", V, "]");
     at::Tensor h = hidden.contiguous();
-    at::Tensor tgt = targets.to(hidden.device(), at::kLong);
-    at::Tensor b = bias.defined() ? bias.to(hidden.device(), at::kFloat).contiguous() : bias;
     if (h.size(0) > 0) {
-        // One sync; a wrong id would otherwise index out of the logits.
-        const bool bad = tgt.lt(0).logical_or(tgt.ge(V)).any().item<bool>();
+        // Checked where the targets are (a sync when that is a GPU); a wrong id would otherwise
+        // index out of the logits.
+        const bool bad = targets.lt(0).logical_or(targets.ge(V)).any().item<bool>();
         MOERL_CHECK(!bad, "selected_logprobs: target ids outside [0, ", V, ")");
     }
+    // From the host without waiting: the copy is staged before this returns.
+    at::Tensor tgt = targets.to(hidden.device(), at::kLong, /*non_blocking=*/true);
+    at::Tensor b = bias.defined() ? bias.to(hidden.device(), at::kFloat).contiguous() : bias;
     const bool needs_grad = c10::GradMode::is_enabled() && (h.requires_grad() || weight.requires_grad());
     if (!needs_grad) {
         c10::NoGradGuard no_grad;

@@ -84,7 +84,7 @@ struct NormRopeRows : torch::autograd::Function<NormRopeRows> {
         const int heads = static_cast<int>(x.size(-2));
         const int64_t rows = rstd.size(0);
         at::Tensor dx = at::empty_like(x);
-        const int blocks = cuda::rms_norm_backward_blocks(rows);
+        const int blocks = cuda::norm_rope_backward_blocks(rows, width);
         at::Tensor partial = at::empty({blocks, width}, x.options().dtype(at::kFloat));
         cuda::launch_norm_rope_backward(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(),
                                         c.data_ptr(), s.data_ptr(), rstd.data_ptr<float>(), rows, heads,
@@ -183,6 +183,7 @@ at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
                 x.sizes(), " and weight ", weight.sizes(), " do not match");
     MOERL_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
                 "rms_norm: the weight's dtype and device differ from the input's");
+    if (!cuda::rms_norm_fits(static_cast<int>(x.size(-1)))) return at::Tensor();
     return RmsNormRows::apply(x, weight, eps);
 }
 

@@ -11,7 +11,8 @@ namespace moerl::model {
 bool cuda_rows_serve(const at::Tensor& t);
 
 // weight * round(x * rsqrt(mean(x^2) + eps)) over the last dimension, differentiable in x and
-// weight: one pass forward, two backward, instead of the composition's eight.
+// weight: one pass forward, one backward, instead of the composition's eight; an undefined tensor
+// for rows wider than the kernels take (the caller composes then).
 at::Tensor cuda_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // rms_norm then apply_rope of layers.hpp in one pass each way for x [tokens..., heads, D] and

@@ -48,13 +48,16 @@ std::string unique_job() {
     return "rl-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
-// Model inputs of a list of samples on `device`. Padded: one row per sample, right-padded.
-// Packed: one row holding the samples one after another, each its own segment (no padding).
+// Model inputs of a list of samples. Padded: one row per sample, right-padded. Packed: one row
+// holding the samples one after another, each its own segment (no padding). What the model reads
+// (ids, attn or segments, the log-probability mask, replay) stays on the host, where the model
+// checks and lays it out without reading the GPU back; what the loss reads is on `device`.
 struct Batch {
-    at::Tensor ids, attn, segments, resp_mask, behaviour, advantages, replay;
-    int64_t num_tokens = 0;      // response tokens
-    int64_t total_tokens = 0;    // prompt + response
-    double attention_pairs = 0;  // L (L + 1) / 2 a sequence
+    at::Tensor ids, attn, segments, logprob_mask, replay;  // host
+    at::Tensor resp_mask, behaviour, advantages;           // device
+    int64_t num_tokens = 0;                                // response tokens
+    int64_t total_tokens = 0;                              // prompt + response
+    double attention_pairs = 0;                            // L (L + 1) / 2 a sequence
 };
 
 Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::vector<double>& adv, int M,
@@ -107,12 +110,14 @@ Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::ve
         b.attention_pairs += 0.5 * static_cast<double>(L) * static_cast<double>(L + 1);
         col += L;
     }
-    b.ids = ids.to(device);
-    (packed ? b.segments : b.attn) = valid.to(device);
-    b.resp_mask = resp.to(device);
-    b.behaviour = beh.to(device);
-    b.advantages = advs.to(device);
-    if (replay) b.replay = rep.to(device);
+    b.ids = ids;
+    (packed ? b.segments : b.attn) = valid;
+    b.logprob_mask = resp > 0;
+    if (replay) b.replay = rep;
+    // Staged from pageable memory before each call returns: no wait for the GPU's queue.
+    b.resp_mask = resp.to(device, /*non_blocking=*/true);
+    b.behaviour = beh.to(device, /*non_blocking=*/true);
+    b.advantages = advs.to(device, /*non_blocking=*/true);
     return b;
 }
 
@@ -335,7 +340,7 @@ struct PolicyTrainer::Impl {
         model::ForwardOptions fo;
         fo.return_logits = false;
         fo.compute_logprobs = true;
-        fo.logprob_mask = b.resp_mask > 0;
+        fo.logprob_mask = b.logprob_mask;
         fo.logprob_temperature = cfg.sampling.temperature;
         fo.logprob_bias = token_bias;
         if (cfg.routing_replay) fo.replay_routing = b.replay;

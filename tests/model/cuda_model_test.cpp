@@ -142,12 +142,58 @@ TEST(Cuda, PackedVarlenForwardAndGradientsMatchCpuFp32) {
     expect_same_gradient_directions(gpu, cpu);
 }
 
+// The trainer's inputs given on the host (checked and laid out there, copied without a wait; with
+// no padding the experts need not read the routing back) give the step that the same inputs on the
+// device give; a bad token id on the host is refused naming it.
+TEST(Cuda, HostInputsGiveTheStepOfDeviceInputs) {
+    SKIP_WITHOUT_CUDA();
+    ModelConfig c = gpu_config();
+    const int64_t S = 24;
+    at::manual_seed(10);
+    at::Tensor ids = at::randint(1, c.vocab_size, {1, S}, at::kLong);
+    at::Tensor seg = at::ones({1, S}, at::kLong);
+    seg[0].narrow(0, 10, 14).fill_(2);  // two samples packed, every column real
+    ForwardOptions o = test::recording();
+    o.return_logits = false;
+    o.segment_ids = seg;
+    o.logprob_mask = seg > 0;
+    std::vector<at::Tensor> lp, routing;
+    std::vector<std::vector<NamedParameter>> params;
+    std::vector<std::unique_ptr<MoeModel>> models;
+    for (const bool on_host : {true, false}) {
+        models.push_back(
+            std::make_unique<MoeModel>(c, ModelOptions{at::Device(at::kCUDA, 0), at::kBFloat16}));
+        models.back()->init_random(9);
+        ForwardOptions oi = o;
+        if (!on_host) oi.segment_ids = seg.cuda(), oi.logprob_mask = oi.logprob_mask.cuda();
+        ForwardOutput out = models.back()->forward(on_host ? ids : ids.cuda(), at::Tensor(), oi);
+        out.token_logprobs.sum().backward();
+        lp.push_back(out.token_logprobs.cpu());
+        routing.push_back(out.routing.cpu());
+        params.push_back(models.back()->named_parameters());
+    }
+    EXPECT_TRUE(at::equal(routing[0], routing[1]));
+    EXPECT_CLOSE(lp[0], lp[1], 1e-6);
+    ASSERT_EQ(params[0].size(), params[1].size());
+    for (size_t i = 0; i < params[0].size(); ++i)
+        EXPECT_CLOSE(params[0][i].tensor.grad().to(at::kCPU, at::kFloat),
+                     params[1][i].tensor.grad().to(at::kCPU, at::kFloat), 1e-2)
+            << params[0][i].name;
+    at::Tensor bad = ids.clone();
+    bad[0][5] = c.vocab_size;
+    try {
+        models.front()->forward(bad, at::Tensor(), o);
+        ADD_FAILURE() << "an id past the vocabulary was taken";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("input_ids holds token ids"), std::string::npos) << e.what();
+    }
+}
+
 // The response log-probs of training on the GPU, in fp32 and bf16, against the CPU's full
 // log_softmax in fp32: values and both gradients, with temperature and an allowed-token bias.
-TEST(Cuda, SelectedLogprobsMatchCpuFp32) {
-    SKIP_WITHOUT_CUDA();
+void expect_selected_logprobs_match(int64_t V) {
     at::manual_seed(5);
-    const int64_t N = 300, H = 64, V = 1000;
+    const int64_t N = 300, H = 64;
     at::Tensor hidden0 = at::randn({N, H}) * 0.5, weight0 = at::randn({V, H}) * 0.5;
     at::Tensor bias = at::zeros({V});
     bias.narrow(0, 900, 100).fill_(-1e9);
@@ -165,24 +211,38 @@ TEST(Cuda, SelectedLogprobsMatchCpuFp32) {
         at::Tensor h = on_gpu(hidden0), w = on_gpu(weight0);
         // Chunks of 64 rows: several chunks and a partial last one.
         at::Tensor lp = selected_logprobs(h, w, targets.cuda(), T, bias.cuda(), 64 * V * 4);
-        EXPECT_CLOSE(lp.cpu(), ref, tol) << dtype;
+        EXPECT_CLOSE(lp.cpu(), ref, tol) << dtype << ", vocabulary " << V;
         (lp * g.cuda()).sum().backward();
         EXPECT_CLOSE(h.grad().cpu().to(at::kFloat), h_ref.grad(), tol) << dtype;
         EXPECT_CLOSE(w.grad().cpu().to(at::kFloat), w_ref.grad(), tol) << dtype;
     }
 }
 
+// As above on a vocabulary of one partial group of the kernel's loads (1000) and of several (40000).
+TEST(Cuda, SelectedLogprobsMatchCpuFp32) {
+    SKIP_WITHOUT_CUDA();
+    for (const int64_t V : {1000, 40000}) expect_selected_logprobs_match(V);
+}
+
 // The row kernels' RMSNorm (forward and both gradients) against the LibTorch composition it
-// replaces, on the vectorised widths (head 128, hidden 2048) and a width that is not a multiple of 8.
+// replaces, on the vectorised widths (head 128, hidden 2048, 4096 and 6144: one, two and four column
+// chunks a thread), a width that is not a multiple of 8, more rows than the backward has blocks, and
+// a width past what the kernels take (composed instead).
 TEST(Cuda, RmsNormKernelMatchesTheComposition) {
     SKIP_WITHOUT_CUDA();
     at::manual_seed(11);
-    for (const int64_t W : {128, 2048, 36}) {
+    struct Shape {
+        int64_t rows, width;
+    };
+    for (const Shape shape : {Shape{231, 128}, Shape{231, 2048}, Shape{231, 36}, Shape{231, 4096},
+                              Shape{231, 6144}, Shape{2500, 2048}, Shape{5, 9000}}) {
+        const int64_t W = shape.width;
         for (const auto dtype : {at::kFloat, at::kBFloat16}) {
             const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
             const auto opts = at::TensorOptions().device(at::kCUDA).dtype(dtype);
-            at::Tensor x0 = (at::randn({3, 77, W}) * 3).to(opts), w0 = (1 + 0.5 * at::randn({W})).to(opts);
-            at::Tensor g = at::randn({3, 77, W}).to(opts);
+            at::Tensor x0 = (at::randn({shape.rows, W}) * 3).to(opts),
+                       w0 = (1 + 0.5 * at::randn({W})).to(opts);
+            at::Tensor g = at::randn({shape.rows, W}).to(opts);
             at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
             at::Tensor y = rms_norm(x, w, 1e-6);
             (y * g).sum().backward();
@@ -190,7 +250,8 @@ TEST(Cuda, RmsNormKernelMatchesTheComposition) {
                        wr = w0.to(at::kDouble).requires_grad_(true);
             at::Tensor yr = wr * (xr * at::rsqrt(xr.pow(2).mean(-1, true) + 1e-6));
             (yr * g.to(at::kDouble)).sum().backward();
-            const std::string what = "width " + std::to_string(W) + (dtype == at::kFloat ? " fp32" : " bf16");
+            const std::string what = std::to_string(shape.rows) + " rows of " + std::to_string(W) +
+                                     (dtype == at::kFloat ? " fp32" : " bf16");
             EXPECT_CLOSE(y.to(at::kCPU, at::kFloat), yr.detach().to(at::kCPU, at::kFloat), tol) << what;
             EXPECT_CLOSE(x.grad().to(at::kCPU, at::kFloat), xr.grad().to(at::kCPU, at::kFloat), tol) << what;
             EXPECT_CLOSE(w.grad().to(at::kCPU, at::kFloat), wr.grad().to(at::kCPU, at::kFloat), tol) << what;
@@ -200,16 +261,23 @@ TEST(Cuda, RmsNormKernelMatchesTheComposition) {
 
 // q's and k's RMSNorm and RoPE in one kernel each way equal the composition apply_rope(rms_norm(x))
 // in double: the values and the gradients of x and of the norm's weight, for head widths 128 (the
-// Qwen3 one) and 16, positions past the start, and every head of a token rotated by its position.
+// Qwen3 one), 16 and 256, positions past the start, and every head of a token rotated by its
+// position; an odd number of head rows (a warp takes two of 128 at once) and more rows than the
+// backward's warps take in one round.
 TEST(Cuda, NormRopeKernelMatchesTheComposition) {
     SKIP_WITHOUT_CUDA();
     if (!cuda_rows_serve(at::zeros({1}, at::kCUDA))) GTEST_SKIP() << "no CUDA row kernels in this build";
     at::manual_seed(13);
-    for (const int64_t D : {128, 16}) {
+    struct Shape {
+        int64_t D, B, S, heads;
+    };
+    for (const Shape shape : {Shape{128, 2, 37, 4}, Shape{16, 2, 37, 4}, Shape{256, 2, 37, 4},
+                              Shape{128, 1, 37, 3}, Shape{128, 2, 2100, 4}}) {
+        const int64_t D = shape.D;
         for (const auto dtype : {at::kFloat, at::kBFloat16}) {
             const double tol = dtype == at::kFloat ? 1e-5 : 3e-2;
             const auto opts = at::TensorOptions().device(at::kCUDA).dtype(dtype);
-            const int64_t B = 2, S = 37, heads = 4;
+            const int64_t B = shape.B, S = shape.S, heads = shape.heads;
             at::Tensor positions =
                 (at::arange(S, at::kLong).unsqueeze(0) + at::tensor({0, 500}).unsqueeze(1));
             auto [cos4, sin4] = rope_tables(positions.to(at::kCUDA), D, 1e6, dtype);  // [B, 1, S, D]
@@ -226,8 +294,9 @@ TEST(Cuda, NormRopeKernelMatchesTheComposition) {
             at::Tensor n = wr * (xr * at::rsqrt(xr.pow(2).mean(-1, true) + 1e-6));
             at::Tensor yr = apply_rope(n, cos.to(at::kDouble), sin.to(at::kDouble));
             (yr * g.to(at::kDouble)).sum().backward();
-            const std::string what =
-                "head width " + std::to_string(D) + (dtype == at::kFloat ? " fp32" : " bf16");
+            const std::string what = "head width " + std::to_string(D) + ", " +
+                                     std::to_string(B * S * heads) + " rows" +
+                                     (dtype == at::kFloat ? " fp32" : " bf16");
             EXPECT_CLOSE(y.to(at::kCPU, at::kFloat), yr.detach().to(at::kCPU, at::kFloat), tol) << what;
             EXPECT_CLOSE(x.grad().to(at::kCPU, at::kFloat), xr.grad().to(at::kCPU, at::kFloat), tol) << what;
             EXPECT_CLOSE(w.grad().to(at::kCPU, at::kFloat), wr.grad().to(at::kCPU, at::kFloat), tol) << what;
@@ -412,12 +481,9 @@ TEST(Cuda, AdamwMasterStepMatchesTheReference) {
     }
 }
 
-// The log-probability row kernel off its vectorised path: a vocabulary that is not a multiple of
-// 8, no temperature, no bias, and a bias of -inf on some tokens.
-TEST(Cuda, SelectedLogprobsOnAnOddVocabularyWithMaskedTokens) {
-    SKIP_WITHOUT_CUDA();
-    at::manual_seed(6);
-    const int64_t N = 50, H = 32, V = 1003;
+// The body of the test below for a vocabulary of V.
+void expect_odd_vocabulary_logprobs_match(int64_t V) {
+    const int64_t N = 50, H = 32;
     at::Tensor hidden0 = at::randn({N, H}), weight0 = at::randn({V, H}) * 0.3;
     at::Tensor targets = at::randint(0, 900, {N}, at::kLong);
     at::Tensor g = at::randn({N});
@@ -433,11 +499,20 @@ TEST(Cuda, SelectedLogprobsOnAnOddVocabularyWithMaskedTokens) {
         at::Tensor h = hidden0.cuda().requires_grad_(true), w = weight0.cuda().requires_grad_(true);
         at::Tensor lp =
             selected_logprobs(h, w, targets.cuda(), 1.0, with_bias ? bias.cuda() : bias, 16 * V * 4);
-        EXPECT_CLOSE(lp.cpu(), ref, 1e-4) << "bias " << with_bias;
+        EXPECT_CLOSE(lp.cpu(), ref, 1e-4) << "vocabulary " << V << ", bias " << with_bias;
         (lp * g.cuda()).sum().backward();
-        EXPECT_CLOSE(h.grad().cpu(), h_ref.grad(), 1e-4) << "bias " << with_bias;
-        EXPECT_CLOSE(w.grad().cpu(), w_ref.grad(), 1e-4) << "bias " << with_bias;
+        EXPECT_CLOSE(h.grad().cpu(), h_ref.grad(), 1e-4) << "vocabulary " << V << ", bias " << with_bias;
+        EXPECT_CLOSE(w.grad().cpu(), w_ref.grad(), 1e-4) << "vocabulary " << V << ", bias " << with_bias;
     }
+}
+
+// The log-probability row kernel off its vectorised path: vocabularies that are not a multiple of
+// 8 (one partial group of loads, and several), no temperature, no bias, and a bias of -inf on some
+// tokens.
+TEST(Cuda, SelectedLogprobsOnAnOddVocabularyWithMaskedTokens) {
+    SKIP_WITHOUT_CUDA();
+    at::manual_seed(6);
+    for (const int64_t V : {1003, 20003}) expect_odd_vocabulary_logprobs_match(V);
 }
 
 TEST(Cuda, Bf16DecodeMatchesRecompute) {

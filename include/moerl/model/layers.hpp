@@ -66,9 +66,10 @@ at::Tensor selected_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
 at::Tensor swiglu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down);
 
 struct Routing {
-    at::Tensor probs;         // [T, E] fp32 softmax of the router logits
-    at::Tensor topk_idx;      // [T, K] int64 global expert ids; -1 = no expert (masked token)
-    at::Tensor topk_weights;  // [T, K] fp32, differentiable w.r.t. the router and x
+    at::Tensor probs;                // [T, E] fp32 softmax of the router logits
+    at::Tensor topk_idx;             // [T, K] int64 global expert ids; -1 = no expert (masked token)
+    at::Tensor topk_weights;         // [T, K] fp32, differentiable w.r.t. the router and x
+    bool every_slot_routed = false;  // known without reading topk_idx: no -1 in it
 };
 
 // Softmax top-k router (HF Qwen3MoeSparseMoeBlock). x [T, H], router_weight [E, H].
@@ -86,9 +87,12 @@ Routing route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_
               const at::Tensor& token_valid = {}, const at::Tensor& replay = {});
 
 // y[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]). idx [N, K] holds local expert ids in [0, L) or -1,
-// w [N, K] fp32; stacked expert weights gate/up [L, I, H], down [L, H, I].
+// w [N, K] fp32; stacked expert weights gate/up [L, I, H], down [L, H, I]. `every_slot_routed`:
+// the caller knows idx holds no -1 and no id past L (the router's own choice over all experts);
+// otherwise the grouped GEMM path reads that from the device, one synchronisation.
 at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
-                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down);
+                           const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                           bool every_slot_routed = false);
 
 // The routed experts of one MoE layer for tokens x [T, H]. Without a buffer this process holds
 // every expert (gate/up/down stacked over all E). With one, this rank holds experts

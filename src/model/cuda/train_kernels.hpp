@@ -13,6 +13,9 @@ namespace moerl::model::cuda {
 void launch_rms_norm_forward(int dtype, const void* x, const void* w, float eps, int64_t rows, int width,
                              void* y, float* rstd, cudaStream_t stream);
 
+// Widths the two kernels below take (1 to kMaxHidden).
+bool rms_norm_fits(int width);
+
 // Blocks of the backward for `rows` rows: dw_partial holds that many rows of `width` floats.
 int rms_norm_backward_blocks(int64_t rows);
 
@@ -35,7 +38,9 @@ bool norm_rope_fits(int width);
 void launch_norm_rope_forward(int dtype, const void* x, const void* w, const void* cos, const void* sin,
                               float eps, int64_t rows, int heads, int width, void* y, float* rstd,
                               cudaStream_t stream);
-// dx and the weight's per-block partial gradients, as launch_rms_norm_backward (same block count).
+// Blocks of the backward below for `rows` head rows of `width`.
+int norm_rope_backward_blocks(int64_t rows, int width);
+// dx and the weight's per-block partial gradients, as launch_rms_norm_backward.
 void launch_norm_rope_backward(int dtype, const void* dy, const void* x, const void* w, const void* cos,
                                const void* sin, const float* rstd, int64_t rows, int heads, int width,
                                void* dx, float* dw_partial, int blocks, cudaStream_t stream);

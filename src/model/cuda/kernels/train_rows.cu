@@ -16,6 +16,7 @@ namespace {
 
 constexpr int kRowWarps = 8;  // rows (one a warp) of a norm block
 constexpr int kVocabThreads = 512;
+constexpr int kVocabLoads = 4;  // vectors a thread has in flight in the log-probability rows
 
 // Elements [i, i + V) of a row as floats, V = 8 (16-byte loads) or 1.
 template <int V, typename T>
@@ -62,72 +63,98 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     }
 }
 
-// dx = rstd (g - n mean(g n)) with n = x rstd and g = dy w; the block's sum over its rows of
-// dy round(n) goes to dw_partial[blockIdx.x] (shared-memory accumulation, width floats).
-template <typename T, int V>
-__global__ void __launch_bounds__(kRowWarps * 32)
+// dx = rstd (g - n mean(g n)) with n = x rstd and g = dy w. One block a row at a time: thread t owns
+// the columns (t + j kNormThreads) V + [0, V) for j < C, so its share of dw = sum over the block's rows of
+// dy round(n) stays in registers and goes to dw_partial[blockIdx.x] once, with no atomics; the row's
+// dot product is summed over the block through `dots`, two slots used in turn so one barrier a row
+// suffices.
+template <typename T, int V, int C>
+__global__ void __launch_bounds__(kNormThreads)
     rms_norm_backward_kernel(const T* dy, const T* x, const T* w, const float* rstd, int64_t rows, int width,
                              T* dx, float* dw_partial) {
-    extern __shared__ float dw[];
-    for (int c = threadIdx.x; c < width; c += blockDim.x) dw[c] = 0.0f;
-    __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
-    for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); row < rows;
-         row += warps) {
+    constexpr int kWarps = kNormThreads / 32;
+    __shared__ float dots[2][kWarps];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float wv[C][V], dw[C][V];
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+        const int c = (threadIdx.x + j * kNormThreads) * V;
+#pragma unroll
+        for (int k = 0; k < V; ++k) wv[j][k] = 0.0f, dw[j][k] = 0.0f;
+        if (c < width) load_vec<V>(w + c, wv[j]);
+    }
+    int turn = 0;
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x, turn ^= 1) {
         const T* xr = x + row * width;
         const T* dyr = dy + row * width;
-        const float inv = rstd[row];
+        float xv[C][V], gv[C][V];
         float dot = 0.0f;
-        for (int c = lane * V; c < width; c += 32 * V) {
-            float xv[V], gv[V], wv[V];
-            load_vec<V>(xr + c, xv);
-            load_vec<V>(dyr + c, gv);
-            load_vec<V>(w + c, wv);
+        const float inv = rstd[row];
 #pragma unroll
-            for (int k = 0; k < V; ++k) dot += gv[k] * wv[k] * xv[k] * inv;
+        for (int j = 0; j < C; ++j) {
+            const int c = (threadIdx.x + j * kNormThreads) * V;
+#pragma unroll
+            for (int k = 0; k < V; ++k) xv[j][k] = 0.0f, gv[j][k] = 0.0f;
+            if (c < width) load_vec<V>(xr + c, xv[j]), load_vec<V>(dyr + c, gv[j]);
+#pragma unroll
+            for (int k = 0; k < V; ++k) dot += gv[j][k] * wv[j][k] * xv[j][k] * inv;
         }
-        const float mean = warp_sum(dot) / static_cast<float>(width);
+        dot = warp_sum(dot);
+        if (lane == 0) dots[turn][warp] = dot;
+        __syncthreads();
+        float total = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kWarps; ++i) total += dots[turn][i];
+        const float mean = total / static_cast<float>(width);
         T* dxr = dx + row * width;
-        for (int c = lane * V; c < width; c += 32 * V) {
-            float xv[V], gv[V], wv[V], out[V];
-            load_vec<V>(xr + c, xv);
-            load_vec<V>(dyr + c, gv);
-            load_vec<V>(w + c, wv);
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            const int c = (threadIdx.x + j * kNormThreads) * V;
+            if (c >= width) continue;
+            float out[V];
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-                const float n = xv[k] * inv;
-                out[k] = inv * (gv[k] * wv[k] - n * mean);
-                atomicAdd(&dw[c + k], gv[k] * round_to<T>(n));
+                const float n = xv[j][k] * inv;
+                out[k] = inv * (gv[j][k] * wv[j][k] - n * mean);
+                dw[j][k] += gv[j][k] * round_to<T>(n);
             }
             store_vec<V>(dxr + c, out);
         }
     }
-    __syncthreads();
     float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * width;
-    for (int c = threadIdx.x; c < width; c += blockDim.x) part[c] = dw[c];
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+        const int c = (threadIdx.x + j * kNormThreads) * V;
+        if (c >= width) continue;
+#pragma unroll
+        for (int k = 0; k < V; ++k) part[c + k] = dw[j][k];
+    }
 }
 
 // RMSNorm of each head's row followed by RoPE (q and k before attention): row r of x [rows, width]
-// belongs to token r / heads, whose cos and sin rows [width] sit at that index. One warp a row; lane
-// l < width / 8 holds columns [8l, 8l + 8), and its rotation partner (the other half) sits in lane
-// l ^ (width / 16). The normalised row is rounded as RMSNorm's output is, the rotation once.
+// belongs to token r / heads, whose cos and sin rows [width] sit at that index. A row takes
+// width / 8 lanes, lane l of it holding columns [8l, 8l + 8), with its rotation partner (the other
+// half) in lane l ^ (width / 16); a warp works on 256 / width rows at once (two for heads of 128).
+// The normalised row is rounded as RMSNorm's output is, the rotation once.
 template <typename T>
 __global__ void __launch_bounds__(kRowWarps * 32)
     norm_rope_forward_kernel(const T* x, const T* w, const T* cos, const T* sin, float eps, int64_t rows,
                              int heads, int width, T* y, float* rstd) {
     const int lane = threadIdx.x & 31;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-    if (row >= rows) return;  // the same for every lane of the warp
-    const bool on = lane * 8 < width;
-    const int64_t at = row * width + lane * 8, tok = (row / heads) * width + lane * 8;
+    const int span = width / 8 < 32 ? width / 8 : 32;  // lanes a row
+    const int per_warp = 32 / span, col = (lane % span) * 8;
+    const int64_t row =
+        (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * per_warp + lane / span;
+    const bool on = row < rows;  // every lane takes part in the shuffles
+    const int64_t at = row * width + col, tok = (row / heads) * width + col;
     float v[8] = {}, g[8] = {}, c[8] = {}, sn[8] = {};
-    if (on) load8(x + at, v), load8(w + lane * 8, g), load8(cos + tok, c), load8(sin + tok, sn);
+    if (on) load8(x + at, v), load8(w + col, g), load8(cos + tok, c), load8(sin + tok, sn);
     float sum_sq = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
-    const float inv = rsqrtf(warp_sum(sum_sq) / static_cast<float>(width) + eps);
-    if (lane == 0) rstd[row] = inv;
+    for (int o = span / 2; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(kFullMask, sum_sq, o);
+    const float inv = rsqrtf(sum_sq / static_cast<float>(width) + eps);
+    if (on && lane % span == 0) rstd[row] = inv;
     const int partner = width / 16;
     const bool first_half = (lane & partner) == 0;
     float out[8];
@@ -142,6 +169,8 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 
 // The backward: the rotation's transpose takes dy to the norm's output gradient dn (first half
 // dy1 c + dy2 s, second half dy2 c - dy1 s), then RMSNorm's backward as rms_norm_backward_kernel.
+// A row takes width / 8 lanes, so a warp works on 256 / width rows at once (two for heads of 128:
+// no lane idles); each lane keeps its columns' share of dw in registers until the block's end.
 template <typename T>
 __global__ void __launch_bounds__(kRowWarps * 32)
     norm_rope_backward_kernel(const T* dy, const T* x, const T* w, const T* cos, const T* sin,
@@ -151,18 +180,21 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     for (int c = threadIdx.x; c < width; c += blockDim.x) dw[c] = 0.0f;
     __syncthreads();
     const int lane = threadIdx.x & 31;
-    const bool on = lane * 8 < width;
+    const int span = width / 8 < 32 ? width / 8 : 32;  // lanes a row
+    const int per_warp = 32 / span, col = (lane % span) * 8;
     const int partner = width / 16;
     const bool first_half = (lane & partner) == 0;
-    float wv[8] = {}, dw_mine[8] = {};  // the lane's columns of dw over its warp's rows
-    if (on) load8(w + lane * 8, wv);
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
-    for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); row < rows;
-         row += warps) {
-        const int64_t at = row * width + lane * 8, tok = (row / heads) * width + lane * 8;
+    float wv[8], dw_mine[8] = {};  // the lane's columns of dw over its rows
+    load8(w + col, wv);
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowWarps * per_warp;
+    for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * per_warp;
+         first < rows; first += stride) {
+        const int64_t row = first + lane / span;
+        const bool on = row < rows;  // every lane takes part in the shuffles
+        const int64_t at = row * width + col, tok = (row / heads) * width + col;
         float d[8] = {}, xv[8] = {}, c[8] = {}, sn[8] = {};
         if (on) load8(dy + at, d), load8(x + at, xv), load8(cos + tok, c), load8(sin + tok, sn);
-        const float inv = rstd[row];
+        const float inv = on ? rstd[row] : 0.0f;
         float dn[8], dot = 0.0f;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
@@ -170,7 +202,8 @@ __global__ void __launch_bounds__(kRowWarps * 32)
             dn[k] = first_half ? d[k] * c[k] + q : d[k] * c[k] - q;
             dot += dn[k] * wv[k] * xv[k] * inv;
         }
-        const float mean = warp_sum(dot) / static_cast<float>(width);
+        for (int o = span / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(kFullMask, dot, o);
+        const float mean = dot / static_cast<float>(width);
         if (!on) continue;
         float out[8];
 #pragma unroll
@@ -181,8 +214,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
         }
         store8(dx + at, out);
     }
-    if (on)
-        for (int k = 0; k < 8; ++k) atomicAdd(&dw[lane * 8 + k], dw_mine[k]);
+    for (int k = 0; k < 8; ++k) atomicAdd(&dw[col + k], dw_mine[k]);
     __syncthreads();
     float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) part[c] = dw[c];
@@ -372,28 +404,48 @@ __device__ __forceinline__ float scaled_logit(float z, int64_t c, float temperat
     return z / temperature + (bias != nullptr ? bias[c] : 0.0f);
 }
 
+// One block a row. The first pass keeps a running (max, sum) per thread, folding kVocabLoads vectors
+// at a time: their loads are in flight together and the running sum is rescaled at most once for
+// them. The second pass walks the row backwards, so the part read last (the likeliest still in L2)
+// is read first.
 template <typename T, int V>
 __global__ void __launch_bounds__(kVocabThreads)
     selected_logprob_rows_kernel(T* logits, int64_t ld, const int64_t* targets, const float* bias,
                                  float temperature, int vocab, bool write_softmax, float* lp) {
+    constexpr int U = kVocabLoads, kStep = kVocabThreads * V;
     __shared__ float red_m[32], red_s[32];
     __shared__ float lse_shared;
     const int64_t row = blockIdx.x;
     T* lr = logits + row * ld;
     float m = -INFINITY, s = 0.0f;
-    for (int c = threadIdx.x * V; c < vocab; c += kVocabThreads * V) {
-        float z[V];
-        load_vec<V>(lr + c, z);
+    for (int c0 = threadIdx.x * V; c0 < vocab; c0 += kStep * U) {
+        float z[U][V];
+        float top = -INFINITY;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const float v = scaled_logit(z[k], c + k, temperature, bias);
-            if (v > m) {
-                s = (m == -INFINITY ? 0.0f : s * __expf(m - v)) + 1.0f;
-                m = v;
-            } else if (v != -INFINITY) {
-                s += __expf(v - m);
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * kStep;
+            if (c < vocab) {
+                load_vec<V>(lr + c, z[u]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; ++k) z[u][k] = -INFINITY;
             }
         }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * kStep;
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                if (c < vocab) z[u][k] = scaled_logit(z[u][k], c + k, temperature, bias);
+                top = fmaxf(top, z[u][k]);
+            }
+        }
+        if (top == -INFINITY) continue;              // all masked (or past the row's end)
+        if (top > m) s *= __expf(m - top), m = top;  // exp(-inf) = 0 while s is still 0
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int k = 0; k < V; ++k) s += __expf(z[u][k] - m);
     }
     warp_merge_lse(m, s);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -414,15 +466,24 @@ __global__ void __launch_bounds__(kVocabThreads)
     if (threadIdx.x == 0) lp[row] = chosen;
     if (!write_softmax) return;
     __syncthreads();  // every thread has read lr[t]
-    for (int c = threadIdx.x * V; c < vocab; c += kVocabThreads * V) {
-        float z[V];
-        load_vec<V>(lr + c, z);
+    const int groups = (vocab + kStep * U - 1) / (kStep * U);
+    for (int g = groups - 1; g >= 0; --g) {
+        const int c0 = g * kStep * U + threadIdx.x * V;
+        float z[U][V];
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const float v = scaled_logit(z[k], c + k, temperature, bias);
-            z[k] = c + k == t ? expm1f(chosen) : __expf(v - lse);
+        for (int u = 0; u < U; ++u)
+            if (c0 + u * kStep < vocab) load_vec<V>(lr + c0 + u * kStep, z[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * kStep;
+            if (c >= vocab) continue;
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const float v = scaled_logit(z[u][k], c + k, temperature, bias);
+                z[u][k] = c + k == t ? expm1f(chosen) : __expf(v - lse);
+            }
+            store_vec<V>(lr + c, z[u]);
         }
-        store_vec<V>(lr + c, z);
     }
 }
 
@@ -445,11 +506,19 @@ template <typename T, int V>
 void norm_backward(Elements<T>, std::integral_constant<int, V>, const void* dy, const void* x, const void* w,
                    const float* rstd, int64_t rows, int width, void* dx, float* dw_partial, int blocks,
                    cudaStream_t stream) {
-    const size_t smem = static_cast<size_t>(width) * sizeof(float);
-    ensure_dynamic_smem(reinterpret_cast<const void*>(&rms_norm_backward_kernel<T, V>), smem);
-    rms_norm_backward_kernel<T, V><<<blocks, kRowWarps * 32, smem, stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd, rows, width,
-        static_cast<T*>(dx), dw_partial);
+    // As few column chunks a thread as the width allows: registers bound how many blocks an SM runs.
+    auto run = [&](auto chunks) {
+        rms_norm_backward_kernel<T, V, decltype(chunks)::value><<<blocks, kNormThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd, rows, width,
+            static_cast<T*>(dx), dw_partial);
+    };
+    const int chunks = (width + kNormThreads * V - 1) / (kNormThreads * V);
+    if (V == 1 || chunks > 2)
+        run(std::integral_constant<int, kMaxHidden / (kNormThreads * V)>{});
+    else if (chunks == 2)
+        run(std::integral_constant<int, 2>{});
+    else
+        run(std::integral_constant<int, 1>{});
     MOERL_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -510,13 +579,17 @@ void for_rows(int dtype, bool v8, Fn&& fn) {
 
 }  // namespace
 
-// Enough blocks to keep every SM's warps streaming rows (264 left these kernels at 25% occupancy and
-// 0.6-0.9 TB/s, a third of the forward's rate); each block adds one partial row of dw to reduce.
-int rms_norm_backward_blocks(int64_t rows) {
-    constexpr int64_t kMost = 1024;
-    const int64_t want = (rows + kRowWarps - 1) / kRowWarps;
-    return static_cast<int>(want < kMost ? (want < 1 ? 1 : want) : kMost);
+// Enough blocks to keep every SM streaming rows (eight of 256 threads an SM); each block adds one
+// partial row of dw to reduce.
+int rms_norm_backward_blocks(int64_t rows) { return static_cast<int>(std::clamp<int64_t>(rows, 1, 1024)); }
+
+// As above for the head rows of norm + RoPE, kRowWarps rows a block.
+int norm_rope_backward_blocks(int64_t rows, int width) {
+    const int64_t per_block = kRowWarps * std::max(1, 256 / width);
+    return static_cast<int>(std::clamp<int64_t>((rows + per_block - 1) / per_block, 1, 1024));
 }
+
+bool rms_norm_fits(int width) { return width >= 1 && width <= kMaxHidden; }
 
 void launch_rms_norm_forward(int dtype, const void* x, const void* w, float eps, int64_t rows, int width,
                              void* y, float* rstd, cudaStream_t stream) {
@@ -529,6 +602,7 @@ void launch_rms_norm_forward(int dtype, const void* x, const void* w, float eps,
 void launch_rms_norm_backward(int dtype, const void* dy, const void* x, const void* w, const float* rstd,
                               int64_t rows, int width, void* dx, float* dw_partial, int blocks,
                               cudaStream_t stream) {
+    MOERL_CHECK(rms_norm_fits(width), "rms_norm: width ", width, " over ", kMaxHidden);
     if (rows == 0) return;
     for_rows(dtype, vec8(width, 8, x, dx) && vec8(8, 8, dy, w), [&](auto elems, auto vec) {
         norm_backward(elems, vec, dy, x, w, rstd, rows, width, dx, dw_partial, blocks, stream);
@@ -557,7 +631,8 @@ void launch_norm_rope_forward(int dtype, const void* x, const void* w, const voi
     MOERL_CHECK(norm_rope_fits(width) && heads >= 1, "norm_rope: width ", width, " / heads ", heads,
                 " not taken");
     if (rows == 0) return;
-    const auto blocks = static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps);
+    const int64_t per_block = kRowWarps * std::max(1, 256 / width);
+    const auto blocks = static_cast<unsigned>((rows + per_block - 1) / per_block);
     for_rows(dtype, true, [&](auto elems, auto) {
         using T = typename decltype(elems)::type;
         norm_rope_forward_kernel<T><<<blocks, kRowWarps * 32, 0, stream>>>(
