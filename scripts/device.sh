@@ -25,6 +25,9 @@
 # FP8-rollout run); MOERL_DEVICE_RL_SEEDS ("2 3") more
 # quickstart seeds; MOERL_DEVICE_RL_QUICKSTART=0, MOERL_DEVICE_RL_PROCESSES=0 (the runs over processes
 # and `bench rl`) and MOERL_DEVICE_ROLLOUT_BF16=0 (the bf16 rollout bench) shorten a call.
+# MOERL_DEVICE_BASE=DIR (a source tree of an earlier commit, made by `scripts/device-base REV` and
+# brought along) builds that tree's CLI too, and each trainer case below runs on both binaries in
+# turn (base, new, base, new): the baseline in the same call.
 # Everything at once takes longer than one 10-minute call; MOERL_DEVICE_PART picks a part that fits
 # one (each builds only its targets; any switch set explicitly still wins):
 #   tests     the gpu, fabric, model and rl tests and the binding's smoke test
@@ -127,6 +130,17 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ ! -x "$BUILD/src/cli/moerl" ]; then
   cmake -S . -B "$BUILD" -DMOERL_WITH_RL=OFF >>"$OUT/configure.log" 2>&1 &&
     timeout 200 cmake --build "$BUILD" -j16 --target moerl >"$OUT/build-no-rl.log" 2>&1
   step build_without_rl "rc=$?"
+fi
+
+# The baseline's CLI (MOERL_DEVICE_BASE), configured as this tree's.
+BASE_MOERL=
+if [ -n "${MOERL_DEVICE_BASE:-}" ] && [ -f "$MOERL_DEVICE_BASE/CMakeLists.txt" ]; then
+  if cmake -S "$MOERL_DEVICE_BASE" -B "$MOERL_DEVICE_BASE/$BUILD" "${ARGS[@]}" >"$OUT/configure-base.log" 2>&1 &&
+     timeout 300 cmake --build "$MOERL_DEVICE_BASE/$BUILD" -j16 --target moerl >"$OUT/build-base.log" 2>&1; then
+    BASE_MOERL=$MOERL_DEVICE_BASE/$BUILD/src/cli/moerl; step build_base ok
+  else
+    step build_base "FAILED (see build-base.log)"
+  fi
 fi
 
 # --- tests --------------------------------------------------------------------------------------------
@@ -417,20 +431,29 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
   # The first case also traces one more update; bench/trace_kernels.py sums its kernels by kind.
   : >"$OUT/bench-train.log"
   trace=(--trace "$RL_TMP/train-trace.json")
+  # With a baseline each case runs base, new, base, new; the trace comes from the first new run.
+  runs=(new); [ -n "$BASE_MOERL" ] && runs=(base new base new)
   for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:32768 4:16:1024:1024:32768:0:bf16 4:8:1024:1024:16384 4:64:1024:1024:32768 4:16:1024:1024:32768:1}; do
     [ "$case" = none ] && continue  # MOERL_DEVICE_TRAIN_CASES=none: no trainer benchmark
     IFS=: read -r tl ts tp tr tm tc tmo <<<"$case"
     ckpt=(); [ "${tc:-0}" = 1 ] && ckpt=(--activation-checkpointing)
-    timeout 240 "$MOERL" bench train examples/gpu-qwen3-30b-a3b.yaml --layers "$tl" --samples "$ts" --prompt "$tp" \
-      --response "$tr" --micro-batch-tokens "$tm" --moments-dtype "${tmo:-fp32}" --steps 5 --warmup 2 "${ckpt[@]}" \
-      "${trace[@]}" >>"$OUT/bench-train.log" 2>&1
-    rc=$?; [ $rc != 0 ] && tail -n 4 "$OUT/bench-train.log"
-    step bench_train "rc=$rc $(grep -E '^median' "$OUT/bench-train.log" | tail -1 | grep -oE 'MFU [0-9.]+%')"
-    echo >>"$OUT/bench-train.log"
-    if [ ${#trace[@]} -gt 0 ] && [ -f "$RL_TMP/train-trace.json" ]; then
-      python3 bench/trace_kernels.py "$RL_TMP/train-trace.json" --top 30 >"$OUT/train-kernels.log" 2>&1
-      step train_kernels "rc=$? $(head -1 "$OUT/train-kernels.log")"
-    fi
+    for run in "${runs[@]}"; do
+      bin=$MOERL; [ "$run" = base ] && bin=$BASE_MOERL
+      traced=(); [ "$run" = new ] && traced=("${trace[@]}")
+      [ -n "$BASE_MOERL" ] && echo "== $run" >>"$OUT/bench-train.log"
+      timeout 240 "$bin" bench train examples/gpu-qwen3-30b-a3b.yaml --layers "$tl" --samples "$ts" --prompt "$tp" \
+        --response "$tr" --micro-batch-tokens "$tm" --moments-dtype "${tmo:-fp32}" --steps 5 --warmup 2 "${ckpt[@]}" \
+        "${traced[@]}" >>"$OUT/bench-train.log" 2>&1
+      rc=$?; [ $rc != 0 ] && tail -n 4 "$OUT/bench-train.log"
+      key=bench_train; [ "$run" = base ] && key=bench_train_base
+      step $key "rc=$rc $(grep -E '^median' "$OUT/bench-train.log" | tail -1 | grep -oE 'MFU [0-9.]+%')"
+      echo >>"$OUT/bench-train.log"
+      if [ "$run" = new ] && [ ${#trace[@]} -gt 0 ] && [ -f "$RL_TMP/train-trace.json" ]; then
+        python3 bench/trace_kernels.py "$RL_TMP/train-trace.json" --top 30 >"$OUT/train-kernels.log" 2>&1
+        step train_kernels "rc=$? $(head -1 "$OUT/train-kernels.log")"
+        trace=()
+      fi
+    done
     trace=()
   done
   rm -rf "$RL_TMP"
@@ -493,7 +516,7 @@ done
 [ -f "$OUT/bench-multi.log" ] && grep -E "^\||GPU-to-GPU" "$OUT/bench-multi.log"
 [ -f "$OUT/bench-rollout-ep.log" ] && grep -E "^\|" "$OUT/bench-rollout-ep.log"
 [ -f "$OUT/ncu-summary.txt" ] && cat "$OUT/ncu-summary.txt"
-grep -E "^bench train|^median" "$OUT/bench-train.log" 2>/dev/null
+grep -E "^bench train|^median|^== (base|new)" "$OUT/bench-train.log" 2>/dev/null
 [ -f "$OUT/train-kernels.log" ] && head -n 24 "$OUT/train-kernels.log"
 for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-big-fp8.log bench-rl-text.log bench-python.log; do [ -f "$OUT/$f" ] && tail -n 5 "$OUT/$f"; done
 # At most 8 files come back from the machine: every log goes into one archive.
@@ -501,7 +524,7 @@ for f in bench-rl.log bench-rl-ranks.log bench-rl-big.log bench-rl-big-fp8.log b
 echo
 echo "| step | result |"
 echo "|---|---|"
-for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy_run_prompts bench_rollout_policy_random_prompts bench_rl_big_fp8 bench_rl_text bench_rollout_text bench_train train_kernels python_gpu bench_python sanitizer; do
+for k in configure build ctest_gpu ctest_fabric bench bench_cuda bench_fabric ncu_ep bench_kernels ep_sweep bench_multi bench_rollout_ep bench_rollout bench_rollout_long bench_rollout_8k bench_rollout_group bench_rollout_join ncu bench_rollout_fp8 ctest_model_cuda ctest_rl_cuda rollout_ep_shared rl_quickstart rl_quickstart_seed2 rl_quickstart_seed3 rl_quickstart_fp8 rl_quickstart_kv_auto rl_quickstart_kv_fp8 rl_quickstart_2proc bench_rl bench_rl_ranks bench_rl_big bench_rollout_policy_run_prompts bench_rollout_policy_random_prompts bench_rl_big_fp8 bench_rl_text bench_rollout_text build_base bench_train_base bench_train train_kernels python_gpu bench_python sanitizer; do
   [ -n "${STATUS[$k]:-}" ] && echo "| $k | ${STATUS[$k]} |"
 done
 for k in "${!STATUS[@]}"; do if [[ $k == sanitizer_* ]]; then echo "| $k | ${STATUS[$k]} |"; fi; done
