@@ -141,7 +141,10 @@ class MoeModel {
     int64_t weight_bytes() const;
 
     // Training/scoring forward. input_ids [B, S] int64, attention_mask [B, S] (undefined = all 1).
-    // Runs under the caller's grad mode; with EP it is collective (and so is backward).
+    // Runs under the caller's grad mode; with EP it is collective (and so is backward). Inputs
+    // (ids, mask, segment_ids, logprob_mask, replay_routing) may live on the host or on the model's
+    // device: on the host they are checked and laid out there and copied without waiting, so a GPU
+    // step never stops to read them back; on the device each check is a synchronisation.
     ForwardOutput forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                           const ForwardOptions& options = {}) const;
 
