@@ -1,7 +1,8 @@
 #include "moerl/model/device_memory.hpp"
 
-#ifdef MOERL_CUDA_ALLOCATOR_STATS
 #include <ATen/ATen.h>
+
+#ifdef MOERL_CUDA_ALLOCATOR_STATS
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -37,6 +38,12 @@ void reset_peak_allocated_bytes(const c10::Device& device) {
     if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(allocator_index(device));
 #endif
     (void)device;
+}
+
+at::Tensor to_device_async(const at::Tensor& t, const c10::Device& device, c10::ScalarType type) {
+    if (!device.is_cuda() || !t.device().is_cpu()) return t.to(device, type);
+    const at::Tensor host = t.to(type);
+    return (host.is_pinned() ? host : host.pin_memory()).to(device, type, /*non_blocking=*/true);
 }
 
 }  // namespace moerl::model

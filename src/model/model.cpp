@@ -9,6 +9,7 @@
 #include "model_impl.hpp"
 #include "moerl/core/error.hpp"
 #include "moerl/ep/buffer.hpp"
+#include "moerl/model/device_memory.hpp"
 #include "moerl/model/layers.hpp"
 
 namespace moerl::model {
@@ -364,7 +365,7 @@ ForwardOutput MoeModel::forward(const at::Tensor& input_ids, const at::Tensor& a
     // device are checked there (a synchronisation each).
     const at::Device device = m.options.device;
     auto to_device = [&](const at::Tensor& t, at::ScalarType type) {
-        return t.to(device, type, /*non_blocking=*/true);
+        return to_device_async(t, device, type);
     };
     const at::Tensor ids_in = input_ids.to(at::kLong);
     check_token_ids(ids_in, m.config.vocab_size, "input_ids");

@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "moerl/core/error.hpp"
+#include "moerl/model/device_memory.hpp"
 #include "moerl/model/layers.hpp"
 #include "train_rows.hpp"
 
@@ -116,8 +117,7 @@ at::Tensor selected_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
         const bool bad = targets.lt(0).logical_or(targets.ge(V)).any().item<bool>();
         MOERL_CHECK(!bad, "selected_logprobs: target ids outside [0, ", V, ")");
     }
-    // From the host without waiting: the copy is staged before this returns.
-    at::Tensor tgt = targets.to(hidden.device(), at::kLong, /*non_blocking=*/true);
+    at::Tensor tgt = to_device_async(targets, hidden.device(), at::kLong);  // no wait from the host
     at::Tensor b = bias.defined() ? bias.to(hidden.device(), at::kFloat).contiguous() : bias;
     const bool needs_grad = c10::GradMode::is_enabled() && (h.requires_grad() || weight.requires_grad());
     if (!needs_grad) {

@@ -27,6 +27,7 @@
 #include "moerl/ep/buffer.hpp"
 #include "moerl/ep/c10d_store.hpp"
 #include "moerl/model/adamw.hpp"
+#include "moerl/model/device_memory.hpp"
 #include "moerl/model/model.hpp"
 #include "moerl/model/safetensors.hpp"
 #include "moerl/rl/grpo.hpp"
@@ -114,10 +115,10 @@ Batch make_batch(const std::vector<const ExperienceRecord*>& recs, const std::ve
     (packed ? b.segments : b.attn) = valid;
     b.logprob_mask = resp > 0;
     if (replay) b.replay = rep;
-    // Staged from pageable memory before each call returns: no wait for the GPU's queue.
-    b.resp_mask = resp.to(device, /*non_blocking=*/true);
-    b.behaviour = beh.to(device, /*non_blocking=*/true);
-    b.advantages = advs.to(device, /*non_blocking=*/true);
+    // Through pinned memory: no wait for the GPU's queue.
+    b.resp_mask = model::to_device_async(resp, device, at::kFloat);
+    b.behaviour = model::to_device_async(beh, device, at::kFloat);
+    b.advantages = model::to_device_async(advs, device, at::kFloat);
     return b;
 }
 
