@@ -433,7 +433,7 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
   trace=(--trace "$RL_TMP/train-trace.json")
   # With a baseline each case runs base, new, base, new; the trace comes from the first new run.
   runs=(new); [ -n "$BASE_MOERL" ] && runs=(base new base new)
-  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:32768 4:16:1024:1024:32768:0:bf16 4:8:1024:1024:16384 4:64:1024:1024:32768 4:16:1024:1024:32768:1}; do
+  for case in ${MOERL_DEVICE_TRAIN_CASES:-4:16:1024:1024:32768 4:16:1024:1024:32768:0:bf16 4:8:1024:1024:16384 4:8:1024:1024:16384:0:bf16 4:64:1024:1024:32768 4:16:1024:1024:32768:1}; do
     [ "$case" = none ] && continue  # MOERL_DEVICE_TRAIN_CASES=none: no trainer benchmark
     IFS=: read -r tl ts tp tr tm tc tmo <<<"$case"
     ckpt=(); [ "${tc:-0}" = 1 ] && ckpt=(--activation-checkpointing)
