@@ -222,7 +222,7 @@ at::Tensor experts_grouped(const at::Tensor& x, const at::Tensor& idx, const at:
     const int64_t L = gate.size(0);
     const SlotOrder slots = sort_slots(idx, L);
     const at::Tensor& keys = slots.keys;
-    // Expert e's rows end where the sorted keys pass e (bincount would read the largest key back).
+    // Expert e's rows end where the sorted keys pass e (CUDA's bincount reads the keys' range back).
     at::Tensor offsets =
         at::searchsorted(keys, at::arange(L, keys.options()), /*out_int32=*/true, /*right=*/true);
     // Whether every slot has an expert here (sorted: the last key is the largest). Otherwise the
