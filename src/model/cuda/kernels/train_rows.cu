@@ -64,53 +64,35 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 }
 
 // dx = rstd (g - n mean(g n)) with n = x rstd and g = dy w. One block a row at a time: thread t owns
-// the columns (t + j kNormThreads) V + [0, V) for j < C, so its share of dw = sum over the block's rows of
-// dy round(n) stays in registers and goes to dw_partial[blockIdx.x] once, with no atomics; the row's
-// dot product is summed over the block through `dots`, two slots used in turn so one barrier a row
-// suffices.
+// the columns (t + j kNormThreads) V + [0, V) for j < C, so its share of dw = sum over the block's
+// rows of dy round(n) stays in registers and goes to dw_partial[blockIdx.x] once, with no atomics.
 template <typename T, int V, int C>
 __global__ void __launch_bounds__(kNormThreads)
     rms_norm_backward_kernel(const T* dy, const T* x, const T* w, const float* rstd, int64_t rows, int width,
                              T* dx, float* dw_partial) {
-    constexpr int kWarps = kNormThreads / 32;
-    __shared__ float dots[2][kWarps];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float wv[C][V], dw[C][V];
+    __shared__ float scratch[32];
+    auto column = [](int j) { return (static_cast<int>(threadIdx.x) + j * kNormThreads) * V; };
+    float wv[C][V] = {}, dw[C][V] = {};
 #pragma unroll
-    for (int j = 0; j < C; ++j) {
-        const int c = (threadIdx.x + j * kNormThreads) * V;
-#pragma unroll
-        for (int k = 0; k < V; ++k) wv[j][k] = 0.0f, dw[j][k] = 0.0f;
-        if (c < width) load_vec<V>(w + c, wv[j]);
-    }
-    int turn = 0;
-    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x, turn ^= 1) {
+    for (int j = 0; j < C; ++j)
+        if (column(j) < width) load_vec<V>(w + column(j), wv[j]);
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* xr = x + row * width;
         const T* dyr = dy + row * width;
-        float xv[C][V], gv[C][V];
+        float xv[C][V] = {}, gv[C][V] = {};
         float dot = 0.0f;
         const float inv = rstd[row];
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-            const int c = (threadIdx.x + j * kNormThreads) * V;
-#pragma unroll
-            for (int k = 0; k < V; ++k) xv[j][k] = 0.0f, gv[j][k] = 0.0f;
-            if (c < width) load_vec<V>(xr + c, xv[j]), load_vec<V>(dyr + c, gv[j]);
+            if (column(j) < width) load_vec<V>(xr + column(j), xv[j]), load_vec<V>(dyr + column(j), gv[j]);
 #pragma unroll
             for (int k = 0; k < V; ++k) dot += gv[j][k] * wv[j][k] * xv[j][k] * inv;
         }
-        dot = warp_sum(dot);
-        if (lane == 0) dots[turn][warp] = dot;
-        __syncthreads();
-        float total = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kWarps; ++i) total += dots[turn][i];
-        const float mean = total / static_cast<float>(width);
+        const float mean = block_sum(dot, scratch) / static_cast<float>(width);
         T* dxr = dx + row * width;
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-            const int c = (threadIdx.x + j * kNormThreads) * V;
-            if (c >= width) continue;
+            if (column(j) >= width) continue;
             float out[V];
 #pragma unroll
             for (int k = 0; k < V; ++k) {
@@ -118,18 +100,40 @@ __global__ void __launch_bounds__(kNormThreads)
                 out[k] = inv * (gv[j][k] * wv[j][k] - n * mean);
                 dw[j][k] += gv[j][k] * round_to<T>(n);
             }
-            store_vec<V>(dxr + c, out);
+            store_vec<V>(dxr + column(j), out);
         }
     }
     float* part = dw_partial + static_cast<int64_t>(blockIdx.x) * width;
 #pragma unroll
-    for (int j = 0; j < C; ++j) {
-        const int c = (threadIdx.x + j * kNormThreads) * V;
-        if (c >= width) continue;
+    for (int j = 0; j < C; ++j)
+        if (column(j) < width)
 #pragma unroll
-        for (int k = 0; k < V; ++k) part[c + k] = dw[j][k];
-    }
+            for (int k = 0; k < V; ++k) part[column(j) + k] = dw[j][k];
 }
+
+// Lanes of a head row (norm + RoPE): a row of `width` (a power of two in [16, 256]) takes
+// width / 8 lanes, lane l of it holding columns [8l, 8l + 8); a warp works on 256 / width rows.
+struct HeadRowLanes {
+    int span;      // lanes a row
+    int per_warp;  // rows a warp
+    int col;       // this lane's first column
+    int slot;      // this lane's row among its warp's
+    __device__ explicit HeadRowLanes(int width) {
+        const int lane = threadIdx.x & 31;
+        span = width / 8 < 32 ? width / 8 : 32;
+        per_warp = 32 / span;
+        col = (lane % span) * 8;
+        slot = lane / span;
+    }
+    // v summed over the lanes of this lane's row.
+    __device__ float row_sum(float v) const {
+        for (int o = span / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+        return v;
+    }
+};
+
+// Head rows a block of kRowWarps warps works on at once.
+int64_t head_rows_per_block(int width) { return kRowWarps * std::max(1, 256 / width); }
 
 // RMSNorm of each head's row followed by RoPE (q and k before attention): row r of x [rows, width]
 // belongs to token r / heads, whose cos and sin rows [width] sit at that index. A row takes
@@ -141,20 +145,18 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     norm_rope_forward_kernel(const T* x, const T* w, const T* cos, const T* sin, float eps, int64_t rows,
                              int heads, int width, T* y, float* rstd) {
     const int lane = threadIdx.x & 31;
-    const int span = width / 8 < 32 ? width / 8 : 32;  // lanes a row
-    const int per_warp = 32 / span, col = (lane % span) * 8;
+    const HeadRowLanes my(width);
     const int64_t row =
-        (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * per_warp + lane / span;
+        (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * my.per_warp + my.slot;
     const bool on = row < rows;  // every lane takes part in the shuffles
-    const int64_t at = row * width + col, tok = (row / heads) * width + col;
+    const int64_t at = row * width + my.col, tok = (row / heads) * width + my.col;
     float v[8] = {}, g[8] = {}, c[8] = {}, sn[8] = {};
-    if (on) load8(x + at, v), load8(w + col, g), load8(cos + tok, c), load8(sin + tok, sn);
+    if (on) load8(x + at, v), load8(w + my.col, g), load8(cos + tok, c), load8(sin + tok, sn);
     float sum_sq = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
-    for (int o = span / 2; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(kFullMask, sum_sq, o);
-    const float inv = rsqrtf(sum_sq / static_cast<float>(width) + eps);
-    if (on && lane % span == 0) rstd[row] = inv;
+    const float inv = rsqrtf(my.row_sum(sum_sq) / static_cast<float>(width) + eps);
+    if (on && my.col == 0) rstd[row] = inv;
     const int partner = width / 16;
     const bool first_half = (lane & partner) == 0;
     float out[8];
@@ -180,16 +182,16 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     for (int c = threadIdx.x; c < width; c += blockDim.x) dw[c] = 0.0f;
     __syncthreads();
     const int lane = threadIdx.x & 31;
-    const int span = width / 8 < 32 ? width / 8 : 32;  // lanes a row
-    const int per_warp = 32 / span, col = (lane % span) * 8;
+    const HeadRowLanes my(width);
+    const int col = my.col;
     const int partner = width / 16;
     const bool first_half = (lane & partner) == 0;
     float wv[8], dw_mine[8] = {};  // the lane's columns of dw over its rows
     load8(w + col, wv);
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowWarps * per_warp;
-    for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * per_warp;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowWarps * my.per_warp;
+    for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5)) * my.per_warp;
          first < rows; first += stride) {
-        const int64_t row = first + lane / span;
+        const int64_t row = first + my.slot;
         const bool on = row < rows;  // every lane takes part in the shuffles
         const int64_t at = row * width + col, tok = (row / heads) * width + col;
         float d[8] = {}, xv[8] = {}, c[8] = {}, sn[8] = {};
@@ -202,8 +204,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
             dn[k] = first_half ? d[k] * c[k] + q : d[k] * c[k] - q;
             dot += dn[k] * wv[k] * xv[k] * inv;
         }
-        for (int o = span / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(kFullMask, dot, o);
-        const float mean = dot / static_cast<float>(width);
+        const float mean = my.row_sum(dot) / static_cast<float>(width);
         if (!on) continue;
         float out[8];
 #pragma unroll
@@ -583,9 +584,9 @@ void for_rows(int dtype, bool v8, Fn&& fn) {
 // partial row of dw to reduce.
 int rms_norm_backward_blocks(int64_t rows) { return static_cast<int>(std::clamp<int64_t>(rows, 1, 1024)); }
 
-// As above for the head rows of norm + RoPE, kRowWarps rows a block.
+// As above for the head rows of norm + RoPE, head_rows_per_block(width) of them a block.
 int norm_rope_backward_blocks(int64_t rows, int width) {
-    const int64_t per_block = kRowWarps * std::max(1, 256 / width);
+    const int64_t per_block = head_rows_per_block(width);
     return static_cast<int>(std::clamp<int64_t>((rows + per_block - 1) / per_block, 1, 1024));
 }
 
@@ -631,7 +632,7 @@ void launch_norm_rope_forward(int dtype, const void* x, const void* w, const voi
     MOERL_CHECK(norm_rope_fits(width) && heads >= 1, "norm_rope: width ", width, " / heads ", heads,
                 " not taken");
     if (rows == 0) return;
-    const int64_t per_block = kRowWarps * std::max(1, 256 / width);
+    const int64_t per_block = head_rows_per_block(width);
     const auto blocks = static_cast<unsigned>((rows + per_block - 1) / per_block);
     for_rows(dtype, true, [&](auto elems, auto) {
         using T = typename decltype(elems)::type;
