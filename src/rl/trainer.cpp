@@ -405,8 +405,8 @@ struct PolicyTrainer::Impl {
             }
             const at::Tensor norm_t = step_optimizer(r, epoch);
             at::Tensor host = at::stack(rows).reshape(-1);
-            if (norm_t.device() == host.device())
-                host = at::cat({host, norm_t.to(host.scalar_type()).reshape(1)});
+            // A norm on the device comes along in the same copy; one summed on the host is exact as it is.
+            if (norm_t.is_cuda()) host = at::cat({host, norm_t.to(host.scalar_type()).reshape(1)});
             host = host.to(at::kCPU, at::kDouble).contiguous();
             const double* v = host.data_ptr<double>();
             double clip = 0, weighted = 0;
@@ -429,7 +429,6 @@ struct PolicyTrainer::Impl {
                 sums.ratio_sum += row[kRatio];
                 sums.ratio_sq_sum += row[kRatioSq];
             }
-            // The norm came along where it was on the device; a norm summed on the host is exact.
             const double grad_norm = norm_t.is_cuda() ? v[n * kStatsRow] : norm_t.item<double>();
             if (epoch == 0) {
                 if (r == 0) first_norm = grad_norm;  // the gradient of the logged loss
