@@ -27,12 +27,14 @@
 # and `bench rl`) and MOERL_DEVICE_ROLLOUT_BF16=0 (the bf16 rollout bench) shorten a call.
 # MOERL_DEVICE_BASE=DIR (a source tree of an earlier commit, made by `scripts/device-base REV` and
 # brought along) builds that tree's CLI too, and each trainer case below runs on both binaries in
-# turn (base, new, base, new): the baseline in the same call.
+# turn (base, new, base, new): the baseline in the same call. Two builds and four runs a case: within
+# one 10-minute call that is about two cases at 16k-32k tokens, with the model tests.
 # Everything at once takes longer than one 10-minute call; MOERL_DEVICE_PART picks a part that fits
 # one (each builds only its targets; any switch set explicitly still wins):
 #   tests     the gpu, fabric, model and rl tests and the binding's smoke test
 #   bench     EP, rollout (bf16, fp8, eager, RL lengths), the decode kernels, the binding's overhead
 #   rl        the RL runs: quickstart seeds, fp8 and multi-process quickstarts, bench rl, bench train
+#             (no tests, unless a filter names some: MOERL_DEVICE_CTEST_REGEX, _MODEL_REGEX, _RL_REGEX)
 #   sanitize  compute-sanitizer on the EP and decode kernels (no LibTorch: a short build)
 # Each step has its own timeout; the summary table gives each step's end in seconds since the start.
 set -uo pipefail
@@ -47,6 +49,11 @@ case "${MOERL_DEVICE_PART:-all}" in
     : "${MOERL_DEVICE_TESTS:=0}" "${MOERL_DEVICE_RL_LOOP:=0}" "${MOERL_DEVICE_SANITIZE:=0}" "${MOERL_DEVICE_PYTHON_SMOKE:=0}"
     : "${MOERL_DEVICE_TARGETS:=moerl decode_kernels_bench moerl_ep_python}" ;;
   rl)
+    # A test filter set for this part asks for those tests, and for none of the unfiltered groups.
+    if [ -n "${MOERL_DEVICE_CTEST_REGEX:-}${MOERL_DEVICE_MODEL_REGEX:-}${MOERL_DEVICE_RL_REGEX:-}" ]; then
+      : "${MOERL_DEVICE_TESTS:=1}" "${MOERL_DEVICE_CTEST_REGEX:=^\$}" "${MOERL_DEVICE_MODEL_REGEX:=^\$}"
+      : "${MOERL_DEVICE_RL_REGEX:=^\$}"
+    fi
     : "${MOERL_DEVICE_TESTS:=0}" "${MOERL_DEVICE_EP:=0}" "${MOERL_DEVICE_ROLLOUT:=0}" "${MOERL_DEVICE_RL_LENGTHS:=0}"
     : "${MOERL_DEVICE_KERNELS:=0}" "${MOERL_DEVICE_ROLLOUT_SHARED:=0}" "${MOERL_DEVICE_SANITIZE:=0}"
     : "${MOERL_DEVICE_MULTI:=0}" "${MOERL_DEVICE_PYTHON_SMOKE:=0}" "${MOERL_DEVICE_PYTHON_BENCH:=0}"
