@@ -27,8 +27,9 @@
 # and `bench rl`) and MOERL_DEVICE_ROLLOUT_BF16=0 (the bf16 rollout bench) shorten a call.
 # MOERL_DEVICE_BASE=DIR (a source tree of an earlier commit, made by `scripts/device-base REV` and
 # brought along) builds that tree's CLI too, and each trainer case below runs on both binaries in
-# turn (base, new, base, new): the baseline in the same call. Two builds and four runs a case: within
-# one 10-minute call that is about two cases at 16k-32k tokens, with the model tests.
+# turn (base, new, base, new): the baseline in the same call. The two trees build side by side
+# (~3 min each one after the other); with four runs a case, one 10-minute call holds about two
+# cases at 16k-32k tokens and the model tests.
 # Everything at once takes longer than one 10-minute call; MOERL_DEVICE_PART picks a part that fits
 # one (each builds only its targets; any switch set explicitly still wins):
 #   tests     the gpu, fabric, model and rl tests and the binding's smoke test
@@ -120,6 +121,15 @@ else
 fi
 if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step configure ok; else
   step configure FAILED; tail -30 "$OUT/configure.log"; fi
+# The baseline's CLI (MOERL_DEVICE_BASE), configured as this tree's and built while this tree builds:
+# each build ends in a few long compiles and links on one core, so side by side they take less than
+# one after the other.
+BASE_PID=
+if [ -n "${MOERL_DEVICE_BASE:-}" ] && [ -f "$MOERL_DEVICE_BASE/CMakeLists.txt" ]; then
+  (cmake -S "$MOERL_DEVICE_BASE" -B "$MOERL_DEVICE_BASE/$BUILD" "${ARGS[@]}" >"$OUT/configure-base.log" 2>&1 &&
+     timeout 420 cmake --build "$MOERL_DEVICE_BASE/$BUILD" -j16 --target moerl >"$OUT/build-base.log" 2>&1) &
+  BASE_PID=$!
+fi
 
 # --- build: the gpu tests, the model tests and the CLI in one go ----------------------------------------
 TARGETS=(ep_cuda_test)
@@ -130,7 +140,8 @@ for t in moerl model_test generator_test model_hf_dump decode_kernels_bench deco
 done
 # MOERL_DEVICE_TARGETS="ep_cuda_test moerl ..." builds only those (a shorter call).
 [ -n "${MOERL_DEVICE_TARGETS:-}" ] && read -ra TARGETS <<<"$MOERL_DEVICE_TARGETS"
-if timeout 300 cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
+build_limit=300; [ -n "$BASE_PID" ] && build_limit=420  # the baseline builds alongside
+if timeout $build_limit cmake --build "$BUILD" -j16 --target "${TARGETS[@]}" -- -k 0 >"$OUT/build.log" 2>&1; then step build ok; else
   step build "FAILED (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
 # The rl layer is optional here: if it broke the CLI, build the CLI without it so the benchmarks run.
 if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ ! -x "$BUILD/src/cli/moerl" ]; then
@@ -139,11 +150,9 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ ! -x "$BUILD/src/cli/moerl" ]; then
   step build_without_rl "rc=$?"
 fi
 
-# The baseline's CLI (MOERL_DEVICE_BASE), configured as this tree's.
 BASE_MOERL=
-if [ -n "${MOERL_DEVICE_BASE:-}" ] && [ -f "$MOERL_DEVICE_BASE/CMakeLists.txt" ]; then
-  if cmake -S "$MOERL_DEVICE_BASE" -B "$MOERL_DEVICE_BASE/$BUILD" "${ARGS[@]}" >"$OUT/configure-base.log" 2>&1 &&
-     timeout 300 cmake --build "$MOERL_DEVICE_BASE/$BUILD" -j16 --target moerl >"$OUT/build-base.log" 2>&1; then
+if [ -n "$BASE_PID" ]; then
+  if wait "$BASE_PID"; then
     BASE_MOERL=$MOERL_DEVICE_BASE/$BUILD/src/cli/moerl; step build_base ok
   else
     step build_base "FAILED (see build-base.log)"
