@@ -123,11 +123,12 @@ if cmake -S . -B "$BUILD" "${ARGS[@]}" >"$OUT/configure.log" 2>&1; then step con
   step configure FAILED; tail -30 "$OUT/configure.log"; fi
 # The baseline's CLI (MOERL_DEVICE_BASE), configured as this tree's and built while this tree builds:
 # each build ends in a few long compiles and links on one core, so side by side they take less than
-# one after the other.
+# one after the other. Eight jobs for it beside this tree's sixteen, so the compiles at once (a few GB
+# each with LibTorch's headers) stay inside the machine's 128 GB.
 BASE_PID=
 if [ -n "${MOERL_DEVICE_BASE:-}" ] && [ -f "$MOERL_DEVICE_BASE/CMakeLists.txt" ]; then
   (cmake -S "$MOERL_DEVICE_BASE" -B "$MOERL_DEVICE_BASE/$BUILD" "${ARGS[@]}" >"$OUT/configure-base.log" 2>&1 &&
-     timeout 420 cmake --build "$MOERL_DEVICE_BASE/$BUILD" -j16 --target moerl >"$OUT/build-base.log" 2>&1) &
+     timeout 420 cmake --build "$MOERL_DEVICE_BASE/$BUILD" -j8 --target moerl >"$OUT/build-base.log" 2>&1) &
   BASE_PID=$!
 fi
 
