@@ -465,13 +465,14 @@ if [ "${MOERL_DEVICE_RL:-ON}" = ON ] && [ "${MOERL_DEVICE_RL_LOOP:-1}" = 1 ] && 
       key=bench_train; [ "$run" = base ] && key=bench_train_base
       step $key "rc=$rc $(grep -E '^median' "$OUT/bench-train.log" | tail -1 | grep -oE 'MFU [0-9.]+%')"
       echo >>"$OUT/bench-train.log"
-      if [ "$run" = new ] && [ ${#trace[@]} -gt 0 ] && [ -f "$RL_TMP/train-trace.json" ]; then
-        python3 bench/trace_kernels.py "$RL_TMP/train-trace.json" --top 30 >"$OUT/train-kernels.log" 2>&1
-        step train_kernels "rc=$? $(head -1 "$OUT/train-kernels.log")"
-        trace=()
+      if [ "$run" = new ] && [ ${#trace[@]} -gt 0 ]; then
+        if [ -f "$RL_TMP/train-trace.json" ]; then
+          python3 bench/trace_kernels.py "$RL_TMP/train-trace.json" --top 30 >"$OUT/train-kernels.log" 2>&1
+          step train_kernels "rc=$? $(head -1 "$OUT/train-kernels.log")"
+        fi
+        trace=()  # one traced update a call
       fi
     done
-    trace=()
   done
   rm -rf "$RL_TMP"
 fi

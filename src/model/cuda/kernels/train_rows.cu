@@ -135,6 +135,10 @@ struct HeadRowLanes {
 // Head rows a block of kRowWarps warps works on at once.
 int64_t head_rows_per_block(int width) { return kRowWarps * std::max(1, 256 / width); }
 
+// Blocks of a norm backward for `rounds` block-sized pieces of its rows: enough to keep every SM
+// streaming rows (eight of 256 threads an SM); each block adds one partial row of dw to reduce.
+int norm_backward_blocks(int64_t rounds) { return static_cast<int>(std::clamp<int64_t>(rounds, 1, 1024)); }
+
 // RMSNorm of each head's row followed by RoPE (q and k before attention): row r of x [rows, width]
 // belongs to token r / heads, whose cos and sin rows [width] sit at that index. A row takes
 // width / 8 lanes, lane l of it holding columns [8l, 8l + 8), with its rotation partner (the other
@@ -580,14 +584,11 @@ void for_rows(int dtype, bool v8, Fn&& fn) {
 
 }  // namespace
 
-// Enough blocks to keep every SM streaming rows (eight of 256 threads an SM); each block adds one
-// partial row of dw to reduce.
-int rms_norm_backward_blocks(int64_t rows) { return static_cast<int>(std::clamp<int64_t>(rows, 1, 1024)); }
+int rms_norm_backward_blocks(int64_t rows) { return norm_backward_blocks(rows); }  // a row a block
 
-// As above for the head rows of norm + RoPE, head_rows_per_block(width) of them a block.
 int norm_rope_backward_blocks(int64_t rows, int width) {
     const int64_t per_block = head_rows_per_block(width);
-    return static_cast<int>(std::clamp<int64_t>((rows + per_block - 1) / per_block, 1, 1024));
+    return norm_backward_blocks((rows + per_block - 1) / per_block);
 }
 
 bool rms_norm_fits(int width) { return width >= 1 && width <= kMaxHidden; }
